@@ -1,0 +1,311 @@
+"""Configuration: frozen dataclasses read from YAML with dotted ``key=value`` overrides.
+
+Owns every rule a user can break in a config file. All validation happens here, before any
+device work, and every failure is a ``ConfigError`` whose message is one line naming the
+key, the value and the rule; the entry points print it as ``error: ...`` and exit 2.
+
+A YAML file holds only what differs from the defaults below, as sections
+(``model:``, ``parallel:``, ...). Overrides use the same names: ``parallel.tensor=4``.
+The device-count rule (data x pipe x tensor == devices) is checked here against
+``runtime.cpu_devices`` when it is set, and by ``mesh.py`` against the real device count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration error; its message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    seq_len: int = 128
+    vocab_size: int = 257  # the tokenizer's vocabulary; padded for tensor parallelism
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype; master weights are always float32
+    kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
+    remat: str = "none"  # activation recomputation per layer: none | full
+    init_std: float = 0.02
+    layernorm_eps: float = 1e-5
+
+    def padded_vocab(self, tensor: int) -> int:
+        """Vocabulary rounded up to a multiple of 128 x tensor, as Megatron pads it."""
+        multiple = 128 * tensor
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data: int = 1
+    pipe: int = 1
+    tensor: int = 1
+    microbatches: int = 1  # per data-parallel rank and step
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipe > 1)
+    chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedule)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = "pystdlib"  # a prepared token directory, or the built-in corpus name
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    decay_steps: int = 0  # 0: decay over train.steps
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    zero1: bool = False  # shard optimizer state over the data axis
+    loss_scale: str = "none"  # none | dynamic (required for model.dtype float16)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per step
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 10
+    eval_every: int = 50  # 0 disables validation
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <train.run_dir>/checkpoints
+    every: int = 100  # 0 disables saving
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    cpu_devices: int = 0  # simulated CPU devices per process; 0: data x pipe x tensor
+    platform: str = "auto"  # auto | cpu | gpu
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.train.run_dir, "checkpoints")
+
+    @property
+    def num_devices(self) -> int:
+        return self.parallel.data * self.parallel.pipe * self.parallel.tensor
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch on one data-parallel rank (b in the PTD-P paper)."""
+        return self.train.global_batch // (self.parallel.data * self.parallel.microbatches)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+CHOICES = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.kernels": ("xla", "pallas"),
+    "model.remat": ("none", "full"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "optimizer.loss_scale": ("none", "dynamic"),
+    "runtime.platform": ("auto", "cpu", "gpu"),
+}
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
+    "model.vocab_size", "parallel.data", "parallel.pipe", "parallel.tensor",
+    "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
+    "train.log_every", "train.eval_batches", "checkpoint.keep",
+)
+NON_NEGATIVE = (
+    "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
+    "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
+    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices",
+)
+
+
+def _coerce(key: str, value: Any, annotation: str) -> Any:
+    """Checks one leaf against its dataclass annotation ('int', 'float', 'str', 'bool')."""
+    if annotation == "bool":
+        if isinstance(value, bool):
+            return value
+    elif annotation == "int":
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif annotation == "float":
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif annotation == "str":
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}={value!r}: expected {annotation}, got {type(value).__name__}")
+
+
+def _section_types(section_cls) -> dict[str, str]:
+    return {f.name: str(f.type) for f in dataclasses.fields(section_cls)}
+
+
+def _build(tree: dict[str, Any]) -> Config:
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    built = {}
+    for name, values in tree.items():
+        if name not in sections:
+            raise ConfigError(f"{name}: unknown section (known: {', '.join(sections)})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{name}={values!r}: a section must be a mapping of keys")
+        section_cls = sections[name]
+        types = _section_types(section_cls)
+        kwargs = {}
+        for key, value in values.items():
+            dotted = f"{name}.{key}"
+            if key not in types:
+                raise ConfigError(f"{dotted}: unknown key (known: {', '.join(types)})")
+            kwargs[key] = _coerce(dotted, value, types[key])
+        built[name] = section_cls(**kwargs)
+    return Config(**built)
+
+
+def _set_dotted(tree: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"{override!r}: an override must look like section.key=value")
+    dotted, raw = override.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"{dotted!r}: an override key must be section.key, e.g. parallel.tensor")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    section = tree.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{parts[0]}: a section must be a mapping of keys")
+    section[parts[1]] = value
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Reads YAML `path` (None: defaults only), applies overrides, validates.
+
+    Raises ConfigError (one line) for a missing or malformed file, unknown keys, wrong
+    types and impossible combinations.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: file not found") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            problem = getattr(e, "problem", None) or "invalid YAML"
+            raise ConfigError(f"--config {path}: malformed YAML{where}: {problem}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
+        tree = loaded or {}
+    for override in overrides:
+        _set_dotted(tree, override)
+    config = _build(tree)
+    validate(config)
+    return config
+
+
+def _get(config: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    """Checks every cross-field rule; raises ConfigError naming key, value and rule."""
+    for key, choices in CHOICES.items():
+        value = _get(config, key)
+        _require(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
+    for key in POSITIVE:
+        _require(_get(config, key) > 0, f"{key}={_get(config, key)}: must be positive")
+    for key in NON_NEGATIVE:
+        _require(_get(config, key) >= 0, f"{key}={_get(config, key)}: must be >= 0")
+    m, par, tr = config.model, config.parallel, config.train
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)")
+    _require(
+        m.hidden_size % m.num_heads == 0,
+        f"model.hidden_size={m.hidden_size}: must be divisible by model.num_heads={m.num_heads}",
+    )
+    _require(
+        m.num_heads % par.tensor == 0,
+        f"model.num_heads={m.num_heads}: must be divisible by parallel.tensor={par.tensor}",
+    )
+    stages = par.pipe * par.chunks
+    _require(
+        m.num_layers % stages == 0,
+        f"model.num_layers={m.num_layers}: must be divisible by parallel.pipe x parallel.chunks"
+        f" = {par.pipe} x {par.chunks} = {stages}",
+    )
+    _require(
+        par.chunks == 1 or par.schedule == "interleaved",
+        f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
+        f"parallel.schedule=interleaved (got {par.schedule})",
+    )
+    rows = par.data * par.microbatches
+    _require(
+        tr.global_batch % rows == 0,
+        f"train.global_batch={tr.global_batch}: must be divisible by parallel.data x "
+        f"parallel.microbatches = {par.data} x {par.microbatches} = {rows}",
+    )
+    _require(
+        not (m.dtype == "float16" and config.optimizer.loss_scale != "dynamic"),
+        f"model.dtype=float16: needs optimizer.loss_scale=dynamic (got "
+        f"{config.optimizer.loss_scale})",
+    )
+    _require(
+        config.optimizer.min_lr <= config.optimizer.lr,
+        f"optimizer.min_lr={config.optimizer.min_lr}: must be <= optimizer.lr="
+        f"{config.optimizer.lr}",
+    )
+    if config.runtime.cpu_devices:
+        check_device_count(config, config.runtime.cpu_devices, "runtime.cpu_devices")
+
+
+def check_device_count(config: Config, devices: int, source: str) -> None:
+    """The mesh rule: data x pipe x tensor must equal the number of devices."""
+    par = config.parallel
+    _require(
+        config.num_devices == devices,
+        f"parallel.data x parallel.pipe x parallel.tensor = {par.data} x {par.pipe} x "
+        f"{par.tensor} = {config.num_devices}: must equal the device count {devices} "
+        f"({source})",
+    )

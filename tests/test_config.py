@@ -1,0 +1,68 @@
+"""Config: every shipped YAML parses, overrides apply, and each rule refuses bad input."""
+import glob
+import os
+
+import pytest
+
+from jaxptd.config import ConfigError, load_config
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "**", "*.yaml"),
+                                                  recursive=True)))
+def test_every_shipped_config_parses(path):
+    config = load_config(path)
+    assert config.num_devices >= 1
+
+
+def test_overrides_apply_with_types():
+    config = load_config(None, ["parallel.tensor=2", "model.dtype=bfloat16",
+                                "optimizer.lr=3e-4", "optimizer.zero1=true"])
+    assert config.parallel.tensor == 2
+    assert config.model.dtype == "bfloat16"
+    assert config.optimizer.lr == pytest.approx(3e-4)
+    assert config.optimizer.zero1 is True
+
+
+def test_vocab_padded_to_multiple_of_128_times_tensor():
+    config = load_config(None, ["model.vocab_size=50257"])
+    assert config.model.padded_vocab(1) == 50304  # Megatron's GPT-2 padding at t = 1
+    assert config.model.padded_vocab(8) == 51200
+    assert config.model.padded_vocab(2) % 256 == 0
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.num_heads=6", "model.hidden_size=128"], "model.hidden_size=128: must be divisible"),
+    (["model.num_heads=4", "parallel.tensor=8"], "model.num_heads=4: must be divisible by parallel.tensor=8"),
+    (["model.num_layers=6", "parallel.pipe=4"], "model.num_layers=6: must be divisible by parallel.pipe x parallel.chunks"),
+    (["train.global_batch=10", "parallel.data=4"], "train.global_batch=10: must be divisible"),
+    (["parallel.data=3", "train.global_batch=24", "runtime.cpu_devices=8"], "must equal the device count 8"),
+    (["parallel.chunks=2"], "parallel.chunks=2: more than one chunk per rank needs"),
+    (["model.dtype=float64"], "model.dtype='float64': must be one of"),
+    (["model.dtype=float16"], "needs optimizer.loss_scale=dynamic"),
+    (["model.nonsense=1"], "model.nonsense: unknown key"),
+    (["nonsense.key=1"], "nonsense: unknown section"),
+    (["train.steps=ten"], "train.steps='ten': expected int"),
+    (["train.steps=-1"], "train.steps=-1: must be positive"),
+    (["parallel.tensor"], "an override must look like section.key=value"),
+])
+def test_rules_refuse_with_one_line_naming_key_value_rule(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_malformed_and_missing_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layers: [1, 2\n")
+    with pytest.raises(ConfigError, match="malformed YAML at line"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(str(tmp_path / "missing.yaml"))
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(listy))
