@@ -1,0 +1,27 @@
+"""Token data for jaxptd: preparing text into token files and reading deterministic batches.
+
+- ``prepare.py``: ``python -m jaxptd.data.prepare`` and ``prepare_corpus`` (text -> token
+  directory, atomically), the built-in ``pystdlib`` corpus and ``resolve_corpus``.
+- ``dataset.py``: ``TokenDataset`` (memmapped split; ``batch(seed, step, ...)`` is a pure
+  function of its arguments, rows selectable per process), ``unigram_entropy``.
+
+Pure numpy; nothing here imports JAX. User-caused problems raise ``DataError``
+(a ValueError) with a one-line message for the entry point to print as ``error:``.
+"""
+from jaxptd.data.dataset import DataError, TokenDataset, read_meta, unigram_entropy
+
+_FROM_PREPARE = ("prepare_corpus", "resolve_corpus")
+
+
+def __getattr__(name):
+    # prepare.py is imported on first use, not here: `python -m jaxptd.data.prepare`
+    # imports this package first, and an eager import would load prepare.py twice
+    # (runpy warns that the module is already in sys.modules).
+    if name in _FROM_PREPARE:
+        from jaxptd.data import prepare
+        return getattr(prepare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["DataError", "TokenDataset", "prepare_corpus", "read_meta", "resolve_corpus",
+           "unigram_entropy"]

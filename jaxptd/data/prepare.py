@@ -1,0 +1,356 @@
+"""Text -> prepared token directory: tokenizers, the val split, atomic write, stdlib corpus.
+
+``python -m jaxptd.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer FILE.json]
+[--val-fraction 0.005] [--glob '*.txt']`` writes the format read by ``dataset.py``.
+
+Invariants:
+
+- Each input file is one document; every document is followed by the eot id.
+- A document goes to val iff sha256(its key) / 2**64 < val_fraction, where the key is its
+  path relative to the input directory it was found under (a file given directly: its
+  name). The split of a document therefore never changes when files are added elsewhere
+  or the tree is moved. Only if no document is selected does the one with the smallest
+  hash go to val, so a small corpus still has a val split.
+- The corpus is built in a temporary sibling directory (``.<name>.tmp-*``), ``meta.json``
+  last, then renamed into place: readers see a complete corpus or none. Of concurrent
+  preparers of one output, the first rename wins and the others discard their copies
+  and return the winner's directory. A killed prepare leaves only a ``.tmp-`` sibling,
+  which nothing reads.
+- An output that already holds a complete corpus is refused (CLI: ``error:``, exit 2)
+  unless ``exist_ok=True``, which makes preparation a no-op; ``resolve_corpus`` uses that.
+- Byte tokenizer: ids 0..255 are bytes, 256 is end-of-document, vocab 257, lossless.
+  A Hugging Face ``tokenizers`` JSON file is used when given; the package is optional.
+
+The built-in corpus ``pystdlib`` (the running Python's standard library ``*.py`` files,
+tests excluded) needs no download, so every machine can train out of the box.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import fnmatch
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta
+
+BYTE_VOCAB_SIZE = 257
+BYTE_EOT_ID = 256
+STDLIB_CORPUS = "pystdlib"
+# Tests, third-party packages and the IDLE GUI are skipped: they change between patch
+# releases and distributions more than the library itself, and tests double the size.
+STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
+                                  "idlelib", "__pycache__"})
+# Special tokens tried, in order, as the end-of-document id of a Hugging Face tokenizer.
+_HF_EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+class Tokenizer:
+    """Bytes -> token ids. Byte-level unless built by ``load_tokenizer`` from a JSON file.
+
+    Attributes:
+      name: "byte" or the tokenizer file path (stored in meta.json).
+      vocab_size, eot_id: as stored in meta.json.
+    """
+
+    def __init__(self, name: str = "byte", vocab_size: int = BYTE_VOCAB_SIZE,
+                 eot_id: int = BYTE_EOT_ID, hf_tokenizer=None):
+        self.name, self.vocab_size, self.eot_id = name, vocab_size, eot_id
+        self._hf = hf_tokenizer
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
+
+    def encode(self, data: bytes) -> np.ndarray:
+        """Token ids of one document (no eot), shape [n], dtype ``self.dtype``."""
+        if self._hf is None:
+            return np.frombuffer(data, dtype=np.uint8).astype(self.dtype)
+        text = data.decode("utf-8", errors="replace")
+        ids = self._hf.encode(text, add_special_tokens=False).ids
+        return np.asarray(ids, dtype=self.dtype)
+
+
+def load_tokenizer(spec: str | None) -> Tokenizer:
+    """The byte tokenizer for None or "byte", else a Hugging Face tokenizers JSON file."""
+    if spec is None or spec == "byte":
+        return Tokenizer()
+    if not Path(spec).is_file():
+        raise DataError(f"--tokenizer {spec!r} does not exist; expected a Hugging Face "
+                        "tokenizers JSON file or 'byte'")
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+    except ImportError:
+        raise DataError(f"--tokenizer {spec!r} needs the Python package 'tokenizers' "
+                        "(pip install tokenizers); omit it for the byte tokenizer") from None
+    try:
+        hf = HFTokenizer.from_file(spec)
+    except Exception as err:  # the Rust side raises its own exception types
+        raise DataError(f"--tokenizer {spec!r} is not a tokenizers JSON file ({err})") from None
+    eot_ids = [hf.token_to_id(token) for token in _HF_EOT_TOKENS]
+    eot_ids = [token_id for token_id in eot_ids if token_id is not None]
+    if not eot_ids:
+        raise DataError(f"--tokenizer {spec!r} has none of the end-of-document tokens "
+                        f"{list(_HF_EOT_TOKENS)}")
+    return Tokenizer(spec, hf.get_vocab_size(with_added_tokens=True), eot_ids[0], hf)
+
+
+def find_documents(inputs: Sequence[str], glob: str,
+                   excluded_dirs: frozenset[str] = frozenset()) -> list[tuple[str, Path]]:
+    """Input files as (split key, path), in a deterministic order.
+
+    Args:
+      inputs: files, or directories searched recursively for ``glob``.
+      glob: file name pattern (fnmatch, no "/") for directories, e.g. "*.txt".
+      excluded_dirs: directory names skipped anywhere below an input directory.
+    Returns:
+      [(key, path)]: inputs in the order given, each directory's files sorted by key.
+    """
+    documents, seen = [], set()
+    for given in inputs:
+        root = Path(given)
+        if root.is_file():
+            found = [(root.name, root)]
+        elif root.is_dir():
+            found = sorted(_walk(root, glob, excluded_dirs))
+        else:
+            raise DataError(f"--input {given!r} does not exist; expected a text file or "
+                            "a directory")
+        for key, path in found:
+            if path.resolve() not in seen:
+                seen.add(path.resolve())
+                documents.append((key, path))
+    if not documents:
+        raise DataError(f"--input {list(inputs)} holds no files matching --glob {glob!r}")
+    return documents
+
+
+def _walk(root: Path, glob: str, excluded_dirs: frozenset[str]) -> list[tuple[str, Path]]:
+    """(key, path) of files below ``root`` whose name matches ``glob``.
+
+    os.walk rather than Path.rglob so excluded directories (site-packages can dwarf the
+    stdlib) are pruned instead of walked and filtered.
+    """
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [name for name in subdirs if name not in excluded_dirs]
+        for name in fnmatch.filter(names, glob):
+            path = Path(directory, name)
+            if path.is_file():
+                found.append((path.relative_to(root).as_posix(), path))
+    return found
+
+
+def _split_of(documents: list[tuple[str, Path]], val_fraction: float) -> list[str]:
+    """"train"/"val" per document by the hash rule in the module docstring."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction {val_fraction} must lie in [0, 1)")
+    hashes = [int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
+              for key, _ in documents]
+    splits = ["val" if h < val_fraction else "train" for h in hashes]
+    if val_fraction > 0 and "val" not in splits:
+        splits[int(np.argmin(hashes))] = "val"
+    if "train" not in splits:
+        raise DataError(f"--val-fraction {val_fraction} leaves no training documents among "
+                        f"{len(documents)} file(s); add files or lower it")
+    return splits
+
+
+def _is_complete(output: Path) -> bool:
+    """Whether ``output`` holds a valid prepared corpus (refusing other non-empty paths)."""
+    if not output.exists() or (output.is_dir() and not any(output.iterdir())):
+        return False
+    if not output.is_dir():
+        raise DataError(f"--output {str(output)!r} exists and is not a directory; remove it "
+                        "or pick another path")
+    try:
+        read_meta(output)
+    except DataError as err:
+        raise DataError(f"--output {str(output)!r} exists and is not a complete prepared "
+                        f"corpus ({err}); remove it or pick another path") from None
+    return True
+
+
+def _write_splits(documents: list[tuple[str, Path]], splits: list[str],
+                  tokenizer: Tokenizer, directory: Path) -> dict:
+    """Tokenize each document into ``directory``/<split>.bin; returns per-split counts."""
+    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
+    counts = {f"{split}_{what}": 0 for split in SPLITS for what in ("tokens", "documents")}
+    files = {split: open(directory / f"{split}.bin", "wb") for split in SPLITS}
+    try:
+        for (_, path), split in zip(documents, splits):
+            try:
+                data = path.read_bytes()
+            except OSError as err:
+                raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") \
+                    from None
+            ids = np.concatenate([tokenizer.encode(data), eot])
+            files[split].write(ids.tobytes())
+            counts[f"{split}_tokens"] += len(ids)
+            counts[f"{split}_documents"] += 1
+        for handle in files.values():
+            handle.flush()
+            os.fsync(handle.fileno())  # durable before the rename publishes the corpus
+    finally:
+        for handle in files.values():
+            handle.close()
+    return counts
+
+
+def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenizer: Tokenizer,
+                 val_fraction: float, source: str, exist_ok: bool = False) -> str:
+    """Tokenize ``documents`` into the prepared directory ``output``, atomically.
+
+    Args:
+      documents: [(split key, path)] as from ``find_documents``.
+      output: the directory to create.
+      tokenizer: from ``load_tokenizer``.
+      val_fraction: expected share of documents in val (see the module docstring).
+      source: a short description stored in meta.json.
+      exist_ok: if ``output`` already holds a complete corpus, return it unchanged
+        instead of raising DataError.
+    Returns:
+      ``output`` as a string; it holds a complete corpus (possibly a concurrent winner's).
+    """
+    output = Path(output)
+    if _is_complete(output):
+        if exist_ok:
+            return str(output)
+        raise DataError(f"--output {str(output)!r} already holds a prepared corpus; remove it "
+                        "to prepare again")
+    splits = _split_of(documents, val_fraction)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    except OSError as err:
+        raise DataError(f"--output {str(output)!r} is not writable ({err.strerror}); its "
+                        "parent directory must be creatable and writable") from None
+    try:
+        counts = _write_splits(documents, splits, tokenizer, staging)
+        meta = {"format_version": FORMAT_VERSION, "dtype": tokenizer.dtype.name,
+                "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.name,
+                "eot_id": tokenizer.eot_id, "source": source, "val_fraction": val_fraction,
+                "val_rule": "sha256(relative path) / 2**64 < val_fraction", **counts}
+        with open(staging / "meta.json", "w") as handle:
+            json.dump(meta, handle, indent=2)
+            handle.flush()
+            os.fsync(handle.fileno())
+        _publish(staging, output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a winning rename
+    return str(output)
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Rename ``staging`` to ``output``; a concurrent winner's complete corpus is kept."""
+    try:
+        os.rename(staging, output)  # atomic; replaces only an absent or empty directory
+    except OSError as err:
+        if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise DataError(f"--output {str(output)!r} could not be created "
+                            f"({err.strerror})") from None
+        if not _is_complete(output):
+            raise DataError(f"--output {str(output)!r} appeared during preparation and is "
+                            "not a prepared corpus; remove it") from None
+
+
+def prepare_corpus(inputs: Sequence[str], output: str | Path, *, tokenizer: str | None = None,
+                   val_fraction: float = 0.005, glob: str = "*.txt",
+                   exist_ok: bool = False) -> str:
+    """Prepare text files into a token directory (the CLI's work, callable from Python).
+
+    Args:
+      inputs: text files or directories searched recursively with ``glob``.
+      output: the prepared directory to create.
+      tokenizer: None/"byte" for the byte tokenizer, or a tokenizers JSON file path.
+      val_fraction: expected share of documents held out for validation, in [0, 1).
+      glob: file name pattern used inside directories.
+      exist_ok: return an existing complete ``output`` instead of raising DataError.
+    Returns:
+      ``output`` as a string.
+    """
+    loaded = load_tokenizer(tokenizer)
+    documents = find_documents(inputs, glob)
+    source = f"{len(documents)} file(s) matching {glob!r} under {', '.join(map(str, inputs))}"
+    return write_corpus(documents, output, loaded, val_fraction, source, exist_ok)
+
+
+def prepare_stdlib(output: str | Path, val_fraction: float = 0.01) -> str:
+    """Prepare the running Python's standard library ``*.py`` files (byte tokenizer).
+
+    A no-op when ``output`` already holds a complete corpus. The default val_fraction
+    is 0.01 rather than 0.005 so the few hundred files still give a val split of ~1%.
+    """
+    if _is_complete(Path(output)):  # checked before walking the stdlib: cheap reuse
+        return str(output)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    documents = find_documents([stdlib], "*.py", STDLIB_EXCLUDED_DIRS)
+    source = (f"Python {platform.python_version()} standard library: {len(documents)} *.py "
+              f"files under {stdlib}, excluding {sorted(STDLIB_EXCLUDED_DIRS)}")
+    return write_corpus(documents, output, Tokenizer(), val_fraction, source, exist_ok=True)
+
+
+def cache_dir() -> Path:
+    """Where built-in corpora are prepared: $JAXPTD_CACHE, else ~/.cache/jaxptd."""
+    return Path(os.environ.get("JAXPTD_CACHE") or Path.home() / ".cache" / "jaxptd")
+
+
+def resolve_corpus(path: str) -> str:
+    """A prepared corpus directory for a config's data path.
+
+    Args:
+      path: "pystdlib" (prepared on first use into ``cache_dir()``/pystdlib-py<version>),
+        a prepared directory, or that directory's meta.json.
+    Returns:
+      the prepared directory.
+    Raises:
+      DataError: the path is missing or not a valid prepared corpus.
+    """
+    if path == STDLIB_CORPUS:
+        return prepare_stdlib(cache_dir() / f"{STDLIB_CORPUS}-py{platform.python_version()}")
+    directory = Path(path)
+    if directory.name == "meta.json" and directory.is_file():
+        directory = directory.parent
+    read_meta(directory)
+    return str(directory)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (2 for errors a user can cause)."""
+    parser = argparse.ArgumentParser(prog="python -m jaxptd.data.prepare",
+                                     description="Tokenize text files into a jaxptd corpus.")
+    parser.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                        help="text files, or directories searched recursively with --glob")
+    parser.add_argument("--output", required=True, metavar="DIR",
+                        help="prepared directory to create (must not hold a corpus yet)")
+    parser.add_argument("--tokenizer", default=None, metavar="FILE.json",
+                        help="Hugging Face tokenizers JSON file (default: byte-level)")
+    parser.add_argument("--val-fraction", type=float, default=0.005,
+                        help="expected share of documents held out for validation")
+    parser.add_argument("--glob", default="*.txt", help="file pattern inside directories")
+    args = parser.parse_args(argv)
+    try:
+        output = prepare_corpus(args.input, args.output, tokenizer=args.tokenizer,
+                                val_fraction=args.val_fraction, glob=args.glob)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    meta = read_meta(output)
+    print(f"prepared {output}: train {meta['train_tokens']} tokens "
+          f"({meta['train_documents']} documents), val {meta['val_tokens']} tokens "
+          f"({meta['val_documents']} documents), vocab {meta['vocab_size']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
