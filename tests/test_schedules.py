@@ -1,0 +1,238 @@
+"""Schedules against independent references: hand-worked grids, the PTD-P paper's bubble
+formulas (§2.2), a replay of the slot tables as the executor would run them, the
+validator on broken schedules, and the CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jaxptd.pipeline import schedules as sch
+from jaxptd.pipeline.schedules import (Action, Schedule, ScheduleError, check_layers, lower,
+                                       make_schedule, simulate, validate)
+
+
+def _rows(rounds):
+    """Per rank, per round: 'F<mb>.<chunk>' / 'B..' / '.' pairs, from the tables."""
+    def cell(k, t, r):
+        if not getattr(rounds, f"{k}_valid")[t][r]:
+            return "."
+        return f"{k.upper()}{getattr(rounds, f'{k}_mb')[t][r]}.{getattr(rounds, f'{k}_chunk')[t][r]}"
+    return [[(cell("f", t, r), cell("b", t, r)) for t in range(rounds.num_rounds)]
+            for r in range(rounds.stages)]
+
+
+def test_p2_m2_1f1b_hand_worked_grid():
+    # rank 1 (last stage) does F then B of a microbatch in one round; the gradient
+    # reaches rank 0 one round later
+    assert _rows(lower(make_schedule("1f1b", 2, 2))) == [
+        [("F0.0", "."), ("F1.0", "."), (".", "B0.0"), (".", "B1.0")],
+        [(".", "."), ("F0.0", "B0.0"), ("F1.0", "B1.0"), (".", ".")],
+    ]
+
+
+def test_p1_is_unpipelined():
+    schedule = make_schedule("1f1b", 1, 3)
+    assert [a.label() for a in schedule.actions[0]] == ["F0", "B0", "F1", "B1", "F2", "B2"]
+    stats = simulate(schedule)
+    assert stats.bubble_fraction == 0 and stats.num_rounds == 3 and stats.peak_stash == [1]
+    assert stats.messages == {"forward": 0, "backward": 0}
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_p4_m8_grid_closed_form(kind):
+    # forward wave: F(j) on rank r in round j + r. 1f1b: B(j) on rank r in round
+    # j + 2(p-1) - r (one hop back per round). gpipe: the last rank starts backwards in the
+    # round of its last forward, m - 1 + p - 1.
+    p, m = 4, 8
+    rows = _rows(lower(make_schedule(kind, p, m)))
+    for r in range(p):
+        for j in range(m):
+            b_round = j + 2 * (p - 1) - r + (m - 1 if kind == "gpipe" else 0)
+            assert rows[r][j + r][0] == f"F{j}.0"
+            assert rows[r][b_round][1] == f"B{j}.0"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12])
+def test_bubble_gpipe_1f1b_is_paper_formula(p, m):
+    for kind in ("gpipe", "1f1b"):
+        stats = simulate(make_schedule(kind, p, m), fwd_cost=1.0, bwd_cost=2.0)
+        assert stats.bubble_fraction == pytest.approx((p - 1) / m)
+        assert stats.ideal_time == m * 3.0
+        assert stats.async_total_time == pytest.approx(stats.total_time)
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 4), (3, 3), (8, 2)])
+def test_bubble_interleaved_is_paper_formula_for_m_at_least_p(p, v):
+    # any m >= p, not only multiples of p (groups of >= p microbatches)
+    for m in range(p, 3 * p + 2):
+        stats = simulate(make_schedule("interleaved", p, m, v), fwd_cost=1.0, bwd_cost=2.0)
+        assert stats.bubble_fraction == pytest.approx((p - 1) / (v * m)), m
+
+
+@pytest.mark.parametrize("p,v,m", [(4, 2, 1), (4, 2, 3), (4, 4, 2), (5, 3, 4)])
+def test_bubble_interleaved_below_p_microbatches(p, v, m):
+    # with m < p rank 0 idles p - m rounds at each of the v - 1 chunk wrap-arounds,
+    # forward and backward: (p-1)/(vm) + (v-1)(p-m)/(vm)
+    stats = simulate(make_schedule("interleaved", p, m, v))
+    assert stats.bubble_fraction == pytest.approx((v * (p - m) + m - 1) / (v * m))
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    assert make_schedule("interleaved", 4, 8, 1).actions == make_schedule("1f1b", 4, 8).actions
+
+
+def test_interleaved_matches_megatron_order_when_m_is_multiple_of_p():
+    p, v, m = 2, 2, 4
+    # Megatron: groups of p, chunk-major; warm-up (p-r-1)*2 + (v-1)*p
+    rank0 = [a.label(v) for a in make_schedule("interleaved", p, m, v).actions[0]]
+    assert rank0[:4] == ["F0.0", "F1.0", "F0.1", "F1.1"]
+    assert rank0[4:8] == ["F2.0", "B0.1", "F3.0", "B1.1"]
+
+
+def test_peak_stash():
+    p = 4
+    assert simulate(make_schedule("gpipe", p, 16)).peak_stash[0] == 16
+    # lockstep 1f1b: rank r keeps 2(p-1-r) forwards ahead of its backwards (a gradient
+    # needs p-1-r rounds to return), plus the stage input in flight: 2p-1 on rank 0
+    for m in (2 * p, 8 * p):
+        assert simulate(make_schedule("1f1b", p, m)).peak_stash == [7, 6, 4, 2]
+    for v in (2, 4):
+        peaks = {tuple(simulate(make_schedule("interleaved", p, m, v)).peak_stash)
+                 for m in (2 * p, 3 * p, 6 * p)}
+        assert len(peaks) == 1 and max(next(iter(peaks))) <= (v + 1) * p
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 4, 6, 2),
+                                        ("interleaved", 3, 7, 3), ("gpipe", 3, 4, 1)])
+def test_messages_and_slot_tables_replay(kind, p, m, v):
+    """Replays the tables the way the executor does, with labels in place of tensors."""
+    schedule, S = make_schedule(kind, p, m, v), p * v
+    R = lower(schedule)
+    stash = [[None] * R.num_stash_slots for _ in range(p)]
+    grads = [[None] * R.num_grad_slots for _ in range(p)]
+    done = 0
+    for t in range(R.num_rounds):
+        sent = [None] * p
+        for r in range(p):
+            if R.f_valid[t][r]:
+                j, s = R.f_mb[t][r], R.f_chunk[t][r] * p + r
+                if s == 0:
+                    stash[r][R.f_slot[t][r]] = (j, 0)
+                assert stash[r][R.f_slot[t][r]] == (j, s)
+                sent[(r + 1) % p] = (j, s + 1) if s < S - 1 else None
+        for r in range(p):
+            assert R.recv_f_valid[t][r] == (sent[r] is not None)
+            if sent[r]:
+                assert stash[r][R.recv_f_slot[t][r]] is None  # never overwrite a live input
+                stash[r][R.recv_f_slot[t][r]] = sent[r]
+        sent = [None] * p
+        for r in range(p):
+            if R.b_valid[t][r]:
+                j, s = R.b_mb[t][r], R.b_chunk[t][r] * p + r
+                assert stash[r][R.b_slot[t][r]] == (j, s)
+                if s < S - 1:
+                    assert grads[r][R.b_grad_slot[t][r]] == (j, s)
+                    grads[r][R.b_grad_slot[t][r]] = None
+                stash[r][R.b_slot[t][r]] = None
+                sent[(r - 1) % p] = (j, s - 1) if s > 0 else None
+                done += 1
+        for r in range(p):
+            assert R.recv_b_valid[t][r] == (sent[r] is not None)
+            if sent[r]:
+                assert grads[r][R.recv_b_slot[t][r]] is None
+                grads[r][R.recv_b_slot[t][r]] = sent[r]
+    assert done == m * S
+    assert all(x is None for rank in stash + grads for x in rank)
+    stats = simulate(schedule)
+    assert stats.messages == {"forward": m * (S - 1), "backward": m * (S - 1)}
+    assert R.num_stash_slots == max(stats.peak_stash)
+
+
+def _broken(actions, p=2, m=2):
+    return Schedule("1f1b", p, m, 1, tuple(tuple(Action(k, j, 0) for k, j in rank)
+                                           for rank in actions))
+
+
+def test_validator_missing_backward():
+    with pytest.raises(ScheduleError, match=r"rank 1: B1 is missing") as e:
+        validate(_broken([[("F", 0), ("F", 1), ("B", 0), ("B", 1)],
+                           [("F", 0), ("B", 0), ("F", 1)]]))
+    assert "(missing B1)!" in str(e.value)
+
+
+def test_validator_backward_before_forward():
+    with pytest.raises(ScheduleError, match=r"rank 0: B1 comes before its forward") as e:
+        validate(_broken([[("F", 0), ("B", 1), ("F", 1), ("B", 0)],
+                          [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]))
+    assert "B1!" in str(e.value).splitlines()[2]  # marked on rank 0's row of the grid
+
+
+def test_validator_cross_rank_deadlock():
+    # rank 0 waits for B0's gradient before sending F1; rank 1 wants F1 before B0
+    with pytest.raises(ScheduleError, match=r"deadlock at round 1") as e:
+        validate(_broken([[("F", 0), ("B", 0), ("F", 1), ("B", 1)],
+                          [("F", 1), ("B", 1), ("F", 0), ("B", 0)]]))
+    lines = str(e.value).splitlines()
+    assert lines[2].rstrip().endswith("B0!") and lines[3].rstrip().endswith("F1!")
+
+
+def test_parameter_errors():
+    with pytest.raises(ScheduleError, match="chunks=2 must be 1 for kind='1f1b'"):
+        make_schedule("1f1b", 4, 8, 2)
+    with pytest.raises(ScheduleError, match="microbatches=0 must be an integer >= 1"):
+        make_schedule("gpipe", 4, 0)
+    with pytest.raises(ScheduleError, match="kind='zb'"):
+        make_schedule("zb", 4, 8)
+    assert check_layers(16, 4, 2) == 2
+    with pytest.raises(ScheduleError, match=r"num_layers=18 .* stages\*chunks=4\*2=8"):
+        check_layers(18, 4, 2)
+
+
+def test_hop_latency_is_paid_twice_per_round():
+    base, slow = (simulate(make_schedule("1f1b", 4, 8), hop_latency=h) for h in (0.0, 0.5))
+    assert slow.total_time == pytest.approx(base.total_time + base.num_rounds * 2 * 0.5)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxptd.pipeline.schedules", *args],
+                          capture_output=True, text=True)
+
+
+def test_cli_json_and_grid():
+    out = _cli("--kind", "interleaved", "--stages", "4", "--microbatches", "8", "--chunks",
+               "2", "--json")
+    assert out.returncode == 0
+    got = json.loads(out.stdout)
+    assert got["bubble_fraction"] == pytest.approx(3 / 16)
+    assert len(got["peak_stash"]) == 4 and got["messages"]["forward"] == 8 * 7
+    text = _cli("--kind", "1f1b", "--stages", "2", "--microbatches", "2").stdout
+    assert "rank 1  .  .  F0 B0 F1 B1 .  ." in text and "bubble_fraction 0.5000" in text
+
+
+@pytest.mark.parametrize("args", [["--kind", "gpipe", "--stages", "4", "--microbatches", "8",
+                                   "--chunks", "2"],
+                                  ["--kind", "nope", "--stages", "4", "--microbatches", "8"],
+                                  ["--kind", "1f1b", "--stages", "0", "--microbatches", "8"]])
+def test_cli_bad_arguments(args):
+    out = _cli(*args)
+    assert out.returncode == 2 and out.stderr.startswith("error: ")
+    assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_cli_png_without_matplotlib(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    with pytest.raises(SystemExit) as e:
+        sch.main(["--kind", "1f1b", "--stages", "2", "--microbatches", "2",
+                  "--png", str(tmp_path / "t.png")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --png")
+
+
+def test_cli_png_draws(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "t.png"
+    assert sch.main(["--kind", "interleaved", "--stages", "4", "--microbatches", "8",
+                     "--chunks", "2", "--png", str(path)]) == 0
+    assert path.read_bytes()[:4] == b"\x89PNG"
