@@ -1,0 +1,55 @@
+"""The device mesh: axes (data, pipe, tensor), laid onto hosts as PTD-P prescribes.
+
+Owns the mesh-axis names and the device order. Devices are ordered by (process, local id)
+and reshaped to [data, pipe, tensor], so the tensor axis is innermost: a tensor-parallel
+group is `tensor` consecutive devices of one process (one host), never spanning hosts
+(PTD-P Takeaway #1); pipe comes next and may cross hosts; data is outermost. Axis types are
+Auto: the training step is a fully manual shard_map, and GSPMD handles what lies outside it.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from jaxptd.config import ConfigError, ParallelConfig
+
+DATA, PIPE, TENSOR = "data", "pipe", "tensor"
+AXES = (DATA, PIPE, TENSOR)
+
+
+def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
+    """Builds the (data, pipe, tensor) mesh over `devices` (default: all devices).
+
+    Raises ConfigError when the axis sizes do not multiply to the device count, or when a
+    tensor group would span processes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = (parallel.data, parallel.pipe, parallel.tensor)
+    total = int(np.prod(shape))
+    if total != len(devices):
+        raise ConfigError(
+            f"parallel.data x parallel.pipe x parallel.tensor = {' x '.join(map(str, shape))}"
+            f" = {total}: must equal the device count {len(devices)}"
+        )
+    devices.sort(key=lambda d: (d.process_index, d.id))
+    local = sum(1 for d in devices if d.process_index == devices[0].process_index)
+    if local % parallel.tensor:
+        raise ConfigError(
+            f"parallel.tensor={parallel.tensor}: must divide the devices per process ({local}) "
+            "so a tensor-parallel group stays inside one host"
+        )
+    grid = np.array(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def describe(mesh: Mesh) -> str:
+    """One line per process: its devices' coordinates in the mesh (printed by rank 0)."""
+    lines = [f"mesh {dict(mesh.shape)} over {mesh.devices.size} devices"]
+    by_process: dict[int, list[str]] = {}
+    for coord in np.ndindex(mesh.devices.shape):
+        device = mesh.devices[coord]
+        by_process.setdefault(device.process_index, []).append(f"{device.id}@{coord}")
+    for process, entries in sorted(by_process.items()):
+        lines.append(f"  process {process}: " + " ".join(entries))
+    return "\n".join(lines)

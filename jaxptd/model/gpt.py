@@ -1,0 +1,137 @@
+"""The GPT model as pure functions over a parameter tree, ready to be cut into stages.
+
+Owns the parameter tree, its initialisation and logical axes, and the three pieces a
+pipeline stage is built from:
+
+    embed(params, tokens)          -> x        first stage
+    apply_layers(layers, x, key)   -> x        any contiguous block of layers
+    head_loss(params, x, targets)  -> sum of token losses   last stage (tied embedding)
+
+Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
+
+    embed/wte [V, h], embed/wpe [seq, h]
+    layers/{ln1, attn, ln2, mlp}/...  each with a leading [L] axis (model order)
+    final_norm/{scale, bias} [h]
+
+`Layout` says how the functions see the parameters: global (tensor=1, no collectives) for
+the single-device reference and initialisation, or one tensor rank's shards inside the
+manual shard_map (tensor=t, collectives over `tensor_axis`). The model never sees a mesh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxptd.config import ModelConfig
+from jaxptd.model.layers import Block, Embed, layer_norm, psum
+
+
+@dataclass(frozen=True)
+class Layout:
+    vocab: int  # padded vocabulary (global)
+    tensor: int = 1  # parameter shapes are global / tensor
+    tensor_axis: str | None = None  # collectives over this axis; None: a single device
+
+
+def _block(cfg: ModelConfig, layout: Layout) -> Block:
+    return Block(cfg, layout.tensor, layout.tensor_axis, cfg.num_layers)
+
+
+def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
+    return Embed(cfg, layout.vocab // layout.tensor, layout.tensor_axis)
+
+
+def _boxed_init(cfg: ModelConfig, vocab: int, key):
+    """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
+    layout = Layout(vocab)
+    k_embed, k_layers = jax.random.split(key)
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
+    embed = _embed(cfg, layout).init(k_embed, tokens)["params"]
+    block = _block(cfg, layout)
+    layers = jax.vmap(lambda k: block.init(k, x)["params"])(
+        jax.random.split(k_layers, cfg.num_layers))
+    # vmap stacked the values; prepend the 'layers' name to every box.
+    layers = jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), layers,
+                          is_leaf=lambda b: isinstance(b, nn.Partitioned))
+    final_norm = layer_norm(cfg).init(jax.random.key(0), x.astype(jnp.float32))["params"]
+    return {"embed": embed, "layers": layers, "final_norm": final_norm}
+
+
+def init_params(cfg: ModelConfig, vocab: int, key):
+    """Global float32 parameters (N(0, 0.02); residual outputs scaled by 1/sqrt(2L))."""
+    return nn.unbox(_boxed_init(cfg, vocab, key))
+
+
+def logical_axes(cfg: ModelConfig, vocab: int):
+    """A tree (like the parameters) of PartitionSpecs holding logical axis names."""
+    return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
+
+
+def weight_decay_mask(params):
+    """True for matrices (names starting with 'w'); biases and LayerNorm are not decayed."""
+    def decayed(path, _):
+        return getattr(path[-1], "key", "").startswith("w")
+    return jax.tree_util.tree_map_with_path(decayed, params)
+
+
+def embed(params, tokens, cfg: ModelConfig, layout: Layout):
+    """tokens [b, s] int32 -> activations [b, s, h] in the compute dtype."""
+    return _embed(cfg, layout).apply({"params": params["embed"]}, tokens)
+
+
+def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
+    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
+
+    `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
+    With model.remat == 'full' each layer's activations are recomputed in the backward pass.
+    """
+    block = _block(cfg, layout)
+
+    def one_layer(x, layer_and_index):
+        layer, index = layer_and_index
+        rngs = {"dropout": jax.random.fold_in(key, index)}
+        return block.apply({"params": layer}, x, deterministic, rngs=rngs), None
+
+    if cfg.remat == "full":
+        one_layer = jax.checkpoint(one_layer)
+    n = jax.tree.leaves(layers)[0].shape[0]
+    x, _ = lax.scan(one_layer, x, (layers, jnp.arange(n)))
+    return x
+
+
+def head_loss(params, x, targets, cfg: ModelConfig, layout: Layout):
+    """Final LayerNorm, tied output layer and vocab-parallel cross-entropy.
+
+    x [b, s, h], targets [b, s] int32 -> scalar float32 sum of token losses. The
+    [b, s, vocab/t] logits stay on their tensor rank: only [b, s] maxima, sums of
+    exponentials and target logits cross the tensor axis. Padded vocabulary rows never
+    take probability.
+    """
+    x = layer_norm(cfg).apply({"params": params["final_norm"]}, x.astype(jnp.float32))
+    x = x.astype(cfg.dtype)
+    module = _embed(cfg, layout)
+    logits = module.apply({"params": params["embed"]}, x, method=Embed.logits)  # [b, s, V/t]
+    ids = module.apply({"params": params["embed"]}, method=Embed.vocab_start) + jnp.arange(
+        logits.shape[-1])
+    logits = jnp.where(ids < cfg.vocab_size, logits, -jnp.inf)
+    # The max only stabilises the exponentials; its gradient cancels, so it is stopped.
+    row_max = lax.stop_gradient(jnp.max(logits, axis=-1))  # [b, s]
+    if layout.tensor_axis is not None:
+        row_max = lax.pmax(row_max, layout.tensor_axis)
+    sum_exp = psum(jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1), layout.tensor_axis)
+    target_logit = psum(
+        jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1), layout.tensor_axis)
+    return jnp.sum(jnp.log(sum_exp) + row_max - target_logit)
+
+
+def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
+    """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32)."""
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    x = embed(params, tokens, cfg, layout)
+    x = apply_layers(params["layers"], x, key, cfg, layout, deterministic)
+    return head_loss(params, x, targets, cfg, layout)

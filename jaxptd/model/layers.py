@@ -1,0 +1,198 @@
+"""Flax modules of the GPT decoder, written from one tensor-parallel rank's point of view.
+
+Owns the layer math and Megatron's intra-layer partitioning (Megatron-LM 2019, §3, Fig. 3).
+Parameter shapes are *local*: a module built with `tensor=t` holds 1/t of the heads, of the
+MLP columns and of the vocabulary. Global parameters are created with t = 1; inside the
+training step's manual shard_map each rank applies the same modules with t = mesh size on
+its shards. Collectives run over `tensor_axis` (None: one device, no collectives):
+
+- f (identity forward, all-reduce backward) is implicit: an activation that is the same on
+  every tensor rank meeting a rank-local weight is broadcast by JAX's varying-axes typing,
+  whose transpose is the all-reduce of the input gradient;
+- g (all-reduce forward, identity backward) is the explicit `psum` after the row-parallel
+  attention output and second MLP layer: exactly two per layer in the forward pass.
+
+Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
+Master weights are float32; each op casts them to the compute dtype at use. LayerNorm,
+softmax and the loss run in float32.
+"""
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxptd.config import ModelConfig
+
+
+def normal(std: float, names: tuple[str, ...]):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+def zeros(names: tuple[str, ...]):
+    return nn.with_logical_partitioning(nn.initializers.zeros, names)
+
+
+def psum(x, axis: str | None):
+    return x if axis is None else lax.psum(x, axis)
+
+
+def gelu(x):
+    """tanh-approximation GeLU, as GPT-2 and Megatron use."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+def softmax_reference(scores, scale: float):
+    """Causal softmax of scale * scores over the last axis, float32. scores: [b, n, sq, sk]."""
+    sq, sk = scores.shape[-2:]
+    allowed = jnp.tril(jnp.ones((sq, sk), dtype=bool), k=sk - sq)
+    logits = jnp.where(allowed, scores.astype(jnp.float32) * scale, -jnp.inf)
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def layer_norm(cfg: ModelConfig, name: str | None = None) -> nn.LayerNorm:
+    """Pre-LayerNorm with replicated float32 scale and bias; callers pass float32 input."""
+    return nn.LayerNorm(
+        epsilon=cfg.layernorm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+        bias_init=zeros(("norm",)),
+    )
+
+
+def normed(cfg: ModelConfig, name: str, x):
+    """LayerNorm of x in float32, returned in the compute dtype."""
+    return layer_norm(cfg, name)(x.astype(jnp.float32)).astype(cfg.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention: QKV column-parallel by heads, output projection row-parallel."""
+
+    cfg: ModelConfig
+    tensor: int
+    tensor_axis: str | None
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool):  # x: [b, s, h]
+        cfg, dt = self.cfg, self.cfg.dtype
+        heads = cfg.num_heads // self.tensor
+        head_dim = cfg.hidden_size // cfg.num_heads
+        w_qkv = self.param("w_qkv", normal(cfg.init_std, ("embed", "qkv", "heads", "kv")),
+                           (cfg.hidden_size, 3, heads, head_dim))
+        b_qkv = self.param("b_qkv", zeros(("qkv", "heads", "kv")), (3, heads, head_dim))
+        out_std = cfg.init_std / math.sqrt(2 * self.num_layers)
+        w_out = self.param("w_out", normal(out_std, ("heads", "kv", "embed")),
+                           (heads, head_dim, cfg.hidden_size))
+        b_out = self.param("b_out", zeros(("embed",)), (cfg.hidden_size,))
+
+        qkv = jnp.einsum("bsh,hcnd->cbsnd", x, w_qkv.astype(dt)) + b_qkv.astype(dt)[:, None, None]
+        q, k, v = qkv  # each [b, s, heads/t, d]
+        scores = jnp.einsum("bqnd,bknd->bnqk", q, k)  # [b, heads/t, s, s]
+        probs = self._softmax(scores, 1.0 / math.sqrt(head_dim)).astype(dt)
+        if cfg.dropout and not deterministic:
+            # Each tensor rank holds different heads: its dropout mask must differ.
+            rank = 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis)
+            key = jax.random.fold_in(self.make_rng("dropout"), rank)
+            probs = _dropout(probs, cfg.dropout, key)
+        context = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, heads/t, d]
+        out = jnp.einsum("bqnd,ndh->bqh", context, w_out.astype(dt))  # partial sum over heads
+        return psum(out, self.tensor_axis) + b_out.astype(dt)  # g: all-reduce #1
+
+    def _softmax(self, scores, scale):
+        if self.cfg.kernels == "pallas":
+            from pallas_kernels import fused_softmax
+
+            return fused_softmax(scores, scale=scale, causal=True)
+        return softmax_reference(scores, scale)
+
+
+class MLP(nn.Module):
+    """h -> 4h (column-parallel) -> GeLU -> h (row-parallel)."""
+
+    cfg: ModelConfig
+    tensor: int
+    tensor_axis: str | None
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, x):  # x: [b, s, h]
+        cfg, dt = self.cfg, self.cfg.dtype
+        ffn = 4 * cfg.hidden_size // self.tensor
+        w_fc1 = self.param("w_fc1", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
+        b_fc1 = self.param("b_fc1", zeros(("mlp",)), (ffn,))
+        out_std = cfg.init_std / math.sqrt(2 * self.num_layers)
+        w_fc2 = self.param("w_fc2", normal(out_std, ("mlp", "embed")), (ffn, cfg.hidden_size))
+        b_fc2 = self.param("b_fc2", zeros(("embed",)), (cfg.hidden_size,))
+
+        hidden = jnp.einsum("bsh,hf->bsf", x, w_fc1.astype(dt))  # [b, s, 4h/t]
+        if cfg.kernels == "pallas":
+            from pallas_kernels import bias_gelu
+
+            hidden = bias_gelu(hidden, b_fc1.astype(dt))
+        else:
+            hidden = gelu(hidden + b_fc1.astype(dt))
+        out = jnp.einsum("bsf,fh->bsh", hidden, w_fc2.astype(dt))  # partial sum over 4h
+        return psum(out, self.tensor_axis) + b_fc2.astype(dt)  # g: all-reduce #2
+
+
+class Block(nn.Module):
+    """Pre-LN transformer layer: x + drop(attn(ln1 x)); x + drop(mlp(ln2 x))."""
+
+    cfg: ModelConfig
+    tensor: int
+    tensor_axis: str | None
+    num_layers: int
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True):
+        sub = dict(cfg=self.cfg, tensor=self.tensor, tensor_axis=self.tensor_axis,
+                   num_layers=self.num_layers)
+        h = Attention(**sub, name="attn")(normed(self.cfg, "ln1", x), deterministic)
+        x = x + self._dropout(h, deterministic)
+        h = MLP(**sub, name="mlp")(normed(self.cfg, "ln2", x))
+        return x + self._dropout(h, deterministic)
+
+    def _dropout(self, x, deterministic):
+        # After the all-reduce the activation is the same on every tensor rank: one mask.
+        if not self.cfg.dropout or deterministic:
+            return x
+        return _dropout(x, self.cfg.dropout, self.make_rng("dropout"))
+
+
+def _dropout(x, rate: float, key):
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+class Embed(nn.Module):
+    """Vocab-parallel token embedding plus learned positions; its table is the tied head."""
+
+    cfg: ModelConfig
+    vocab: int  # local rows: padded vocabulary / tensor
+    tensor_axis: str | None
+
+    def setup(self):
+        cfg = self.cfg
+        self.wte = self.param("wte", normal(cfg.init_std, ("vocab", "embed")),
+                              (self.vocab, cfg.hidden_size))
+        self.wpe = self.param("wpe", normal(cfg.init_std, ("positions", "embed")),
+                              (cfg.seq_len, cfg.hidden_size))
+
+    def vocab_start(self):
+        """First vocabulary id held by this tensor rank."""
+        return 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis) * self.vocab
+
+    def __call__(self, tokens):  # tokens: [b, s] int32 -> [b, s, h]
+        # Megatron's lookup: ids outside this rank's rows give zeros; the all-reduce sums
+        # the one rank that holds each id.
+        local = tokens - self.vocab_start()
+        inside = (local >= 0) & (local < self.vocab)
+        rows = jnp.take(self.wte, jnp.clip(local, 0, self.vocab - 1), axis=0)
+        x = psum(jnp.where(inside[..., None], rows, 0.0), self.tensor_axis)
+        return (x + self.wpe[: tokens.shape[1]]).astype(self.cfg.dtype)
+
+    def logits(self, x):  # x: [b, s, h] -> [b, s, vocab/t] float32, never gathered
+        return jnp.einsum("bsh,vh->bsv", x, self.wte.astype(self.cfg.dtype)).astype(jnp.float32)

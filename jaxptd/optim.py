@@ -1,0 +1,74 @@
+"""Optimizer: AdamW with Megatron's recipe, the LR schedule, mixed precision, loss scaling.
+
+Owns the optax chain (global-norm clipping, AdamW with weight decay on matrices only),
+the learning-rate schedule (linear warm-up, cosine decay to a minimum, Megatron-LM 2019),
+the optimizer-state shardings (mirroring the parameters, or ZeRO-1: also split over data),
+and dynamic loss scaling for float16. Master weights and optimizer state are float32
+whatever the compute dtype (model.dtype); the model casts weights at use.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxptd.config import Config
+from jaxptd.model.gpt import weight_decay_mask
+from jaxptd.sharding import is_spec, zero1_spec
+
+
+def lr_schedule(config: Config) -> optax.Schedule:
+    """Linear warm-up from 0 to optimizer.lr, then cosine decay to optimizer.min_lr."""
+    opt = config.optimizer
+    decay = opt.decay_steps or config.train.steps
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
+        decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.min_lr)
+
+
+def make_optimizer(config: Config) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW (no decay on biases and LayerNorm)."""
+    opt = config.optimizer
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm) if opt.clip_norm else optax.identity(),
+        optax.adamw(lr_schedule(config), b1=opt.beta1, b2=opt.beta2, eps=opt.eps,
+                    weight_decay=opt.weight_decay, mask=weight_decay_mask),
+    )
+
+
+def optimizer_specs(tx, abstract_params, param_specs, zero1: bool, data_size: int):
+    """PartitionSpecs for the optimizer state: each moment like its parameter (ZeRO-1: also
+    split over data on a free dimension); counters replicated."""
+    abstract_state = jax.eval_shape(tx.init, abstract_params)
+
+    def moment_spec(leaf, spec):
+        return zero1_spec(spec, leaf.shape, data_size) if zero1 else spec
+
+    return optax.tree_map_params(
+        tx, moment_spec, abstract_state, param_specs,
+        transform_non_params=lambda _: P(), is_leaf=is_spec)
+
+
+class LossScale(NamedTuple):
+    """Dynamic loss scale for float16: halve on overflow, double after `period` good steps."""
+
+    scale: jax.Array  # float32 scalar
+    good_steps: jax.Array  # int32 scalar
+
+    @staticmethod
+    def create(enabled: bool) -> "LossScale":
+        return LossScale(jnp.float32(2.0**15 if enabled else 1.0), jnp.int32(0))
+
+    def update(self, finite, period: int = 2000) -> "LossScale":
+        grow = finite & (self.good_steps + 1 >= period)
+        scale = jnp.where(finite, jnp.where(grow, self.scale * 2, self.scale),
+                          jnp.maximum(self.scale / 2, 1.0))
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
+        return LossScale(scale, good.astype(jnp.int32))
+
+
+def all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))

@@ -1,0 +1,75 @@
+"""Logical axis names, the rules table, and logical -> PartitionSpec.
+
+Owns Megatron's partitioning as data. Every parameter carries logical axis names (set in
+the model with `nn.with_logical_partitioning`); `RULES` maps each name to a mesh axis:
+
+- vocab -> tensor: the embedding (and the tied output layer) is vocab-parallel;
+- heads -> tensor: QKV is column-parallel (split by heads), the attention output
+  projection row-parallel (its input dimension is heads);
+- mlp -> tensor: the first MLP layer is column-parallel, the second row-parallel;
+- stages -> pipe: stacked layers are split into pipeline stages;
+- everything else (embed, kv, qkv, positions, layers, chunks, norm) is replicated.
+
+ZeRO-1 (`optimizer.zero1`) further shards optimizer state over data on the first
+dimension that is free and divisible by the data size.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxptd.mesh import DATA, PIPE, TENSOR
+
+RULES: dict[str, str | None] = {
+    "vocab": TENSOR,
+    "heads": TENSOR,
+    "mlp": TENSOR,
+    "stages": PIPE,
+    "embed": None,
+    "kv": None,
+    "qkv": None,
+    "positions": None,
+    "layers": None,
+    "chunks": None,
+    "norm": None,
+}
+
+
+def logical_to_spec(names: tuple[str | None, ...], rules=RULES) -> P:
+    """Maps a parameter's logical axis names to a PartitionSpec of mesh axes."""
+    for name in names:
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no rule in the sharding table")
+    return P(*(rules[n] if n is not None else None for n in names))
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+def specs_from_logical(logical_tree, rules=RULES):
+    """A tree of logical-name tuples (as PartitionSpecs) -> a tree of mesh PartitionSpecs."""
+    return jax.tree.map(lambda names: logical_to_spec(tuple(names), rules), logical_tree,
+                        is_leaf=is_spec)
+
+
+def zero1_spec(spec: P, shape: tuple[int, ...], data_size: int) -> P:
+    """Adds the data axis to the first unsharded dimension divisible by `data_size`.
+
+    A leaf with no such dimension (a scalar, a small bias) stays as it was: it is tiny.
+    """
+    if data_size == 1:
+        return spec
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    for i, (entry, size) in enumerate(zip(entries, shape)):
+        if entry is None and size % data_size == 0:
+            entries[i] = DATA
+            return P(*entries)
+    return spec
+
+
+def named(mesh, spec_tree):
+    """A tree of PartitionSpecs -> a tree of NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=is_spec)

@@ -1,0 +1,214 @@
+"""The training step: one jitted SPMD program over the (data, pipe, tensor) mesh.
+
+Owns the train state, its shardings, and the step. The step has two parts:
+
+1. Gradients, inside a fully manual `shard_map` over all three axes. Each device holds its
+   parameter shards and its data-parallel rows; tensor-parallel collectives are written
+   out in the model (Megatron's f and g). Gradients accumulate over the microbatches
+   locally and are reduced over data (and over pipe for parameters every stage holds)
+   once per step. With pipe = 1 a scan runs the microbatches; with pipe > 1 the pipeline
+   executor runs the schedule.
+   Why fully manual: every collective is explicit and countable, the Pallas kernels see
+   local shapes, and the pipeline's per-rank control flow (lax.cond on the pipe rank)
+   needs manual axes anyway.
+2. The update, outside it (GSPMD): clipping, AdamW on float32 masters, ZeRO-1 optimizer
+   state sharded over data, dynamic loss scaling for float16.
+
+The state is a dict {params, opt_state, step, rng, loss_scale} passed in and returned.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxptd import optim
+from jaxptd.config import Config
+from jaxptd.mesh import DATA, PIPE, TENSOR
+from jaxptd.model import gpt
+from jaxptd.sharding import is_spec, named, specs_from_logical
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which x differs between devices (JAX's vma type)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+
+
+def mark_varying(tree, axes: tuple[str, ...]):
+    """Casts each leaf to varying over `axes` (those it is not already varying over), so
+    its gradient stays a per-device partial sum until an explicit reduction."""
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(cast, tree)
+
+
+def reduce_to(tree, specs, axes: tuple[str, ...]):
+    """Sums each leaf over the axes in `axes` that its PartitionSpec does not shard."""
+    def reduce(x, spec):
+        sharded = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple)
+                                                           else (entry,))}
+        over = tuple(a for a in axes if a not in sharded)
+        return lax.psum(x, over) if over else x
+    return jax.tree.map(reduce, tree, specs, is_leaf=is_spec)
+
+
+class Setup:
+    """Everything derived once from the config and mesh: model layout, specs, optimizer."""
+
+    def __init__(self, config: Config, mesh):
+        self.config, self.mesh = config, mesh
+        model = config.model
+        self.vocab = model.padded_vocab(config.parallel.tensor)
+        self.local_layout = gpt.Layout(self.vocab, config.parallel.tensor, TENSOR)
+        self.param_specs = specs_from_logical(gpt.logical_axes(model, self.vocab))
+        self.abstract_params = jax.eval_shape(
+            partial(gpt.init_params, model, self.vocab), jax.random.key(0))
+        self.tx = optim.make_optimizer(config)
+        self.schedule = optim.lr_schedule(config)
+        self.state_specs = {
+            "params": self.param_specs,
+            "opt_state": optim.optimizer_specs(
+                self.tx, self.abstract_params, self.param_specs, config.optimizer.zero1,
+                config.parallel.data),
+            "step": P(),
+            "rng": P(),
+            "loss_scale": optim.LossScale(P(), P()),
+        }
+        self.state_shardings = named(mesh, self.state_specs)
+        self.batch_sharding = NamedSharding(mesh, P(DATA))
+
+    def init_state(self, seed: int):
+        """Initialises the state directly into its shardings (no full copy on one host)."""
+        model, dynamic = self.config.model, self.config.optimizer.loss_scale == "dynamic"
+
+        def init():
+            params = gpt.init_params(model, self.vocab, jax.random.key(seed))
+            return {
+                "params": params,
+                "opt_state": self.tx.init(params),
+                "step": jnp.int32(0),
+                "rng": jax.random.key_data(jax.random.key(seed + 1)),
+                "loss_scale": optim.LossScale.create(dynamic),
+            }
+
+        return jax.jit(init, out_shardings=self.state_shardings)()
+
+    def abstract_state(self):
+        """ShapeDtypeStructs with shardings: what a checkpoint restores into."""
+        shapes = jax.eval_shape(lambda: self.init_state_shapes())
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+    def init_state_shapes(self):
+        params = self.abstract_params
+        return {
+            "params": params,
+            "opt_state": self.tx.init(params),
+            "step": jnp.int32(0),
+            "rng": jax.random.key_data(jax.random.key(0)),
+            "loss_scale": optim.LossScale.create(False),
+        }
+
+
+def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
+    """Unpipelined local gradients: a scan over microbatches. Runs inside the shard_map.
+
+    params: local shards, varying over data and pipe; batch [rows, s + 1] local rows.
+    Returns (local gradient sums, local loss sum), both scaled to the global token mean.
+    """
+    config = setup.config
+    micro = batch.reshape(config.parallel.microbatches, -1, batch.shape[-1])  # [m, b, s+1]
+    norm = 1.0 / (config.train.global_batch * config.model.seq_len)
+
+    def loss_fn(p, mb, k):
+        loss = gpt.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic) * norm
+        return loss * loss_scale, loss
+
+    def one(carry, xs):
+        grads_acc, loss_acc = carry
+        mb, index = xs
+        grads, loss = jax.grad(loss_fn, has_aux=True)(params, mb, jax.random.fold_in(key, index))
+        return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    loss0 = mark_varying(jnp.float32(0), (DATA, PIPE, TENSOR))
+    loss0 = lax.psum(loss0, TENSOR) * 0  # invariant over tensor like the model's loss
+    (grads, loss), _ = lax.scan(one, (zeros, loss0), (micro, jnp.arange(micro.shape[0])))
+    return grads, loss
+
+
+def build_grads(setup: Setup, deterministic: bool):
+    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss), reduced once."""
+    config = setup.config
+    if config.parallel.pipe > 1:
+        from jaxptd.pipeline.executor import pipeline_grads
+        local_fn = partial(pipeline_grads, setup=setup, deterministic=deterministic)
+    else:
+        local_fn = partial(microbatch_grads, setup=setup, deterministic=deterministic)
+
+    def local(params, batch, rng, step, scale):
+        key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
+        key = jax.random.fold_in(key, lax.axis_index(DATA))
+        params = mark_varying(params, (DATA, PIPE))
+        grads, loss = local_fn(params, batch, key, scale)
+        return reduce_to(grads, setup.param_specs, (DATA, PIPE)), lax.psum(loss, (DATA, PIPE))
+
+    return jax.shard_map(
+        local, mesh=setup.mesh,
+        in_specs=(setup.param_specs, P(DATA), P(), P(), P()),
+        out_specs=(setup.param_specs, P()))
+
+
+def build_train_step(setup: Setup):
+    """The jitted step: (state, batch [global_batch, s + 1]) -> (state, metrics)."""
+    config = setup.config
+    dynamic = config.optimizer.loss_scale == "dynamic"
+    grads_fn = build_grads(setup, deterministic=config.model.dropout == 0.0)
+
+    def step_fn(state, batch):
+        params, scale = state["params"], state["loss_scale"]
+        grads, loss = grads_fn(params, batch, state["rng"], state["step"], scale.scale)
+        grads = jax.tree.map(lambda g: g / scale.scale, grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        updates, opt_state = setup.tx.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        loss_scale = scale
+        if dynamic:  # skip the update on overflow and adjust the scale
+            finite = optim.all_finite(grads)
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+            loss_scale = scale.update(finite)
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
+                     "rng": state["rng"], "loss_scale": loss_scale}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": setup.schedule(state["step"]),
+                   "loss_scale": loss_scale.scale}
+        return new_state, metrics
+
+    return jax.jit(step_fn, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                   out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def build_eval_step(setup: Setup):
+    """The jitted validation loss: (params, batch) -> mean token loss (no dropout)."""
+    config = setup.config
+    tokens = config.train.global_batch * config.model.seq_len
+    grads_fn = build_grads(setup, deterministic=True)
+
+    def eval_fn(params, batch):
+        if config.parallel.pipe > 1:  # the pipeline computes the loss along with gradients
+            return grads_fn(params, batch, jnp.zeros(2, jnp.uint32), 0, jnp.float32(1))[1]
+        return jax.shard_map(
+            lambda p, b: lax.psum(
+                gpt.loss_sum(p, b, jax.random.key(0), config.model, setup.local_layout, True),
+                DATA) / tokens,
+            mesh=setup.mesh, in_specs=(setup.param_specs, P(DATA)), out_specs=P())(params, batch)
+
+    return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"],
+                                          setup.batch_sharding))

@@ -1,0 +1,164 @@
+"""`python -m jaxptd.train --config FILE [section.key=value ...]`: the training loop, thin.
+
+Order of work: config (all user errors caught here, before any device work) -> data ->
+checkpoint directory -> devices and mesh -> state (restored or initialised into its
+shardings) -> loop of step / log / evaluate / save. A user error prints one line
+`error: ...` on stderr and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from jaxptd.checkpoint import CheckpointError, check_writable
+from jaxptd.config import Config, ConfigError, load_config
+from jaxptd.data import DataError, TokenDataset, resolve_corpus
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m jaxptd.train", description=__doc__)
+    parser.add_argument("--config", help="YAML file (values not given keep their defaults)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tensor=2")
+    return parser.parse_args(argv)
+
+
+def prepare(config: Config):
+    """User-facing checks that need files but no devices; returns (train, val) datasets."""
+    corpus = resolve_corpus(config.data.path)
+    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
+    if train.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size}: must be >= the corpus vocabulary "
+            f"{train.vocab_size} ({corpus})")
+    if config.checkpoint.every:
+        check_writable(config.checkpoint_dir)
+    return train, val
+
+
+def start_backend(config: Config):
+    """Selects the platform and the simulated CPU device count before JAX starts."""
+    import jax
+
+    if config.runtime.platform != "auto":
+        jax.config.update("jax_platforms", config.runtime.platform.replace("gpu", "cuda"))
+    jax.config.update("jax_num_cpu_devices", config.runtime.cpu_devices or config.num_devices)
+    return jax
+
+
+def global_batch(setup, dataset: TokenDataset, seed: int, step: int):
+    """Batch `step` as a global array; each process reads only the rows its devices hold."""
+    import jax
+
+    config = setup.config
+    shape = (config.train.global_batch, config.model.seq_len + 1)
+    cache = {}
+
+    def rows(index):
+        span = index[0].indices(shape[0])
+        if span not in cache:
+            cache[span] = dataset.batch(seed, step, shape[0], config.model.seq_len,
+                                        rows=range(*span))
+        return cache[span]
+
+    return jax.make_array_from_callback(shape, setup.batch_sharding, rows)
+
+
+def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
+    """Mean validation loss over train.eval_batches fixed batches."""
+    config = setup.config
+    losses = [eval_step(params, global_batch(setup, val, config.train.seed, i))
+              for i in range(config.train.eval_batches)]
+    return float(sum(float(x) for x in losses) / len(losses))
+
+
+def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
+    jax = start_backend(config)
+    from jaxptd import metrics
+    from jaxptd.checkpoint import Checkpointer
+    from jaxptd.config import check_device_count
+    from jaxptd.mesh import describe, make_mesh
+    from jaxptd.step import Setup, build_eval_step, build_train_step
+
+    check_device_count(config, jax.device_count(), "devices found")
+    mesh = make_mesh(config.parallel)
+    lead = jax.process_index() == 0
+    if lead:
+        print(describe(mesh), flush=True)
+    setup = Setup(config, mesh)
+    ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
+                        config.checkpoint.async_save) if config.checkpoint.every else None
+    resume = ckpt.latest_step() if ckpt else None
+    if resume is not None:
+        state = ckpt.restore(setup.abstract_state(), resume)
+        if lead:
+            print(f"resumed from step {resume} in {ckpt.directory}", flush=True)
+    else:
+        state = setup.init_state(config.train.seed)
+    start = int(state["step"])
+
+    timer = metrics.StepTimer()
+    first = global_batch(setup, train, config.train.seed, start)
+    train_step = build_train_step(setup).lower(state, first).compile()
+    eval_step = build_eval_step(setup)
+    compile_s = timer.lap(1)
+    recompute = config.model.remat == "full"
+    flops = metrics.flops_per_iteration(config.model, config.train.global_batch, setup.vocab,
+                                        recompute)
+    peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    tokens = config.train.global_batch * config.model.seq_len
+    writer = metrics.Writer(config.train.run_dir, config.train.steps) if lead else None
+    if writer:
+        memory = train_step.memory_analysis()
+        writer.write({"step": start, "event": "compiled", "compile_time_s": compile_s,
+                      "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
+                      "argument_bytes_per_device":
+                          getattr(memory, "argument_size_in_bytes", None),
+                      "flops_per_iteration": flops})
+
+    since = start
+    for step in range(start, config.train.steps):
+        batch = first if step == start else global_batch(setup, train, config.train.seed, step)
+        state, out = train_step(state, batch)
+        done = step + 1
+        if done % config.train.log_every == 0 or done == config.train.steps:
+            out = jax.device_get(out)  # synchronises: the timer covers finished work
+            step_time = timer.lap(done - since)
+            since = done
+            record = {"step": done, "loss": float(out["loss"]), "lr": float(out["lr"]),
+                      "grad_norm": float(out["grad_norm"]), "step_time_s": step_time,
+                      **metrics.throughput(flops, tokens, step_time, jax.device_count(), peak)}
+            if config.optimizer.loss_scale == "dynamic":
+                record["loss_scale"] = float(out["loss_scale"])
+            if writer:
+                writer.write(record)
+        saved = ckpt.maybe_save(done, state) if ckpt else False
+        evaluated = config.train.eval_every and done % config.train.eval_every == 0
+        if evaluated:
+            val_loss = evaluate(setup, eval_step, state["params"], val)
+            if writer:
+                writer.write({"step": done, "val_loss": val_loss,
+                              "val_ppl": math.exp(min(val_loss, 50.0))})
+        if saved or evaluated:
+            timer.lap(0)  # keep saving and evaluation out of the next step time
+    if ckpt:
+        ckpt.maybe_save(config.train.steps, state, force=True)
+        ckpt.close()
+    if writer:
+        writer.close()
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        config = load_config(args.config, args.overrides)
+        train, val = prepare(config)
+        run(config, train, val)
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

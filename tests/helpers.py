@@ -1,0 +1,64 @@
+"""Shared test set-up: tiny configs, meshes on the simulated devices, fixed batches, and the
+single-device reference (plain jax.grad of the unsharded model, no shard_map)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxptd import optim
+from jaxptd.config import load_config
+from jaxptd.mesh import make_mesh
+from jaxptd.model import gpt
+from jaxptd.step import Setup
+
+TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=8", "model.seq_len=16",
+        "model.vocab_size=300", "train.global_batch=16", "optimizer.warmup_steps=1",
+        "train.steps=10"]
+
+
+def make_setup(data=1, pipe=1, tensor=1, extra=()):
+    overrides = TINY + [f"parallel.data={data}", f"parallel.pipe={pipe}",
+                        f"parallel.tensor={tensor}", *extra]
+    config = load_config(None, overrides)
+    mesh = make_mesh(config.parallel, jax.devices()[: config.num_devices])
+    return Setup(config, mesh)
+
+
+def fixed_batches(config, n, seed=0):
+    rng = np.random.default_rng(seed)
+    shape = (config.train.global_batch, config.model.seq_len + 1)
+    return [rng.integers(0, config.model.vocab_size, shape).astype(np.int32) for _ in range(n)]
+
+
+def reference_loss_and_grads(config, vocab, params, batch):
+    """Mean token loss and its gradients on one device, global parameters."""
+    tokens = batch.shape[0] * (batch.shape[1] - 1)
+
+    def loss_fn(p):
+        return gpt.loss_sum(p, jnp.asarray(batch), jax.random.key(0), config.model,
+                            gpt.Layout(vocab), True) / tokens
+
+    return jax.value_and_grad(loss_fn)(params)
+
+
+def reference_losses(config, vocab, params, batches):
+    """Losses of len(batches) optimizer steps of the plain single-device program."""
+    tx = optim.make_optimizer(config)
+    opt_state, losses = tx.init(params), []
+    for batch in batches:
+        loss, grads = reference_loss_and_grads(config, vocab, params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = jax.tree.map(lambda p, u: p + u, params, updates)
+        losses.append(float(loss))
+    return losses
+
+
+def assert_trees_close(actual, expected, rtol=1e-5):
+    """Elementwise rtol, with an absolute floor of rtol x the leaf's largest magnitude."""
+    flat_a = jax.tree_util.tree_leaves_with_path(jax.device_get(actual))
+    flat_e = jax.tree_util.tree_leaves(jax.device_get(expected))
+    assert len(flat_a) == len(flat_e)
+    for (path, a), e in zip(flat_a, flat_e):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape, (jax.tree_util.keystr(path), a.shape, e.shape)
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max() + 1e-12,
+                                   err_msg=jax.tree_util.keystr(path))
