@@ -12,12 +12,16 @@ the model with `nn.with_logical_partitioning`); `RULES` maps each name to a mesh
 
 ZeRO-1 (`optimizer.zero1`) further shards optimizer state over data on the first
 dimension that is free and divisible by the data size.
+
+Inside the step's manual shard_map, values carry JAX's varying-manual-axes type; the last
+helpers here set it (`mark_varying`) and undo it by reduction (`reduce_to`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import jax
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxptd.mesh import DATA, PIPE, TENSOR
@@ -73,3 +77,29 @@ def zero1_spec(spec: P, shape: tuple[int, ...], data_size: int) -> P:
 def named(mesh, spec_tree):
     """A tree of PartitionSpecs -> a tree of NamedShardings on `mesh`."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=is_spec)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which x differs between devices (JAX's vma type)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+
+
+def mark_varying(tree, axes: tuple[str, ...]):
+    """Casts each leaf to varying over `axes` (those it is not already varying over), so
+    its gradient stays a per-device partial sum until an explicit reduction."""
+    def cast(x):
+        missing = tuple(a for a in axes if a not in varying_axes(x))
+        return lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(cast, tree)
+
+
+def reduce_to(tree, specs, axes: tuple[str, ...]):
+    """Sums each leaf over the axes in `axes` that its PartitionSpec does not shard."""
+    def reduce(x, spec):
+        sharded = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple)
+                                                           else (entry,))}
+        over = tuple(a for a in axes if a not in sharded)
+        return lax.psum(x, over) if over else x
+    return jax.tree.map(reduce, tree, specs, is_leaf=is_spec)

@@ -30,91 +30,114 @@ from jaxptd import optim
 from jaxptd.config import Config
 from jaxptd.mesh import DATA, PIPE, TENSOR
 from jaxptd.model import gpt
-from jaxptd.sharding import is_spec, named, specs_from_logical
+from jaxptd.sharding import is_spec, mark_varying, named, reduce_to, specs_from_logical
 
 
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes over which x differs between devices (JAX's vma type)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+def _is_layer_leaf(path) -> bool:
+    return any(getattr(entry, "key", None) == "layers" for entry in path)
 
 
-def mark_varying(tree, axes: tuple[str, ...]):
-    """Casts each leaf to varying over `axes` (those it is not already varying over), so
-    its gradient stays a per-device partial sum until an explicit reduction."""
-    def cast(x):
-        missing = tuple(a for a in axes if a not in varying_axes(x))
-        return lax.pcast(x, missing, to="varying") if missing else x
-    return jax.tree.map(cast, tree)
-
-
-def reduce_to(tree, specs, axes: tuple[str, ...]):
-    """Sums each leaf over the axes in `axes` that its PartitionSpec does not shard."""
-    def reduce(x, spec):
-        sharded = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple)
-                                                           else (entry,))}
-        over = tuple(a for a in axes if a not in sharded)
-        return lax.psum(x, over) if over else x
-    return jax.tree.map(reduce, tree, specs, is_leaf=is_spec)
+def _map_layers(fn, tree):
+    """Applies fn to every leaf under a 'layers' key (params and their optimizer moments)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: fn(x) if _is_layer_leaf(path) else x, tree, is_leaf=is_spec)
 
 
 class Setup:
-    """Everything derived once from the config and mesh: model layout, specs, optimizer."""
+    """Everything derived once from the config and mesh: model layout, specs, optimizer.
+
+    Two layouts of the state. Logical (checkpoints, initialisation): each layer leaf has a
+    leading [num_layers] axis in model order. In memory with pipe > 1: [v, p, L/(p v), ...]
+    (chunks, stages, layers of a chunk), a free reshape of the logical order in which
+    rank r's dimension-1 slice holds virtual stages r, r + p, ... With pipe = 1 the two are
+    the same.
+    """
 
     def __init__(self, config: Config, mesh):
         self.config, self.mesh = config, mesh
-        model = config.model
-        self.vocab = model.padded_vocab(config.parallel.tensor)
-        self.local_layout = gpt.Layout(self.vocab, config.parallel.tensor, TENSOR)
-        self.param_specs = specs_from_logical(gpt.logical_axes(model, self.vocab))
+        model, par = config.model, config.parallel
+        self.pipelined = par.pipe > 1
+        self.vocab = model.padded_vocab(par.tensor)
+        self.local_layout = gpt.Layout(self.vocab, par.tensor, TENSOR)
+        logical = gpt.logical_axes(model, self.vocab)
+        # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
+        self.logical_param_specs = specs_from_logical(
+            _map_layers(lambda names: P(*(("stages",) if self.pipelined else ("layers",)),
+                                        *names[1:]), logical))
+        self.param_specs = specs_from_logical(_map_layers(
+            lambda names: P("chunks", "stages", *names), logical)) if self.pipelined \
+            else self.logical_param_specs
         self.abstract_params = jax.eval_shape(
-            partial(gpt.init_params, model, self.vocab), jax.random.key(0))
+            lambda: self.to_stacked(gpt.init_params(model, self.vocab, jax.random.key(0))))
         self.tx = optim.make_optimizer(config)
         self.schedule = optim.lr_schedule(config)
-        self.state_specs = {
-            "params": self.param_specs,
-            "opt_state": optim.optimizer_specs(
-                self.tx, self.abstract_params, self.param_specs, config.optimizer.zero1,
-                config.parallel.data),
+        self.state_specs = self._state_specs(self.param_specs)
+        self.state_shardings = named(mesh, self.state_specs)
+        self.logical_state_shardings = named(mesh, self._state_specs(self.logical_param_specs))
+        self.batch_sharding = NamedSharding(mesh, P(DATA))
+
+    def _state_specs(self, param_specs):
+        opt = self.config.optimizer
+        return {
+            "params": param_specs,
+            "opt_state": optim.optimizer_specs(self.tx, self.abstract_params, param_specs,
+                                               opt.zero1, self.config.parallel.data),
             "step": P(),
             "rng": P(),
             "loss_scale": optim.LossScale(P(), P()),
         }
-        self.state_shardings = named(mesh, self.state_specs)
-        self.batch_sharding = NamedSharding(mesh, P(DATA))
 
-    def init_state(self, seed: int):
-        """Initialises the state directly into its shardings (no full copy on one host)."""
-        model, dynamic = self.config.model, self.config.optimizer.loss_scale == "dynamic"
+    def to_stacked(self, tree):
+        """Logical [L, ...] layer leaves -> the in-memory [v, p, L/(p v), ...] (a reshape)."""
+        if not self.pipelined:
+            return tree
+        par = self.config.parallel
+        return _map_layers(lambda x: x.reshape(par.chunks, par.pipe, -1, *x.shape[1:]), tree)
 
-        def init():
-            params = gpt.init_params(model, self.vocab, jax.random.key(seed))
-            return {
-                "params": params,
-                "opt_state": self.tx.init(params),
-                "step": jnp.int32(0),
-                "rng": jax.random.key_data(jax.random.key(seed + 1)),
-                "loss_scale": optim.LossScale.create(dynamic),
-            }
+    def to_logical(self, tree):
+        """The in-memory layer layout -> logical [L, ...] (a reshape)."""
+        if not self.pipelined:
+            return tree
+        return _map_layers(lambda x: x.reshape(-1, *x.shape[3:]), tree)
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
-
-    def abstract_state(self):
-        """ShapeDtypeStructs with shardings: what a checkpoint restores into."""
-        shapes = jax.eval_shape(lambda: self.init_state_shapes())
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_shardings)
-
-    def init_state_shapes(self):
-        params = self.abstract_params
+    def _fresh_state(self, seed: int, dynamic: bool):
+        params = self.to_stacked(gpt.init_params(self.config.model, self.vocab,
+                                                 jax.random.key(seed)))
         return {
             "params": params,
             "opt_state": self.tx.init(params),
             "step": jnp.int32(0),
-            "rng": jax.random.key_data(jax.random.key(0)),
-            "loss_scale": optim.LossScale.create(False),
+            "rng": jax.random.key_data(jax.random.key(seed + 1)),
+            "loss_scale": optim.LossScale.create(dynamic),
         }
+
+    def init_state(self, seed: int):
+        """Initialises the state directly into its shardings (no full copy on one host)."""
+        dynamic = self.config.optimizer.loss_scale == "dynamic"
+        return jax.jit(lambda: self._fresh_state(seed, dynamic),
+                       out_shardings=self.state_shardings)()
+
+    def abstract_state(self, logical: bool = False):
+        """ShapeDtypeStructs with shardings (in-memory or logical layout): what a checkpoint
+        restores into."""
+        shapes = jax.eval_shape(lambda: self._fresh_state(0, False))
+        shardings = self.state_shardings
+        if logical:
+            shapes, shardings = self.to_logical(shapes), self.logical_state_shardings
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, shardings)
+
+    def state_to_logical(self, state):
+        """The train state in the checkpoint layout (a resharding copy when pipelined)."""
+        if not self.pipelined:
+            return state
+        return jax.jit(self.to_logical, out_shardings=self.logical_state_shardings)(state)
+
+    def state_from_logical(self, state):
+        """A restored logical state -> the in-memory layout and shardings."""
+        if not self.pipelined:
+            return state
+        return jax.jit(self.to_stacked, out_shardings=self.state_shardings)(state)
 
 
 def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
@@ -138,8 +161,7 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
         return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    loss0 = mark_varying(jnp.float32(0), (DATA, PIPE, TENSOR))
-    loss0 = lax.psum(loss0, TENSOR) * 0  # invariant over tensor like the model's loss
+    loss0 = mark_varying(jnp.float32(0), (DATA, PIPE))  # like the model's loss
     (grads, loss), _ = lax.scan(one, (zeros, loss0), (micro, jnp.arange(micro.shape[0])))
     return grads, loss
 
