@@ -52,6 +52,7 @@ class ParallelConfig:
     microbatches: int = 1  # per data-parallel rank and step
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipe > 1)
     chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedule)
+    stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,16 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    cpu_devices: int = 0  # simulated CPU devices per process; 0: data x pipe x tensor
+    cpu_devices: int = 0  # simulated CPU devices per process; 0: data x pipe x tensor / processes
     platform: str = "auto"  # auto | cpu | gpu
+    # Multi-process start (jaxptd/distributed.py). Unset keys fall back to JAXPTD_COORDINATOR,
+    # JAXPTD_NUM_PROCESSES, JAXPTD_PROCESS_ID, then to SLURM's environment under srun, then
+    # to a single process.
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0: from the environment, else 1
+    process_id: int = -1  # -1: from the environment
+    init_timeout_s: int = 300  # how long processes wait for each other at start
+    heartbeat_timeout_s: int = 30  # a silent process is declared dead after this
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,7 @@ CHOICES = {
     "model.kernels": ("xla", "pallas"),
     "model.remat": ("none", "full"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.stash": ("activations", "inputs"),
     "optimizer.loss_scale": ("none", "dynamic"),
     "runtime.platform": ("auto", "cpu", "gpu"),
 }
@@ -138,12 +148,14 @@ POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
     "model.vocab_size", "parallel.data", "parallel.pipe", "parallel.tensor",
     "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
-    "train.log_every", "train.eval_batches", "checkpoint.keep",
+    "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
+    "runtime.heartbeat_timeout_s",
 )
 NON_NEGATIVE = (
     "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
     "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
     "optimizer.min_lr", "model.init_std", "runtime.cpu_devices",
+    "runtime.num_processes",
 )
 
 
@@ -280,6 +292,13 @@ def validate(config: Config) -> None:
         f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
         f"parallel.schedule=interleaved (got {par.schedule})",
     )
+    if par.pipe > 1:  # the schedule's own rules (it never imports JAX)
+        from jaxptd.pipeline.schedules import ScheduleError, make_schedule
+
+        try:
+            make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
+        except ScheduleError as e:
+            raise ConfigError(f"parallel.schedule={par.schedule}: {e}") from None
     rows = par.data * par.microbatches
     _require(
         tr.global_batch % rows == 0,
@@ -296,8 +315,24 @@ def validate(config: Config) -> None:
         f"optimizer.min_lr={config.optimizer.min_lr}: must be <= optimizer.lr="
         f"{config.optimizer.lr}",
     )
-    if config.runtime.cpu_devices:
-        check_device_count(config, config.runtime.cpu_devices, "runtime.cpu_devices")
+    _validate_runtime(config)
+
+
+def _validate_runtime(config: Config) -> None:
+    """runtime.cpu_devices counts one process's devices; the mesh spans all processes."""
+    rt = config.runtime
+    _require(rt.process_id >= -1, f"runtime.process_id={rt.process_id}: must be >= 0 (-1: unset)")
+    _require(rt.num_processes == 0 or rt.process_id < rt.num_processes,
+             f"runtime.process_id={rt.process_id}: must be < runtime.num_processes="
+             f"{rt.num_processes}")
+    if rt.cpu_devices and (rt.num_processes or rt.cpu_devices > config.num_devices):
+        processes = max(rt.num_processes, 1)
+        check_device_count(config, rt.cpu_devices * processes,
+                           f"runtime.cpu_devices x {processes} processes")
+    elif rt.cpu_devices:
+        _require(config.num_devices % rt.cpu_devices == 0,
+                 f"runtime.cpu_devices={rt.cpu_devices}: the devices of one process must "
+                 f"divide data x pipe x tensor = {config.num_devices}")
 
 
 def check_device_count(config: Config, devices: int, source: str) -> None:

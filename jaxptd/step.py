@@ -120,10 +120,9 @@ class Setup:
     def abstract_state(self, logical: bool = False):
         """ShapeDtypeStructs with shardings (in-memory or logical layout): what a checkpoint
         restores into."""
-        shapes = jax.eval_shape(lambda: self._fresh_state(0, False))
-        shardings = self.state_shardings
-        if logical:
-            shapes, shardings = self.to_logical(shapes), self.logical_state_shardings
+        convert = self.to_logical if logical else (lambda state: state)
+        shapes = jax.eval_shape(lambda: convert(self._fresh_state(0, False)))
+        shardings = self.logical_state_shardings if logical else self.state_shardings
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)
 

@@ -1,9 +1,10 @@
 """`python -m jaxptd.train --config FILE [section.key=value ...]`: the training loop, thin.
 
 Order of work: config (all user errors caught here, before any device work) -> data ->
-checkpoint directory -> devices and mesh -> state (restored or initialised into its
-shardings) -> loop of step / log / evaluate / save. A user error prints one line
-`error: ...` on stderr and exits 2.
+checkpoint directory -> processes (jaxptd/distributed.py) -> devices and mesh -> state
+(restored or initialised into its shardings) -> loop of step / log / evaluate / save.
+A user error prints one line `error: ...` on stderr and exits 2. SIGTERM or SIGUSR1 ends
+the loop after a step all processes agree on, saves it and exits 0 (jaxptd/preemption.py).
 """
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import argparse
 import math
 import sys
 
+from jaxptd import distributed
 from jaxptd.checkpoint import CheckpointError, check_writable
 from jaxptd.config import Config, ConfigError, load_config
 from jaxptd.data import DataError, TokenDataset, resolve_corpus
+from jaxptd.preemption import Preemption
 
 
 def parse_args(argv):
@@ -34,16 +37,6 @@ def prepare(config: Config):
     if config.checkpoint.every:
         check_writable(config.checkpoint_dir)
     return train, val
-
-
-def start_backend(config: Config):
-    """Selects the platform and the simulated CPU device count before JAX starts."""
-    import jax
-
-    if config.runtime.platform != "auto":
-        jax.config.update("jax_platforms", config.runtime.platform.replace("gpu", "cuda"))
-    jax.config.update("jax_num_cpu_devices", config.runtime.cpu_devices or config.num_devices)
-    return jax
 
 
 def global_batch(setup, dataset: TokenDataset, seed: int, step: int):
@@ -72,10 +65,22 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
+def bubble_fraction(config: Config) -> float:
+    """The schedule's modelled bubble (t_b = 3 t_f: the backward recomputes the stage)."""
+    if config.parallel.pipe == 1:
+        return 0.0
+    from jaxptd.pipeline.schedules import make_schedule, simulate
+
+    par = config.parallel
+    schedule = make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
+    return simulate(schedule, fwd_cost=1.0, bwd_cost=3.0).bubble_fraction
+
+
 def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
-    jax = start_backend(config)
+    jax, hosts = distributed.start(config)
+    preemption = Preemption()
     from jaxptd import metrics
-    from jaxptd.checkpoint import Checkpointer
+    from jaxptd.checkpoint import Checkpointer, layout_metadata
     from jaxptd.config import check_device_count
     from jaxptd.mesh import describe, make_mesh
     from jaxptd.step import Setup, build_eval_step, build_train_step
@@ -84,15 +89,19 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
     mesh = make_mesh(config.parallel)
     lead = jax.process_index() == 0
     if lead:
+        print(distributed.describe_hosts(jax, hosts), flush=True)
         print(describe(mesh), flush=True)
     setup = Setup(config, mesh)
     ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
-                        config.checkpoint.async_save) if config.checkpoint.every else None
-    resume = ckpt.latest_step() if ckpt else None
-    if resume is not None:
-        state = ckpt.restore(setup.abstract_state(), resume)
+                        config.checkpoint.async_save,
+                        layout_metadata(config, jax.process_count())
+                        ) if config.checkpoint.every else None
+    restored = ckpt.restore_latest(setup.abstract_state(logical=True),
+                                   config.model.vocab_size) if ckpt else None
+    if restored is not None:
+        state = setup.state_from_logical(restored[0])
         if lead:
-            print(f"resumed from step {resume} in {ckpt.directory}", flush=True)
+            print(f"resumed from step {restored[1]} in {ckpt.directory}", flush=True)
     else:
         state = setup.init_state(config.train.seed)
     start = int(state["step"])
@@ -114,9 +123,9 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
                       "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
                       "argument_bytes_per_device":
                           getattr(memory, "argument_size_in_bytes", None),
-                      "flops_per_iteration": flops})
+                      "flops_per_iteration": flops, "bubble_fraction": bubble_fraction(config)})
 
-    since = start
+    since = last = start
     for step in range(start, config.train.steps):
         batch = first if step == start else global_batch(setup, train, config.train.seed, step)
         state, out = train_step(state, batch)
@@ -132,7 +141,8 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
                 record["loss_scale"] = float(out["loss_scale"])
             if writer:
                 writer.write(record)
-        saved = ckpt.maybe_save(done, state) if ckpt else False
+        last = done
+        saved = bool(ckpt) and ckpt.due(done) and ckpt.save(done, setup.state_to_logical(state))
         evaluated = config.train.eval_every and done % config.train.eval_every == 0
         if evaluated:
             val_loss = evaluate(setup, eval_step, state["params"], val)
@@ -141,8 +151,13 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
                               "val_ppl": math.exp(min(val_loss, 50.0))})
         if saved or evaluated:
             timer.lap(0)  # keep saving and evaluation out of the next step time
+        if preemption.agreed():  # every process stops after the same step
+            if lead:
+                print(f"preempted ({preemption.received or 'another process'}): saving "
+                      f"step {done} and exiting", flush=True)
+            break
     if ckpt:
-        ckpt.maybe_save(config.train.steps, state, force=True)
+        ckpt.save(last, setup.state_to_logical(state))
         ckpt.close()
     if writer:
         writer.close()

@@ -44,9 +44,11 @@ def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=(
         f"train.global_batch={2 * data * micro}", *extra])
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_pipelined_gradients_match_single_device(case):
-    setup = pipelined_setup(*case)
+@pytest.mark.parametrize("stash, case", [("activations", c) for c in CASES] + [
+    ("inputs", c) for c in CASES[2::4]], ids=lambda x: x if isinstance(x, str) else
+    "-".join(map(str, x)))
+def test_pipelined_gradients_match_single_device(stash, case):
+    setup = pipelined_setup(*case, extra=[f"parallel.stash={stash}"])
     state = setup.init_state(0)
     batch = fixed_batches(setup.config, 1)[0]
     grads, loss = jax.jit(build_grads(setup, deterministic=True))(
@@ -83,28 +85,27 @@ def test_layer_assignment_follows_virtual_stages():
     assert setup.to_logical({"layers": stacked})["layers"].tolist() == logical.tolist()
 
 
-def compiled_temp_bytes(schedule, micro, chunks=1):
+def compiled_temp_bytes(schedule, micro, chunks=1, stash="activations"):
     setup = pipelined_setup(1, 4, 1, schedule, chunks, micro, 8,
                             [f"train.global_batch={micro}", "model.seq_len=64",
-                             "model.hidden_size=64"])
+                             "model.hidden_size=64", f"parallel.stash={stash}"])
     batch = jax.ShapeDtypeStruct((micro, 65), jnp.int32, sharding=setup.batch_sharding)
     compiled = build_train_step(setup).lower(setup.abstract_state(), batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
-@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("interleaved", 2)])
-def test_stash_memory_does_not_grow_with_microbatches(schedule, chunks):
-    small, large = compiled_temp_bytes(schedule, 8, chunks), compiled_temp_bytes(schedule, 32,
-                                                                                  chunks)
+@pytest.mark.parametrize("schedule, chunks, stash", [
+    ("1f1b", 1, "activations"), ("interleaved", 2, "activations"), ("1f1b", 1, "inputs")])
+def test_stash_memory_does_not_grow_with_microbatches(schedule, chunks, stash):
+    small = compiled_temp_bytes(schedule, 8, chunks, stash)
+    large = compiled_temp_bytes(schedule, 32, chunks, stash)
     assert large < 1.25 * small, (small, large)
 
 
-def test_gpipe_memory_grows_linearly_with_microbatches():
-    """GPipe stashes every microbatch's stage input: 24 more [b, s, h] f32 slots from m = 8
-    to m = 32 (b = 1, s = 64, h = 64: 16 KiB each)."""
+def test_gpipe_memory_grows_with_microbatches():
+    """GPipe keeps every microbatch's activations until its backward: about linear in m."""
     small, large = compiled_temp_bytes("gpipe", 8), compiled_temp_bytes("gpipe", 32)
-    slot_bytes = 1 * 64 * 64 * 4
-    assert 0.95 < (large - small) / (24 * slot_bytes) < 1.5, (small, large)
+    assert large > 2.5 * small, (small, large)
 
 
 # "%x = f32[4,16,16]{1,0,2} collective-permute(...), source_target_pairs={{0,2},{2,4}}"

@@ -104,34 +104,98 @@ def _store(buffer, valid, slot, value):
 
 
 class _Stage:
-    """One virtual stage as a function of (parameters, stage input)."""
+    """One virtual stage in three pieces: [embedding] -> a chunk of layers -> [head + loss].
+
+    `ends` holds the parameters of the pieces at the two ends ({'embed', 'final_norm'});
+    `layers` one chunk's stack [Lc, ...]. The embedding runs on virtual stage 0 only and
+    the head on the last only (lax.cond: the other ranks skip them at run time).
+    """
 
     def __init__(self, setup, micro, key, rank, deterministic):
         config = setup.config
         self.config, self.layout = config, setup.local_layout
         self.micro, self.key, self.rank = micro, key, rank
         self.deterministic = deterministic
-        self.stages = config.parallel.pipe * config.parallel.chunks
+        self.last = config.parallel.pipe * config.parallel.chunks - 1
         self.norm = 1.0 / (config.train.global_batch * config.model.seq_len)
 
     def vstage(self, chunk):
         return chunk * self.config.parallel.pipe + self.rank
 
-    def __call__(self, params, x_in, mb, chunk):
-        """-> (stage output [b, s, h], loss contribution: nonzero on the last stage only)."""
-        model, layout = self.config.model, self.layout
-        vstage = self.vstage(chunk)
-        tokens = lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
-        x = lax.cond(vstage == 0, lambda: gpt.embed(params, tokens[:, :-1], model, layout),
-                     lambda: x_in)
-        key = jax.random.fold_in(jax.random.fold_in(self.key, mb), vstage)
-        y = gpt.apply_layers(_chunk(params["layers"], chunk), x, key, model, layout,
-                             self.deterministic)
-        loss = lax.cond(vstage == self.stages - 1,
-                        lambda: gpt.head_loss(params, y, tokens[:, 1:], model, layout),
+    def tokens(self, mb):
+        return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
+
+    def embed_or_input(self, ends, x_in, mb, chunk):
+        """Virtual stage 0 embeds its microbatch; the others take the received input."""
+        return lax.cond(self.vstage(chunk) == 0,
+                        lambda: gpt.embed(ends, self.tokens(mb)[:, :-1], self.config.model,
+                                          self.layout),
+                        lambda: x_in)
+
+    def layers(self, layers, x, mb, chunk):
+        key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
+        return gpt.apply_layers(layers, x, key, self.config.model, self.layout,
+                                self.deterministic)
+
+    def head(self, ends, y, mb, chunk):
+        """The loss contribution (scaled to the global token mean) of the last stage; 0
+        elsewhere."""
+        loss = lax.cond(self.vstage(chunk) == self.last,
+                        lambda: gpt.head_loss(ends, y, self.tokens(mb)[:, 1:],
+                                              self.config.model, self.layout),
                         lambda: mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE)))
-        loss = loss * self.norm
-        return y, loss
+        return loss * self.norm
+
+    def __call__(self, ends, layers, x_in, mb, chunk):
+        """The whole stage -> (output [b, s, h], loss contribution)."""
+        y = self.layers(layers, self.embed_or_input(ends, x_in, mb, chunk), mb, chunk)
+        return y, self.head(ends, y, mb, chunk)
+
+
+class _Residuals:
+    """How a layer chunk's `jax.vjp` closure is kept between its F and its B slot.
+
+    The closure is a pytree: a static backward jaxpr and its residual leaves. Leaves that
+    *are* the chunk's weights (JAX's scan passes weights through unchanged) are not stored:
+    the B slot takes them from the parameters again. The others, activations, go to
+    per-slot buffers [slots, ...]. The structure is fixed by tracing once (the probe);
+    every later trace must give the same leaves.
+    """
+
+    def __init__(self, vjp_fn, weights):
+        self.treedef, self.sources, stored = self._split(vjp_fn, weights)
+        self.templates = [jnp.zeros_like(x) for x in stored]
+
+    @staticmethod
+    def _split(vjp_fn, weights):
+        leaves, treedef = jax.tree.flatten(vjp_fn)
+        sources = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
+                        for leaf in leaves)
+        return treedef, sources, [leaf for leaf, src in zip(leaves, sources) if src is None]
+
+    def store(self, vjp_fn, weights):
+        """The leaves to stash (in buffer order)."""
+        _, sources, stored = self._split(vjp_fn, weights)
+        # The treedef holds the backward jaxpr (a new object per trace): compare the rest.
+        assert sources == self.sources and [(x.shape, x.dtype) for x in stored] == [
+            (t.shape, t.dtype) for t in self.templates], "residuals changed between traces"
+        return stored
+
+    def rebuild(self, stored, weights):
+        """The vjp closure from stashed leaves and the current weights."""
+        stored = iter(stored)
+        leaves = [next(stored) if src is None else weights[src] for src in self.sources]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _ends(params):
+    return {"embed": params["embed"], "final_norm": params["final_norm"]}
+
+
+def _accumulate(grads, chunk, g_ends, g_layers):
+    new = {k: jax.tree.map(jnp.add, grads[k], g_ends[k]) for k in ("embed", "final_norm")}
+    new["layers"] = _add_chunk(grads["layers"], chunk, g_layers)
+    return new
 
 
 def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool):
@@ -140,6 +204,10 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
     batch: this data rank's rows [m * b, s + 1]. Returns (gradient sums, loss sum) on this
     device, scaled to the global token mean (the loss is nonzero on the last stage's rank).
+
+    parallel.stash = 'inputs': the B slot recomputes the stage from its stashed input;
+    'activations': the F slot's vjp residuals are stashed and the B slot only runs the
+    backward (the embedding and head, cheap, are recomputed).
     """
     config = setup.config
     p, v, m = config.parallel.pipe, config.parallel.chunks, config.parallel.microbatches
@@ -149,57 +217,89 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, s+1]
     b, s, h = micro.shape[1], config.model.seq_len, config.model.hidden_size
     stage = _Stage(setup, micro, key, rank, deterministic)
-    last = p * v - 1
     dtype = jnp.dtype(config.model.dtype)
+    keep_activations = config.parallel.stash == "activations"
+    ends = _ends(params)
 
     # Activations go to the next rank; the wrap-around link is used only by interleaving.
     fwd_pairs = [(r, (r + 1) % p) for r in range(p if v > 1 else p - 1)]
     bwd_pairs = [(r, (r - 1) % p) for r in range(p) if v > 1 or r > 0]
 
-    def forward(carry, row):
-        stash, gbuf, grads, loss = carry
-        mb, chunk = row["f_mb"], row["f_chunk"]
-        x_in = lax.dynamic_index_in_dim(stash, row["f_slot"], 0, keepdims=False)
-        y, contribution = stage(params, x_in, mb, chunk)
-        return y, loss + contribution
-
-    def backward(carry, row):
-        stash, gbuf, grads, loss = carry
-        mb, chunk = row["b_mb"], row["b_chunk"]
-        x_in = lax.dynamic_index_in_dim(stash, row["b_slot"], 0, keepdims=False)
-        g_out = lax.dynamic_index_in_dim(gbuf, row["b_grad_slot"], 0, keepdims=False)
-        is_last = stage.vstage(chunk) == last
-        _, vjp = jax.vjp(lambda prm, x: stage(prm, x, mb, chunk), params, x_in)
-        g_loss = mark_varying(jnp.where(is_last, loss_scale, 0.0).astype(jnp.float32),
-                              (DATA, PIPE))
-        g_params, g_x = vjp((jnp.where(is_last, jnp.zeros_like(g_out), g_out), g_loss))
-        layer_grads = _chunk(g_params["layers"], chunk)
-        new = {k: jax.tree.map(jnp.add, grads[k], g_params[k]) for k in ("embed", "final_norm")}
-        new["layers"] = _add_chunk(grads["layers"], chunk, layer_grads)
-        return g_x, new
-
-    def one_round(carry, row):
-        stash, gbuf, grads, loss = carry
-        # F slot: run a forward (or nothing), send its output to the next rank.
-        idle_y = jnp.zeros_like(stash[0])
-        y, loss = lax.cond(row["f_valid"] > 0, forward, lambda c, r: (idle_y, c[3]), carry, row)
-        received = _gather(lax.ppermute(_scatter(y, tensor), PIPE, fwd_pairs), tensor)
-        stash = _store(stash, row["recv_f_valid"] > 0, row["recv_f_slot"], received)
-        # F of virtual stage 0 has no input message; its slot keeps nothing.
-        carry = (stash, gbuf, grads, loss)
-        # B slot: backward of a stashed stage input (or nothing), send the input gradient.
-        g_x, grads = lax.cond(row["b_valid"] > 0, backward,
-                              lambda c, r: (jnp.zeros_like(c[0][0]), c[2]), carry, row)
-        received = _gather(lax.ppermute(_scatter(g_x, tensor), PIPE, bwd_pairs), tensor)
-        gbuf = _store(gbuf, row["recv_b_valid"] > 0, row["recv_b_slot"], received)
-        return (stash, gbuf, grads, loss), None
-
     # Buffers hold stage inputs / their gradients: [slots, b, s, h], varying over data and
     # pipe and the same on every tensor rank, like the activations they receive.
     stash = mark_varying(jnp.zeros((rounds.num_stash_slots, b, s, h), dtype), (DATA, PIPE))
     gbuf = mark_varying(jnp.zeros((rounds.num_grad_slots, b, s, h), dtype), (DATA, PIPE))
+    saved, residuals = (), None
+    if keep_activations:  # trace one chunk to learn the residuals (XLA drops the compute)
+        index = rank * 0  # traced, like the slots' microbatch and chunk
+        weights = _chunk(params["layers"], index)
+        _, probe = jax.vjp(lambda w, x: stage.layers(w, x, index, index), weights, stash[0])
+        residuals = _Residuals(probe, jax.tree.leaves(weights))
+        templates = residuals.templates + [stash[0]]  # + the stage output, for the head
+        saved = tuple(jnp.broadcast_to(t, (rounds.num_stash_slots, *t.shape))
+                      for t in templates)
+
+    def read(buffer, slot):
+        return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+
+    def forward(carry, row):
+        stash, _, _, loss, _ = carry
+        mb, chunk = row["f_mb"], row["f_chunk"]
+        x_in = read(stash, row["f_slot"])
+        if not keep_activations:
+            y, contribution = stage(ends, _chunk(params["layers"], chunk), x_in, mb, chunk)
+            return y, loss + contribution, ()
+        weights = _chunk(params["layers"], chunk)
+        x = stage.embed_or_input(ends, x_in, mb, chunk)
+        y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, mb, chunk), weights, x)
+        kept = tuple(residuals.store(vjp_fn, jax.tree.leaves(weights))) + (y,)
+        return y, loss + stage.head(ends, y, mb, chunk), kept
+
+    def backward(carry, row):
+        stash, gbuf, grads, _, saved = carry
+        mb, chunk = row["b_mb"], row["b_chunk"]
+        x_in = read(stash, row["b_slot"])
+        g_out = read(gbuf, row["b_grad_slot"])
+        is_last = stage.vstage(chunk) == stage.last
+        g_loss = mark_varying(jnp.where(is_last, loss_scale, 0.0).astype(jnp.float32),
+                              (DATA, PIPE))
+        g_y = jnp.where(is_last, jnp.zeros_like(g_out), g_out)
+        weights = _chunk(params["layers"], chunk)
+        if not keep_activations:  # recompute the stage's forward inside its vjp
+            _, vjp = jax.vjp(lambda e, w, x: stage(e, w, x, mb, chunk), ends, weights, x_in)
+            g_ends, g_layers, g_x = vjp((g_y, g_loss))
+            return g_x, _accumulate(grads, chunk, g_ends, g_layers)
+        kept = [read(buffer, row["b_slot"]) for buffer in saved]
+        _, head_vjp = jax.vjp(lambda e, y: stage.head(e, y, mb, chunk), ends, kept[-1])
+        g_head, g_y_head = head_vjp(g_loss)
+        vjp_fn = residuals.rebuild(kept[:-1], jax.tree.leaves(weights))
+        g_layers, g_x = vjp_fn(g_y + g_y_head)
+        _, embed_vjp = jax.vjp(lambda e, x: stage.embed_or_input(e, x, mb, chunk), ends, x_in)
+        g_embed, g_x_in = embed_vjp(g_x)
+        return g_x_in, _accumulate(grads, chunk, jax.tree.map(jnp.add, g_head, g_embed),
+                                   g_layers)
+
+    def idle_forward(carry, row):
+        return jnp.zeros_like(carry[0][0]), carry[3], tuple(jnp.zeros_like(x[0]) for x in
+                                                            carry[4])
+
+    def one_round(carry, row):
+        stash, gbuf, grads, loss, saved = carry
+        # F slot: run a forward (or nothing), keep what its backward needs, send its output.
+        y, loss, kept = lax.cond(row["f_valid"] > 0, forward, idle_forward, carry, row)
+        saved = tuple(_store(buf, row["f_valid"] > 0, row["f_slot"], value)
+                      for buf, value in zip(saved, kept))
+        received = _gather(lax.ppermute(_scatter(y, tensor), PIPE, fwd_pairs), tensor)
+        stash = _store(stash, row["recv_f_valid"] > 0, row["recv_f_slot"], received)
+        carry = (stash, gbuf, grads, loss, saved)
+        # B slot: a backward (or nothing), then send the input gradient to the previous rank.
+        g_x, grads = lax.cond(row["b_valid"] > 0, backward,
+                              lambda c, r: (jnp.zeros_like(c[0][0]), c[2]), carry, row)
+        received = _gather(lax.ppermute(_scatter(g_x, tensor), PIPE, bwd_pairs), tensor)
+        gbuf = _store(gbuf, row["recv_b_valid"] > 0, row["recv_b_slot"], received)
+        return (stash, gbuf, grads, loss, saved), None
+
     grads = jax.tree.map(jnp.zeros_like, params)
     loss = mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
-    rows = _tables(rounds, rank)
-    (stash, gbuf, grads, loss), _ = lax.scan(one_round, (stash, gbuf, grads, loss), rows)
-    return grads, loss
+    carry, _ = lax.scan(one_round, (stash, gbuf, grads, loss, saved), _tables(rounds, rank))
+    return carry[2], carry[3]

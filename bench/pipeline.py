@@ -1,0 +1,113 @@
+"""Benchmark the pipeline executor against the unpipelined step on the same devices.
+
+For each schedule at a few (p, v, m), on 8 simulated CPU devices and the same model and
+global batch: step time as a ratio to the unpipelined step (data parallel over all 8
+devices), the schedule's modelled bubble, XLA's compiled temporary memory per device,
+and the bytes the collective-permutes send per device per step (lockstep: every round
+sends one [b, s, h/t] message each way on every link, whether or not it carries work).
+
+Simulated devices share the machine's cores, so wall time tracks the total work of all
+devices: the ratio shows that idle slots do no work (masked compute would multiply it),
+not the bubble. Quote only ratios from one run on a shared CPU.
+
+    python bench/pipeline.py [--steps 5] [--json bench/results/pipeline_cpu.json]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+
+from jaxptd.config import load_config  # noqa: E402
+from jaxptd.mesh import make_mesh  # noqa: E402
+from jaxptd.pipeline.executor import rounds_for  # noqa: E402
+from jaxptd.pipeline.schedules import make_schedule, simulate  # noqa: E402
+from jaxptd.step import Setup, build_train_step  # noqa: E402
+
+MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8",
+         "model.seq_len=128", "model.vocab_size=512", "train.global_batch=32"]
+# (name, data, pipe, schedule, chunks, microbatches)
+CASES = [
+    ("unpipelined", 8, 1, "1f1b", 1, 1),
+    ("gpipe", 2, 4, "gpipe", 1, 8),
+    ("1f1b", 2, 4, "1f1b", 1, 8),
+    ("1f1b p2", 4, 2, "1f1b", 1, 4),
+    ("interleaved", 2, 4, "interleaved", 2, 8),
+    ("interleaved v4", 2, 4, "interleaved", 4, 4),
+]
+
+
+def measure(data, pipe, schedule, chunks, micro, remat, steps):
+    config = load_config(None, MODEL + [
+        f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.schedule={schedule}",
+        f"parallel.chunks={chunks}", f"parallel.microbatches={micro}", f"model.remat={remat}"])
+    setup = Setup(config, make_mesh(config.parallel))
+    state = setup.init_state(0)
+    rng = np.random.default_rng(0)
+    batch = jax.device_put(rng.integers(0, 512, (32, 129)).astype(np.int32),
+                           setup.batch_sharding)
+    compiled = build_train_step(setup).lower(state, batch).compile()
+    for _ in range(2):  # warm up
+        state, out = compiled(state, batch)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        state, out = compiled(state, batch)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    row = {"step_s": statistics.median(times),
+           "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+           "bubble": 0.0, "sent_bytes": 0}
+    if pipe > 1:
+        rounds = rounds_for(schedule, pipe, micro, chunks)
+        b = 32 // (data * micro)
+        message = b * config.model.seq_len * config.model.hidden_size * 4  # f32, t = 1
+        row["sent_bytes"] = 2 * rounds.num_rounds * message
+        row["useful_bytes"] = 2 * micro * (pipe * chunks - 1) * message // pipe
+        row["bubble"] = simulate(make_schedule(schedule, pipe, micro, chunks), 1.0,
+                                 3.0).bubble_fraction
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", default="bench/results/pipeline_cpu.json")
+    args = parser.parse_args(argv)
+    baselines = {remat: measure(8, 1, "1f1b", 1, 1, remat, args.steps)["step_s"]
+                 for remat in ("none", "full")}
+    rows = []
+    print(f"{'case':16s} {'p':>2s} {'v':>2s} {'m':>3s} {'vs plain':>9s} {'vs remat':>9s} "
+          f"{'bubble':>7s} {'temp MB':>8s} {'sent MB':>8s} {'useful MB':>9s}")
+    for name, data, pipe, schedule, chunks, micro in CASES:
+        row = measure(data, pipe, schedule, chunks, micro, "none", args.steps)
+        row.update(name=name, pipe=pipe, chunks=chunks, microbatches=micro,
+                   ratio_plain=row["step_s"] / baselines["none"],
+                   ratio_remat=row["step_s"] / baselines["full"])
+        rows.append(row)
+        print(f"{name:16s} {pipe:2d} {chunks:2d} {micro:3d} {row['ratio_plain']:9.2f} "
+              f"{row['ratio_remat']:9.2f} {row['bubble']:7.3f} {row['temp_bytes'] / 1e6:8.2f} "
+              f"{row['sent_bytes'] / 1e6:8.2f} {row.get('useful_bytes', 0) / 1e6:9.2f}",
+              flush=True)
+    print("\nvs plain: step time / unpipelined step (no recomputation); vs remat: / the "
+          "unpipelined step with model.remat=full.\nreproduce: python bench/pipeline.py "
+          f"--steps {args.steps}")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                   "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                   "model": MODEL, "baseline_step_s": baselines, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

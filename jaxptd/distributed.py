@@ -1,0 +1,187 @@
+"""Multi-process start-up: who the processes are, a roll-call, then `jax.distributed`.
+
+Owns the process group of a run. One process per host (or per GPU) runs the same program;
+JAX's multi-controller runtime (`jax.distributed`) joins them. `start(config)` must run
+before any device work, after config validation. Where the process spec comes from, first
+match wins:
+
+1. config keys `runtime.coordinator`, `runtime.num_processes`, `runtime.process_id`;
+2. environment JAXPTD_COORDINATOR, JAXPTD_NUM_PROCESSES, JAXPTD_PROCESS_ID (launch/local.sh);
+3. SLURM's environment under `srun`: `jax.distributed.initialize()` with no arguments;
+4. otherwise a single process, and `jax.distributed` is not started.
+
+Invariants:
+
+- Before `jax.distributed.initialize` every process reports to a roll-call served by
+  process 0 on the coordinator's host at port (coordinator port - 1). JAX's own start-up
+  timeout aborts without saying who is missing; the roll-call names the processes that
+  never arrived within `runtime.init_timeout_s` and every process exits with an `error:`.
+- `runtime.cpu_devices` is per process (default: data x pipe x tensor / processes); the
+  device-count rule is checked by the caller against the global `jax.device_count()`.
+- A process that dies is noticed by the others within `runtime.heartbeat_timeout_s`: the
+  coordination service ends them with a message naming the dead task.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from jaxptd.config import Config, ConfigError
+
+ENV = ("JAXPTD_COORDINATOR", "JAXPTD_NUM_PROCESSES", "JAXPTD_PROCESS_ID")
+SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+
+
+class DistributedError(ConfigError):
+    """A start-up failure a user can cause or fix (missing process, bad address)."""
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    coordinator: str  # host:port of process 0; "" for a single process
+    num_processes: int
+    process_id: int
+    source: str  # where the spec came from: config, environment, slurm, single
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except ValueError:
+        raise DistributedError(f"{name}={os.environ[name]!r}: must be an integer") from None
+
+
+def slurm_coordinator() -> str:
+    """host:port that `jax.distributed.initialize()` derives from SLURM (first node)."""
+    nodes = os.environ["SLURM_STEP_NODELIST"]
+    cut = next((i for i, ch in enumerate(nodes) if ch in ",["), len(nodes))
+    host = nodes[:cut]
+    if cut < len(nodes) and nodes[cut] == "[":  # node[001-004,...]: the first index
+        rest = nodes[cut + 1:]
+        host += rest[:next((i for i, ch in enumerate(rest) if ch in ",-]"), len(rest))]
+    port = int(os.environ["SLURM_JOB_ID"]) % 2**12 + (65535 - 2**12 + 1)
+    return f"{host}:{port}"
+
+
+def process_spec(config: Config) -> ProcessSpec:
+    """Resolves the process group from config, JAXPTD_* environment, SLURM, or alone."""
+    rt = config.runtime
+    count = rt.num_processes or (_int_env(ENV[1]) if ENV[1] in os.environ else 0)
+    if not count:
+        if all(k in os.environ for k in SLURM_ENV) and int(os.environ["SLURM_NTASKS"]) > 1:
+            return ProcessSpec(slurm_coordinator(), int(os.environ["SLURM_NTASKS"]),
+                               int(os.environ["SLURM_PROCID"]), "slurm")
+        return ProcessSpec("", 1, 0, "single")
+    source = "config" if rt.num_processes else "environment"
+    if count == 1:
+        return ProcessSpec("", 1, 0, source)
+    coordinator = rt.coordinator or os.environ.get(ENV[0], "")
+    rank = rt.process_id
+    if rank < 0:
+        rank = _int_env(ENV[2]) if ENV[2] in os.environ else -1
+    if ":" not in coordinator:
+        raise DistributedError(f"runtime.coordinator={coordinator!r}: {count} processes need "
+                               "host:port of process 0 (or JAXPTD_COORDINATOR)")
+    if not 0 <= rank < count:
+        raise DistributedError(f"runtime.process_id={rank}: must be in [0, {count}) (or set "
+                               "JAXPTD_PROCESS_ID)")
+    return ProcessSpec(coordinator, count, rank, source)
+
+
+def _rollcall_address(coordinator: str) -> tuple[str, int]:
+    host, port = coordinator.rsplit(":", 1)
+    return host, int(port) - 1
+
+
+def _serve_rollcall(spec: ProcessSpec, timeout_s: int) -> dict[int, str]:
+    """Process 0: waits for every process's (id, host); names the missing ones."""
+    _, port = _rollcall_address(spec.coordinator)
+    server = socket.create_server(("", port), reuse_port=False)
+    server.settimeout(1.0)
+    arrived: dict[int, tuple[str, socket.socket]] = {}
+    deadline = time.monotonic() + timeout_s
+    with server:
+        while len(arrived) < spec.num_processes - 1 and time.monotonic() < deadline:
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            conn.settimeout(10.0)
+            rank, host = conn.makefile().readline().split()
+            arrived[int(rank)] = (host, conn)
+        missing = sorted(set(range(1, spec.num_processes)) - set(arrived))
+        for _, conn in arrived.values():
+            conn.sendall(b"missing\n" if missing else b"ok\n")
+            conn.close()
+    if missing:
+        raise DistributedError(
+            f"runtime.init_timeout_s={timeout_s}: processes {missing} of "
+            f"{spec.num_processes} never arrived at {spec.coordinator} (arrived: "
+            f"{[0] + sorted(arrived)})")
+    return {0: socket.gethostname(), **{r: h for r, (h, _) in arrived.items()}}
+
+
+def _join_rollcall(spec: ProcessSpec, timeout_s: int) -> None:
+    """Process > 0: reports to process 0 and waits until everyone has arrived."""
+    address = _rollcall_address(spec.coordinator)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn = socket.create_connection(address, timeout=2.0)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise DistributedError(
+                    f"runtime.init_timeout_s={timeout_s}: process {spec.process_id} found no "
+                    f"process 0 at {spec.coordinator}") from None
+            time.sleep(0.5)
+    with conn:
+        conn.sendall(f"{spec.process_id} {socket.gethostname()}\n".encode())
+        conn.settimeout(timeout_s + 30)
+        reply = conn.makefile().readline().strip()
+    if reply != "ok":
+        raise DistributedError(f"runtime.init_timeout_s={timeout_s}: process "
+                               f"{spec.process_id} gave up: not every process arrived "
+                               "(process 0 names the missing ones)")
+
+
+def start(config: Config):
+    """Configures the platform, joins the process group; returns (jax, {rank: host}).
+
+    Call before any other JAX work. Raises DistributedError naming missing processes.
+    """
+    import jax
+
+    spec = process_spec(config)
+    rt = config.runtime
+    if rt.platform != "auto":
+        jax.config.update("jax_platforms", rt.platform.replace("gpu", "cuda"))
+    jax.config.update("jax_num_cpu_devices",
+                      rt.cpu_devices or max(config.num_devices // spec.num_processes, 1))
+    if spec.num_processes == 1:
+        return jax, {0: socket.gethostname()}
+    if spec.process_id == 0:
+        hosts = _serve_rollcall(spec, rt.init_timeout_s)
+    else:
+        _join_rollcall(spec, rt.init_timeout_s)
+        hosts = {}
+    timeouts = dict(initialization_timeout=rt.init_timeout_s,
+                    heartbeat_timeout_seconds=rt.heartbeat_timeout_s)
+    if spec.source == "slurm":
+        jax.distributed.initialize(**timeouts)
+    else:
+        jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
+                                   **timeouts)
+    return jax, hosts
+
+
+def describe_hosts(jax, hosts: dict[int, str]) -> str:
+    """One line per process: its host and its local devices (printed by process 0)."""
+    lines = [f"{jax.process_count()} processes, {jax.device_count()} devices "
+             f"({jax.devices()[0].platform})"]
+    for process in range(jax.process_count()):
+        ids = [d.id for d in jax.devices() if d.process_index == process]
+        lines.append(f"  process {process} on {hosts.get(process, '?')}: devices {ids}")
+    return "\n".join(lines)
