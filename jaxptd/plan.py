@@ -136,14 +136,16 @@ def plan(config: Config, args, counts: dict | None = None, simulate: bool = True
     per_stage = l // par.pipe
     acts = pm.activation_memory(b=b, s=s, h=h, a=a, t=par.tensor, e=e,
                                 layers_per_stage=per_stage, vocab_local=V / par.tensor,
-                                remat=remat, pipe=par.pipe, peak_stash=peak_stash)
+                                remat=remat, pipe=par.pipe, peak_stash=peak_stash,
+                                chunks=par.chunks, keep_activations=par.stash == "activations")
     memory = pm.device_memory(weight_params=counts["weight_params"],
                               moment_params=counts["moment_params"], activations=acts,
                               microbatches=par.microbatches)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, True),
              "no_recompute": flops_per_iteration(m_cfg, B, V, False)}
-    # the pipeline executor recomputes each stage under jax.vjp whatever model.remat says
-    executed = flops["recompute" if remat or par.pipe > 1 else "no_recompute"]
+    # with parallel.stash=inputs the executor recomputes each stage inside its backward
+    recomputed = remat or (par.pipe > 1 and par.stash == "inputs")
+    executed = flops["recompute" if recomputed else "no_recompute"]
     comm = pm.comm_volumes(b=b, s=s, h=h, t=par.tensor, d=par.data, e=e,
                            layers_per_stage=per_stage, grad_bytes=memory["gradients"])
     time = pm.step_time(

@@ -51,24 +51,30 @@ def head_activation_bytes(b, s, h, vocab_local) -> float:
 
 
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
-                      pipe, peak_stash) -> dict:
+                      pipe, peak_stash, chunks=1, keep_activations=True) -> dict:
     """Activation bytes on the busiest device: the stash and one microbatch's working set.
 
     pipe = 1: one microbatch through all layers (with remat: each layer's input, plus the
-    one layer being recomputed). pipe > 1: the executor stashes each in-flight
-    microbatch's stage input (peak_stash of the schedule simulator) and recomputes the
-    stage under jax.vjp, so the working set is one microbatch through one stage. The
-    backward transient is half a layer (the cotangents of the layer being differentiated)
-    without remat; with remat it fits inside the recomputed layer.
+    one layer being recomputed). pipe > 1, parallel.stash = inputs: the executor stashes
+    each in-flight (microbatch, chunk)'s stage input (peak_stash of the schedule
+    simulator) and recomputes the stage under jax.vjp, so the working set is one
+    microbatch through one chunk. parallel.stash = activations: each stash slot keeps the
+    chunk's backward residuals (with remat: each layer's input), its input and its output;
+    the working set is the same (a forward materialises one chunk's residuals before they
+    are stored). The backward transient is half a layer (the cotangents of the layer being
+    differentiated) without remat; with remat it fits inside the recomputed layer.
     """
     layer = layer_activation_bytes(b, s, h, a, t, e)
     stage_input = b * s * h * e
-    if remat:
-        working = layers_per_stage * stage_input + layer
-    else:
-        working = layers_per_stage * layer + 0.5 * layer
-    working += head_activation_bytes(b, s, h, vocab_local)
-    stash = peak_stash * stage_input if pipe > 1 else 0.0
+    chunk_layers = layers_per_stage // chunks
+    kept = stage_input if remat else layer  # per layer, from forward to backward
+    span = chunk_layers if pipe > 1 else layers_per_stage
+    working = span * kept + (layer if remat else 0.5 * layer) + head_activation_bytes(
+        b, s, h, vocab_local)
+    stash = 0.0
+    if pipe > 1:
+        stash = peak_stash * (chunk_layers * kept + 2 * stage_input if keep_activations
+                              else stage_input)
     return {"per_layer": layer, "working": working, "stash": stash,
             "total": working + stash}
 

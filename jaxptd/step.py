@@ -71,16 +71,17 @@ class Setup:
             lambda: self.to_stacked(gpt.init_params(model, self.vocab, jax.random.key(0))))
         self.tx = optim.make_optimizer(config)
         self.schedule = optim.lr_schedule(config)
-        self.state_specs = self._state_specs(self.param_specs)
+        self.state_specs = self._state_specs(self.param_specs, self.abstract_params)
         self.state_shardings = named(mesh, self.state_specs)
-        self.logical_state_shardings = named(mesh, self._state_specs(self.logical_param_specs))
+        self.logical_state_shardings = named(mesh, self._state_specs(
+            self.logical_param_specs, jax.eval_shape(self.to_logical, self.abstract_params)))
         self.batch_sharding = NamedSharding(mesh, P(DATA))
 
-    def _state_specs(self, param_specs):
+    def _state_specs(self, param_specs, abstract_params):
         opt = self.config.optimizer
         return {
             "params": param_specs,
-            "opt_state": optim.optimizer_specs(self.tx, self.abstract_params, param_specs,
+            "opt_state": optim.optimizer_specs(self.tx, abstract_params, param_specs,
                                                opt.zero1, self.config.parallel.data),
             "step": P(),
             "rng": P(),

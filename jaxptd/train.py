@@ -66,14 +66,16 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
 
 
 def bubble_fraction(config: Config) -> float:
-    """The schedule's modelled bubble (t_b = 3 t_f: the backward recomputes the stage)."""
+    """The schedule's modelled bubble: t_b = 2 t_f, or 3 t_f when the backward recomputes
+    the stage (parallel.stash=inputs)."""
     if config.parallel.pipe == 1:
         return 0.0
     from jaxptd.pipeline.schedules import make_schedule, simulate
 
     par = config.parallel
     schedule = make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
-    return simulate(schedule, fwd_cost=1.0, bwd_cost=3.0).bubble_fraction
+    backward = 3.0 if par.stash == "inputs" else 2.0
+    return simulate(schedule, fwd_cost=1.0, bwd_cost=backward).bubble_fraction
 
 
 def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:

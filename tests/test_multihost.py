@@ -4,11 +4,8 @@ The reference is the single-process program (this pytest process, 8 simulated de
 `Setup` + the jitted step over the same batches `train.py` reads. Multi-process runs go
 through `launch/local.sh` (4 processes x 2 devices) or a real single-node SLURM cluster
 (`launch/slurm/local_cluster.sh`; skipped when SLURM is not installed; the CI script
-`launch/slurm/ci_cluster.sh` installs it and runs this file). Losses must match in fp32 to
+`launch/slurm/install.sh` installs it; .ci/run calls that). Losses must match in fp32 to
 rtol 1e-5.
-
-Pipeline layouts (pipe > 1) run when the pipeline executor builds a step; until then they
-are skipped with the reason.
 """
 import json
 import os
@@ -256,7 +253,7 @@ def test_killed_process_ends_the_job(tmp_path):
 def slurm_cluster(tmp_path):
     """Starts the local single-node cluster, or skips with the reason."""
     if not all(shutil.which(t) for t in ("slurmctld", "slurmd", "sbatch", "munged")):
-        pytest.skip("SLURM is not installed (launch/slurm/ci_cluster.sh installs it)")
+        pytest.skip("SLURM is not installed (launch/slurm/install.sh installs it)")
     result = subprocess.run([str(ROOT / "launch/slurm/local_cluster.sh"), "start",
                              str(tmp_path / "slurm")], capture_output=True, text=True,
                             timeout=60)

@@ -142,19 +142,18 @@ def verify_in_subprocess(layouts):
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
-EXECUTOR = os.path.exists(os.path.join(ROOT, "jaxptd", "pipeline", "executor.py"))
 PIPE_LAYOUTS = [["parallel.data=8", "parallel.pipe=2", "parallel.tensor=4",
-                 "parallel.microbatches=4"]]
+                 "parallel.microbatches=4", f"parallel.stash={stash}"]
+                for stash in ("activations", "inputs")]
 
 
 def test_memory_matches_compiled_step_on_64_devices():
-    """One subprocess for every layout (start-up dominates); pipe > 1 layouts join it once
-    jaxptd/pipeline/executor.py exists (see the skip below)."""
+    """One subprocess for every layout (start-up dominates)."""
     layouts = [["parallel.data=8", "parallel.tensor=8", "parallel.microbatches=2"],
                ["parallel.data=16", "parallel.tensor=4", "parallel.microbatches=2",
                 "optimizer.zero1=true"],
                ["parallel.data=64"],
-               ["parallel.data=64", "optimizer.zero1=true"]] + (PIPE_LAYOUTS if EXECUTOR else [])
+               ["parallel.data=64", "optimizer.zero1=true"]] + PIPE_LAYOUTS
     reports = verify_in_subprocess(layouts)
     assert len(reports) == len(layouts)
     for layout, report in zip(layouts, reports):

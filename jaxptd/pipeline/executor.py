@@ -16,11 +16,17 @@ Why lockstep rounds with one F and one B slot: a schedule that lowers this way f
 (m + p - 1)(t_f + t_b) for 1F1B, the time of Megatron's asynchronous 1F1B, while rounds of
 a single action would cost max(t_f, t_b) each and lose up to a third when t_b = 2 t_f.
 
-The backward is driven by the schedule: the B slot of (microbatch j, chunk c) calls
-`jax.vjp` of the stage on its stashed input, recomputing the stage's forward (activation
-recomputation per stage: only stage inputs are stashed, [slots, b, s, h], and the number
-of slots is the schedule's peak stash, bounded by the pipeline depth, not by m). The
-first virtual stage also runs the embedding, the last the head and the loss, so a
+The backward is driven by the schedule, not by autodiff through the loop. Every stash
+buffer has the schedule's peak-stash number of slots, bounded by the pipeline depth, not
+by m. parallel.stash chooses what a slot keeps between a stage's F and B slot:
+
+- activations (default): the F slot takes `jax.vjp` of its layer chunk and stashes the
+  closure's residuals (`_Residuals`); the B slot rebuilds the closure and runs only the
+  backward, as Megatron does without recomputation;
+- inputs: only the stage input [b, s, h] is stashed and the B slot takes `jax.vjp` of the
+  whole stage on it, recomputing the forward (per-stage activation recomputation).
+
+The first virtual stage also runs the embedding, the last the head and the loss, so a
 microbatch's backward can start in the round its forward ends; the tied embedding's two
 gradient contributions meet in the step's reduction over 'pipe'.
 
