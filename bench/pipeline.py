@@ -10,7 +10,7 @@ Simulated devices share the machine's cores, so wall time tracks the total work 
 devices: the ratio shows that idle slots do no work (masked compute would multiply it),
 not the bubble. Quote only ratios from one run on a shared CPU.
 
-    python bench/pipeline.py [--steps 5] [--json bench/results/pipeline_cpu.json]
+    python bench/pipeline.py [--steps 10] [--json bench/results/pipeline_cpu.json]
 """
 import argparse
 import json
@@ -35,21 +35,26 @@ from jaxptd.step import Setup, build_train_step  # noqa: E402
 
 MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8",
          "model.seq_len=128", "model.vocab_size=512", "train.global_batch=32"]
-# (name, data, pipe, schedule, chunks, microbatches)
+# (name, data, pipe, schedule, chunks, microbatches, stash). Every pipelined case runs
+# microbatches of b = 2 sequences; the baseline is data-parallel over the 8 devices with
+# the same b (m = 2), so the ratio isolates the pipeline from the microbatch size.
+BASELINE = ("unpipelined", 8, 1, "1f1b", 1, 2, "activations")
 CASES = [
-    ("unpipelined", 8, 1, "1f1b", 1, 1),
-    ("gpipe", 2, 4, "gpipe", 1, 8),
-    ("1f1b", 2, 4, "1f1b", 1, 8),
-    ("1f1b p2", 4, 2, "1f1b", 1, 4),
-    ("interleaved", 2, 4, "interleaved", 2, 8),
-    ("interleaved v4", 2, 4, "interleaved", 4, 4),
+    ("unpipelined b=4", 8, 1, "1f1b", 1, 1, "activations"),
+    ("gpipe", 2, 4, "gpipe", 1, 8, "activations"),
+    ("1f1b", 2, 4, "1f1b", 1, 8, "activations"),
+    ("1f1b inputs", 2, 4, "1f1b", 1, 8, "inputs"),
+    ("1f1b p2", 4, 2, "1f1b", 1, 4, "activations"),
+    ("interleaved", 2, 4, "interleaved", 2, 8, "activations"),
+    ("interleaved p2v4", 4, 2, "interleaved", 4, 4, "activations"),
 ]
 
 
-def measure(data, pipe, schedule, chunks, micro, remat, steps):
+def measure(data, pipe, schedule, chunks, micro, stash, steps):
     config = load_config(None, MODEL + [
         f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.schedule={schedule}",
-        f"parallel.chunks={chunks}", f"parallel.microbatches={micro}", f"model.remat={remat}"])
+        f"parallel.chunks={chunks}", f"parallel.microbatches={micro}",
+        f"parallel.stash={stash}"])
     setup = Setup(config, make_mesh(config.parallel))
     state = setup.init_state(0)
     rng = np.random.default_rng(0)
@@ -75,38 +80,42 @@ def measure(data, pipe, schedule, chunks, micro, remat, steps):
         row["sent_bytes"] = 2 * rounds.num_rounds * message
         row["useful_bytes"] = 2 * micro * (pipe * chunks - 1) * message // pipe
         row["bubble"] = simulate(make_schedule(schedule, pipe, micro, chunks), 1.0,
-                                 3.0).bubble_fraction
+                                 3.0 if stash == "inputs" else 2.0).bubble_fraction
     return row
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--json", default="bench/results/pipeline_cpu.json")
     args = parser.parse_args(argv)
-    baselines = {remat: measure(8, 1, "1f1b", 1, 1, remat, args.steps)["step_s"]
-                 for remat in ("none", "full")}
+    baseline_before = measure(*BASELINE[1:], args.steps)["step_s"]
     rows = []
-    print(f"{'case':16s} {'p':>2s} {'v':>2s} {'m':>3s} {'vs plain':>9s} {'vs remat':>9s} "
-          f"{'bubble':>7s} {'temp MB':>8s} {'sent MB':>8s} {'useful MB':>9s}")
-    for name, data, pipe, schedule, chunks, micro in CASES:
-        row = measure(data, pipe, schedule, chunks, micro, "none", args.steps)
-        row.update(name=name, pipe=pipe, chunks=chunks, microbatches=micro,
-                   ratio_plain=row["step_s"] / baselines["none"],
-                   ratio_remat=row["step_s"] / baselines["full"])
+    print(f"{'case':17s} {'p':>2s} {'v':>2s} {'m':>3s} {'ratio':>6s} {'bubble':>7s} "
+          f"{'temp MB':>8s} {'sent MB':>8s} {'useful MB':>9s}")
+    for name, data, pipe, schedule, chunks, micro, stash in CASES:
+        row = measure(data, pipe, schedule, chunks, micro, stash, args.steps)
+        row.update(name=name, pipe=pipe, chunks=chunks, microbatches=micro, stash=stash)
         rows.append(row)
-        print(f"{name:16s} {pipe:2d} {chunks:2d} {micro:3d} {row['ratio_plain']:9.2f} "
-              f"{row['ratio_remat']:9.2f} {row['bubble']:7.3f} {row['temp_bytes'] / 1e6:8.2f} "
-              f"{row['sent_bytes'] / 1e6:8.2f} {row.get('useful_bytes', 0) / 1e6:9.2f}",
-              flush=True)
-    print("\nvs plain: step time / unpipelined step (no recomputation); vs remat: / the "
-          "unpipelined step with model.remat=full.\nreproduce: python bench/pipeline.py "
-          f"--steps {args.steps}")
+    # The baseline again at the end: the spread of the two is this machine's noise.
+    baseline_after = measure(*BASELINE[1:], args.steps)["step_s"]
+    baseline = (baseline_before + baseline_after) / 2
+    print(f"{'case':17s} {'p':>2s} {'v':>2s} {'m':>3s} {'ratio':>6s} {'bubble':>7s} "
+          f"{'temp MB':>8s} {'sent MB':>8s} {'useful MB':>9s}")
+    for row in rows:
+        row["ratio"] = row["step_s"] / baseline
+        print(f"{row['name']:17s} {row['pipe']:2d} {row['chunks']:2d} {row['microbatches']:3d} "
+              f"{row['ratio']:6.2f} {row['bubble']:7.3f} {row['temp_bytes'] / 1e6:8.2f} "
+              f"{row['sent_bytes'] / 1e6:8.2f} {row.get('useful_bytes', 0) / 1e6:9.2f}")
+    print(f"\nratio: median step time / the unpipelined step (data 8, m = 2, the same b = 2),"
+          f" measured before and after the cases: {baseline_before:.3f} s and "
+          f"{baseline_after:.3f} s.\nreproduce: python bench/pipeline.py --steps {args.steps}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                    "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
-                   "model": MODEL, "baseline_step_s": baselines, "rows": rows}, f, indent=1)
+                   "model": MODEL, "baseline_step_s": [baseline_before, baseline_after],
+                   "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

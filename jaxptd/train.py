@@ -78,14 +78,13 @@ def bubble_fraction(config: Config) -> float:
     return simulate(schedule, fwd_cost=1.0, bwd_cost=backward).bubble_fraction
 
 
-def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
+def start(config: Config):
+    """Processes, mesh, checkpointer and state (restored or new) -> (jax, setup, ckpt, state)."""
     jax, hosts = distributed.start(config)
-    preemption = Preemption()
-    from jaxptd import metrics
     from jaxptd.checkpoint import Checkpointer, layout_metadata
     from jaxptd.config import check_device_count
     from jaxptd.mesh import describe, make_mesh
-    from jaxptd.step import Setup, build_eval_step, build_train_step
+    from jaxptd.step import Setup
 
     check_device_count(config, jax.device_count(), "devices found")
     mesh = make_mesh(config.parallel)
@@ -100,38 +99,57 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
                         ) if config.checkpoint.every else None
     restored = ckpt.restore_latest(setup.abstract_state(logical=True),
                                    config.model.vocab_size) if ckpt else None
-    if restored is not None:
-        state = setup.state_from_logical(restored[0])
-        if lead:
-            print(f"resumed from step {restored[1]} in {ckpt.directory}", flush=True)
-    else:
-        state = setup.init_state(config.train.seed)
-    start = int(state["step"])
+    if restored is None:
+        return jax, setup, ckpt, setup.init_state(config.train.seed)
+    if lead:
+        print(f"resumed from step {restored[1]} in {ckpt.directory}", flush=True)
+    return jax, setup, ckpt, setup.state_from_logical(restored[0])
 
-    timer = metrics.StepTimer()
-    first = global_batch(setup, train, config.train.seed, start)
-    train_step = build_train_step(setup).lower(state, first).compile()
-    eval_step = build_eval_step(setup)
+
+def compile_step(setup, state, batch, timer, writer):
+    """Compiles the step ahead of time and records its cost once -> (step, FLOPs/iter)."""
+    from jaxptd import metrics
+    from jaxptd.step import build_train_step
+
+    config = setup.config
+    train_step = build_train_step(setup).lower(state, batch).compile()
     compile_s = timer.lap(1)
-    recompute = config.model.remat == "full"
+    recompute = config.model.remat == "full" or (
+        setup.pipelined and config.parallel.stash == "inputs")
     flops = metrics.flops_per_iteration(config.model, config.train.global_batch, setup.vocab,
                                         recompute)
-    peak = metrics.peak_flops(jax.devices()[0].device_kind)
-    tokens = config.train.global_batch * config.model.seq_len
-    writer = metrics.Writer(config.train.run_dir, config.train.steps) if lead else None
     if writer:
         memory = train_step.memory_analysis()
-        writer.write({"step": start, "event": "compiled", "compile_time_s": compile_s,
+        writer.write({"step": int(state["step"]), "event": "compiled",
+                      "compile_time_s": compile_s,
                       "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
                       "argument_bytes_per_device":
                           getattr(memory, "argument_size_in_bytes", None),
                       "flops_per_iteration": flops, "bubble_fraction": bubble_fraction(config)})
+    return train_step, flops
 
-    since = last = start
-    for step in range(start, config.train.steps):
-        batch = first if step == start else global_batch(setup, train, config.train.seed, step)
+
+def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
+    jax, setup, ckpt, state = start(config)
+    preemption = Preemption()  # after jax.distributed, so its handlers are the last word
+    from jaxptd import metrics
+    from jaxptd.step import build_eval_step
+
+    seed, start_step = config.train.seed, int(state["step"])
+    lead = jax.process_index() == 0
+    writer = metrics.Writer(config.train.run_dir, config.train.steps) if lead else None
+    timer = metrics.StepTimer()
+    first = global_batch(setup, train, seed, start_step)
+    train_step, flops = compile_step(setup, state, first, timer, writer)
+    eval_step = build_eval_step(setup)
+    peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    tokens = config.train.global_batch * config.model.seq_len
+
+    since = last = start_step
+    for step in range(start_step, config.train.steps):
+        batch = first if step == start_step else global_batch(setup, train, seed, step)
         state, out = train_step(state, batch)
-        done = step + 1
+        done = last = step + 1
         if done % config.train.log_every == 0 or done == config.train.steps:
             out = jax.device_get(out)  # synchronises: the timer covers finished work
             step_time = timer.lap(done - since)
@@ -143,7 +161,6 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
                 record["loss_scale"] = float(out["loss_scale"])
             if writer:
                 writer.write(record)
-        last = done
         saved = bool(ckpt) and ckpt.due(done) and ckpt.save(done, setup.state_to_logical(state))
         evaluated = config.train.eval_every and done % config.train.eval_every == 0
         if evaluated:

@@ -249,7 +249,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
         return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
 
     def forward(carry, row):
-        stash, _, _, loss, _ = carry
+        stash, _, _, loss, saved = carry
         mb, chunk = row["f_mb"], row["f_chunk"]
         x_in = read(stash, row["f_slot"])
         if not keep_activations:
@@ -259,7 +259,10 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
         x = stage.embed_or_input(ends, x_in, mb, chunk)
         y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, mb, chunk), weights, x)
         kept = tuple(residuals.store(vjp_fn, jax.tree.leaves(weights))) + (y,)
-        return y, loss + stage.head(ends, y, mb, chunk), kept
+        # Written here, not after the cond, so that ranks with an idle F slot write nothing.
+        saved = tuple(lax.dynamic_update_index_in_dim(buffer, value, row["f_slot"], 0)
+                      for buffer, value in zip(saved, kept))
+        return y, loss + stage.head(ends, y, mb, chunk), saved
 
     def backward(carry, row):
         stash, gbuf, grads, _, saved = carry
@@ -286,15 +289,12 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
                                    g_layers)
 
     def idle_forward(carry, row):
-        return jnp.zeros_like(carry[0][0]), carry[3], tuple(jnp.zeros_like(x[0]) for x in
-                                                            carry[4])
+        return jnp.zeros_like(carry[0][0]), carry[3], carry[4]
 
     def one_round(carry, row):
         stash, gbuf, grads, loss, saved = carry
         # F slot: run a forward (or nothing), keep what its backward needs, send its output.
-        y, loss, kept = lax.cond(row["f_valid"] > 0, forward, idle_forward, carry, row)
-        saved = tuple(_store(buf, row["f_valid"] > 0, row["f_slot"], value)
-                      for buf, value in zip(saved, kept))
+        y, loss, saved = lax.cond(row["f_valid"] > 0, forward, idle_forward, carry, row)
         received = _gather(lax.ppermute(_scatter(y, tensor), PIPE, fwd_pairs), tensor)
         stash = _store(stash, row["recv_f_valid"] > 0, row["recv_f_slot"], received)
         carry = (stash, gbuf, grads, loss, saved)
