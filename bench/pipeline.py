@@ -91,8 +91,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     baseline_before = measure(*BASELINE[1:], args.steps)["step_s"]
     rows = []
-    print(f"{'case':17s} {'p':>2s} {'v':>2s} {'m':>3s} {'ratio':>6s} {'bubble':>7s} "
-          f"{'temp MB':>8s} {'sent MB':>8s} {'useful MB':>9s}")
     for name, data, pipe, schedule, chunks, micro, stash in CASES:
         row = measure(data, pipe, schedule, chunks, micro, stash, args.steps)
         row.update(name=name, pipe=pipe, chunks=chunks, microbatches=micro, stash=stash)

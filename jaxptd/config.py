@@ -34,6 +34,7 @@ class ModelConfig:
     dropout: float = 0.0
     dtype: str = "float32"  # compute dtype; master weights are always float32
     kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
+    attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
     remat: str = "none"  # activation recomputation per layer: none | full
     init_std: float = 0.02
     layernorm_eps: float = 1e-5
@@ -138,6 +139,7 @@ class Config:
 CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
+    "model.attention": ("xla", "cudnn"),
     "model.remat": ("none", "full"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.stash": ("activations", "inputs"),
@@ -273,6 +275,12 @@ def validate(config: Config) -> None:
         _require(_get(config, key) >= 0, f"{key}={_get(config, key)}: must be >= 0")
     m, par, tr = config.model, config.parallel, config.train
     _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)")
+    _require(not (m.attention == "cudnn" and m.dropout > 0),
+             f"model.dropout={m.dropout}: model.attention=cudnn has no attention dropout; "
+             "set model.dropout=0 or model.attention=xla")
+    _require(not (m.attention == "cudnn" and m.dtype == "float32"),
+             "model.attention=cudnn: needs model.dtype bfloat16 or float16 (cuDNN flash "
+             "attention has no float32 kernel)")
     _require(
         m.hidden_size % m.num_heads == 0,
         f"model.hidden_size={m.hidden_size}: must be divisible by model.num_heads={m.num_heads}",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from helpers import assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads
-from jaxptd.config import load_config
+from jaxptd.config import ConfigError, load_config
 from jaxptd.model import gpt
 from jaxptd.step import build_grads
 
@@ -117,3 +117,21 @@ def test_padded_vocabulary_rows_get_zero_gradient(where, request):
     assert wte_grad.shape[0] == setup.vocab > vocab
     assert np.all(wte_grad[vocab:] == 0)
     assert np.all(np.any(wte_grad[:vocab] != 0, axis=1))  # every real row learns
+
+
+def test_cudnn_attention_falls_back_to_xla_off_gpu():
+    """model.attention=cudnn runs cuDNN flash attention on a GPU only; elsewhere the XLA
+    path, so the loss equals model.attention=xla's."""
+    losses = []
+    for attention in ("xla", "cudnn"):
+        config = load_config(None, ["model.num_layers=1", "model.hidden_size=32",
+                                    "model.num_heads=4", "model.seq_len=8",
+                                    "model.dtype=bfloat16", f"model.attention={attention}"])
+        vocab = config.model.padded_vocab(1)
+        params = gpt.init_params(config.model, vocab, jax.random.key(0))
+        batch = jnp.arange(2 * 9).reshape(2, 9) % 257
+        losses.append(float(gpt.loss_sum(params, batch, jax.random.key(0), config.model,
+                                         gpt.Layout(vocab), True)))
+    assert losses[0] == losses[1]
+    with pytest.raises(ConfigError, match="needs model.dtype bfloat16"):
+        load_config(None, ["model.attention=cudnn"])

@@ -90,14 +90,20 @@ class Attention(nn.Module):
 
         qkv = jnp.einsum("bsh,hcnd->cbsnd", x, w_qkv.astype(dt)) + b_qkv.astype(dt)[:, None, None]
         q, k, v = qkv  # each [b, s, heads/t, d]
-        scores = jnp.einsum("bqnd,bknd->bnqk", q, k)  # [b, heads/t, s, s]
-        probs = self._softmax(scores, 1.0 / math.sqrt(head_dim)).astype(dt)
-        if cfg.dropout and not deterministic:
-            # Each tensor rank holds different heads: its dropout mask must differ.
-            rank = 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis)
-            key = jax.random.fold_in(self.make_rng("dropout"), rank)
-            probs = _dropout(probs, cfg.dropout, key)
-        context = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, heads/t, d]
+        scale = 1.0 / math.sqrt(head_dim)
+        if cfg.attention == "cudnn" and jax.default_backend() == "gpu":
+            # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout).
+            context = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                                   implementation="cudnn")
+        else:
+            scores = jnp.einsum("bqnd,bknd->bnqk", q, k)  # [b, heads/t, s, s]
+            probs = self._softmax(scores, scale).astype(dt)
+            if cfg.dropout and not deterministic:
+                # Each tensor rank holds different heads: its dropout mask must differ.
+                rank = 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis)
+                key = jax.random.fold_in(self.make_rng("dropout"), rank)
+                probs = _dropout(probs, cfg.dropout, key)
+            context = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, heads/t, d]
         out = jnp.einsum("bqnd,ndh->bqh", context, w_out.astype(dt))  # partial sum over heads
         return psum(out, self.tensor_axis) + b_out.astype(dt)  # g: all-reduce #1
 
