@@ -220,17 +220,20 @@ def build_train_step(setup: Setup):
 def build_eval_step(setup: Setup):
     """The jitted validation loss: (params, batch) -> mean token loss (no dropout)."""
     config = setup.config
-    tokens = config.train.global_batch * config.model.seq_len
-    grads_fn = build_grads(setup, deterministic=True)
+    if config.parallel.pipe > 1:  # the pipeline computes the loss along with gradients
+        grads_fn = build_grads(setup, deterministic=True)
 
-    def eval_fn(params, batch):
-        if config.parallel.pipe > 1:  # the pipeline computes the loss along with gradients
+        def eval_fn(params, batch):
             return grads_fn(params, batch, jnp.zeros(2, jnp.uint32), 0, jnp.float32(1))[1]
-        return jax.shard_map(
-            lambda p, b: lax.psum(
-                gpt.loss_sum(p, b, jax.random.key(0), config.model, setup.local_layout, True),
-                DATA) / tokens,
-            mesh=setup.mesh, in_specs=(setup.param_specs, P(DATA)), out_specs=P())(params, batch)
+    else:
+        tokens = config.train.global_batch * config.model.seq_len
 
+        def local_loss(params, batch):
+            loss = gpt.loss_sum(params, batch, jax.random.key(0), config.model,
+                                setup.local_layout, True)
+            return lax.psum(loss, DATA) / tokens
+
+        eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,
+                                in_specs=(setup.param_specs, P(DATA)), out_specs=P())
     return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"],
                                           setup.batch_sharding))
