@@ -103,7 +103,6 @@ class StepTimer:
 
     def __init__(self):
         self.start = time.perf_counter()
-        self.steps = 0
 
     def lap(self, steps: int) -> float:
         now = time.perf_counter()
