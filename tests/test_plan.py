@@ -115,10 +115,15 @@ def test_user_errors_are_one_line(capsys, argv, words):
     assert err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
-def test_png_needs_matplotlib(capsys, tmp_path, monkeypatch):
+def test_png_draws_memory_and_timeline(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
     path = str(tmp_path / "plan.png")
     run_main(capsys, ["parallel.pipe=2", "parallel.microbatches=4", "--png", path])
     assert os.path.getsize(path) > 0 and os.path.exists(str(tmp_path / "plan-timeline.png"))
+
+
+def test_png_needs_matplotlib(capsys, tmp_path, monkeypatch):
+    path = str(tmp_path / "plan.png")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(SystemExit):
         plan.main(["--png", path])
