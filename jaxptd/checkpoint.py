@@ -169,14 +169,17 @@ class Checkpointer:
             state=ocp.args.StandardRestore(targets)))["state"]
         return jax.tree.map(_resize, restored, abstract_state)
 
+    def has(self, step: int) -> bool:
+        """True when `step` is on disk (or being saved)."""
+        return step in self.manager.all_steps()
+
     def due(self, step: int) -> bool:
         """True when `step` is a save step not yet on disk."""
-        return bool(self.every) and step % self.every == 0 and step not in self.manager.all_steps()
+        return bool(self.every) and step % self.every == 0 and not self.has(step)
 
     def save(self, step: int, state) -> bool:
-        """Starts an (asynchronous) save of the logical `state` at `step` unless on disk."""
-        if step in self.manager.all_steps():
-            return False
+        """Starts an (asynchronous) save of the logical `state` at `step` (callers check
+        `due` or `has` first, before converting the state)."""
         return self.manager.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), layout=ocp.args.JsonSave(self.metadata)))
 

@@ -176,7 +176,8 @@ def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
                       f"step {done} and exiting", flush=True)
             break
     if ckpt:
-        ckpt.save(last, setup.state_to_logical(state))
+        if not ckpt.has(last):  # the last step (or the agreed preemption step)
+            ckpt.save(last, setup.state_to_logical(state))
         ckpt.close()
     if writer:
         writer.close()
