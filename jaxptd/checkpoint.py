@@ -106,10 +106,6 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             "state": ocp.StandardCheckpointHandler(), "layout": ocp.JsonCheckpointHandler()})
 
-    def latest_step(self) -> int | None:
-        """The newest complete step on disk, or None."""
-        return self.manager.latest_step()
-
     def restore_latest(self, abstract_state, vocab_size: int):
         """(state, step) from the newest step that every process reads; None if no step.
 

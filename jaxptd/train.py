@@ -65,19 +65,6 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
-def bubble_fraction(config: Config) -> float:
-    """The schedule's modelled bubble: t_b = 2 t_f, or 3 t_f when the backward recomputes
-    the stage (parallel.stash=inputs)."""
-    if config.parallel.pipe == 1:
-        return 0.0
-    from jaxptd.pipeline.schedules import make_schedule, simulate
-
-    par = config.parallel
-    schedule = make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
-    backward = 3.0 if par.stash == "inputs" else 2.0
-    return simulate(schedule, fwd_cost=1.0, bwd_cost=backward).bubble_fraction
-
-
 def start(config: Config):
     """Processes, mesh, checkpointer and state (restored or new) -> (jax, setup, ckpt, state)."""
     jax, hosts = distributed.start(config)
@@ -109,6 +96,7 @@ def start(config: Config):
 def compile_step(setup, state, batch, timer, writer):
     """Compiles the step ahead of time and records its cost once -> (step, FLOPs/iter)."""
     from jaxptd import metrics
+    from jaxptd.plan import schedule_stats
     from jaxptd.step import build_train_step
 
     config = setup.config
@@ -125,7 +113,8 @@ def compile_step(setup, state, batch, timer, writer):
                       "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
                       "argument_bytes_per_device":
                           getattr(memory, "argument_size_in_bytes", None),
-                      "flops_per_iteration": flops, "bubble_fraction": bubble_fraction(config)})
+                      "flops_per_iteration": flops,
+                      "bubble_fraction": schedule_stats(config)[0]})
     return train_step, flops
 
 
