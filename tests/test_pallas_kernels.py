@@ -3,6 +3,8 @@ gradients, f32 and bf16), CUDA lowering of the compiled kernels, and use inside 
 `jax.shard_map(check_vma=True)` over the 8 simulated CPU devices. Shapes stay tiny:
 interpret mode runs the grid as a loop.
 """
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
 
+SOFTMAX_MODULE = importlib.import_module("pallas_kernels.fused_softmax")
 TOL = {jnp.float32: dict(atol=2e-6, rtol=2e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -41,6 +44,32 @@ def test_fused_softmax_matches_reference(dtype, sq, sk, causal, masked):
     y, dx = _softmax_grads(fused_softmax, x, dy, interpret=True, **kw)
     y_ref, dx_ref = _softmax_grads(reference_fused_softmax, x, dy, **kw)
     assert y.dtype == dx.dtype == dtype
+    _close(y, y_ref, dtype)
+    _close(dx, dx_ref, dtype)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Rows longer than 8 keys take the multi-block path (as rows over 16384 keys do)."""
+    monkeypatch.setattr(SOFTMAX_MODULE, "_MAX_BLOCK", 8)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sq,sk,causal,masked", [
+    (3, 16, False, False),  # exactly two blocks
+    (6, 21, True, True),    # three blocks, the last one partial; causal + padding mask
+    (24, 19, True, False),  # sq > sk: the first 5 rows see no key
+])
+def test_fused_softmax_long_rows_match_reference(small_blocks, dtype, sq, sk, causal, masked):
+    assert SOFTMAX_MODULE._row_block(sk) == 8
+    kx, kdy, km = jax.random.split(jax.random.key(sk), 3)
+    x = (3 * jax.random.normal(kx, (1, 2, sq, sk))).astype(dtype)
+    dy = jax.random.normal(kdy, x.shape).astype(dtype)
+    # Row 0 of the mask hides every key: a fully masked row on top of the causal ones.
+    mask = jax.random.bernoulli(km, 0.3, (1, 1, sq, sk)).at[..., 0, :].set(True) if masked else None
+    kw = dict(scale=0.7, causal=causal, mask=mask)
+    y, dx = _softmax_grads(fused_softmax, x, dy, interpret=True, **kw)
+    y_ref, dx_ref = _softmax_grads(reference_fused_softmax, x, dy, **kw)
     _close(y, y_ref, dtype)
     _close(dx, dx_ref, dtype)
 
@@ -99,6 +128,16 @@ def test_kernels_lower_for_cuda():
         return y, vjp(dy)
 
     assert _cuda_kernel_count(gelu_fwd_bwd, h, bias, h) == 2
+
+
+def test_long_row_kernels_lower_for_cuda(small_blocks):
+    x, mask = jnp.zeros((1, 2, 5, 37), jnp.bfloat16), jnp.zeros((1, 1, 5, 37), bool)
+
+    def softmax_fwd_bwd(a, m, dy):
+        y, vjp = jax.vjp(lambda b: fused_softmax(b, causal=True, mask=m, interpret=False), a)
+        return y, vjp(dy)
+
+    assert _cuda_kernel_count(softmax_fwd_bwd, x, mask, x) == 2
 
 
 @pytest.fixture(scope="module")
