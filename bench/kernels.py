@@ -3,18 +3,24 @@
 Shapes are GPT 1.3B training shapes at seq 2048: attention scores [b, 16, 2048, 2048] bf16
 with the causal mask, MLP activations [b * 2048, 8192] bf16 with bias, and attention
 q/k/v [b, 2048, 16, 128] bf16 three ways (XLA softmax attention, the same with the Pallas
-softmax, cuDNN flash attention). Reports median times, achieved GB/s counting each
-tensor read or written once, and that as a percent of the HBM bandwidth measured in the
-same run by a large device-to-device copy. Goal: >= 85% of copy bandwidth, no slower
-than XLA. Backward rows time forward + backward (what training runs; y is returned so
-the forward cannot be dropped); "bwd" is their difference.
+softmax, cuDNN flash attention). One more softmax case has rows of 32768 keys, longer
+than one kernel block, so it times the multi-block path: scores [1, 16, 256, 32768].
+
+Reports median times, achieved GB/s counting each tensor read or written once, and that
+as a percent of the HBM bandwidth measured in the same run by a large device-to-device
+copy. Goal: >= 85% of copy bandwidth, no slower than XLA. Backward rows time forward +
+backward (what training runs; y is returned so the forward cannot be dropped); "bwd" is
+their difference. Before timing, every implementation's outputs are compared with XLA's
+(`err`: max |difference| / max |XLA output|); the run fails if one is off by more than
+bf16 rounding, so a wrong kernel is never reported as fast.
 
     PYTHONPATH=. python bench/kernels.py [--batch 4] [--reps 50]
 
-Needs a CUDA GPU; elsewhere it exits with a message. Writes
-bench/results/kernels_<device>.json.
+Needs a CUDA GPU; elsewhere it exits with a message (tests/test_bench_kernels.py runs it
+at toy shapes in interpret mode). Writes bench/results/kernels_<device>.json.
 """
 import argparse
+import dataclasses
 import json
 import pathlib
 import re
@@ -27,8 +33,21 @@ import jax.numpy as jnp
 
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
 
-HEADS, SEQ, HEAD_DIM, FFN = 16, 2048, 128, 8192
 RESULTS = pathlib.Path(__file__).parent / "results"
+MAX_ERR = 0.02  # relative to the largest XLA output: a few bf16 ulps
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Benchmark shapes; the defaults are GPT 1.3B's at seq 2048."""
+    batch: int = 4
+    heads: int = 16
+    seq: int = 2048
+    head_dim: int = 128
+    ffn: int = 8192
+    long_queries: int = 256
+    long_keys: int = 32768
+    copy_elems: int = 1 << 30  # bf16 elements of the bandwidth copy (2 GiB)
 
 
 def median_seconds(fn, args, reps, warmup=5):
@@ -43,9 +62,9 @@ def median_seconds(fn, args, reps, warmup=5):
     return statistics.median(times)
 
 
-def copy_bandwidth(reps):
-    """HBM bandwidth in GB/s of a 2 GiB device-to-device elementwise copy (read + write)."""
-    src = jnp.ones((1 << 30,), jnp.bfloat16)
+def copy_bandwidth(elems, reps):
+    """Memory bandwidth in GB/s of an elementwise device-to-device copy (read + write)."""
+    src = jnp.ones((elems,), jnp.bfloat16)
     seconds = median_seconds(jax.jit(jnp.negative), (src,), reps)
     return 2 * src.nbytes / seconds / 1e9
 
@@ -58,19 +77,27 @@ def _vjp_both(fn):
     return jax.jit(run)
 
 
-def softmax_cases(batch):
-    scores = jax.random.normal(jax.random.key(0), (batch, HEADS, SEQ, SEQ), jnp.bfloat16)
+def _softmax_cases(op, shape, scale):
+    scores = jax.random.normal(jax.random.key(0), shape, jnp.bfloat16)
     size = scores.nbytes
-    pallas = lambda x: fused_softmax(x, scale=HEAD_DIM ** -0.5, causal=True)
-    xla = lambda x: reference_fused_softmax(x, scale=HEAD_DIM ** -0.5, causal=True)
-    for impl, fn in (("pallas", pallas), ("xla", xla)):
-        yield "softmax", impl, "fwd", jax.jit(fn), (scores,), 2 * size
-        yield "softmax", impl, "fwd+bwd", _vjp_both(fn), (scores, scores), 5 * size
+    for impl, softmax in (("pallas", fused_softmax), ("xla", reference_fused_softmax)):
+        fn = lambda x, softmax=softmax: softmax(x, scale=scale, causal=True)
+        yield op, impl, "fwd", jax.jit(fn), (scores,), 2 * size
+        yield op, impl, "fwd+bwd", _vjp_both(fn), (scores, scores), 5 * size
 
 
-def bias_gelu_cases(batch):
-    act = jax.random.normal(jax.random.key(1), (batch * SEQ, FFN), jnp.bfloat16)
-    bias = jax.random.normal(jax.random.key(2), (FFN,), jnp.bfloat16)
+def softmax_cases(shapes):
+    scale = shapes.head_dim ** -0.5
+    yield from _softmax_cases(
+        "softmax", (shapes.batch, shapes.heads, shapes.seq, shapes.seq), scale)
+    yield from _softmax_cases(
+        "softmax_long", (1, shapes.heads, shapes.long_queries, shapes.long_keys), scale)
+
+
+def bias_gelu_cases(shapes):
+    act = jax.random.normal(jax.random.key(1), (shapes.batch * shapes.seq, shapes.ffn),
+                            jnp.bfloat16)
+    bias = jax.random.normal(jax.random.key(2), (shapes.ffn,), jnp.bfloat16)
     size = act.nbytes
     for impl, op in (("pallas", bias_gelu), ("xla", reference_bias_gelu)):
         fn = lambda x, op=op: op(x, bias)
@@ -78,54 +105,79 @@ def bias_gelu_cases(batch):
         yield "bias_gelu", impl, "fwd+bwd", _vjp_both(fn), (act, act), 5 * size
 
 
-def _softmax_attention(softmax):
+def _softmax_attention(softmax, scale):
     def attend(q, k, v):  # [b, s, h, d] each
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)                  # [b, h, s, s]
-        probs = softmax(scores, scale=HEAD_DIM ** -0.5, causal=True)
+        probs = softmax(scores, scale=scale, causal=True)
         return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
     return attend
 
 
-def attention_cases(batch):
-    q, k, v = (jax.random.normal(jax.random.key(i), (batch, SEQ, HEADS, HEAD_DIM), jnp.bfloat16)
-               for i in range(3, 6))
-    cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                         implementation="cudnn")
-    for impl, fn in (("xla", _softmax_attention(reference_fused_softmax)),
-                     ("pallas", _softmax_attention(fused_softmax)), ("cudnn", cudnn)):
+def attention_cases(shapes, cudnn=True):
+    shape = (shapes.batch, shapes.seq, shapes.heads, shapes.head_dim)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3, 6))
+    scale = shapes.head_dim ** -0.5
+    impls = [("xla", _softmax_attention(reference_fused_softmax, scale)),
+             ("pallas", _softmax_attention(fused_softmax, scale))]
+    if cudnn:
+        impls.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=True, implementation="cudnn")))
+    for impl, fn in impls:
         yield "attention", impl, "fwd", jax.jit(fn), (q, k, v), None
-        grad = jax.jit(jax.value_and_grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(
+        grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(
             jnp.float32).sum(), argnums=(0, 1, 2)))
         yield "attention", impl, "fwd+bwd", grad, (q, k, v), None
 
 
-def measure(batch, reps):
-    """Rows of results: every case timed, GB/s and % of copy bandwidth where counted."""
-    bandwidth = copy_bandwidth(reps)
-    rows = []
-    for cases in (softmax_cases, bias_gelu_cases, attention_cases):
-        for op, impl, pass_, fn, args, nbytes in cases(batch):
+def relative_error(outputs, reference):
+    """max |a - b| over all leaves / max |b|: 0 for identical outputs."""
+    diffs = [jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+             for a, b in zip(jax.tree.leaves(outputs), jax.tree.leaves(reference))]
+    scales = [jnp.max(jnp.abs(b.astype(jnp.float32))) for b in jax.tree.leaves(reference)]
+    return float(max(diffs) / max(max(scales), 1e-30))
+
+
+def measure(shapes, reps, cudnn=True):
+    """(copy GB/s, rows): every case timed, GB/s and % of copy bandwidth where counted,
+    and every non-XLA implementation's error against XLA's output."""
+    bandwidth = copy_bandwidth(shapes.copy_elems, reps)
+    rows, outputs = [], {}
+    for cases in (softmax_cases(shapes), bias_gelu_cases(shapes),
+                  attention_cases(shapes, cudnn)):
+        for op, impl, pass_, fn, args, nbytes in cases:
+            outputs[op, impl, pass_] = fn(*args)
             seconds = median_seconds(fn, args, reps)
             gbps = None if nbytes is None else nbytes / seconds / 1e9
             rows.append(dict(op=op, impl=impl, pass_=pass_, ms=seconds * 1e3, gbps=gbps,
                              pct_hbm=None if gbps is None else 100 * gbps / bandwidth))
-    for row in rows:  # backward alone = (fwd+bwd) - fwd of the same op and impl
-        if row["pass_"] == "fwd+bwd":
-            fwd = next(r for r in rows if r["op"] == row["op"] and r["impl"] == row["impl"]
-                       and r["pass_"] == "fwd")
+    for row in rows:
+        key = (row["op"], row["impl"], row["pass_"])
+        if row["impl"] != "xla":
+            row["err"] = relative_error(outputs[key], outputs[row["op"], "xla", row["pass_"]])
+        if row["pass_"] == "fwd+bwd":  # backward alone = (fwd+bwd) - fwd
+            fwd = next(r for r in rows if (r["op"], r["impl"], r["pass_"]) == key[:2] + ("fwd",))
             row["bwd_ms"] = row["ms"] - fwd["ms"]
     return bandwidth, rows
 
 
+def _cell(value, fmt, width):
+    return " " * width if value is None else format(value, f"{width}{fmt}")
+
+
 def print_table(device, bandwidth, rows, command):
     print(f"device: {device}; copy bandwidth {bandwidth:.0f} GB/s; jax {jax.__version__}")
-    print(f"{'op':<10} {'impl':<7} {'pass':<8} {'ms':>9} {'bwd ms':>9} {'GB/s':>8} {'%HBM':>6}")
+    print(f"{'op':<13} {'impl':<7} {'pass':<8} {'ms':>9} {'bwd ms':>9} {'GB/s':>8} "
+          f"{'%HBM':>6} {'err':>8}")
     for r in rows:
-        bwd = f"{r['bwd_ms']:9.3f}" if "bwd_ms" in r else " " * 9
-        gbps = f"{r['gbps']:8.0f}" if r["gbps"] is not None else " " * 8
-        pct = f"{r['pct_hbm']:6.1f}" if r["pct_hbm"] is not None else " " * 6
-        print(f"{r['op']:<10} {r['impl']:<7} {r['pass_']:<8} {r['ms']:9.3f} {bwd} {gbps} {pct}")
+        print(f"{r['op']:<13} {r['impl']:<7} {r['pass_']:<8} {r['ms']:9.3f} "
+              f"{_cell(r.get('bwd_ms'), '.3f', 9)} {_cell(r['gbps'], '.0f', 8)} "
+              f"{_cell(r['pct_hbm'], '.1f', 6)} {_cell(r.get('err'), '.1e', 8)}")
     print(f"reproduce: {command}")
+
+
+def wrong_rows(rows):
+    """The rows whose outputs differ from XLA's by more than MAX_ERR."""
+    return [r for r in rows if r.get("err", 0.0) > MAX_ERR]
 
 
 def main():
@@ -138,7 +190,7 @@ def main():
                  f"{jax.default_backend()!r}. Nothing was measured.")
     device = jax.devices()[0].device_kind
     command = f"PYTHONPATH=. python bench/kernels.py --batch {args.batch} --reps {args.reps}"
-    bandwidth, rows = measure(args.batch, args.reps)
+    bandwidth, rows = measure(Shapes(batch=args.batch), args.reps)
     print_table(device, bandwidth, rows, command)
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"kernels_{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}.json"
@@ -146,6 +198,9 @@ def main():
                                     reps=args.reps, copy_gbps=bandwidth, command=command,
                                     rows=rows), indent=2))
     print(f"wrote {path}")
+    if wrong_rows(rows):
+        sys.exit("outputs differ from XLA's by more than bf16 rounding: " + ", ".join(
+            f"{r['op']} {r['impl']} {r['pass_']} err {r['err']:.1e}" for r in wrong_rows(rows)))
 
 
 if __name__ == "__main__":
