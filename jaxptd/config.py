@@ -35,7 +35,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; master weights are always float32
     kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
     attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
-    remat: str = "none"  # activation recomputation per layer: none | full
+    remat: str = "none"  # activation recomputation: none | selective (attention core) | full
     init_std: float = 0.02
     layernorm_eps: float = 1e-5
 
@@ -140,7 +140,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
-    "model.remat": ("none", "full"),
+    "model.remat": ("none", "selective", "full"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
     "parallel.stash": ("activations", "inputs"),
     "optimizer.loss_scale": ("none", "dynamic"),

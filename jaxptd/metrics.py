@@ -9,7 +9,8 @@ costs 24 B s h^2 + 4 B s^2 h, and the logit layer 2 B s h V. The backward pass c
 twice the forward; full recomputation adds one more forward of the layers (not the logit
 layer). With recomputation this is equation (3):
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)),
-and without it 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)).
+and without it 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)). Selective recomputation
+(the attention core only) adds the core's 4 B s^2 h per layer to the latter.
 """
 from __future__ import annotations
 
@@ -28,12 +29,18 @@ PEAK_FLOPS = {
 }
 
 
-def flops_per_iteration(model: ModelConfig, batch: int, vocab: int, recompute: bool) -> float:
-    """Model FLOPs of one training iteration over `batch` sequences (eq. 3 of PTD-P)."""
+def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
+                        recompute: str = "none") -> float:
+    """Matmul FLOPs of one training iteration over `batch` sequences (eq. 3 of PTD-P).
+
+    recompute: "none", "selective" (the attention core again) or "full" (every layer's
+    forward again: equation (3) itself).
+    """
     b, s, l, h = batch, model.seq_len, model.num_layers, model.hidden_size
-    if recompute:
+    if recompute == "full":
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
-    return 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
+    flops = 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
+    return flops + (4 * b * s * s * h * l if recompute == "selective" else 0)
 
 
 def peak_flops(device_kind: str) -> float | None:

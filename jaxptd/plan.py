@@ -107,6 +107,15 @@ def real_counts(config: Config) -> dict:
     }
 
 
+def recomputation(config: Config) -> str:
+    """What a step recomputes in its backward pass: "full" with model.remat=full or when a
+    pipelined stage is recomputed from its stashed input (parallel.stash=inputs; a
+    selective recomputation inside that one is not counted again), else model.remat."""
+    if config.parallel.pipe > 1 and config.parallel.stash == "inputs":
+        return "full"
+    return config.model.remat
+
+
 def schedule_stats(config: Config, simulate: bool = True):
     """(bubble fraction, peak stash, (Stats, Schedule) or None): from the simulator when
     asked and small enough, else the paper's bubble and the lockstep schedule's stash on
@@ -131,21 +140,18 @@ def plan(config: Config, args, counts: dict | None = None, simulate: bool = True
     V, n, B, b = counts["vocab_padded"], config.num_devices, config.train.global_batch, \
         config.microbatch_size
     e = pm.DTYPE_BYTES[m_cfg.dtype]
-    remat = m_cfg.remat == "full"
     bubble, peak_stash, _ = schedule_stats(config, simulate)
     per_stage = l // par.pipe
     acts = pm.activation_memory(b=b, s=s, h=h, a=a, t=par.tensor, e=e,
                                 layers_per_stage=per_stage, vocab_local=V / par.tensor,
-                                remat=remat, pipe=par.pipe, peak_stash=peak_stash,
+                                remat=m_cfg.remat, pipe=par.pipe, peak_stash=peak_stash,
                                 chunks=par.chunks, keep_activations=par.stash == "activations")
     memory = pm.device_memory(weight_params=counts["weight_params"],
                               moment_params=counts["moment_params"], activations=acts,
                               microbatches=par.microbatches)
-    flops = {"recompute": flops_per_iteration(m_cfg, B, V, True),
-             "no_recompute": flops_per_iteration(m_cfg, B, V, False)}
-    # with parallel.stash=inputs the executor recomputes each stage inside its backward
-    recomputed = remat or (par.pipe > 1 and par.stash == "inputs")
-    executed = flops["recompute" if recomputed else "no_recompute"]
+    flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
+             "no_recompute": flops_per_iteration(m_cfg, B, V)}
+    executed = flops_per_iteration(m_cfg, B, V, recomputation(config))
     comm = pm.comm_volumes(b=b, s=s, h=h, t=par.tensor, d=par.data, e=e,
                            layers_per_stage=per_stage, grad_bytes=memory["gradients"])
     time = pm.step_time(
@@ -266,13 +272,13 @@ def verify(config: Config, report: dict) -> dict:
 def _loop_body_flops(config: Config, report: dict) -> float:
     """What XLA's cost analysis counts: it counts a while loop's body once, so the
     microbatch scan and the layer scan contribute one microbatch through one layer
-    (forward, backward and, with remat, the recomputed forward; Appendix) plus the logit
+    (forward, backward and what model.remat recomputes; Appendix) plus the logit
     layer (6 b s h V), per device."""
     m_cfg, par = config.model, config.parallel
     b, s, h, V = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, \
         m_cfg.padded_vocab(par.tensor)
-    passes = 4 if m_cfg.remat == "full" else 3
-    layer = passes * (24 * b * s * h * h + 4 * b * s * s * h)
+    forward, core = 24 * b * s * h * h + 4 * b * s * s * h, 4 * b * s * s * h
+    layer = 3 * forward + {"none": 0, "selective": core, "full": forward}[m_cfg.remat]
     return (layer + 6 * b * s * h * V) / par.tensor
 
 

@@ -31,13 +31,18 @@ def params_formula(l: int, h: int, V: int, s: int) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
 
 
+def scores_bytes(b, s, a, t, e) -> float:
+    """The attention probabilities one layer keeps, in float32 and the compute dtype: what
+    selective recomputation drops."""
+    return a * s * s * b / t * (4 + e)
+
+
 def layer_activation_bytes(b, s, h, a, t, e) -> float:
     """Bytes one layer keeps for its backward pass, one microbatch (module docstring)."""
     sbh = s * b * h
     replicated = sbh * 2 * (3 * 4 + e)  # two LayerNorms: 3 float32 tensors + output
     split = sbh / t * (4 + 6 * 4) * e  # q, k, v, context; 6 x [b, s, 4h/t]
-    scores = a * s * s * b / t * (4 + e)  # probabilities in float32 and compute dtype
-    return replicated + split + scores
+    return replicated + split + scores_bytes(b, s, a, t, e)
 
 
 def megatron_layer_activation_bytes(b, s, h, a, t) -> float:
@@ -54,23 +59,29 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
                       pipe, peak_stash, chunks=1, keep_activations=True) -> dict:
     """Activation bytes on the busiest device: the stash and one microbatch's working set.
 
-    pipe = 1: one microbatch through all layers (with remat: each layer's input, plus the
-    one layer being recomputed). pipe > 1, parallel.stash = inputs: the executor stashes
+    remat: "none", "selective" (each layer keeps all but its attention probabilities,
+    which the layer being differentiated recomputes) or "full" (each layer keeps its input).
+    pipe = 1: one microbatch through all layers (with full remat: each layer's input, plus
+    the one layer being recomputed). pipe > 1, parallel.stash = inputs: the executor stashes
     each in-flight (microbatch, chunk)'s stage input (peak_stash of the schedule
     simulator) and recomputes the stage under jax.vjp, so the working set is one
     microbatch through one chunk. parallel.stash = activations: each stash slot keeps the
-    chunk's backward residuals (with remat: each layer's input), its input and its output;
-    the working set is the same (a forward materialises one chunk's residuals before they
-    are stored). The backward transient is half a layer (the cotangents of the layer being
-    differentiated) without remat; with remat it fits inside the recomputed layer.
+    chunk's backward residuals (with full remat: each layer's input), its input and its
+    output; the working set is the same (a forward materialises one chunk's residuals
+    before they are stored). The backward transient is half a layer (the cotangents of the
+    layer being differentiated), plus its recomputed probabilities with selective remat;
+    with full remat it fits inside the recomputed layer.
     """
     layer = layer_activation_bytes(b, s, h, a, t, e)
+    scores = scores_bytes(b, s, a, t, e)
     stage_input = b * s * h * e
     chunk_layers = layers_per_stage // chunks
-    kept = stage_input if remat else layer  # per layer, from forward to backward
+    # per layer, kept from forward to backward; and the transient of one layer's backward
+    kept, transient = {"none": (layer, 0.5 * layer),
+                       "selective": (layer - scores, 0.5 * layer + scores),
+                       "full": (stage_input, layer)}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage
-    working = span * kept + (layer if remat else 0.5 * layer) + head_activation_bytes(
-        b, s, h, vocab_local)
+    working = span * kept + transient + head_activation_bytes(b, s, h, vocab_local)
     stash = 0.0
     if pipe > 1:
         stash = peak_stash * (chunk_layers * kept + 2 * stage_input if keep_activations

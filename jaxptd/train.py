@@ -96,16 +96,14 @@ def start(config: Config):
 def compile_step(setup, state, batch, timer, writer):
     """Compiles the step ahead of time and records its cost once -> (step, FLOPs/iter)."""
     from jaxptd import metrics
-    from jaxptd.plan import schedule_stats
+    from jaxptd.plan import recomputation, schedule_stats
     from jaxptd.step import build_train_step
 
     config = setup.config
     train_step = build_train_step(setup).lower(state, batch).compile()
     compile_s = timer.lap(1)
-    recompute = config.model.remat == "full" or (
-        setup.pipelined and config.parallel.stash == "inputs")
     flops = metrics.flops_per_iteration(config.model, config.train.global_batch, setup.vocab,
-                                        recompute)
+                                        recomputation(config))
     if writer:
         memory = train_step.memory_analysis()
         writer.write({"step": int(state["step"]), "event": "compiled",

@@ -42,6 +42,11 @@ def test_equation_3_by_hand(capsys):
     assert report["flops_recompute"] == pytest.approx(4 * 13312 + 49152)
     assert report["flops_no_recompute"] == pytest.approx(3 * 13312 + 49152)
     assert report["flops_per_iteration"] == report["flops_no_recompute"]  # remat none
+    # selective recomputation adds the attention core's forward, 4 B s^2 h per layer
+    out = run_main(capsys, ["model.num_layers=1", "model.hidden_size=8", "model.num_heads=2",
+                            "model.seq_len=4", "model.vocab_size=128", "train.global_batch=2",
+                            "model.remat=selective", "--json"])
+    assert json.loads(out)["flops_per_iteration"] == pytest.approx(3 * 13312 + 1024 + 49152)
 
 
 @pytest.mark.parametrize("billions", sorted(TABLE1))
@@ -158,7 +163,9 @@ def test_memory_matches_compiled_step_on_64_devices():
                ["parallel.data=16", "parallel.tensor=4", "parallel.microbatches=2",
                 "optimizer.zero1=true"],
                ["parallel.data=64"],
-               ["parallel.data=64", "optimizer.zero1=true"]] + PIPE_LAYOUTS
+               ["parallel.data=64", "optimizer.zero1=true"],
+               ["parallel.data=8", "parallel.tensor=8", "parallel.microbatches=2",
+                "model.seq_len=256", "model.remat=selective"]] + PIPE_LAYOUTS
     reports = verify_in_subprocess(layouts)
     assert len(reports) == len(layouts)
     for layout, report in zip(layouts, reports):

@@ -88,7 +88,8 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
     """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
 
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
-    With model.remat == 'full' each layer's activations are recomputed in the backward pass.
+    With model.remat == 'full' each layer's activations are recomputed in the backward pass
+    ('selective' recomputes only the attention core, inside layers.Attention).
     """
     block = _block(cfg, layout)
 

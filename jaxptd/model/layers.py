@@ -18,6 +18,7 @@ softmax and the loss run in float32.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -96,23 +97,38 @@ class Attention(nn.Module):
             context = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                                    implementation="cudnn")
         else:
-            scores = jnp.einsum("bqnd,bknd->bnqk", q, k)  # [b, heads/t, s, s]
-            probs = self._softmax(scores, scale).astype(dt)
+            key = None
             if cfg.dropout and not deterministic:
                 # Each tensor rank holds different heads: its dropout mask must differ.
                 rank = 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis)
                 key = jax.random.fold_in(self.make_rng("dropout"), rank)
-                probs = _dropout(probs, cfg.dropout, key)
-            context = jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, heads/t, d]
+            core = functools.partial(attention_core, cfg=cfg, scale=scale)
+            if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
+                core = jax.checkpoint(core)
+            context = core(q, k, v, key)
         out = jnp.einsum("bqnd,ndh->bqh", context, w_out.astype(dt))  # partial sum over heads
         return psum(out, self.tensor_axis) + b_out.astype(dt)  # g: all-reduce #1
 
-    def _softmax(self, scores, scale):
-        if self.cfg.kernels == "pallas":
-            from pallas_kernels import fused_softmax
 
-            return fused_softmax(scores, scale=scale, causal=True)
-        return softmax_reference(scores, scale)
+def attention_core(q, k, v, key, *, cfg: ModelConfig, scale: float):
+    """softmax(scale q k^T) v with the causal mask and, when `key` is given, dropout on the
+    probabilities. q, k, v: [b, s, heads/t, d] -> context [b, s, heads/t, d].
+
+    Megatron's selective recomputation (Korthikanti et al. 2022) recomputes exactly this:
+    its [b, heads/t, s, s] tensors are most of a layer's activations at long sequences and
+    only 4 b s^2 h of its FLOPs.
+    """
+    scores = jnp.einsum("bqnd,bknd->bnqk", q, k)  # [b, heads/t, s, s]
+    if cfg.kernels == "pallas":
+        from pallas_kernels import fused_softmax
+
+        probs = fused_softmax(scores, scale=scale, causal=True)
+    else:
+        probs = softmax_reference(scores, scale)
+    probs = probs.astype(cfg.dtype)
+    if key is not None:
+        probs = _dropout(probs, cfg.dropout, key)
+    return jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, heads/t, d]
 
 
 class MLP(nn.Module):
