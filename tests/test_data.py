@@ -1,8 +1,10 @@
-"""Tests for jaxptd.data: preparation, the val split, batches, entropy, errors, atomicity.
+"""Tests for jaxptd.data: preparation, the val split, batches, entropy, errors, atomicity,
+Hugging Face tokenizers files, and training on a BPE corpus.
 
 References are independent of the code under test: documents are compared with the text
 files they came from, the val rule is recomputed from sha256, batch rows are checked to
-be windows of the token file, entropy is computed by hand.
+be windows of the token file, entropy is computed by hand, BPE token files are decoded
+and re-encoded by the tokenizers library itself.
 """
 import hashlib
 import json
@@ -190,16 +192,6 @@ def test_cli_user_errors_exit_2_with_one_line(tmp_path):
                               "--val-fraction", "1.5"), "1.5", "[0, 1)")
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("tokenizers") is not None,
-                    reason="tokenizers is installed")
-def test_cli_tokenizer_without_package_names_it(tmp_path):
-    src = write_texts(tmp_path / "src", TEXTS)
-    tokenizer = tmp_path / "tok.json"
-    tokenizer.write_text("{}")
-    assert_user_error(run_cli("--input", src, "--output", tmp_path / "o", "--tokenizer",
-                              tokenizer), "'tokenizers'")
-
-
 def test_resolve_corpus_rejects_bad_paths(corpus, tmp_path):
     assert resolve_corpus(corpus) == corpus
     assert resolve_corpus(str(Path(corpus) / "meta.json")) == corpus
@@ -267,3 +259,247 @@ def test_pystdlib_corpus_is_prepared_once_into_the_cache(tmp_path, monkeypatch):
     assert resolve_corpus("pystdlib") == directory
     assert os.stat(Path(directory) / "train.bin").st_mtime_ns == stamp
     assert 2.0 < unigram_entropy(directory) < math.log(257)
+
+
+# ------------------------------------------------------- Hugging Face tokenizers files
+# Tokenizers are trained in-process (nothing is downloaded) and saved as JSON; references
+# are the library itself: its decode of the stored ids and its encode of each document.
+
+WORDS = ("the model reads tokens from files while every pipeline stage sends activations "
+         "forward and gradients back; tensor ranks split heads and columns, données, "
+         "größe, 東京, naïve café").split()
+BPE_VOCAB = 320  # 256 byte symbols + 2 special tokens + 62 merges
+
+
+def sentences(seed: int, count: int) -> str:
+    rng = np.random.default_rng(seed)
+    lines = (" ".join(rng.choice(WORDS, size=rng.integers(4, 12))) for _ in range(count))
+    return "\n".join(lines) + "\n"
+
+
+def hf_decode(hf, ids) -> str:
+    return hf.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    """(tokenizer.json path, the trained library Tokenizer): byte-level BPE, vocab 320.
+
+    "</s>" gets id 0 and "<|endoftext|>" id 1, so the eot preference order is visible. The
+    saved file also configures truncation and padding, as many model tokenizer.json files
+    do; the in-memory reference keeps the library defaults (neither).
+    """
+    pytest.importorskip("tokenizers")  # in the dev extra; its absence is tested below
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    hf = Tokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB, special_tokens=["</s>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    hf.train_from_iterator([sentences(0, 200)], trainer)
+    assert hf.get_vocab_size(with_added_tokens=True) == BPE_VOCAB
+    hf.enable_truncation(16)
+    hf.enable_padding(length=64)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    hf.save(str(path))
+    hf.no_truncation()
+    hf.no_padding()
+    return path, hf
+
+
+def split_at(tokens: np.ndarray, eot: int) -> list:
+    """Token arrays of the documents of a split: cut at every eot, which ends each one."""
+    assert len(tokens) == 0 or tokens[-1] == eot
+    cuts = np.flatnonzero(tokens == eot)
+    return [tokens[begin:end] for begin, end in zip(np.r_[0, cuts[:-1] + 1], cuts)]
+
+
+def test_bpe_corpus_decodes_to_the_documents_with_one_eot_each(bpe, tmp_path):
+    path, hf = bpe
+    texts = {f"d{i}.txt": sentences(i + 1, 6) for i in range(8)}
+    texts["special.txt"] = "a text about <|endoftext|> and </s> markers\n"
+    texts["empty.txt"] = ""
+    src = write_texts(tmp_path / "src", {key: text.encode() for key, text in texts.items()})
+    result = run_cli("--input", src, "--output", tmp_path / "out", "--tokenizer",
+                     os.path.relpath(path, REPO), "--val-fraction", "0.3")  # run in REPO
+    assert result.returncode == 0, result.stderr
+    meta = read_meta(tmp_path / "out")
+    eot = hf.token_to_id("<|endoftext|>")  # preferred to "</s>", although that id is lower
+    assert eot > hf.token_to_id("</s>")
+    assert (meta["vocab_size"], meta["dtype"], meta["eot_id"]) == (BPE_VOCAB, "uint16", eot)
+    assert meta["tokenizer"] == str(path.resolve())
+    expected_val = {key for key in texts if hash_unit(key) < 0.3}
+    assert 0 < len(expected_val) < len(texts)
+    lengths = []
+    for split in ("train", "val"):
+        tokens = np.fromfile(tmp_path / "out" / f"{split}.bin", dtype=np.uint16)
+        assert meta[f"{split}_tokens"] == len(tokens)
+        documents = split_at(tokens, eot)  # the literal "<|endoftext|>" text is not an eot
+        lengths += map(len, documents)
+        keys = sorted(expected_val if split == "val" else set(texts) - expected_val)
+        assert sorted(hf_decode(hf, ids) for ids in documents) == sorted(texts[k] for k in keys)
+        for ids in documents:  # the library's own ids, not just text that decodes right
+            text = hf_decode(hf, ids)
+            if "<|endoftext|>" not in text:
+                assert ids.tolist() == hf.encode(text, add_special_tokens=False).ids
+    assert max(lengths) > 64 and min(lengths) == 0  # the file's truncation/padding unused
+
+
+
+def word_level(path: Path, words: int, eot_id: int) -> Path:
+    """A WordLevel tokenizer file: "w<i>" -> i for i < words, "<|endoftext|>" -> eot_id."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(words)} | {"<|endoftext|>": eot_id}
+    hf = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("words, eot_id, dtype", [(65535, 65535, "uint16"),
+                                                  (70000, 70001, "uint32")])
+def test_vocab_size_is_largest_id_plus_one_and_dtype_holds_it(tmp_path, words, eot_id, dtype):
+    """Ids 0..words-1 and eot_id; the second file leaves id 70000 unused (a gap)."""
+    tokenizer = word_level(tmp_path / "words.json", words, eot_id)
+    src = write_texts(tmp_path / "src", {"a.txt": b"w1 w65534 w7\nw0", "b.txt": b"w3"})
+    if words > 65536:
+        (src / "b.txt").write_bytes(b"w65535 w65536 w69999")
+    out = prepare_corpus([str(src)], tmp_path / "out", tokenizer=str(tokenizer),
+                         val_fraction=0.0)
+    meta = read_meta(out)
+    assert (meta["vocab_size"], meta["dtype"], meta["eot_id"]) == (eot_id + 1, dtype, eot_id)
+    expected = [[1, 65534, 7, 0], [int(word[1:]) for word in (src / "b.txt").read_text().split()]]
+    assert [ids.tolist() for ids in split_at(TokenDataset(out).tokens, eot_id)] == expected
+
+
+def other_tokenizer(bpe, kind: str):
+    """A library Tokenizer of another kind than the byte-level ``bpe``, vocab ~200."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    _, hf = bpe
+    if kind == "prepending":  # as Llama-2's tokenizer.json does
+        prepending = Tokenizer.from_str(hf.to_str())
+        prepending.normalizer = normalizers.Prepend("_")
+        return prepending
+    metaspace = Tokenizer(models.BPE(unk_token="<unk>"))  # SentencePiece-style
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    metaspace.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"],
+                                  show_progress=False)
+    metaspace.train_from_iterator([sentences(0, 200)], trainer)
+    return metaspace
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "metaspace", "prepending"])
+def test_long_document_is_encoded_in_pieces_that_equal_the_whole(bpe, tmp_path, monkeypatch,
+                                                                 kind):
+    """Cut at spaces and newlines (byte-level), at spaces only (metaspace: a newline cut
+    adds a word start), or not at all (a normalizer prepending to each text)."""
+    from jaxptd.data import tokenizer as tokenizer_module
+
+    reference = bpe[1] if kind == "byte-level" else other_tokenizer(bpe, kind)
+    reference.save(str(tmp_path / "tokenizer.json"))
+    text = sentences(7, 80)
+    monkeypatch.setattr(tokenizer_module, "_PIECE_CHARS", 500)
+    monkeypatch.setattr(tokenizer_module, "_CHECK_CHARS", 50)  # check windows: <= 100 chars
+    tokenizer = tokenizer_module.load_tokenizer(str(tmp_path / "tokenizer.json"))
+    encoded = []
+
+    class Spy:  # records the texts the library encodes, the last piece last
+        def encode(self, piece, **kwargs):
+            encoded.append(piece)
+            return reference.encode(piece, **kwargs)
+
+    tokenizer._hf = Spy()
+    ids = tokenizer.encode(text.encode()).tolist()
+    assert ids == reference.encode(text, add_special_tokens=False).ids
+    pieces = [piece for piece in encoded[:-1] if len(piece) >= 500] + encoded[-1:]
+    assert "".join(pieces) == text
+    starts = {piece[0] for piece in pieces[1:]}
+    if kind == "byte-level":
+        assert len(pieces) > 3 and " " in starts and len(starts) > 1
+    elif kind == "metaspace":
+        assert len(pieces) > 3 and starts == {" "}
+    else:  # every cut refused, the first rightly: a naive cut there changes the ids
+        window, left = encoded[:2]
+        cut = text.index(window) + len(left)
+        naive = sum((reference.encode(part, add_special_tokens=False).ids
+                     for part in (text[:cut], text[cut:])), [])
+        assert pieces == [text] and naive != ids
+        assert len(encoded) == 3 * tokenizer_module._REFUSED_CUTS + 1
+
+
+def test_tokenizer_file_user_errors_are_one_line(bpe, tmp_path):
+    path, _ = bpe
+    src = write_texts(tmp_path / "src", TEXTS)
+    bad = {"garbled.json": "{not json", "config.json": '{"model_max_length": 1024}'}
+    for name, content in bad.items():
+        (tmp_path / name).write_text(content)
+        assert_user_error(run_cli("--input", src, "--output", tmp_path / "o", "--tokenizer",
+                                  tmp_path / name), repr(str(tmp_path / name)),
+                          "is not a tokenizers JSON file")
+    no_eot = Path(tmp_path / "no_eot.json")
+    no_eot.write_text(path.read_text().replace("<|endoftext|>", "<|x|>").replace("</s>", "<y>"))
+    with pytest.raises(DataError, match=r"none of the end-of-document tokens \['<\|endoftext"):
+        prepare_corpus([str(src)], tmp_path / "o", tokenizer=str(no_eot))
+    # TEXTS["b.txt"] is not UTF-8: refused rather than altered (the byte tokenizer takes it)
+    assert_user_error(run_cli("--input", src, "--output", tmp_path / "o", "--tokenizer", path),
+                      repr(str(src / "b.txt")), "not UTF-8 text (byte 8:")
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_or_old_tokenizers_package_is_a_user_error(tmp_path, monkeypatch, capsys):
+    """Runs whether or not tokenizers is installed: the missing and the old package are
+    simulated."""
+    src = write_texts(tmp_path / "src", {"a.txt": b"text"})
+    path = tmp_path / "tokenizer.json"
+    path.write_text("{}")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # `import tokenizers` fails
+    assert prepare_module.main(["--input", str(src), "--output", str(tmp_path / "o"),
+                                "--tokenizer", str(path)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ") and "'tokenizers'" in error
+    old = type(sys)("tokenizers")  # a release before encode_special_tokens (0.15.1)
+    old.__version__ = "0.14.1"
+    old.Tokenizer = type("Tokenizer", (), {"from_file": staticmethod(lambda spec: object())})
+    monkeypatch.setitem(sys.modules, "tokenizers", old)
+    with pytest.raises(DataError, match=r"tokenizers >= 0.15.1, found 0.14.1"):
+        prepare_corpus([str(src)], tmp_path / "o", tokenizer=str(path))
+
+
+def test_train_runs_on_a_bpe_corpus_and_refuses_a_smaller_model_vocab(bpe, tmp_path, capsys):
+    """`python -m jaxptd.train` on the BPE corpus with model.vocab_size = the tokenizer's
+    vocab (padded to 128 x tensor 2 = 512 rows); the default 257 is refused in one line."""
+    from jaxptd import train
+
+    path, _ = bpe
+    lines = sentences(0, 200).splitlines(keepends=True)  # the tokenizer's training text
+    src = write_texts(tmp_path / "src", {f"d{i}.txt": "".join(lines[i::20]).encode()
+                                         for i in range(20)})
+    corpus = prepare_corpus([str(src)], tmp_path / "corpus", tokenizer=str(path),
+                            val_fraction=0.2)
+    assert TokenDataset(corpus).tokens.max() == BPE_VOCAB - 1  # the top id is fed to the model
+    overrides = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2",
+                 "model.seq_len=16", "train.global_batch=4", "parallel.data=1",
+                 "parallel.tensor=2", "train.steps=3", "train.log_every=1",
+                 "train.eval_every=0", "checkpoint.every=0",  # no eval compile: CI time
+                 "optimizer.warmup_steps=1", f"data.path={corpus}",
+                 f"train.run_dir={tmp_path / 'run'}"]
+    assert train.main(overrides) == 2  # model.vocab_size left at its default, 257
+    refused = capsys.readouterr().err
+    assert refused.count("\n") == 1 and refused.startswith("error: model.vocab_size=257")
+    assert f"corpus vocabulary {BPE_VOCAB}" in refused
+    result = subprocess.run([sys.executable, "-m", "jaxptd.train", *overrides,
+                             f"model.vocab_size={BPE_VOCAB}"], cwd=REPO, text=True,
+                            capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(tmp_path / "run" / "metrics.jsonl") as handle:
+        records = [json.loads(line) for line in handle]
+    losses = [record["loss"] for record in records if "loss" in record]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
+    # Uniform over the tokenizer's 320 ids at init (ln 512 if the padded rows counted).
+    assert losses[0] == pytest.approx(math.log(BPE_VOCAB), abs=0.2)

@@ -18,8 +18,8 @@ Invariants:
   which nothing reads.
 - An output that already holds a complete corpus is refused (CLI: ``error:``, exit 2)
   unless ``exist_ok=True``, which makes preparation a no-op; ``resolve_corpus`` uses that.
-- Byte tokenizer: ids 0..255 are bytes, 256 is end-of-document, vocab 257, lossless.
-  A Hugging Face ``tokenizers`` JSON file is used when given; the package is optional.
+- Tokens: the byte tokenizer (vocab 257), or a Hugging Face ``tokenizers`` JSON file
+  when given (the package is optional); ``tokenizer.py`` owns both.
 
 The built-in corpus ``pystdlib`` (the running Python's standard library ``*.py`` files,
 tests excluded) needs no download, so every machine can train out of the box.
@@ -43,66 +43,13 @@ from typing import Sequence
 import numpy as np
 
 from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta
+from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
 
-BYTE_VOCAB_SIZE = 257
-BYTE_EOT_ID = 256
 STDLIB_CORPUS = "pystdlib"
 # Tests, third-party packages and the IDLE GUI are skipped: they change between patch
 # releases and distributions more than the library itself, and tests double the size.
 STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests",
                                   "idlelib", "__pycache__"})
-# Special tokens tried, in order, as the end-of-document id of a Hugging Face tokenizer.
-_HF_EOT_TOKENS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
-
-class Tokenizer:
-    """Bytes -> token ids. Byte-level unless built by ``load_tokenizer`` from a JSON file.
-
-    Attributes:
-      name: "byte" or the tokenizer file path (stored in meta.json).
-      vocab_size, eot_id: as stored in meta.json.
-    """
-
-    def __init__(self, name: str = "byte", vocab_size: int = BYTE_VOCAB_SIZE,
-                 eot_id: int = BYTE_EOT_ID, hf_tokenizer=None):
-        self.name, self.vocab_size, self.eot_id = name, vocab_size, eot_id
-        self._hf = hf_tokenizer
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.uint32)
-
-    def encode(self, data: bytes) -> np.ndarray:
-        """Token ids of one document (no eot), shape [n], dtype ``self.dtype``."""
-        if self._hf is None:
-            return np.frombuffer(data, dtype=np.uint8).astype(self.dtype)
-        text = data.decode("utf-8", errors="replace")
-        ids = self._hf.encode(text, add_special_tokens=False).ids
-        return np.asarray(ids, dtype=self.dtype)
-
-
-def load_tokenizer(spec: str | None) -> Tokenizer:
-    """The byte tokenizer for None or "byte", else a Hugging Face tokenizers JSON file."""
-    if spec is None or spec == "byte":
-        return Tokenizer()
-    if not Path(spec).is_file():
-        raise DataError(f"--tokenizer {spec!r} does not exist; expected a Hugging Face "
-                        "tokenizers JSON file or 'byte'")
-    try:
-        from tokenizers import Tokenizer as HFTokenizer
-    except ImportError:
-        raise DataError(f"--tokenizer {spec!r} needs the Python package 'tokenizers' "
-                        "(pip install tokenizers); omit it for the byte tokenizer") from None
-    try:
-        hf = HFTokenizer.from_file(spec)
-    except Exception as err:  # the Rust side raises its own exception types
-        raise DataError(f"--tokenizer {spec!r} is not a tokenizers JSON file ({err})") from None
-    eot_ids = [hf.token_to_id(token) for token in _HF_EOT_TOKENS]
-    eot_ids = [token_id for token_id in eot_ids if token_id is not None]
-    if not eot_ids:
-        raise DataError(f"--tokenizer {spec!r} has none of the end-of-document tokens "
-                        f"{list(_HF_EOT_TOKENS)}")
-    return Tokenizer(spec, hf.get_vocab_size(with_added_tokens=True), eot_ids[0], hf)
 
 
 def find_documents(inputs: Sequence[str], glob: str,
@@ -194,7 +141,12 @@ def _write_splits(documents: list[tuple[str, Path]], splits: list[str],
             except OSError as err:
                 raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") \
                     from None
-            ids = np.concatenate([tokenizer.encode(data), eot])
+            try:
+                ids = np.concatenate([tokenizer.encode(data), eot])
+            except UnicodeDecodeError as err:
+                raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                                f"{err.reason}), which --tokenizer {tokenizer.name!r} "
+                                "requires; fix or drop the file") from None
             files[split].write(ids.tobytes())
             counts[f"{split}_tokens"] += len(ids)
             counts[f"{split}_documents"] += 1
