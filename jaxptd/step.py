@@ -14,6 +14,9 @@ Owns the train state, its shardings, and the step. The step has two parts:
 2. The update, outside it (GSPMD): clipping, AdamW on float32 masters, ZeRO-1 optimizer
    state sharded over data, dynamic loss scaling for float16.
 
+The eval step (validation loss) is the same fully manual shard_map without gradients: a
+forward over the local rows, or with pipe > 1 the executor's forward-only pipeline.
+
 The state is a dict {params, opt_state, step, rng, loss_scale} passed in and returned.
 """
 from __future__ import annotations
@@ -218,13 +221,15 @@ def build_train_step(setup: Setup):
 
 
 def build_eval_step(setup: Setup):
-    """The jitted validation loss: (params, batch) -> mean token loss (no dropout)."""
+    """The jitted validation loss: (params, batch) -> mean token loss (no dropout). With
+    pipe > 1 the pipeline runs the schedule's forwards alone (no gradient program)."""
     config = setup.config
-    if config.parallel.pipe > 1:  # the pipeline computes the loss along with gradients
-        grads_fn = build_grads(setup, deterministic=True)
+    if config.parallel.pipe > 1:
+        from jaxptd.pipeline.executor import pipeline_loss
 
-        def eval_fn(params, batch):
-            return grads_fn(params, batch, jnp.zeros(2, jnp.uint32), 0, jnp.float32(1))[1]
+        def local_loss(params, batch):
+            loss = pipeline_loss(mark_varying(params, (DATA, PIPE)), batch, setup=setup)
+            return lax.psum(loss, (DATA, PIPE))
     else:
         tokens = config.train.global_batch * config.model.seq_len
 
@@ -233,7 +238,7 @@ def build_eval_step(setup: Setup):
                                 setup.local_layout, True)
             return lax.psum(loss, DATA) / tokens
 
-        eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,
-                                in_specs=(setup.param_specs, P(DATA)), out_specs=P())
+    eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,
+                            in_specs=(setup.param_specs, P(DATA)), out_specs=P())
     return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"],
                                           setup.batch_sharding))

@@ -29,15 +29,16 @@ def fixed_batches(config, n, seed=0):
     return [rng.integers(0, config.model.vocab_size, shape).astype(np.int32) for _ in range(n)]
 
 
+def reference_loss(config, vocab, params, batch):
+    """Mean token loss on one device, global parameters, no dropout."""
+    tokens = batch.shape[0] * (batch.shape[1] - 1)
+    return gpt.loss_sum(params, jnp.asarray(batch), jax.random.key(0), config.model,
+                        gpt.Layout(vocab), True) / tokens
+
+
 def reference_loss_and_grads(config, vocab, params, batch):
     """Mean token loss and its gradients on one device, global parameters."""
-    tokens = batch.shape[0] * (batch.shape[1] - 1)
-
-    def loss_fn(p):
-        return gpt.loss_sum(p, jnp.asarray(batch), jax.random.key(0), config.model,
-                            gpt.Layout(vocab), True) / tokens
-
-    return jax.value_and_grad(loss_fn)(params)
+    return jax.value_and_grad(lambda p: reference_loss(config, vocab, p, batch))(params)
 
 
 def reference_losses(config, vocab, params, batches):

@@ -1,5 +1,6 @@
-"""Pipeline executor: parity with the single-device program for every schedule, bounded
-memory for 1f1b/interleaved, and the point-to-point traffic the schedule implies."""
+"""Pipeline executor: parity with the single-device program for every schedule (training
+and the forward-only eval), bounded memory for 1f1b/interleaved, and the point-to-point
+traffic the schedule implies."""
 import json
 import os
 import re
@@ -11,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads,
-                     reference_losses)
+from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss,
+                     reference_loss_and_grads, reference_losses)
 from jaxptd.config import ConfigError, load_config
 from jaxptd.pipeline.executor import rounds_for
 from jaxptd.pipeline.schedules import make_schedule, simulate
-from jaxptd.step import build_grads, build_train_step
+from jaxptd.step import build_eval_step, build_grads, build_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -72,6 +73,46 @@ def test_pipelined_training_steps_match_single_device():
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(
         losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
+
+
+def random_params(setup, seed=0):
+    """Every leaf drawn N(0, 0.1) on the host, norms included (a stage that ran another
+    stage's weights would show) -> (in-memory params in their shardings, logical params)."""
+    rng = np.random.default_rng(seed)
+    host = jax.tree.map(lambda x: rng.normal(0.0, 0.1, x.shape).astype(x.dtype),
+                        setup.abstract_params)
+    return jax.device_put(host, setup.state_shardings["params"]), setup.to_logical(host)
+
+
+@pytest.mark.parametrize("case", [(1, 4, 1, "1f1b", 1, 8, 4), (1, 4, 1, "interleaved", 2, 5, 8),
+                                  (2, 2, 2, "gpipe", 1, 2, 4)],
+                         ids=lambda case: "-".join(map(str, case)))
+def test_pipelined_eval_loss_matches_single_device(case):
+    """The forward-only pipeline's loss: 1f1b, interleaved with m not a multiple of p, and
+    data and tensor parallelism inside the stages."""
+    setup = pipelined_setup(*case)
+    params, logical = random_params(setup)
+    batch = fixed_batches(setup.config, 1)[0]
+    loss = build_eval_step(setup)(params, jax.device_put(batch, setup.batch_sharding))
+    expected = reference_loss(setup.config, setup.vocab, logical, batch)
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+
+
+def test_pipelined_eval_runs_no_backward():
+    """The eval program sends activations only (one ppermute; the gradient program has a
+    second, backwards) and loops over the forward-only rounds, m + p - 1 for 1f1b, not the
+    training schedule's."""
+    p, m = 4, 8
+    setup = pipelined_setup(1, p, 1, "1f1b", 1, m, 4)
+    config = setup.config
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+                                 jnp.int32, sharding=setup.batch_sharding)
+    params = setup.abstract_state()["params"]
+    eval_step = build_eval_step(setup)
+    assert str(jax.make_jaxpr(eval_step)(params, batch)).count("ppermute[") == 1
+    text = eval_step.lower(params, batch).compile().as_text()
+    trips = [int(n) for n in re.findall(r'known_trip_count[^0-9]*(\d+)', text)]
+    assert max(trips) == m + p - 1 < rounds_for("1f1b", p, m, 1).num_rounds, trips
 
 
 def test_layer_assignment_follows_virtual_stages():

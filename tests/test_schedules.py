@@ -1,6 +1,7 @@
 """Schedules against independent references: hand-worked grids, the PTD-P paper's bubble
-formulas (§2.2), a replay of the slot tables as the executor would run them, the
-validator on broken schedules, and the CLI."""
+formulas (§2.2), a replay of the slot tables as the executor would run them (training and
+forward-only), the validator on broken schedules, and the CLI."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -8,8 +9,8 @@ import sys
 import pytest
 
 from jaxptd.pipeline import schedules as sch
-from jaxptd.pipeline.schedules import (Action, Schedule, ScheduleError, check_layers, lower,
-                                       make_schedule, simulate, validate)
+from jaxptd.pipeline.schedules import (Action, Schedule, ScheduleError, check_layers,
+                                       forward_only, lower, make_schedule, simulate, validate)
 
 
 def _rows(rounds):
@@ -104,15 +105,19 @@ def test_peak_stash():
         assert len(peaks) == 1 and max(next(iter(peaks))) <= (v + 1) * p
 
 
+@pytest.mark.parametrize("forward", [False, True], ids=["train", "forward-only"])
 @pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 4, 6, 2),
                                         ("interleaved", 3, 7, 3), ("gpipe", 3, 4, 1)])
-def test_messages_and_slot_tables_replay(kind, p, m, v):
-    """Replays the tables the way the executor does, with labels in place of tensors."""
+def test_messages_and_slot_tables_replay(kind, p, m, v, forward):
+    """Replays the tables the way the executor does, with labels in place of tensors:
+    every (microbatch, virtual stage) forward runs once, on its own input, and a live
+    stash or grad slot is never overwritten."""
     schedule, S = make_schedule(kind, p, m, v), p * v
+    schedule = forward_only(schedule) if forward else schedule
     R = lower(schedule)
     stash = [[None] * R.num_stash_slots for _ in range(p)]
     grads = [[None] * R.num_grad_slots for _ in range(p)]
-    done = 0
+    forwards, done = [], 0
     for t in range(R.num_rounds):
         sent = [None] * p
         for r in range(p):
@@ -121,12 +126,16 @@ def test_messages_and_slot_tables_replay(kind, p, m, v):
                 if s == 0:
                     stash[r][R.f_slot[t][r]] = (j, 0)
                 assert stash[r][R.f_slot[t][r]] == (j, s)
+                forwards.append((j, s))
                 sent[(r + 1) % p] = (j, s + 1) if s < S - 1 else None
         for r in range(p):
             assert R.recv_f_valid[t][r] == (sent[r] is not None)
             if sent[r]:
                 assert stash[r][R.recv_f_slot[t][r]] is None  # never overwrite a live input
                 stash[r][R.recv_f_slot[t][r]] = sent[r]
+        for r in range(p):  # forward-only: the input is free once its F has read it
+            if forward and R.f_valid[t][r]:
+                stash[r][R.f_slot[t][r]] = None
         sent = [None] * p
         for r in range(p):
             if R.b_valid[t][r]:
@@ -143,11 +152,49 @@ def test_messages_and_slot_tables_replay(kind, p, m, v):
             if sent[r]:
                 assert grads[r][R.recv_b_slot[t][r]] is None
                 grads[r][R.recv_b_slot[t][r]] = sent[r]
-    assert done == m * S
+    assert sorted(forwards) == [(j, s) for j in range(m) for s in range(S)]
+    assert done == (0 if forward else m * S)
     assert all(x is None for rank in stash + grads for x in rank)
     stats = simulate(schedule)
-    assert stats.messages == {"forward": m * (S - 1), "backward": m * (S - 1)}
+    assert stats.messages == {"forward": m * (S - 1), "backward": 0 if forward else m * (S - 1)}
     assert R.num_stash_slots == max(stats.peak_stash)
+
+
+@pytest.mark.parametrize("kind,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 1, 1),
+                                      ("interleaved", 4, 2), ("interleaved", 3, 3),
+                                      ("interleaved", 2, 4)])
+def test_forward_only_rounds_closed_form(kind, p, v):
+    """Chunk c of microbatch j can start on rank 0 once chunk c-1 has left rank p-1, p
+    rounds after it started there: a group of g >= p microbatches never waits, one of
+    g < p waits p - g rounds at each of the v - 1 chunk wrap-arounds. So the last forward
+    ends in round (v-1) max(m, p) + m + p - 2, and the bubble is (p-1)/(v m) for m >= p.
+    Stash: an input arrives the round before its forward on every rank (2 slots) except
+    at rank 0's wrap-around, where a group of g waits g - p + 1 rounds (g - p + 2 slots)."""
+    for m in range(1, 3 * p + 2):
+        schedule = forward_only(make_schedule(kind, p, m, v))
+        rounds, stats = validate(schedule), simulate(schedule)
+        assert rounds.num_rounds == (v - 1) * max(m, p) + m + p - 1, m
+        assert rounds.num_grad_slots == 0 and not any(map(any, rounds.b_valid))
+        if m >= p:
+            assert stats.bubble_fraction == pytest.approx((p - 1) / (v * m)), m
+        g = -(-m // max(1, m // p))  # the largest of make_schedule's max(1, m // p) groups
+        assert rounds.num_stash_slots == (1 if p == 1 or m == 1 else
+                                          2 if v == 1 else max(2, g - p + 2)), m
+        if v == 1:  # a forward wave: F(j) on rank r in round j + r
+            assert all(rounds.f_valid[j + r][r] and rounds.f_mb[j + r][r] == j
+                       for j in range(m) for r in range(p))
+
+
+def test_forward_only_keeps_the_training_rule_strict():
+    schedule = forward_only(make_schedule("1f1b", 2, 2))
+    assert [[a.label() for a in acts] for acts in schedule.actions] == [["F0", "F1"]] * 2
+    with pytest.raises(ScheduleError, match=r"rank 0: B0 is missing \(each F and B"):
+        validate(dataclasses.replace(schedule, forward_only=False))
+    with_backward = dataclasses.replace(schedule, actions=(
+        (Action("F", 0, 0), Action("F", 1, 0), Action("B", 0, 0)), schedule.actions[1]))
+    with pytest.raises(ScheduleError, match=r"rank 0: .* is outside kind F, .*"
+                                            r"\(forward-only: each F exactly once, no B\)"):
+        validate(with_backward)
 
 
 def _broken(actions, p=2, m=2):
@@ -209,6 +256,13 @@ def test_cli_json_and_grid():
     assert len(got["peak_stash"]) == 4 and got["messages"]["forward"] == 8 * 7
     text = _cli("--kind", "1f1b", "--stages", "2", "--microbatches", "2").stdout
     assert "rank 1  .  .  F0 B0 F1 B1 .  ." in text and "bubble_fraction 0.5000" in text
+
+
+def test_cli_forward_only(capsys):
+    assert sch.main(["--kind", "1f1b", "--stages", "2", "--microbatches", "2",
+                     "--forward-only"]) == 0
+    text = capsys.readouterr().out
+    assert "rank 0  F0 F1 .\nrank 1  .  F0 F1\n" in text and "bubble_fraction 0.5000" in text
 
 
 @pytest.mark.parametrize("args", [["--kind", "gpipe", "--stages", "4", "--microbatches", "8",

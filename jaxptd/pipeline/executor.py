@@ -30,6 +30,11 @@ The first virtual stage also runs the embedding, the last the head and the loss,
 microbatch's backward can start in the round its forward ends; the tied embedding's two
 gradient contributions meet in the step's reduction over 'pipe'.
 
+Evaluation (`pipeline_loss`) runs the schedule's forwards alone (`schedules.forward_only`):
+rounds of one F slot and one ppermute, no vjp, no gradient buffers, and a stash slot
+freed as soon as its forward has read it: v m + p - 1 rounds for m >= p (training's
+rounds also carry the backwards' tail) and a stash of 2 slots for v = 1 (at most p + 1).
+
 Scatter/gather (PTD-P §4.1): a stage output is the same on every tensor rank, so each
 tensor rank sends only its 1/t slice of the hidden dimension and the receiver all-gathers
 it over 'tensor'.
@@ -47,7 +52,7 @@ from jax import lax
 
 from jaxptd.mesh import DATA, PIPE, TENSOR
 from jaxptd.model import gpt
-from jaxptd.pipeline.schedules import Rounds, lower, make_schedule
+from jaxptd.pipeline import schedules
 from jaxptd.sharding import mark_varying
 
 try:  # an all-gather typed "same on every rank" (the receiver's activations must be)
@@ -55,19 +60,29 @@ try:  # an all-gather typed "same on every rank" (the receiver's activations mus
 except ImportError:  # a JAX without it: place the slice and psum (twice the bytes)
     all_gather_invariant = None
 
-TABLE_FIELDS = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
-                "b_grad_slot", "recv_f_valid", "recv_f_slot", "recv_b_valid", "recv_b_slot")
+# The tables of schedules.Rounds that each slot reads; a forward-only pass reads the first.
+FORWARD_FIELDS = ("f_valid", "f_mb", "f_chunk", "f_slot", "recv_f_valid", "recv_f_slot")
+BACKWARD_FIELDS = ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "recv_b_valid",
+                   "recv_b_slot")
 
 
 @lru_cache(maxsize=32)
-def rounds_for(kind: str, stages: int, microbatches: int, chunks: int) -> Rounds:
-    """The lowered (and thereby validated) rounds of a schedule."""
-    return lower(make_schedule(kind, stages, microbatches, chunks))
+def rounds_for(kind: str, stages: int, microbatches: int, chunks: int,
+               forward_only: bool = False) -> schedules.Rounds:
+    """The lowered rounds of a schedule (training, or its forwards alone for evaluation)."""
+    schedule = schedules.make_schedule(kind, stages, microbatches, chunks)
+    return schedules.lower(schedules.forward_only(schedule) if forward_only else schedule)
 
 
-def _tables(rounds: Rounds, rank):
-    """This rank's row of every table: a dict of int32 [T] arrays."""
-    return {name: jnp.asarray(getattr(rounds, name), jnp.int32)[:, rank] for name in TABLE_FIELDS}
+def _tables(rounds: schedules.Rounds, rank, fields):
+    """This rank's row of the named tables: a dict of int32 [T] arrays."""
+    return {name: jnp.asarray(getattr(rounds, name), jnp.int32)[:, rank] for name in fields}
+
+
+def _pairs(p: int, v: int, step: int) -> list:
+    """ppermute (source, destination) pairs r -> r + step over 'pipe': activations (step
+    1) or gradients (step -1); the wrap-around link is used only by interleaving."""
+    return [(r, (r + step) % p) for r in range(p) if v > 1 or 0 <= r + step < p]
 
 
 def _chunk(layers, c):
@@ -103,10 +118,21 @@ def _gather(x, tensor: int):
                                                     axis=-1), TENSOR)
 
 
+def _read(buffer, slot):
+    return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+
+
 def _store(buffer, valid, slot, value):
     """buffer[slot] = value where valid (a received message), else unchanged."""
-    old = lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
-    return lax.dynamic_update_index_in_dim(buffer, jnp.where(valid, value, old), slot, 0)
+    return lax.dynamic_update_index_in_dim(
+        buffer, jnp.where(valid, value, _read(buffer, slot)), slot, 0)
+
+
+def _send(x, pairs, tensor: int, buffer, valid, slot):
+    """Sends x [b, s, h] along `pairs` (each tensor rank its 1/t slice, gathered again at
+    the receiver) and stores what arrives in buffer[slot] where valid. Every rank calls it."""
+    received = _gather(lax.ppermute(_scatter(x, tensor), PIPE, pairs), tensor)
+    return _store(buffer, valid > 0, slot, received)
 
 
 class _Stage:
@@ -117,16 +143,24 @@ class _Stage:
     the head on the last only (lax.cond: the other ranks skip them at run time).
     """
 
-    def __init__(self, setup, micro, key, rank, deterministic):
-        config = setup.config
+    def __init__(self, setup, batch, key, deterministic):
+        config, m = setup.config, setup.config.parallel.microbatches
         self.config, self.layout = config, setup.local_layout
-        self.micro, self.key, self.rank = micro, key, rank
+        self.micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, s+1]
+        self.key, self.rank = key, lax.axis_index(PIPE)
         self.deterministic = deterministic
         self.last = config.parallel.pipe * config.parallel.chunks - 1
         self.norm = 1.0 / (config.train.global_batch * config.model.seq_len)
 
     def vstage(self, chunk):
         return chunk * self.config.parallel.pipe + self.rank
+
+    def buffer(self, slots):
+        """Zeros [slots, b, s, h] for stage inputs or their gradients: varying over data and
+        pipe and the same on every tensor rank, like the activations they receive."""
+        model = self.config.model
+        shape = (slots, self.micro.shape[1], model.seq_len, model.hidden_size)
+        return mark_varying(jnp.zeros(shape, jnp.dtype(model.dtype)), (DATA, PIPE))
 
     def tokens(self, mb):
         return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
@@ -219,25 +253,13 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     p, v, m = config.parallel.pipe, config.parallel.chunks, config.parallel.microbatches
     tensor = config.parallel.tensor
     rounds = rounds_for(config.parallel.schedule, p, m, v)
-    rank = lax.axis_index(PIPE)
-    micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, s+1]
-    b, s, h = micro.shape[1], config.model.seq_len, config.model.hidden_size
-    stage = _Stage(setup, micro, key, rank, deterministic)
-    dtype = jnp.dtype(config.model.dtype)
+    stage = _Stage(setup, batch, key, deterministic)
     keep_activations = config.parallel.stash == "activations"
     ends = _ends(params)
-
-    # Activations go to the next rank; the wrap-around link is used only by interleaving.
-    fwd_pairs = [(r, (r + 1) % p) for r in range(p if v > 1 else p - 1)]
-    bwd_pairs = [(r, (r - 1) % p) for r in range(p) if v > 1 or r > 0]
-
-    # Buffers hold stage inputs / their gradients: [slots, b, s, h], varying over data and
-    # pipe and the same on every tensor rank, like the activations they receive.
-    stash = mark_varying(jnp.zeros((rounds.num_stash_slots, b, s, h), dtype), (DATA, PIPE))
-    gbuf = mark_varying(jnp.zeros((rounds.num_grad_slots, b, s, h), dtype), (DATA, PIPE))
+    stash, gbuf = stage.buffer(rounds.num_stash_slots), stage.buffer(rounds.num_grad_slots)
     saved, residuals = (), None
     if keep_activations:  # trace one chunk to learn the residuals (XLA drops the compute)
-        index = rank * 0  # traced, like the slots' microbatch and chunk
+        index = stage.rank * 0  # traced, like the slots' microbatch and chunk
         weights = _chunk(params["layers"], index)
         _, probe = jax.vjp(lambda w, x: stage.layers(w, x, index, index), weights, stash[0])
         residuals = _Residuals(probe, jax.tree.leaves(weights))
@@ -245,13 +267,10 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
         saved = tuple(jnp.broadcast_to(t, (rounds.num_stash_slots, *t.shape))
                       for t in templates)
 
-    def read(buffer, slot):
-        return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
-
     def forward(carry, row):
         stash, _, _, loss, saved = carry
         mb, chunk = row["f_mb"], row["f_chunk"]
-        x_in = read(stash, row["f_slot"])
+        x_in = _read(stash, row["f_slot"])
         if not keep_activations:
             y, contribution = stage(ends, _chunk(params["layers"], chunk), x_in, mb, chunk)
             return y, loss + contribution, ()
@@ -267,8 +286,8 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     def backward(carry, row):
         stash, gbuf, grads, _, saved = carry
         mb, chunk = row["b_mb"], row["b_chunk"]
-        x_in = read(stash, row["b_slot"])
-        g_out = read(gbuf, row["b_grad_slot"])
+        x_in = _read(stash, row["b_slot"])
+        g_out = _read(gbuf, row["b_grad_slot"])
         is_last = stage.vstage(chunk) == stage.last
         g_loss = mark_varying(jnp.where(is_last, loss_scale, 0.0).astype(jnp.float32),
                               (DATA, PIPE))
@@ -278,7 +297,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
             _, vjp = jax.vjp(lambda e, w, x: stage(e, w, x, mb, chunk), ends, weights, x_in)
             g_ends, g_layers, g_x = vjp((g_y, g_loss))
             return g_x, _accumulate(grads, chunk, g_ends, g_layers)
-        kept = [read(buffer, row["b_slot"]) for buffer in saved]
+        kept = [_read(buffer, row["b_slot"]) for buffer in saved]
         _, head_vjp = jax.vjp(lambda e, y: stage.head(e, y, mb, chunk), ends, kept[-1])
         g_head, g_y_head = head_vjp(g_loss)
         vjp_fn = residuals.rebuild(kept[:-1], jax.tree.leaves(weights))
@@ -295,17 +314,52 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
         stash, gbuf, grads, loss, saved = carry
         # F slot: run a forward (or nothing), keep what its backward needs, send its output.
         y, loss, saved = lax.cond(row["f_valid"] > 0, forward, idle_forward, carry, row)
-        received = _gather(lax.ppermute(_scatter(y, tensor), PIPE, fwd_pairs), tensor)
-        stash = _store(stash, row["recv_f_valid"] > 0, row["recv_f_slot"], received)
+        stash = _send(y, _pairs(p, v, 1), tensor, stash, row["recv_f_valid"], row["recv_f_slot"])
         carry = (stash, gbuf, grads, loss, saved)
         # B slot: a backward (or nothing), then send the input gradient to the previous rank.
         g_x, grads = lax.cond(row["b_valid"] > 0, backward,
                               lambda c, r: (jnp.zeros_like(c[0][0]), c[2]), carry, row)
-        received = _gather(lax.ppermute(_scatter(g_x, tensor), PIPE, bwd_pairs), tensor)
-        gbuf = _store(gbuf, row["recv_b_valid"] > 0, row["recv_b_slot"], received)
+        gbuf = _send(g_x, _pairs(p, v, -1), tensor, gbuf, row["recv_b_valid"], row["recv_b_slot"])
         return (stash, gbuf, grads, loss, saved), None
 
     grads = jax.tree.map(jnp.zeros_like, params)
     loss = mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
-    carry, _ = lax.scan(one_round, (stash, gbuf, grads, loss, saved), _tables(rounds, rank))
+    carry, _ = lax.scan(one_round, (stash, gbuf, grads, loss, saved),
+                        _tables(rounds, stage.rank, FORWARD_FIELDS + BACKWARD_FIELDS))
     return carry[2], carry[3]
+
+
+def pipeline_loss(params, batch, *, setup):
+    """Pipelined local loss of a forward pass alone (no dropout, no backward); runs inside
+    the eval step's shard_map.
+
+    params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
+    batch: this data rank's rows [m * b, s + 1]. Returns this device's loss sum scaled to
+    the global token mean (nonzero on the last stage's rank), as pipeline_grads does.
+    """
+    config = setup.config
+    p, v, m = config.parallel.pipe, config.parallel.chunks, config.parallel.microbatches
+    rounds = rounds_for(config.parallel.schedule, p, m, v, forward_only=True)
+    stage = _Stage(setup, batch, jax.random.key(0), deterministic=True)  # the key is unused
+    ends = _ends(params)
+
+    def forward(carry, row):
+        stash, loss = carry
+        mb, chunk = row["f_mb"], row["f_chunk"]
+        y, contribution = stage(ends, _chunk(params["layers"], chunk),
+                                _read(stash, row["f_slot"]), mb, chunk)
+        return y, loss + contribution
+
+    def idle(carry, row):
+        return jnp.zeros_like(carry[0][0]), carry[1]  # [b, s, h] zeros, like a stage output
+
+    def one_round(carry, row):
+        y, loss = lax.cond(row["f_valid"] > 0, forward, idle, carry, row)
+        stash = _send(y, _pairs(p, v, 1), config.parallel.tensor, carry[0],
+                      row["recv_f_valid"], row["recv_f_slot"])
+        return (stash, loss), None
+
+    loss = mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
+    (_, loss), _ = lax.scan(one_round, (stage.buffer(rounds.num_stash_slots), loss),
+                            _tables(rounds, stage.rank, FORWARD_FIELDS))
+    return loss

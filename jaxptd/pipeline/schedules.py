@@ -1,32 +1,35 @@
 """Pipeline schedules as data: generators, lockstep lowering, validator, simulator, grid.
 
 Owns the per-rank order of forward (F) and backward (B) actions for GPipe, 1F1B
-(PipeDream-Flush) and interleaved 1F1B (PTD-P paper §2.2), and their lowering to the
-lockstep rounds the JAX executor runs. Pure Python: never imports JAX.
+(PipeDream-Flush) and interleaved 1F1B (PTD-P paper §2.2), their forward-only versions
+(what evaluation runs), and their lowering to the lockstep rounds the JAX executor runs.
+Pure Python: never imports JAX.
 
 Invariants:
 - p ranks, v chunks per rank, m microbatches; virtual stage s = c*p + r for chunk c on
   rank r; stages run in order 0..p*v-1; activations go r -> (r+1)%p, gradients r -> (r-1)%p.
-- A `Schedule` that `validate` accepts holds every (microbatch, chunk) F and B exactly
-  once per rank, each F before its B, and lowers without deadlock.
+- A training `Schedule` that `validate` accepts holds every (microbatch, chunk) F and B
+  exactly once per rank, each F before its B, and lowers without deadlock. A forward-only
+  one (made by `forward_only`, and flagged so) holds every F exactly once per rank and no B.
 - `lower` is greedy and in order: each rank takes its next action as soon as it is ready,
   never reorders. `Rounds` tables are [T][p] tuples of ints; unused entries are 0.
 - Stash slots hold a stage input from its arrival (virtual stage 0: from its forward)
-  until the end of its backward; a slot freed in a round's B slot is reusable from the
-  next round. Grad slots hold an incoming output-gradient from its arrival until the B
-  that consumes it; a grad slot freed by round t's B may receive round t's incoming
-  gradient (the executor writes it after that B has read it). Freed slots are reused
-  lowest index first.
+  until the end of its backward (forward-only: of its forward); a slot freed in round t
+  is reusable from round t + 1. Grad slots hold an incoming output-gradient from its
+  arrival until the B that consumes it; a grad slot freed by round t's B may receive
+  round t's incoming gradient (the executor writes it after that B has read it).
+  Forward-only rounds have no grad slots. Freed slots are reused lowest index first.
 - Lockstep changes one thing from the paper: 1f1b warms up with 2*(p-r-1) forwards, not
   PipeDream-Flush's p-r-1 (see make_schedule), so that the greedy lowering reaches the
   bubble (p-1)/m; interleaved keeps Megatron's count and reaches (p-1)/(v*m) for m >= p.
+  Forward-only, every kind reaches (p-1)/(v*m) for m >= p (v*m + p - 1 rounds).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 KINDS = ("gpipe", "1f1b", "interleaved")
 
@@ -53,6 +56,7 @@ class Schedule:
     microbatches: int
     chunks: int
     actions: tuple  # actions[r]: rank r's ordered tuple of Action
+    forward_only: bool = False  # no backward: a pipelined forward pass (evaluation)
 
 
 def check_layers(num_layers: int, stages: int, chunks: int) -> int:
@@ -124,6 +128,13 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) ->
     return Schedule(kind, p, m, v, tuple(actions))
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards alone, in each rank's order (so in the kind's microbatch and
+    chunk order): the pipelined forward pass that evaluation runs."""
+    actions = tuple(tuple(a for a in acts if a.kind == "F") for acts in schedule.actions)
+    return replace(schedule, actions=actions, forward_only=True)
+
+
 @dataclass(frozen=True)
 class Rounds:
     """Lockstep tables, each [num_rounds][stages] of ints (see module docstring)."""
@@ -146,14 +157,18 @@ class Rounds:
     recv_b_slot: tuple
     num_stash_slots: int
     num_grad_slots: int
+    forward_only: bool
 
     def grid(self) -> str:
-        """Rank x round text grid; each round shows its F slot then its B slot."""
-        cells = [[(_cell("F", self.f_valid, self.f_mb, self.f_chunk, t, r, self.chunks),
-                   _cell("B", self.b_valid, self.b_mb, self.b_chunk, t, r, self.chunks))
+        """Rank x round text grid; each round shows its F slot then its B slot (forward-only:
+        its F slot)."""
+        slots = [("F", self.f_valid, self.f_mb, self.f_chunk),
+                 ("B", self.b_valid, self.b_mb, self.b_chunk)][:1 if self.forward_only else 2]
+        cells = [[[_cell(*slot, t, r, self.chunks) for slot in slots]
                   for t in range(self.num_rounds)] for r in range(self.stages)]
         width = max(len(x) for row in cells for pair in row for x in pair)
-        return _format_grid([[f"{f:<{width}} {b}" for f, b in row] for row in cells], "round")
+        return _format_grid([[" ".join(x.ljust(width) for x in pair).rstrip() for pair in row]
+                             for row in cells], "round")
 
 
 def _cell(kind, valid, mb, chunk, t, r, chunks) -> str:
@@ -236,8 +251,9 @@ def _deadlock_error(schedule: Schedule, rounds: list, pos: list) -> ScheduleErro
 
 
 def lower(schedule: Schedule) -> Rounds:
-    """Lowers a schedule to lockstep rounds and assigns stash and gradient slots. Assumes
-    the per-rank rules hold; `validate` checks them and then calls this.
+    """Lowers a schedule (training or forward-only) to lockstep rounds and assigns stash
+    and gradient slots. Assumes the per-rank rules hold; `validate` checks them and then
+    calls this.
 
     Returns: Rounds with [T][p] tables. Raises: ScheduleError on deadlock.
     """
@@ -260,6 +276,9 @@ def lower(schedule: Schedule) -> Rounds:
                     dst = (r + 1) % p
                     stash_of[(dst, j, s + 1)] = slot = stash[dst].take()
                     tab["recv_f_valid"][t][dst], tab["recv_f_slot"][t][dst] = 1, slot
+        for r, (fa, _) in enumerate(row):  # forward-only: an input is done after its F
+            if fa and schedule.forward_only:
+                stash[r].give(stash_of.pop((r, fa.microbatch, fa.chunk * p + r)))
         for r, (_, ba) in enumerate(row):  # B slot, then gradient arrivals
             if ba:
                 j, s = ba.microbatch, ba.chunk * p + r
@@ -277,7 +296,8 @@ def lower(schedule: Schedule) -> Rounds:
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen,
                   num_stash_slots=max(x.size for x in stash),
-                  num_grad_slots=max(x.size for x in grads))
+                  num_grad_slots=max(x.size for x in grads),
+                  forward_only=schedule.forward_only)
 
 
 def _put(tab, prefix, t, r, action, **slots) -> None:
@@ -289,7 +309,7 @@ def _put(tab, prefix, t, r, action, **slots) -> None:
 
 
 def validate(schedule: Schedule) -> Rounds:
-    """Checks a schedule; returns its lowering.
+    """Checks a schedule against its rule (training or forward-only); returns its lowering.
 
     Raises: ScheduleError naming the rule, with a rank x position grid (offending action
       marked '!') for per-rank errors, or the rank x round grid for a deadlock.
@@ -297,13 +317,16 @@ def validate(schedule: Schedule) -> Rounds:
     p, v, m = schedule.stages, schedule.chunks, schedule.microbatches
     if len(schedule.actions) != p:
         raise ScheduleError(f"actions has {len(schedule.actions)} ranks, stages={p}")
+    kinds, rule = ("F", "forward-only: each F exactly once, no B") if schedule.forward_only \
+        else ("FB", "each F and B exactly once, F before its B")
     for r, acts in enumerate(schedule.actions):
         seen, bad = {}, None
         for i, a in enumerate(acts):
             key = (a.kind, a.microbatch, a.chunk)
-            if a.kind not in "FB" or len(a.kind) != 1 or not (0 <= a.microbatch < m
-                                                             and 0 <= a.chunk < v):
-                bad = (i, f"{a} is outside kind F/B, microbatch < {m}, chunk < {v}")
+            if a.kind not in kinds or len(a.kind) != 1 or not (0 <= a.microbatch < m
+                                                              and 0 <= a.chunk < v):
+                bad = (i, f"{a} is outside kind {'/'.join(kinds)}, microbatch < {m}, "
+                          f"chunk < {v}")
             elif key in seen:
                 bad = (i, f"{a.label(v)} appears twice")
             elif a.kind == "B" and ("F", a.microbatch, a.chunk) not in seen:
@@ -311,7 +334,7 @@ def validate(schedule: Schedule) -> Rounds:
             seen[key] = i
             if bad:
                 break
-        missing = [Action(k, j, c) for k in "FB" for j in range(m) for c in range(v)
+        missing = [Action(k, j, c) for k in kinds for j in range(m) for c in range(v)
                    if (k, j, c) not in seen] if not bad else []
         if bad or missing:
             rows = [[a.label(v) for a in x] for x in schedule.actions]
@@ -319,8 +342,7 @@ def validate(schedule: Schedule) -> Rounds:
                 rows[r].append(f"(missing {missing[0].label(v)})")
                 bad = (len(rows[r]) - 1, f"{missing[0].label(v)} is missing")
             grid = _format_grid(rows, "pos", {(r, bad[0]): "!"})
-            raise ScheduleError(f"rank {r}: {bad[1]} (each F and B exactly once, "
-                                f"F before its B)\n{grid}")
+            raise ScheduleError(f"rank {r}: {bad[1]} ({rule})\n{grid}")
     return lower(schedule)
 
 
@@ -343,7 +365,8 @@ class Stats:
 
 def _peak_stash(rounds: Rounds) -> list:
     """Per-rank peak live stash slots, recounted from the tables: within a round the
-    forward (virtual stage 0) and arrival allocations precede the backward's free."""
+    forward (virtual stage 0) and arrival allocations precede the free by the backward
+    (forward-only: by the forward)."""
     peaks = []
     for r in range(rounds.stages):
         live = peak = 0
@@ -351,7 +374,7 @@ def _peak_stash(rounds: Rounds) -> list:
             stage0 = rounds.f_valid[t][r] and r == 0 and rounds.f_chunk[t][r] == 0
             live += stage0 + rounds.recv_f_valid[t][r]
             peak = max(peak, live)
-            live -= rounds.b_valid[t][r]
+            live -= (rounds.f_valid if rounds.forward_only else rounds.b_valid)[t][r]
         peaks.append(peak)
     return peaks
 
@@ -388,8 +411,10 @@ def simulate(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0,
 
     Args: fwd_cost, bwd_cost: one microbatch's forward/backward over all of a rank's
       layers (one chunk's action costs 1/v of it); hop_latency: per ppermute, paid twice
-      every round since the executor runs both ppermutes unconditionally.
+      every round since the executor runs both ppermutes unconditionally (once for a
+      forward-only schedule: no gradients to send).
     Returns: Stats; a round costs the F slot if any rank uses it, then the B slot if any.
+      A forward-only schedule's ideal time is m * fwd_cost.
     """
     rounds = validate(schedule)
     p, v, m = schedule.stages, schedule.chunks, schedule.microbatches
@@ -406,8 +431,8 @@ def simulate(schedule: Schedule, fwd_cost: float = 1.0, bwd_cost: float = 2.0,
             if rounds.b_valid[t][r]:
                 timeline[r].append((b_start, b_start + b_cost, Action(
                     "B", rounds.b_mb[t][r], rounds.b_chunk[t][r])))
-        now = b_start + b_len + hop_latency
-    ideal = m * (fwd_cost + bwd_cost)
+        now = b_start + b_len + (0.0 if rounds.forward_only else hop_latency)
+    ideal = m * (fwd_cost + (0.0 if rounds.forward_only else bwd_cost))
     sends = sum(map(sum, rounds.recv_f_valid)), sum(map(sum, rounds.recv_b_valid))
     return Stats(total_time=now, ideal_time=ideal, bubble_fraction=(now - ideal) / ideal,
                  peak_stash=_peak_stash(rounds), num_rounds=rounds.num_rounds,
@@ -427,6 +452,8 @@ def _parse_args(argv):
     parser.add_argument("--fwd-cost", type=float, default=1.0)
     parser.add_argument("--bwd-cost", type=float, default=2.0)
     parser.add_argument("--hop-latency", type=float, default=0.0)
+    parser.add_argument("--forward-only", action="store_true",
+                        help="the schedule's forwards alone (what evaluation runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--png", metavar="FILE", help="draw the timeline (needs matplotlib)")
     # argparse's own errors print usage and exit 2; keep them to one line like ours
@@ -446,6 +473,7 @@ def main(argv=None) -> int:
         _fail("--fwd-cost and --bwd-cost must be > 0 and --hop-latency >= 0")
     try:
         schedule = make_schedule(args.kind, args.stages, args.microbatches, args.chunks)
+        schedule = forward_only(schedule) if args.forward_only else schedule
         stats = simulate(schedule, args.fwd_cost, args.bwd_cost, args.hop_latency)
     except ScheduleError as e:
         _fail(str(e))
