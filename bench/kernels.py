@@ -21,6 +21,7 @@ at toy shapes in interpret mode). Writes bench/results/kernels_<device>.json.
 """
 import argparse
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -31,6 +32,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from jaxptd.config import ModelConfig
+from jaxptd.model.layers import attention_core
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -105,20 +108,14 @@ def bias_gelu_cases(shapes):
         yield "bias_gelu", impl, "fwd+bwd", _vjp_both(fn), (act, act), 5 * size
 
 
-def _softmax_attention(softmax, scale):
-    def attend(q, k, v):  # [b, s, h, d] each
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)                  # [b, h, s, s]
-        probs = softmax(scores, scale=scale, causal=True)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    return attend
-
-
 def attention_cases(shapes, cudnn=True):
+    """The model's own attention core (jaxptd.model.layers) with each softmax, and cuDNN."""
     shape = (shapes.batch, shapes.seq, shapes.heads, shapes.head_dim)
     q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3, 6))
     scale = shapes.head_dim ** -0.5
-    impls = [("xla", _softmax_attention(reference_fused_softmax, scale)),
-             ("pallas", _softmax_attention(fused_softmax, scale))]
+    impls = [(kernels, functools.partial(
+        attention_core, key=None, scale=scale,
+        cfg=ModelConfig(dtype="bfloat16", kernels=kernels))) for kernels in ("xla", "pallas")]
     if cudnn:
         impls.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=True, implementation="cudnn")))

@@ -347,7 +347,6 @@ def test_bpe_corpus_decodes_to_the_documents_with_one_eot_each(bpe, tmp_path):
     assert max(lengths) > 64 and min(lengths) == 0  # the file's truncation/padding unused
 
 
-
 def word_level(path: Path, words: int, eot_id: int) -> Path:
     """A WordLevel tokenizer file: "w<i>" -> i for i < words, "<|endoftext|>" -> eot_id."""
     pytest.importorskip("tokenizers")

@@ -112,15 +112,15 @@ def _cuda_kernel_count(fn, *args):
     return text.count("xla.gpu.triton")
 
 
+def _compiled_softmax_fwd_bwd(x, mask, dy):
+    y, vjp = jax.vjp(lambda a: fused_softmax(a, causal=True, mask=mask, interpret=False), x)
+    return y, vjp(dy)
+
+
 def test_kernels_lower_for_cuda():
     x = jnp.zeros((2, 2, 5, 130), jnp.bfloat16)
     mask = jnp.zeros((2, 1, 1, 130), bool)
-
-    def softmax_fwd_bwd(a, m, dy):
-        y, vjp = jax.vjp(lambda b: fused_softmax(b, causal=True, mask=m, interpret=False), a)
-        return y, vjp(dy)
-
-    assert _cuda_kernel_count(softmax_fwd_bwd, x, mask, x) == 2
+    assert _cuda_kernel_count(_compiled_softmax_fwd_bwd, x, mask, x) == 2
     h, bias = jnp.zeros((3, 70, 200), jnp.bfloat16), jnp.zeros((200,), jnp.bfloat16)
 
     def gelu_fwd_bwd(a, b, dy):
@@ -132,12 +132,7 @@ def test_kernels_lower_for_cuda():
 
 def test_long_row_kernels_lower_for_cuda(small_blocks):
     x, mask = jnp.zeros((1, 2, 5, 37), jnp.bfloat16), jnp.zeros((1, 1, 5, 37), bool)
-
-    def softmax_fwd_bwd(a, m, dy):
-        y, vjp = jax.vjp(lambda b: fused_softmax(b, causal=True, mask=m, interpret=False), a)
-        return y, vjp(dy)
-
-    assert _cuda_kernel_count(softmax_fwd_bwd, x, mask, x) == 2
+    assert _cuda_kernel_count(_compiled_softmax_fwd_bwd, x, mask, x) == 2
 
 
 @pytest.fixture(scope="module")
