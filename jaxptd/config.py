@@ -26,6 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
+    arch: str = "gpt"  # gpt (the papers' GPT-2-shaped decoder)
     num_layers: int = 4
     hidden_size: int = 128
     num_heads: int = 4
@@ -137,6 +138,7 @@ class Config:
 
 
 CHOICES = {
+    "model.arch": ("gpt",),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),

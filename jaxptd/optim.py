@@ -16,7 +16,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import Config
-from jaxptd.model.gpt import weight_decay_mask
+from jaxptd.model import weight_decay_mask
 from jaxptd.sharding import is_spec, zero1_spec
 
 

@@ -76,13 +76,14 @@ def real_counts(config: Config) -> dict:
     device's shards: float32 weights and optimizer moments, by the sharding rules."""
     import jax
     from jaxptd.mesh import DATA, PIPE, TENSOR
-    from jaxptd.model import gpt
+    from jaxptd import model as models
     from jaxptd.sharding import is_spec, specs_from_logical, zero1_spec
 
     par = config.parallel
     vocab = config.model.padded_vocab(par.tensor)
-    params = jax.eval_shape(partial(gpt.init_params, config.model, vocab), jax.random.key(0))
-    specs = specs_from_logical(gpt.logical_axes(config.model, vocab))
+    arch = models.get(config.model)
+    params = jax.eval_shape(partial(arch.init_params, config.model, vocab), jax.random.key(0))
+    specs = specs_from_logical(arch.logical_axes(config.model, vocab))
     sizes = {DATA: par.data, PIPE: par.pipe, TENSOR: par.tensor}
 
     def local(leaf, spec, layers: bool) -> float:

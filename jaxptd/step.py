@@ -32,7 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxptd import optim
 from jaxptd.config import Config
 from jaxptd.mesh import DATA, PIPE, TENSOR
-from jaxptd.model import gpt
+from jaxptd import model as models
+from jaxptd.model.layers import Layout
 from jaxptd.sharding import is_spec, mark_varying, named, reduce_to, specs_from_logical
 
 
@@ -61,8 +62,9 @@ class Setup:
         model, par = config.model, config.parallel
         self.pipelined = par.pipe > 1
         self.vocab = model.padded_vocab(par.tensor)
-        self.local_layout = gpt.Layout(self.vocab, par.tensor, TENSOR)
-        logical = gpt.logical_axes(model, self.vocab)
+        self.arch = models.get(model)
+        self.local_layout = Layout(self.vocab, par.tensor, TENSOR)
+        logical = self.arch.logical_axes(model, self.vocab)
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
         self.logical_param_specs = specs_from_logical(
             _map_layers(lambda names: P(*(("stages",) if self.pipelined else ("layers",)),
@@ -71,7 +73,7 @@ class Setup:
             lambda names: P("chunks", "stages", *names), logical)) if self.pipelined \
             else self.logical_param_specs
         self.abstract_params = jax.eval_shape(
-            lambda: self.to_stacked(gpt.init_params(model, self.vocab, jax.random.key(0))))
+            lambda: self.to_stacked(self.arch.init_params(model, self.vocab, jax.random.key(0))))
         self.tx = optim.make_optimizer(config)
         self.schedule = optim.lr_schedule(config)
         self.state_specs = self._state_specs(self.param_specs, self.abstract_params)
@@ -105,7 +107,7 @@ class Setup:
         return _map_layers(lambda x: x.reshape(-1, *x.shape[3:]), tree)
 
     def _fresh_state(self, seed: int, dynamic: bool):
-        params = self.to_stacked(gpt.init_params(self.config.model, self.vocab,
+        params = self.to_stacked(self.arch.init_params(self.config.model, self.vocab,
                                                  jax.random.key(seed)))
         return {
             "params": params,
@@ -154,7 +156,7 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
     norm = 1.0 / (config.train.global_batch * config.model.seq_len)
 
     def loss_fn(p, mb, k):
-        loss = gpt.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic) * norm
+        loss = models.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic) * norm
         return loss * loss_scale, loss
 
     def one(carry, xs):
@@ -234,7 +236,7 @@ def build_eval_step(setup: Setup):
         tokens = config.train.global_batch * config.model.seq_len
 
         def local_loss(params, batch):
-            loss = gpt.loss_sum(params, batch, jax.random.key(0), config.model,
+            loss = models.loss_sum(params, batch, jax.random.key(0), config.model,
                                 setup.local_layout, True)
             return lax.psum(loss, DATA) / tokens
 

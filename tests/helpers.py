@@ -7,7 +7,8 @@ import numpy as np
 from jaxptd import optim
 from jaxptd.config import load_config
 from jaxptd.mesh import make_mesh
-from jaxptd.model import gpt
+from jaxptd import model as models
+from jaxptd.model.layers import Layout
 from jaxptd.step import Setup
 
 TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=8", "model.seq_len=16",
@@ -32,8 +33,8 @@ def fixed_batches(config, n, seed=0):
 def reference_loss(config, vocab, params, batch):
     """Mean token loss on one device, global parameters, no dropout."""
     tokens = batch.shape[0] * (batch.shape[1] - 1)
-    return gpt.loss_sum(params, jnp.asarray(batch), jax.random.key(0), config.model,
-                        gpt.Layout(vocab), True) / tokens
+    return models.loss_sum(params, jnp.asarray(batch), jax.random.key(0), config.model,
+                           Layout(vocab), True) / tokens
 
 
 def reference_loss_and_grads(config, vocab, params, batch):

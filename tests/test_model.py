@@ -10,7 +10,9 @@ import pytest
 
 from helpers import assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads
 from jaxptd.config import ConfigError, load_config
+from jaxptd import model as models
 from jaxptd.model import gpt
+from jaxptd.model.layers import Layout
 from jaxptd.step import build_grads
 
 SMALL = ["model.num_layers=2", "model.seq_len=8", "train.global_batch=4"]
@@ -131,9 +133,9 @@ def test_cudnn_attention_falls_back_to_xla_off_gpu():
     params = jax.jit(gpt.init_params, static_argnums=(0, 1))(  # the same for both paths
         config("xla").model, vocab, jax.random.key(0))
     batch = jnp.arange(2 * 9).reshape(2, 9) % 257
-    loss_sum = jax.jit(gpt.loss_sum, static_argnums=(3, 4, 5))
+    loss_sum = jax.jit(models.loss_sum, static_argnums=(3, 4, 5))
     losses = [float(loss_sum(params, batch, jax.random.key(0), config(attention).model,
-                             gpt.Layout(vocab), True)) for attention in ("xla", "cudnn")]
+                             Layout(vocab), True)) for attention in ("xla", "cudnn")]
     assert losses[0] == losses[1]
     with pytest.raises(ConfigError, match="needs model.dtype bfloat16"):
         load_config(None, ["model.attention=cudnn"])

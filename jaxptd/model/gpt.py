@@ -13,13 +13,10 @@ Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
     layers/{ln1, attn, ln2, mlp}/...  each with a leading [L] axis (model order)
     final_norm/{scale, bias} [h]
 
-`Layout` says how the functions see the parameters: global (tensor=1, no collectives) for
-the single-device reference and initialisation, or one tensor rank's shards inside the
-manual shard_map (tensor=t, collectives over `tensor_axis`). The model never sees a mesh.
+The functions follow the architecture interface of jaxptd/model/__init__.py; `Layout`
+(layers.py) says how they see the parameters. The model never sees a mesh.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
@@ -27,14 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Block, Embed, layer_norm, psum
-
-
-@dataclass(frozen=True)
-class Layout:
-    vocab: int  # padded vocabulary (global)
-    tensor: int = 1  # parameter shapes are global / tensor
-    tensor_axis: str | None = None  # collectives over this axis; None: a single device
+from jaxptd.model.layers import Block, Embed, Layout, layer_norm, psum
 
 
 def _block(cfg: ModelConfig, layout: Layout) -> Block:
@@ -72,16 +62,10 @@ def logical_axes(cfg: ModelConfig, vocab: int):
     return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
 
 
-def weight_decay_mask(params):
-    """True for matrices (names starting with 'w'); biases and LayerNorm are not decayed."""
-    def decayed(path, _):
-        return getattr(path[-1], "key", "").startswith("w")
-    return jax.tree_util.tree_map_with_path(decayed, params)
-
-
-def embed(params, tokens, cfg: ModelConfig, layout: Layout):
-    """tokens [b, s] int32 -> activations [b, s, h] in the compute dtype."""
-    return _embed(cfg, layout).apply({"params": params["embed"]}, tokens)
+def embed(params, batch, cfg: ModelConfig, layout: Layout):
+    """batch [b, s + 1] int32 (inputs are its first s tokens) -> activations [b, s, h] in
+    the compute dtype."""
+    return _embed(cfg, layout).apply({"params": params["embed"]}, batch[:, :-1])
 
 
 def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
@@ -105,14 +89,16 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
     return x
 
 
-def head_loss(params, x, targets, cfg: ModelConfig, layout: Layout):
+def head_loss(params, x, batch, cfg: ModelConfig, layout: Layout):
     """Final LayerNorm, tied output layer and vocab-parallel cross-entropy.
 
-    x [b, s, h], targets [b, s] int32 -> scalar float32 sum of token losses. The
+    x [b, s, h], batch [b, s + 1] int32 (targets are its last s tokens) -> scalar float32
+    sum of token losses. The
     [b, s, vocab/t] logits stay on their tensor rank: only [b, s] maxima, sums of
     exponentials and target logits cross the tensor axis. Padded vocabulary rows never
     take probability.
     """
+    targets = batch[:, 1:]
     x = layer_norm(cfg).apply({"params": params["final_norm"]}, x.astype(jnp.float32))
     x = x.astype(cfg.dtype)
     module = _embed(cfg, layout)
@@ -128,11 +114,3 @@ def head_loss(params, x, targets, cfg: ModelConfig, layout: Layout):
     target_logit = psum(
         jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1), layout.tensor_axis)
     return jnp.sum(jnp.log(sum_exp) + row_max - target_logit)
-
-
-def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32)."""
-    tokens, targets = batch[:, :-1], batch[:, 1:]
-    x = embed(params, tokens, cfg, layout)
-    x = apply_layers(params["layers"], x, key, cfg, layout, deterministic)
-    return head_loss(params, x, targets, cfg, layout)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import flax.linen as nn
 import jax
@@ -27,6 +28,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model functions see the parameters: global (tensor=1, no collectives) for the
+    single-device reference and initialisation, or one tensor rank's shards inside the
+    manual shard_map (tensor=t, collectives over `tensor_axis`)."""
+    vocab: int  # padded vocabulary (global)
+    tensor: int = 1  # parameter shapes are global / tensor
+    tensor_axis: str | None = None  # collectives over this axis; None: a single device
 
 
 def normal(std: float, names: tuple[str, ...]):

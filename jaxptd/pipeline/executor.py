@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.mesh import DATA, PIPE, TENSOR
-from jaxptd.model import gpt
+from jaxptd import model as models
 from jaxptd.pipeline import schedules
 from jaxptd.sharding import mark_varying
 
@@ -145,7 +145,7 @@ class _Stage:
 
     def __init__(self, setup, batch, key, deterministic):
         config, m = setup.config, setup.config.parallel.microbatches
-        self.config, self.layout = config, setup.local_layout
+        self.config, self.layout, self.arch = config, setup.local_layout, setup.arch
         self.micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, s+1]
         self.key, self.rank = key, lax.axis_index(PIPE)
         self.deterministic = deterministic
@@ -168,21 +168,21 @@ class _Stage:
     def embed_or_input(self, ends, x_in, mb, chunk):
         """Virtual stage 0 embeds its microbatch; the others take the received input."""
         return lax.cond(self.vstage(chunk) == 0,
-                        lambda: gpt.embed(ends, self.tokens(mb)[:, :-1], self.config.model,
-                                          self.layout),
+                        lambda: self.arch.embed(ends, self.tokens(mb), self.config.model,
+                                                self.layout),
                         lambda: x_in)
 
     def layers(self, layers, x, mb, chunk):
         key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
-        return gpt.apply_layers(layers, x, key, self.config.model, self.layout,
+        return self.arch.apply_layers(layers, x, key, self.config.model, self.layout,
                                 self.deterministic)
 
     def head(self, ends, y, mb, chunk):
         """The loss contribution (scaled to the global token mean) of the last stage; 0
         elsewhere."""
         loss = lax.cond(self.vstage(chunk) == self.last,
-                        lambda: gpt.head_loss(ends, y, self.tokens(mb)[:, 1:],
-                                              self.config.model, self.layout),
+                        lambda: self.arch.head_loss(ends, y, self.tokens(mb),
+                                                    self.config.model, self.layout),
                         lambda: mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE)))
         return loss * self.norm
 
@@ -228,12 +228,8 @@ class _Residuals:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _ends(params):
-    return {"embed": params["embed"], "final_norm": params["final_norm"]}
-
-
 def _accumulate(grads, chunk, g_ends, g_layers):
-    new = {k: jax.tree.map(jnp.add, grads[k], g_ends[k]) for k in ("embed", "final_norm")}
+    new = {k: jax.tree.map(jnp.add, grads[k], g_ends[k]) for k in g_ends}
     new["layers"] = _add_chunk(grads["layers"], chunk, g_layers)
     return new
 
@@ -255,7 +251,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     rounds = rounds_for(config.parallel.schedule, p, m, v)
     stage = _Stage(setup, batch, key, deterministic)
     keep_activations = config.parallel.stash == "activations"
-    ends = _ends(params)
+    ends = models.ends(params)
     stash, gbuf = stage.buffer(rounds.num_stash_slots), stage.buffer(rounds.num_grad_slots)
     saved, residuals = (), None
     if keep_activations:  # trace one chunk to learn the residuals (XLA drops the compute)
@@ -341,7 +337,7 @@ def pipeline_loss(params, batch, *, setup):
     p, v, m = config.parallel.pipe, config.parallel.chunks, config.parallel.microbatches
     rounds = rounds_for(config.parallel.schedule, p, m, v, forward_only=True)
     stage = _Stage(setup, batch, jax.random.key(0), deterministic=True)  # the key is unused
-    ends = _ends(params)
+    ends = models.ends(params)
 
     def forward(carry, row):
         stash, loss = carry
