@@ -28,7 +28,7 @@ from jaxptd.model.layers import Block, Embed, Layout, layer_norm, psum
 
 
 def _block(cfg: ModelConfig, layout: Layout) -> Block:
-    return Block(cfg, layout.tensor, layout.tensor_axis, cfg.num_layers)
+    return Block(cfg, layout)
 
 
 def _embed(cfg: ModelConfig, layout: Layout) -> Embed:

@@ -1,16 +1,23 @@
-"""Flax modules of the GPT decoder, written from one tensor-parallel rank's point of view.
+"""Flax modules of the GPT decoder, written from one tensor-parallel rank's point of view,
+and the pieces every architecture's layers share.
 
 Owns the layer math and Megatron's intra-layer partitioning (Megatron-LM 2019, §3, Fig. 3).
-Parameter shapes are *local*: a module built with `tensor=t` holds 1/t of the heads, of the
-MLP columns and of the vocabulary. Global parameters are created with t = 1; inside the
-training step's manual shard_map each rank applies the same modules with t = mesh size on
-its shards. Collectives run over `tensor_axis` (None: one device, no collectives):
+Parameter shapes are *local*: a module built with `layout.tensor = t` holds 1/t of the
+heads, of the MLP columns and of the vocabulary. Global parameters are created with t = 1;
+inside the training step's manual shard_map each rank applies the same modules with t = mesh
+size on its shards. Collectives run over `layout.tensor_axis` (None: one device, none):
 
-- f (identity forward, all-reduce backward) is implicit: an activation that is the same on
-  every tensor rank meeting a rank-local weight is broadcast by JAX's varying-axes typing,
-  whose transpose is the all-reduce of the input gradient;
-- g (all-reduce forward, identity backward) is the explicit `psum` after the row-parallel
-  attention output and second MLP layer: exactly two per layer in the forward pass.
+- f, `enter_tensor`, before a column-parallel linear: identity forward, all-reduce backward,
+  implicit in JAX's varying-axes typing (an activation that is the same on every tensor rank
+  meeting a rank-local weight is broadcast, and the transpose of that is the all-reduce);
+- g, `exit_tensor`, after the row-parallel attention output and second MLP layer: the
+  explicit all-reduce, exactly two per layer in the forward pass.
+
+Every matmul with a weight goes through `dense`, which names it by its weight and keeps its
+einsum as data (`DENSE`): with the zero-bubble split of the backward (pipeline executor),
+`dense` records its input (collection 'dense_inputs') and takes a zero perturbation on its
+output (collection 'perturbations', whose gradient is the output gradient), so a weight
+gradient can be computed later from those two alone, without another forward.
 
 Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
 Master weights are float32; each op casts them to the compute dtype at use. LayerNorm,
@@ -52,6 +59,38 @@ def psum(x, axis: str | None):
     return x if axis is None else lax.psum(x, axis)
 
 
+# name -> einsum of (input, weight) for every weight-bearing matmul of the layers.
+DENSE = {
+    "w_qkv": "bsh,hcnd->cbsnd",  # column-parallel (by heads)
+    "w_out": "bqnd,ndh->bqh",  # row-parallel: a partial sum over this rank's heads
+    "w_fc1": "bsh,hf->bsf",  # column-parallel
+    "w_fc2": "bsf,fh->bsh",  # row-parallel: a partial sum over this rank's 4h/t
+}
+DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
+PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
+
+
+def dense(module: nn.Module, name: str, x, w):
+    """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast.
+
+    Records x and perturbs the output when the caller asks (see the module docstring);
+    otherwise exactly the einsum.
+    """
+    module.sow(DENSE_INPUTS, name, x)
+    y = jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+    return module.perturb(name, y, collection=PERTURBATIONS)
+
+
+def enter_tensor(x, layout: "Layout"):
+    """f: the activation entering a column-parallel linear (identity; see module docstring)."""
+    return x
+
+
+def exit_tensor(x, layout: "Layout"):
+    """g: a row-parallel linear's partial sums [b, s, h] -> their sum over tensor ranks."""
+    return psum(x, layout.tensor_axis)
+
+
 def gelu(x):
     """tanh-approximation GeLU, as GPT-2 and Megatron use."""
     return jax.nn.gelu(x, approximate=True)
@@ -83,24 +122,22 @@ class Attention(nn.Module):
     """Causal self-attention: QKV column-parallel by heads, output projection row-parallel."""
 
     cfg: ModelConfig
-    tensor: int
-    tensor_axis: str | None
-    num_layers: int
+    layout: Layout
 
     @nn.compact
     def __call__(self, x, deterministic: bool):  # x: [b, s, h]
-        cfg, dt = self.cfg, self.cfg.dtype
-        heads = cfg.num_heads // self.tensor
+        cfg, dt, layout = self.cfg, self.cfg.dtype, self.layout
+        heads = cfg.num_heads // layout.tensor
         head_dim = cfg.hidden_size // cfg.num_heads
         w_qkv = self.param("w_qkv", normal(cfg.init_std, ("embed", "qkv", "heads", "kv")),
                            (cfg.hidden_size, 3, heads, head_dim))
         b_qkv = self.param("b_qkv", zeros(("qkv", "heads", "kv")), (3, heads, head_dim))
-        out_std = cfg.init_std / math.sqrt(2 * self.num_layers)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         w_out = self.param("w_out", normal(out_std, ("heads", "kv", "embed")),
                            (heads, head_dim, cfg.hidden_size))
         b_out = self.param("b_out", zeros(("embed",)), (cfg.hidden_size,))
 
-        qkv = jnp.einsum("bsh,hcnd->cbsnd", x, w_qkv.astype(dt)) + b_qkv.astype(dt)[:, None, None]
+        qkv = dense(self, "w_qkv", enter_tensor(x, layout), w_qkv) + b_qkv.astype(dt)[:, None, None]
         q, k, v = qkv  # each [b, s, heads/t, d]
         scale = 1.0 / math.sqrt(head_dim)
         if cfg.attention == "cudnn" and jax.default_backend() == "gpu":
@@ -111,14 +148,14 @@ class Attention(nn.Module):
             key = None
             if cfg.dropout and not deterministic:
                 # Each tensor rank holds different heads: its dropout mask must differ.
-                rank = 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis)
+                rank = 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis)
                 key = jax.random.fold_in(self.make_rng("dropout"), rank)
             core = functools.partial(attention_core, cfg=cfg, scale=scale)
             if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
                 core = jax.checkpoint(core)
             context = core(q, k, v, key)
-        out = jnp.einsum("bqnd,ndh->bqh", context, w_out.astype(dt))  # partial sum over heads
-        return psum(out, self.tensor_axis) + b_out.astype(dt)  # g: all-reduce #1
+        out = dense(self, "w_out", context, w_out)  # partial sum over this rank's heads
+        return exit_tensor(out, layout) + b_out.astype(dt)  # g: all-reduce #1
 
 
 def attention_core(q, k, v, key, *, cfg: ModelConfig, scale: float):
@@ -146,43 +183,38 @@ class MLP(nn.Module):
     """h -> 4h (column-parallel) -> GeLU -> h (row-parallel)."""
 
     cfg: ModelConfig
-    tensor: int
-    tensor_axis: str | None
-    num_layers: int
+    layout: Layout
 
     @nn.compact
     def __call__(self, x):  # x: [b, s, h]
-        cfg, dt = self.cfg, self.cfg.dtype
-        ffn = 4 * cfg.hidden_size // self.tensor
+        cfg, dt, layout = self.cfg, self.cfg.dtype, self.layout
+        ffn = 4 * cfg.hidden_size // layout.tensor
         w_fc1 = self.param("w_fc1", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
         b_fc1 = self.param("b_fc1", zeros(("mlp",)), (ffn,))
-        out_std = cfg.init_std / math.sqrt(2 * self.num_layers)
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         w_fc2 = self.param("w_fc2", normal(out_std, ("mlp", "embed")), (ffn, cfg.hidden_size))
         b_fc2 = self.param("b_fc2", zeros(("embed",)), (cfg.hidden_size,))
 
-        hidden = jnp.einsum("bsh,hf->bsf", x, w_fc1.astype(dt))  # [b, s, 4h/t]
+        hidden = dense(self, "w_fc1", enter_tensor(x, layout), w_fc1)  # [b, s, 4h/t]
         if cfg.kernels == "pallas":
             from pallas_kernels import bias_gelu
 
             hidden = bias_gelu(hidden, b_fc1.astype(dt))
         else:
             hidden = gelu(hidden + b_fc1.astype(dt))
-        out = jnp.einsum("bsf,fh->bsh", hidden, w_fc2.astype(dt))  # partial sum over 4h
-        return psum(out, self.tensor_axis) + b_fc2.astype(dt)  # g: all-reduce #2
+        out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's 4h/t
+        return exit_tensor(out, layout) + b_fc2.astype(dt)  # g: all-reduce #2
 
 
 class Block(nn.Module):
     """Pre-LN transformer layer: x + drop(attn(ln1 x)); x + drop(mlp(ln2 x))."""
 
     cfg: ModelConfig
-    tensor: int
-    tensor_axis: str | None
-    num_layers: int
+    layout: Layout
 
     @nn.compact
     def __call__(self, x, deterministic: bool = True):
-        sub = dict(cfg=self.cfg, tensor=self.tensor, tensor_axis=self.tensor_axis,
-                   num_layers=self.num_layers)
+        sub = dict(cfg=self.cfg, layout=self.layout)
         h = Attention(**sub, name="attn")(normed(self.cfg, "ln1", x), deterministic)
         x = x + self._dropout(h, deterministic)
         h = MLP(**sub, name="mlp")(normed(self.cfg, "ln2", x))
