@@ -2,9 +2,11 @@
 
 For each schedule at a few (p, v, m), on 8 simulated CPU devices and the same model and
 global batch: step time as a ratio to the unpipelined step (data parallel over all 8
-devices), the schedule's modelled bubble, XLA's compiled temporary memory per device,
-and the bytes the collective-permutes send per device per step (lockstep: every round
-sends one [b, s, h/t] message each way on every link, whether or not it carries work).
+devices), the schedule's modelled bubble (uniform t_f = t_b = t_w), XLA's compiled
+temporary memory per device, and the bytes the collective-permutes send per device per
+step: in every round of a scan that has an F (B) slot, each link of the chain (the ring
+when interleaved) carries one [b, s, h/t] message forwards (backwards), whether or not it
+carries work; averaged over the p ranks, since the chain's end ranks send one way only.
 
 Simulated devices share the machine's cores, so wall time tracks the total work of all
 devices: the ratio shows that idle slots do no work (masked compute would multiply it),
@@ -29,32 +31,51 @@ import numpy as np  # noqa: E402
 
 from jaxptd.config import load_config  # noqa: E402
 from jaxptd.mesh import make_mesh  # noqa: E402
-from jaxptd.pipeline.executor import rounds_for  # noqa: E402
-from jaxptd.pipeline.schedules import make_schedule, simulate  # noqa: E402
+from jaxptd.pipeline.executor import round_form, rounds_for, segments  # noqa: E402
+from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
+from jaxptd.pipeline.simulate import simulate  # noqa: E402
 from jaxptd.step import Setup, build_train_step  # noqa: E402
 
 MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8",
          "model.seq_len=128", "model.vocab_size=512", "train.global_batch=32"]
-# (name, data, pipe, schedule, chunks, microbatches, stash). Every pipelined case runs
-# microbatches of b = 2 sequences; the baseline is data-parallel over the 8 devices with
-# the same b (m = 2), so the ratio isolates the pipeline from the microbatch size.
-BASELINE = ("unpipelined", 8, 1, "1f1b", 1, 2, "activations")
+# (name, data, pipe, schedule, chunks, microbatches, stash, round form). Every pipelined
+# case runs microbatches of b = 2 sequences; the baseline is data-parallel over the 8
+# devices with the same b (m = 2), so the ratio isolates the pipeline from the microbatch
+# size.
+BASELINE = ("unpipelined", 8, 1, "1f1b", 1, 2, "activations", "auto")
 CASES = [
-    ("unpipelined b=4", 8, 1, "1f1b", 1, 1, "activations"),
-    ("gpipe", 2, 4, "gpipe", 1, 8, "activations"),
-    ("1f1b", 2, 4, "1f1b", 1, 8, "activations"),
-    ("1f1b inputs", 2, 4, "1f1b", 1, 8, "inputs"),
-    ("1f1b p2", 4, 2, "1f1b", 1, 4, "activations"),
-    ("interleaved", 2, 4, "interleaved", 2, 8, "activations"),
-    ("interleaved p2v4", 4, 2, "interleaved", 4, 4, "activations"),
+    ("unpipelined b=4", 8, 1, "1f1b", 1, 1, "activations", "auto"),
+    ("gpipe", 2, 4, "gpipe", 1, 8, "activations", "auto"),
+    ("1f1b", 2, 4, "1f1b", 1, 8, "activations", "auto"),
+    ("1f1b inputs", 2, 4, "1f1b", 1, 8, "inputs", "auto"),
+    ("1f1b steady", 2, 4, "1f1b", 1, 8, "activations", "steady"),
+    ("1f1b p2", 4, 2, "1f1b", 1, 4, "activations", "auto"),
+    ("zb-h1", 2, 4, "zb-h1", 1, 8, "activations", "auto"),
+    ("zb-h1 inputs", 2, 4, "zb-h1", 1, 8, "inputs", "auto"),
+    ("zb-h1 steady", 2, 4, "zb-h1", 1, 8, "activations", "steady"),
+    ("interleaved", 2, 4, "interleaved", 2, 8, "activations", "auto"),
+    ("interleaved p2v4", 4, 2, "interleaved", 4, 4, "activations", "auto"),
+    ("zb-interleaved", 2, 4, "zb-interleaved", 2, 8, "activations", "auto"),
 ]
 
 
-def measure(data, pipe, schedule, chunks, micro, stash, steps):
+def sent_messages(config) -> tuple:
+    """(messages each device sends per step, those that carry a microbatch), averaged over
+    the pipe ranks (see the module docstring)."""
+    par = config.parallel
+    p, v, m = par.pipe, par.chunks, par.microbatches
+    rounds = rounds_for(par.schedule, p, m, v)
+    links = p if v > 1 else p - 1  # per direction
+    sent = sum((seg.stop - seg.start) * sum(mode != "off" for mode in seg.modes[:2])
+               for seg in segments(rounds, round_form(config)))
+    return sent * links / p, 2 * m * (p * v - 1) / p
+
+
+def measure(data, pipe, schedule, chunks, micro, stash, form, steps):
     config = load_config(None, MODEL + [
         f"parallel.data={data}", f"parallel.pipe={pipe}", f"parallel.schedule={schedule}",
         f"parallel.chunks={chunks}", f"parallel.microbatches={micro}",
-        f"parallel.stash={stash}"])
+        f"parallel.stash={stash}", f"parallel.round_form={form}"])
     setup = Setup(config, make_mesh(config.parallel))
     state = setup.init_state(0)
     rng = np.random.default_rng(0)
@@ -74,13 +95,11 @@ def measure(data, pipe, schedule, chunks, micro, stash, steps):
            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
            "bubble": 0.0, "sent_bytes": 0}
     if pipe > 1:
-        rounds = rounds_for(schedule, pipe, micro, chunks)
         b = 32 // (data * micro)
         message = b * config.model.seq_len * config.model.hidden_size * 4  # f32, t = 1
-        row["sent_bytes"] = 2 * rounds.num_rounds * message
-        row["useful_bytes"] = 2 * micro * (pipe * chunks - 1) * message // pipe
-        row["bubble"] = simulate(make_schedule(schedule, pipe, micro, chunks), 1.0,
-                                 3.0 if stash == "inputs" else 2.0).bubble_fraction
+        sent, useful = sent_messages(config)
+        row["sent_bytes"], row["useful_bytes"] = sent * message, useful * message
+        row["bubble"] = simulate(make_schedule(schedule, pipe, micro, chunks)).bubble_fraction
     return row
 
 
@@ -91,9 +110,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
     baseline_before = measure(*BASELINE[1:], args.steps)["step_s"]
     rows = []
-    for name, data, pipe, schedule, chunks, micro, stash in CASES:
-        row = measure(data, pipe, schedule, chunks, micro, stash, args.steps)
-        row.update(name=name, pipe=pipe, chunks=chunks, microbatches=micro, stash=stash)
+    for name, data, pipe, schedule, chunks, micro, stash, form in CASES:
+        row = measure(data, pipe, schedule, chunks, micro, stash, form, args.steps)
+        row.update(name=name, pipe=pipe, chunks=chunks, microbatches=micro, stash=stash,
+                   form=form)
         rows.append(row)
     # The baseline again at the end: the spread of the two is this machine's noise.
     baseline_after = measure(*BASELINE[1:], args.steps)["step_s"]

@@ -52,9 +52,10 @@ class ParallelConfig:
     pipe: int = 1
     tensor: int = 1
     microbatches: int = 1  # per data-parallel rank and step
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved (used when pipe > 1)
-    chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedule)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-interleaved (pipe > 1)
+    chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedules)
     stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
+    round_form: str = "auto"  # pipe > 1: cond | steady | masked (auto: cond on CPU, steady GPU)
 
 
 @dataclass(frozen=True)
@@ -143,8 +144,9 @@ CHOICES = {
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
     "model.remat": ("none", "selective", "full"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
     "parallel.stash": ("activations", "inputs"),
+    "parallel.round_form": ("auto", "cond", "steady", "masked"),
     "optimizer.loss_scale": ("none", "dynamic"),
     "runtime.platform": ("auto", "cpu", "gpu"),
 }
@@ -298,9 +300,9 @@ def validate(config: Config) -> None:
         f" = {par.pipe} x {par.chunks} = {stages}",
     )
     _require(
-        par.chunks == 1 or par.schedule == "interleaved",
+        par.chunks == 1 or "interleaved" in par.schedule,
         f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
-        f"parallel.schedule=interleaved (got {par.schedule})",
+        f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})",
     )
     if par.pipe > 1:  # the schedule's own rules (it never imports JAX)
         from jaxptd.pipeline.schedules import ScheduleError, make_schedule

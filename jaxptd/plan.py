@@ -22,6 +22,7 @@ from jaxptd import plan_model as pm
 from jaxptd.config import Config, ConfigError, load_config, validate
 from jaxptd.metrics import flops_per_iteration
 from jaxptd.pipeline import schedules
+from jaxptd.pipeline.simulate import simulate as simulate_schedule
 
 GB = 1e9
 MAX_VERIFY_DEVICES = 1024
@@ -119,17 +120,20 @@ def recomputation(config: Config) -> str:
 
 def schedule_stats(config: Config, simulate: bool = True):
     """(bubble fraction, peak stash, (Stats, Schedule) or None): from the simulator when
-    asked and small enough, else the paper's bubble and the lockstep schedule's stash on
-    rank 0 ((v - 1) p + 2p - 1, see schedules.make_schedule)."""
+    asked and small enough, else the formula's bubble and the lockstep schedule's stash on
+    rank 0 ((v - 1) p + 2p - 1, see schedules.make_schedule; one more for zb-interleaved).
+    The stash counts a microbatch-stage from its input's arrival to its last backward piece
+    (for zero-bubble kinds its W), each slot priced as a non-split one."""
     par = config.parallel
     if par.pipe == 1:
         return 0.0, 0, None
     p, v, m = par.pipe, par.chunks, par.microbatches
-    if not simulate or p * p * m * v * 2 > SIMULATE_LIMIT:
-        stash = min(m * v, (v - 1) * p + 2 * p - 1)
-        return pm.bubble_formula(p, v, m), stash, None
+    zero_bubble = par.schedule in schedules.ZERO_BUBBLE
+    if not simulate or p * p * m * v * 3 > SIMULATE_LIMIT:
+        stash = min(m * v, (v - 1) * p + 2 * p - 1 + (zero_bubble and v > 1))
+        return pm.bubble_formula(p, v, m, zero_bubble), stash, None
     sched = schedules.make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
-    stats = schedules.simulate(sched)
+    stats = simulate_schedule(sched)
     return stats.bubble_fraction, max(stats.peak_stash), (stats, sched)
 
 

@@ -108,8 +108,12 @@ def device_memory(*, weight_params, moment_params, activations, microbatches) ->
             "gradient_workspace": transient - activations["total"], "total": total}
 
 
-def bubble_formula(p: int, v: int, m: int) -> float:
-    """§2.2: (p - 1) / (v m) for 1F1B and interleaved; GPipe has the same bubble."""
+def bubble_formula(p: int, v: int, m: int, zero_bubble: bool = False) -> float:
+    """§2.2: (p - 1) / (v m) for 1F1B and interleaved; GPipe has the same bubble. Zero-bubble
+    kinds (uniform t_f = t_b = t_w, lockstep): (p - 1 + max(0, 2p - 2 - m)) / (3 v m), the
+    ZB-H1 paper's (p-1)/(3vm) from m >= 2p - 2 (jaxptd/pipeline/schedules.py)."""
+    if zero_bubble:
+        return (p - 1 + max(0, 2 * p - 2 - m)) / (3 * v * m)
     return (p - 1) / (v * m)
 
 

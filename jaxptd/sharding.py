@@ -80,10 +80,14 @@ def named(mesh, spec_tree):
 
 
 def varying_axes(x) -> frozenset:
-    """The manual mesh axes over which x differs between devices (JAX's vma type)."""
-    aval = jax.typeof(x)
+    """The manual mesh axes over which x (a value, or a ShapeDtypeStruct from eval_shape
+    inside shard_map) differs between devices (JAX's vma type)."""
+    aval = x if isinstance(x, jax.ShapeDtypeStruct) else jax.typeof(x)
     vma = getattr(aval, "vma", None)
-    return frozenset(vma if vma is not None else aval.manual_axis_type.varying)
+    if vma is not None:
+        return frozenset(vma)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
 
 
 def mark_varying(tree, axes: tuple[str, ...]):

@@ -81,6 +81,8 @@ class Setup:
         self.logical_state_shardings = named(mesh, self._state_specs(
             self.logical_param_specs, jax.eval_shape(self.to_logical, self.abstract_params)))
         self.batch_sharding = NamedSharding(mesh, P(DATA))
+        # Every loss is a sum over tokens scaled to the global token mean.
+        self.loss_norm = 1.0 / (config.train.global_batch * model.seq_len)
 
     def _state_specs(self, param_specs, abstract_params):
         opt = self.config.optimizer
@@ -153,10 +155,10 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
     """
     config = setup.config
     micro = batch.reshape(config.parallel.microbatches, -1, batch.shape[-1])  # [m, b, s+1]
-    norm = 1.0 / (config.train.global_batch * config.model.seq_len)
 
     def loss_fn(p, mb, k):
-        loss = models.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic) * norm
+        loss = models.loss_sum(p, mb, k, config.model, setup.local_layout,
+                               deterministic) * setup.loss_norm
         return loss * loss_scale, loss
 
     def one(carry, xs):

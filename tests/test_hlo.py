@@ -26,7 +26,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import load_config
-from jaxptd.model import gpt
+from jaxptd import model as models
 from jaxptd.mesh import make_mesh
 from jaxptd.step import Setup, build_train_step
 
@@ -112,8 +112,8 @@ def layer_forward_hlo(setup: Setup) -> str:
     config = setup.config
 
     def local(layers, x):  # x: [b/d, s, h] on each device
-        return gpt.apply_layers(layers, x, jax.random.key(0), config.model,
-                                setup.local_layout, True)
+        return models.apply_layers(layers, x, jax.random.key(0), config.model,
+                                   setup.local_layout, True)
 
     fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.param_specs["layers"], P("data")),
                        out_specs=P("data"))

@@ -1,6 +1,8 @@
-"""Pipeline executor: parity with the single-device program for every schedule (training
-and the forward-only eval), bounded memory for 1f1b/interleaved, and the point-to-point
-traffic the schedule implies."""
+"""Pipeline executor: parity with the single-device program for every schedule, stash mode
+and round form (training and the forward-only eval), bounded memory for 1f1b, interleaved
+and zero-bubble, the point-to-point traffic the schedule implies, no conditional in the
+steady-state rounds of the CUDA-lowered step, and no matmul that waits for a message of
+its own round."""
 import json
 import os
 import re
@@ -11,12 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Literal
 
 from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss,
                      reference_loss_and_grads, reference_losses)
 from jaxptd.config import ConfigError, load_config
-from jaxptd.pipeline.executor import rounds_for
-from jaxptd.pipeline.schedules import make_schedule, simulate
+from jaxptd.pipeline.executor import rounds_for, segments
+from jaxptd.pipeline.schedules import make_schedule
+from jaxptd.pipeline.simulate import simulate
 from jaxptd.step import build_eval_step, build_grads, build_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +40,40 @@ CASES = [
     (1, 2, 1, "interleaved", 3, 3, 6),
     (2, 2, 2, "interleaved", 4, 2, 8),
 ]
+# Zero-bubble: m = p, m < p, m not a multiple of p, data and tensor inside the stages.
+ZB_CASES = [
+    (1, 2, 1, "zb-h1", 1, 2, 4),
+    (1, 4, 1, "zb-h1", 1, 4, 4),
+    (1, 4, 2, "zb-h1", 1, 5, 4),
+    (2, 2, 2, "zb-h1", 1, 3, 4),
+    (1, 2, 4, "zb-h1", 1, 6, 4),
+    (1, 8, 1, "zb-h1", 1, 8, 8),
+    (2, 4, 1, "zb-h1", 1, 2, 4),
+    (1, 4, 1, "zb-h1", 1, 1, 4),
+    (1, 2, 4, "zb-interleaved", 2, 4, 4),
+    (1, 4, 2, "zb-interleaved", 2, 5, 8),
+    (1, 4, 1, "zb-interleaved", 2, 4, 8),
+    (1, 2, 1, "zb-interleaved", 3, 3, 6),
+    (2, 2, 2, "zb-interleaved", 4, 2, 8),
+    (1, 2, 2, "zb-interleaved", 2, 2, 4),
+    (2, 2, 1, "zb-interleaved", 2, 5, 4),
+    (1, 4, 1, "zb-interleaved", 2, 1, 8),
+]
+FAST = {CASES[3], CASES[7], ZB_CASES[2], ZB_CASES[9]}  # the rest: -m slow
+
+
+def _param(stash, case, form="auto"):
+    marks = () if case in FAST and form == "auto" else (pytest.mark.slow,)
+    return pytest.param(stash, case, form, marks=marks,
+                        id="-".join(map(str, (stash, form) + case)))
+
+
+PARITY = ([_param("activations", c) for c in CASES + ZB_CASES]
+          + [_param("inputs", c) for c in CASES[2::4] + ZB_CASES[1::4]]
+          + [_param("activations", c, "steady") for c in (CASES[3], CASES[7], ZB_CASES[3],
+                                                           ZB_CASES[9])]
+          + [_param("inputs", ZB_CASES[4], "steady"), _param("activations", CASES[4], "masked"),
+             _param("activations", ZB_CASES[12], "masked")])
 
 
 def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=()):
@@ -45,11 +83,10 @@ def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=(
         f"train.global_batch={2 * data * micro}", *extra])
 
 
-@pytest.mark.parametrize("stash, case", [("activations", c) for c in CASES] + [
-    ("inputs", c) for c in CASES[2::4]], ids=lambda x: x if isinstance(x, str) else
-    "-".join(map(str, x)))
-def test_pipelined_gradients_match_single_device(stash, case):
-    setup = pipelined_setup(*case, extra=[f"parallel.stash={stash}"])
+@pytest.mark.parametrize("stash, case, form", PARITY)
+def test_pipelined_gradients_match_single_device(stash, case, form):
+    setup = pipelined_setup(*case, extra=[f"parallel.stash={stash}",
+                                          f"parallel.round_form={form}"])
     state = setup.init_state(0)
     batch = fixed_batches(setup.config, 1)[0]
     grads, loss = jax.jit(build_grads(setup, deterministic=True))(
@@ -61,9 +98,10 @@ def test_pipelined_gradients_match_single_device(stash, case):
     assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
 
 
-def test_pipelined_training_steps_match_single_device():
-    """Three optimizer steps (interleaved, zero1) give the single-device losses."""
-    setup = pipelined_setup(2, 2, 2, "interleaved", 2, 2, 4, ["optimizer.zero1=true"])
+@pytest.mark.parametrize("schedule, chunks", [("interleaved", 2), ("zb-h1", 1)])
+def test_pipelined_training_steps_match_single_device(schedule, chunks):
+    """Three optimizer steps (zero1) give the single-device losses."""
+    setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 4, ["optimizer.zero1=true"])
     state = setup.init_state(0)
     params0 = jax.device_get(setup.to_logical(state["params"]))
     batches = fixed_batches(setup.config, 3)
@@ -84,13 +122,14 @@ def random_params(setup, seed=0):
     return jax.device_put(host, setup.state_shardings["params"]), setup.to_logical(host)
 
 
-@pytest.mark.parametrize("case", [(1, 4, 1, "1f1b", 1, 8, 4), (1, 4, 1, "interleaved", 2, 5, 8),
-                                  (2, 2, 2, "gpipe", 1, 2, 4)],
-                         ids=lambda case: "-".join(map(str, case)))
-def test_pipelined_eval_loss_matches_single_device(case):
-    """The forward-only pipeline's loss: 1f1b, interleaved with m not a multiple of p, and
-    data and tensor parallelism inside the stages."""
-    setup = pipelined_setup(*case)
+@pytest.mark.parametrize("case, form", [
+    ((1, 4, 1, "1f1b", 1, 8, 4), "auto"), ((1, 4, 1, "interleaved", 2, 5, 8), "auto"),
+    ((2, 2, 2, "gpipe", 1, 2, 4), "auto"), ((1, 4, 1, "zb-h1", 1, 8, 4), "steady")],
+    ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x)))
+def test_pipelined_eval_loss_matches_single_device(case, form):
+    """The forward-only pipeline's loss: 1f1b, interleaved with m not a multiple of p,
+    data and tensor parallelism inside the stages, and the steady round form."""
+    setup = pipelined_setup(*case, extra=[f"parallel.round_form={form}"])
     params, logical = random_params(setup)
     batch = fixed_batches(setup.config, 1)[0]
     loss = build_eval_step(setup)(params, jax.device_put(batch, setup.batch_sharding))
@@ -136,7 +175,8 @@ def compiled_temp_bytes(schedule, micro, chunks=1, stash="activations"):
 
 
 @pytest.mark.parametrize("schedule, chunks, stash", [
-    ("1f1b", 1, "activations"), ("interleaved", 2, "activations"), ("1f1b", 1, "inputs")])
+    ("1f1b", 1, "activations"), ("interleaved", 2, "activations"), ("1f1b", 1, "inputs"),
+    ("zb-h1", 1, "activations"), pytest.param("zb-h1", 1, "inputs", marks=pytest.mark.slow)])
 def test_stash_memory_does_not_grow_with_microbatches(schedule, chunks, stash):
     small = compiled_temp_bytes(schedule, 8, chunks, stash)
     large = compiled_temp_bytes(schedule, 32, chunks, stash)
@@ -154,7 +194,7 @@ PERMUTE = re.compile(r"= (\w+)\[([\d,]*)\]\S* collective-permute(?:-start)?\(.*?
                      r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
-@pytest.mark.parametrize("chunks, schedule", [(1, "1f1b"), (2, "interleaved")])
+@pytest.mark.parametrize("chunks, schedule", [(1, "1f1b"), (2, "interleaved"), (1, "zb-h1")])
 def test_point_to_point_traffic_matches_schedule(chunks, schedule):
     """Two collective-permutes per round, each [b, s, h/t] (scatter/gather), along the chain
     (ring when interleaved); rounds x ranks sends cover the schedule's m (p v - 1) messages."""
@@ -209,3 +249,119 @@ def test_train_cli_pipelined_equals_unpipelined(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in piped], [r["loss"] for r in plain],
                                rtol=1e-5)
     assert compiled[0]["bubble_fraction"] == pytest.approx(1 / 4)  # (p-1)/(v m)
+    zero, compiled = train_losses(tmp_path, "zb", [
+        "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2",
+        "parallel.schedule=zb-h1"])
+    np.testing.assert_allclose([r["loss"] for r in zero], [r["loss"] for r in plain],
+                               rtol=1e-5)
+    # p = m = 2: (p - 1 + max(0, 2p - 2 - m)) / (3 m), the paper's (p-1)/(3m)
+    assert compiled[0]["bubble_fraction"] == pytest.approx(1 / 6)
+
+
+# --------------------------------------------------------------------------- GPU shape
+
+
+def _region(text: str, start: int) -> str:
+    """The text from `start` through the brace-balanced block that opens after it."""
+    depth, i = 0, text.index("{", start)
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[start:j + 1]
+    raise AssertionError("unbalanced braces")
+
+
+def _with_callees(text: str, region: str, seen=None) -> str:
+    """A region plus, recursively, the bodies of the private functions it calls."""
+    seen = set() if seen is None else seen
+    out = [region]
+    for name in set(re.findall(r"call @([\w.$-]+)", region)) - seen:
+        seen.add(name)
+        out.append(_with_callees(text, _region(text, text.index(f"func.func private @{name}(")),
+                                 seen))
+    return "\n".join(out)
+
+
+def steady_loops(setup):
+    """[(rounds, body text with callees)] of the step's round loops lowered for CUDA."""
+    config = setup.config
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+                                 jnp.int32, sharding=setup.batch_sharding)
+    text = build_train_step(setup).trace(setup.abstract_state(), batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    loops = []
+    for match in re.finditer(r"stablehlo\.while\(.*?\) : tensor<(\d+)xi32>", text):
+        cond = _region(text, match.start())  # then "do { body }"
+        body = _with_callees(text, _region(text, match.start() + len(cond)))
+        if "collective_permute" in body:  # a loop over rounds (the layer scans send nothing)
+            loops.append((int(match.group(1)), body))
+    return loops
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_cuda_lowered_steady_rounds_have_no_conditional(schedule):
+    """round_form=steady lowered for CUDA: the loop over the rounds in which every rank has
+    F, B (and W) work holds no stablehlo.case, while the warm-up loop does (the test sees
+    conditionals where there are some)."""
+    p, m = 4, 16
+    setup = pipelined_setup(1, p, 2, schedule, 1, m, 4, ["parallel.round_form=steady"])
+    full = [seg for seg in segments(rounds_for(schedule, p, m, 1), "steady")
+            if set(seg.modes) <= {"run", "off"} and "run" in seg.modes]
+    steady = max(full, key=lambda seg: seg.stop - seg.start)
+    assert steady.modes == (("run", "run", "off") if schedule == "1f1b" else ("run",) * 3)
+    loops = steady_loops(setup)
+    sending = [seg for seg in segments(rounds_for(schedule, p, m, 1), "steady")
+               if seg.modes[:2] != ("off", "off")]  # a W-only segment sends nothing
+    assert [n for n, _ in loops] == [seg.stop - seg.start for seg in sending]
+    body = loops[sending.index(steady)][1]
+    assert body.count("stablehlo.case") == 0 and "stablehlo.dot_general" in body
+    assert loops[0][1].count("stablehlo.case") > 0  # warm-up: conditionals, and seen
+
+
+def _subjaxprs(eqn):
+    """The jaxprs inside an equation (scan and call bodies, cond branches)."""
+    for param in eqn.params.values():
+        for item in param if isinstance(param, (tuple, list)) else (param,):
+            inner = getattr(item, "jaxpr", item)
+            if hasattr(inner, "eqns"):
+                yield inner
+
+
+def _round_scans(jaxpr):
+    """The bodies of the scans that send over 'pipe' (the round loops), at any depth."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan" and any(
+                e.primitive.name == "ppermute" for e in eqn.params["jaxpr"].jaxpr.eqns):
+            yield eqn.params["jaxpr"].jaxpr
+        for sub in _subjaxprs(eqn):
+            yield from _round_scans(sub)
+
+
+def _contains_matmul(eqn) -> bool:
+    return eqn.primitive.name == "dot_general" or any(
+        _contains_matmul(e) for sub in _subjaxprs(eqn) for e in sub.eqns)
+
+
+@pytest.mark.parametrize("schedule, form", [("1f1b", "cond"), ("zb-h1", "steady")])
+def test_no_matmul_waits_for_its_rounds_messages(schedule, form):
+    """In every round body of the traced step, nothing that computes a matmul (directly or
+    inside a cond, scan or call) consumes a value derived from that round's ppermutes:
+    messages are only stored, so the collective-permutes can overlap the later slots."""
+    setup = pipelined_setup(1, 4, 2, schedule, 1, 8, 4, [f"parallel.round_form={form}"])
+    config = setup.config
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+                                 jnp.int32, sharding=setup.batch_sharding)
+    jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.abstract_state(), batch).jaxpr
+    bodies = list(_round_scans(jaxpr))
+    assert bodies, "no round loop found"
+    for body in bodies:
+        tainted, senders = set(), 0
+        for eqn in body.eqns:
+            uses = any(not isinstance(v, Literal) and v in tainted for v in eqn.invars)
+            if eqn.primitive.name == "ppermute":
+                senders += 1
+                tainted.update(eqn.outvars)
+            elif uses:
+                assert not _contains_matmul(eqn), f"{eqn.primitive.name} waits for a message"
+                tainted.update(eqn.outvars)
+        assert senders >= 1

@@ -1,6 +1,7 @@
 """Schedules against independent references: hand-worked grids, the PTD-P paper's bubble
-formulas (§2.2), a replay of the slot tables as the executor would run them (training and
-forward-only), the validator on broken schedules, and the CLI."""
+formulas (§2.2) and the zero-bubble paper's (Qi et al. §3), a replay of the slot tables as
+the executor would run them (training, zero-bubble and forward-only), the validator on
+broken schedules, and the CLI."""
 import dataclasses
 import json
 import subprocess
@@ -8,9 +9,13 @@ import sys
 
 import pytest
 
-from jaxptd.pipeline import schedules as sch
-from jaxptd.pipeline.schedules import (Action, Schedule, ScheduleError, check_layers,
-                                       forward_only, lower, make_schedule, simulate, validate)
+from jaxptd.pipeline import simulate as sim
+from jaxptd.pipeline.lowering import lower
+from jaxptd.pipeline.schedules import (Action, Costs, Schedule, ScheduleError, check_layers,
+                                       forward_only, make_schedule, validate)
+from jaxptd.pipeline.simulate import simulate
+
+UNIFORM = Costs(1.0, 1.0, 1.0)  # t_f = t_b = t_w; a kind without W runs B + W = 2 t_f
 
 
 def _rows(rounds):
@@ -58,8 +63,8 @@ def test_p4_m8_grid_closed_form(kind):
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12])
 def test_bubble_gpipe_1f1b_is_paper_formula(p, m):
     for kind in ("gpipe", "1f1b"):
-        stats = simulate(make_schedule(kind, p, m), fwd_cost=1.0, bwd_cost=2.0)
-        assert stats.bubble_fraction == pytest.approx((p - 1) / m)
+        stats = simulate(make_schedule(kind, p, m), UNIFORM)
+        assert stats.bubble_fraction == pytest.approx((p - 1) / m) == stats.paper_bubble
         assert stats.ideal_time == m * 3.0
         assert stats.async_total_time == pytest.approx(stats.total_time)
 
@@ -68,7 +73,7 @@ def test_bubble_gpipe_1f1b_is_paper_formula(p, m):
 def test_bubble_interleaved_is_paper_formula_for_m_at_least_p(p, v):
     # any m >= p, not only multiples of p (groups of >= p microbatches)
     for m in range(p, 3 * p + 2):
-        stats = simulate(make_schedule("interleaved", p, m, v), fwd_cost=1.0, bwd_cost=2.0)
+        stats = simulate(make_schedule("interleaved", p, m, v), UNIFORM)
         assert stats.bubble_fraction == pytest.approx((p - 1) / (v * m)), m
 
 
@@ -172,7 +177,7 @@ def test_forward_only_rounds_closed_form(kind, p, v):
     at rank 0's wrap-around, where a group of g waits g - p + 1 rounds (g - p + 2 slots)."""
     for m in range(1, 3 * p + 2):
         schedule = forward_only(make_schedule(kind, p, m, v))
-        rounds, stats = validate(schedule), simulate(schedule)
+        rounds, stats = lower(schedule), simulate(schedule)
         assert rounds.num_rounds == (v - 1) * max(m, p) + m + p - 1, m
         assert rounds.num_grad_slots == 0 and not any(map(any, rounds.b_valid))
         if m >= p:
@@ -226,6 +231,8 @@ def test_validator_cross_rank_deadlock():
 
 
 def test_parameter_errors():
+    with pytest.raises(ScheduleError, match="chunks=2 must be 1 for kind='zb-h1'"):
+        make_schedule("zb-h1", 4, 8, 2)
     with pytest.raises(ScheduleError, match="chunks=2 must be 1 for kind='1f1b'"):
         make_schedule("1f1b", 4, 8, 2)
     with pytest.raises(ScheduleError, match="microbatches=0 must be an integer >= 1"):
@@ -237,9 +244,10 @@ def test_parameter_errors():
         check_layers(18, 4, 2)
 
 
-def test_hop_latency_is_paid_twice_per_round():
+def test_hop_latency_is_paid_once_per_round():
+    """A round's messages overlap its later slots; the last one's latency is exposed."""
     base, slow = (simulate(make_schedule("1f1b", 4, 8), hop_latency=h) for h in (0.0, 0.5))
-    assert slow.total_time == pytest.approx(base.total_time + base.num_rounds * 2 * 0.5)
+    assert slow.total_time == pytest.approx(base.total_time + base.num_rounds * 0.5)
 
 
 def _cli(*args):
@@ -255,11 +263,11 @@ def test_cli_json_and_grid():
     assert got["bubble_fraction"] == pytest.approx(3 / 16)
     assert len(got["peak_stash"]) == 4 and got["messages"]["forward"] == 8 * 7
     text = _cli("--kind", "1f1b", "--stages", "2", "--microbatches", "2").stdout
-    assert "rank 1  .  .  F0 B0 F1 B1 .  ." in text and "bubble_fraction 0.5000" in text
+    assert "rank 1  . .   F0 B0 F1 B1 . ." in text and "bubble_fraction 0.5000" in text
 
 
 def test_cli_forward_only(capsys):
-    assert sch.main(["--kind", "1f1b", "--stages", "2", "--microbatches", "2",
+    assert sim.main(["--kind", "1f1b", "--stages", "2", "--microbatches", "2",
                      "--forward-only"]) == 0
     text = capsys.readouterr().out
     assert "rank 0  F0 F1 .\nrank 1  .  F0 F1\n" in text and "bubble_fraction 0.5000" in text
@@ -278,7 +286,7 @@ def test_cli_bad_arguments(args):
 def test_cli_png_without_matplotlib(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     with pytest.raises(SystemExit) as e:
-        sch.main(["--kind", "1f1b", "--stages", "2", "--microbatches", "2",
+        sim.main(["--kind", "1f1b", "--stages", "2", "--microbatches", "2",
                   "--png", str(tmp_path / "t.png")])
     assert e.value.code == 2
     assert capsys.readouterr().err.startswith("error: --png")
@@ -287,6 +295,115 @@ def test_cli_png_without_matplotlib(monkeypatch, capsys, tmp_path):
 def test_cli_png_draws(tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "t.png"
-    assert sch.main(["--kind", "interleaved", "--stages", "4", "--microbatches", "8",
+    assert sim.main(["--kind", "interleaved", "--stages", "4", "--microbatches", "8",
                      "--chunks", "2", "--png", str(path)]) == 0
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+# --------------------------------------------------------------------------- zero bubble
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_zb_h1_bubble_is_paper_formula_from_2p_minus_2(p):
+    """Uniform costs: (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) = (p-1)/(3m) for m >= 2p-2; below,
+    the lockstep warm-up costs (2p-2-m) more slots (schedules.py docstring)."""
+    for m in range(p, 8 * p + 1):
+        stats = simulate(make_schedule("zb-h1", p, m), UNIFORM)
+        assert stats.paper_bubble == pytest.approx((p - 1) / (3 * m))
+        expected = (p - 1 + max(0, 2 * p - 2 - m)) / (3 * m)
+        assert stats.bubble_fraction == pytest.approx(expected), m
+        assert stats.async_total_time <= stats.total_time + 1e-9
+
+
+@pytest.mark.parametrize("p,v", [(2, 2), (4, 2), (4, 4), (3, 3), (8, 2)])
+def test_zb_interleaved_bubble_is_formula_over_v(p, v):
+    for m in range(p, 4 * p + 2):
+        stats = simulate(make_schedule("zb-interleaved", p, m, v), UNIFORM)
+        expected = (p - 1 + max(0, 2 * p - 2 - m)) / (3 * v * m)
+        assert stats.bubble_fraction == pytest.approx(expected), m
+        assert stats.paper_bubble == pytest.approx((p - 1) / (3 * v * m))
+
+
+@pytest.mark.parametrize("costs", [Costs(1, 2, 1), Costs(2, 3, 1), Costs(1, 1, 0.5)])
+def test_zb_h1_reaches_the_formula_when_w_is_no_longer_than_f(costs):
+    """The paper's bubble (p-1)(t_f+t_b-t_w) holds whenever t_w <= t_f (the W fills what a
+    forward would); 1F1B's (p-1)(t_f+t_b+t_w) is the bound it beats."""
+    p, m = 4, 16
+    zb = simulate(make_schedule("zb-h1", p, m, costs=costs), costs)
+    ofb = simulate(make_schedule("1f1b", p, m), costs)
+    assert zb.bubble_fraction == pytest.approx(zb.paper_bubble)
+    assert ofb.bubble_fraction == pytest.approx((p - 1) / m)
+    assert ofb.bubble_fraction > zb.bubble_fraction
+
+
+def test_zb_peak_stash_keeps_the_base_kinds_and_does_not_grow_with_m():
+    """Counted from a stage input's arrival to its W: zb-h1 holds at most 1F1B's peak (2p-1
+    on the busiest rank); zb-interleaved at most one more than interleaved's."""
+    for p in (2, 4, 8):
+        base = max(simulate(make_schedule("1f1b", p, 8 * p)).peak_stash)
+        peaks = {max(simulate(make_schedule("zb-h1", p, m)).peak_stash)
+                 for m in range(2 * p, 8 * p + 1, p // 2 or 1)}
+        assert peaks == {base == 2 * p - 1 and base}
+    for p, v in [(4, 2), (2, 4), (8, 2)]:
+        base = max(simulate(make_schedule("interleaved", p, 8 * p, v)).peak_stash)
+        peaks = {max(simulate(make_schedule("zb-interleaved", p, m, v)).peak_stash)
+                 for m in (3 * p, 4 * p, 6 * p, 8 * p)}
+        assert peaks == {base + 1}
+
+
+@pytest.mark.parametrize("kind,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 3, 1),
+                                        ("zb-interleaved", 4, 6, 2),
+                                        ("zb-interleaved", 2, 5, 3)])
+def test_zb_w_slot_tables_replay(kind, p, m, v):
+    """Every B fills the W slot its W later empties, one W per B, no live W slot is
+    overwritten, and a W never runs before its B."""
+    R = lower(make_schedule(kind, p, m, v))
+    wbuf = [[None] * R.num_w_slots for _ in range(p)]
+    ran = set()
+    for t in range(R.num_rounds):
+        for r in range(p):
+            if R.b_valid[t][r]:
+                key = (R.b_mb[t][r], R.b_chunk[t][r])
+                assert wbuf[r][R.b_wslot[t][r]] is None
+                wbuf[r][R.b_wslot[t][r]] = key
+            if R.w_valid[t][r]:
+                key = (R.w_mb[t][r], R.w_chunk[t][r])
+                assert wbuf[r][R.w_slot[t][r]] == key
+                wbuf[r][R.w_slot[t][r]] = None
+                ran.add((r,) + key)
+    assert ran == {(r, j, c) for r in range(p) for j in range(m) for c in range(v)}
+    assert all(x is None for rank in wbuf for x in rank)
+    assert max(sum(row) for row in zip(*R.w_valid)) <= R.num_rounds  # one W slot a round
+
+
+def test_zb_validator_rules():
+    schedule = make_schedule("zb-h1", 2, 2)
+    rank0 = schedule.actions[0]
+    w0 = rank0.index(Action("W", 0, 0))
+    early = rank0[:1] + (rank0[w0],) + tuple(a for i, a in enumerate(rank0) if i not in (0, w0))
+    with pytest.raises(ScheduleError, match=r"rank 0: W0 comes before its backward \(each F, "
+                                            r"B and W exactly once"):
+        validate(dataclasses.replace(schedule, actions=(early, schedule.actions[1])))
+    no_w = tuple(a for a in rank0 if a != Action("W", 1, 0))
+    with pytest.raises(ScheduleError, match=r"rank 0: W1 is missing"):
+        validate(dataclasses.replace(schedule, actions=(no_w, schedule.actions[1])))
+    with pytest.raises(ScheduleError, match=r"outside kind F/B"):
+        validate(dataclasses.replace(schedule, kind="1f1b"))
+
+
+def test_cli_zero_bubble_json():
+    out = _cli("--kind", "zb-h1", "--stages", "4", "--microbatches", "8", "--fwd-cost", "1",
+               "--bwd-cost", "1", "--json")
+    got = json.loads(out.stdout)
+    assert out.returncode == 0 and got["bubble_fraction"] == pytest.approx(3 / 24)
+    assert got["paper_bubble"] == pytest.approx(3 / 24) and max(got["peak_stash"]) == 7
+    assert set(got) >= {"total_time", "ideal_time", "num_rounds", "messages",
+                        "async_total_time"}
+    # the default W cost is B's: --bwd-cost 2 alone means B = W = 2
+    two = json.loads(_cli("--kind", "zb-h1", "--stages", "4", "--microbatches", "8",
+                          "--bwd-cost", "2", "--json").stdout)
+    assert two["ideal_time"] == 8 * 5
+    text = _cli("--kind", "zb-h1", "--stages", "2", "--microbatches", "2").stdout
+    # the last rank defers W0 to round 3, where rank 0's B1 sets the cost
+    assert "rank 0  F0 . .  F1 . .  . B0 W0 . B1 .  . . W1" in text
+    assert "rank 1  . . .   F0 B0 . F1 B1 . . . W0  . . W1" in text

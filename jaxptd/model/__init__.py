@@ -7,18 +7,24 @@ leaves, plus the "ends" (every other top-level key: embedding, final norm, outpu
     init_params(cfg, vocab, key)                  global float32 parameters
     logical_axes(cfg, vocab)                      their logical axis names (PartitionSpecs)
     embed(ends, batch, cfg, layout)               batch [b, s + 1] -> x [b, s, h]   first stage
-    apply_layers(layers, x, key, cfg, layout, deterministic)   any contiguous block of layers
+    block(cfg, layout)                            one layer, a Flax module (x, deterministic)
     head_loss(ends, x, batch, cfg, layout)        -> sum of token losses            last stage
 
 `Layout` (layers.py) says whether the functions see global parameters or one tensor rank's
-shards. `get(cfg)` returns the architecture module; `loss_sum` composes the three pieces.
+shards. This module adds what is the same for every architecture: `get(cfg)`, the layer
+stack (`apply_layers`, with the zero-bubble taps: `perturbations`, `dense_weight_grads`),
+`loss_sum`, and the weight-decay rule.
 """
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from flax import traverse_util
+from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Layout
+from jaxptd.model.layers import DENSE, DENSE_INPUTS, PERTURBATIONS, Layout
+from jaxptd.sharding import mark_varying, varying_axes
 
 
 def get(cfg: ModelConfig):
@@ -32,11 +38,91 @@ def ends(params) -> dict:
     return {k: v for k, v in params.items() if k != "layers"}
 
 
+def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
+                 perturbations=None):
+    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
+
+    `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
+    With model.remat == 'full' each layer's activations are recomputed in the backward pass
+    ('selective' recomputes only the attention core, inside layers.Attention).
+    With `perturbations` (from `perturbations`: zeros added to every dense() output, so
+    their gradient is the output gradient), returns (y, the input of every dense() matmul,
+    each [n, ...]) instead of y.
+    """
+    layer = get(cfg).block(cfg, layout)
+    taped = perturbations is not None
+
+    def one_layer(x, xs):
+        params, index, added = xs
+        rngs = {"dropout": jax.random.fold_in(key, index)}
+        if not taped:
+            return layer.apply({"params": params}, x, deterministic, rngs=rngs), None
+        y, state = layer.apply({"params": params, PERTURBATIONS: added}, x, deterministic,
+                               rngs=rngs, mutable=[DENSE_INPUTS])
+        return y, state[DENSE_INPUTS]
+
+    if cfg.remat == "full":
+        one_layer = jax.checkpoint(one_layer)
+    n = jax.tree.leaves(layers)[0].shape[0]
+    x, inputs = lax.scan(one_layer, x, (layers, jnp.arange(n), perturbations))
+    return (x, inputs) if taped else x
+
+
+def perturbations(layers, x, cfg: ModelConfig, layout: Layout):
+    """Zeros shaped and typed (varying manual axes included) like every dense() output of
+    the stack, [n, ...]: what `apply_layers` takes to tape a backward. Traces nothing."""
+    layer = get(cfg).block(cfg, layout)
+
+    def one_layer(x, params):
+        y, state = layer.apply({"params": params}, x, True, mutable=[PERTURBATIONS])
+        return y, state[PERTURBATIONS]
+
+    shapes = jax.eval_shape(lambda: lax.scan(one_layer, x, layers)[1])
+
+    def zeros(s):
+        return mark_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s)))
+    return jax.tree.map(zeros, shapes)
+
+
+def split_dense(layers) -> tuple[dict, dict]:
+    """A layer tree -> (its dense() weights, everything else): what W computes the
+    gradients of, and what B does."""
+    flat = traverse_util.flatten_dict(layers)
+    dense = {k: v for k, v in flat.items() if k[-1] in DENSE}
+    rest = {k: v for k, v in flat.items() if k[-1] not in DENSE}
+    return traverse_util.unflatten_dict(dense), traverse_util.unflatten_dict(rest)
+
+
+def merge_dense(dense: dict, rest: dict) -> dict:
+    """The inverse of split_dense."""
+    return traverse_util.unflatten_dict({**traverse_util.flatten_dict(dense),
+                                         **traverse_util.flatten_dict(rest)})
+
+
+def dense_weight_grads(dense, inputs, output_grads):
+    """Gradients of a stack's dense() weights [n, ...] from the input and the output gradient
+    of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
+    forward. Each is the transpose of its einsum in the weight (weights cast as in dense)."""
+    flat_inputs = traverse_util.flatten_dict(inputs)
+    flat_grads = traverse_util.flatten_dict(output_grads)
+
+    def one(path, w):  # w: [n, ...] float32 master weights of one dense name
+        spec = DENSE[path[-1]]
+
+        def layer_grad(x, g, w_layer):
+            matmul = lambda v: jnp.einsum(spec, x, v.astype(x.dtype))  # noqa: E731
+            return jax.linear_transpose(matmul, w_layer)(g)[0]
+        return jax.vmap(layer_grad)(flat_inputs[path], flat_grads[path], w)
+
+    flat = traverse_util.flatten_dict(dense)
+    return traverse_util.unflatten_dict({path: one(path, w) for path, w in flat.items()})
+
+
 def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
     """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32)."""
     arch = get(cfg)
     x = arch.embed(ends(params), batch, cfg, layout)
-    x = arch.apply_layers(params["layers"], x, key, cfg, layout, deterministic)
+    x = apply_layers(params["layers"], x, key, cfg, layout, deterministic)
     return arch.head_loss(ends(params), x, batch, cfg, layout)
 
 

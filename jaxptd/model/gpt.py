@@ -3,9 +3,9 @@
 Owns the parameter tree, its initialisation and logical axes, and the three pieces a
 pipeline stage is built from:
 
-    embed(params, tokens)          -> x        first stage
-    apply_layers(layers, x, key)   -> x        any contiguous block of layers
-    head_loss(params, x, targets)  -> sum of token losses   last stage (tied embedding)
+    embed(params, batch)           -> x        first stage
+    block(cfg, layout)             -> one layer (jaxptd.model.apply_layers runs a stack)
+    head_loss(params, x, batch)    -> sum of token losses   last stage (tied embedding)
 
 Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
 
@@ -27,7 +27,8 @@ from jaxptd.config import ModelConfig
 from jaxptd.model.layers import Block, Embed, Layout, layer_norm, psum
 
 
-def _block(cfg: ModelConfig, layout: Layout) -> Block:
+def block(cfg: ModelConfig, layout: Layout) -> Block:
+    """One layer (the stack is applied by jaxptd.model.apply_layers)."""
     return Block(cfg, layout)
 
 
@@ -42,8 +43,8 @@ def _boxed_init(cfg: ModelConfig, vocab: int, key):
     tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
     x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
     embed = _embed(cfg, layout).init(k_embed, tokens)["params"]
-    block = _block(cfg, layout)
-    layers = jax.vmap(lambda k: block.init(k, x)["params"])(
+    layer = block(cfg, layout)
+    layers = jax.vmap(lambda k: layer.init(k, x)["params"])(
         jax.random.split(k_layers, cfg.num_layers))
     # vmap stacked the values; prepend the 'layers' name to every box.
     layers = jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), layers,
@@ -66,27 +67,6 @@ def embed(params, batch, cfg: ModelConfig, layout: Layout):
     """batch [b, s + 1] int32 (inputs are its first s tokens) -> activations [b, s, h] in
     the compute dtype."""
     return _embed(cfg, layout).apply({"params": params["embed"]}, batch[:, :-1])
-
-
-def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
-
-    `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
-    With model.remat == 'full' each layer's activations are recomputed in the backward pass
-    ('selective' recomputes only the attention core, inside layers.Attention).
-    """
-    block = _block(cfg, layout)
-
-    def one_layer(x, layer_and_index):
-        layer, index = layer_and_index
-        rngs = {"dropout": jax.random.fold_in(key, index)}
-        return block.apply({"params": layer}, x, deterministic, rngs=rngs), None
-
-    if cfg.remat == "full":
-        one_layer = jax.checkpoint(one_layer)
-    n = jax.tree.leaves(layers)[0].shape[0]
-    x, _ = lax.scan(one_layer, x, (layers, jnp.arange(n)))
-    return x
 
 
 def head_loss(params, x, batch, cfg: ModelConfig, layout: Layout):

@@ -76,7 +76,7 @@ def dense(module: nn.Module, name: str, x, w):
     Records x and perturbs the output when the caller asks (see the module docstring);
     otherwise exactly the einsum.
     """
-    module.sow(DENSE_INPUTS, name, x)
+    module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     y = jnp.einsum(DENSE[name], x, w.astype(x.dtype))
     return module.perturb(name, y, collection=PERTURBATIONS)
 

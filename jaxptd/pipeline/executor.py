@@ -1,39 +1,49 @@
 """The pipeline executor: a validated schedule's lockstep rounds, run inside the step's
 fully manual shard_map, with stage-to-stage traffic through `lax.ppermute` over 'pipe'.
 
-Owns how a schedule becomes computation. `schedules.lower` gives, for every round t and
-pipe rank r, at most one forward (F slot) and one backward (B slot) with the stash and
-gradient-buffer slots they use. One round is
+Owns how a schedule becomes computation. `lowering.lower` gives, for every round t and pipe
+rank r, at most one forward (F slot), one backward (B slot) and one weight-gradient (W
+slot, zero-bubble kinds) with the buffer slots they use. A round, read top to bottom in
+`_round`, is
 
-    F slot  -> ppermute activations r -> r+1 -> B slot -> ppermute gradients r -> r-1
+    F slot -> send its output to r+1 -> B slot -> send its input gradient to r-1 -> W slot
+           -> store what arrived
 
-and a `lax.scan` runs the T rounds. Each rank reads its own row of the tables
-(`axis_index('pipe')`), and `lax.cond` on that row skips idle slots, so an idle slot costs
-nothing; the ppermutes stay outside the conds (every rank must take part). A round costs
-max(F) + max(B) over the ranks, which is what `schedules.simulate` models.
+Nothing in a round reads what arrives in it: each message is stored at the end of the round
+(`_Buffers.arrive`) and used from the next, so XLA's asynchronous collective-permutes can
+run beside the round's later slots. A `lax.scan` runs the rounds of each segment.
 
-Why lockstep rounds with one F and one B slot: a schedule that lowers this way finishes in
-(m + p - 1)(t_f + t_b) for 1F1B, the time of Megatron's asynchronous 1F1B, while rounds of
-a single action would cost max(t_f, t_b) each and lose up to a third when t_b = 2 t_f.
+Round forms (parallel.round_form; `segments`):
+- cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
+  rank's row of the tables, so idle work is skipped (simulated devices share the cores);
+- steady (the GPU default): a run of rounds in which every rank has work in a slot kind has
+  no conditional at all (on XLA:GPU each one copies its predicate to the host): those slots
+  run unconditionally, and the embedding and head are computed by every rank and selected
+  in every round of the run where some round needs them (with interleaving the last rank
+  needs the head in 1/v of the steady rounds: the others compute it for nothing, the price
+  of no conditional); the other rounds keep conditionals;
+- masked: no conditional anywhere; an idle slot computes and its results are discarded.
 
-The backward is driven by the schedule, not by autodiff through the loop. Every stash
-buffer has the schedule's peak-stash number of slots, bounded by the pipeline depth, not
-by m. parallel.stash chooses what a slot keeps between a stage's F and B slot:
+The backward is driven by the schedule, not by autodiff through the loop. parallel.stash
+chooses what a stash slot keeps between a stage's F and B slot:
+- activations (default): the F slot takes `jax.vjp` of its layer chunk and keeps what the
+  backward closes over, as arrays (`_Kept`: public `jax.closure_convert`; the chunk's own
+  weights, which the backward closes over too, are passed again instead of kept);
+- inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
+  stage on it, recomputing the forward (per-stage activation recomputation).
+Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
+everything but the dense() weights, keeping each dense() matmul's input and output gradient
+(the model's taps) in a W slot; W computes those weights' gradients from them alone
+(`model.dense_weight_grads`): no second forward.
 
-- activations (default): the F slot takes `jax.vjp` of its layer chunk and stashes the
-  closure's residuals (`_Residuals`); the B slot rebuilds the closure and runs only the
-  backward, as Megatron does without recomputation;
-- inputs: only the stage input [b, s, h] is stashed and the B slot takes `jax.vjp` of the
-  whole stage on it, recomputing the forward (per-stage activation recomputation).
-
-The first virtual stage also runs the embedding, the last the head and the loss, so a
-microbatch's backward can start in the round its forward ends; the tied embedding's two
-gradient contributions meet in the step's reduction over 'pipe'.
+The first virtual stage also runs the embedding, the last the head and the loss (in the B
+slot, from the kept stage output: the loss is the head's primal there), so a microbatch's
+backward can start in the round its forward ends; the tied embedding's two gradient
+contributions meet in the step's reduction over 'pipe'.
 
 Evaluation (`pipeline_loss`) runs the schedule's forwards alone (`schedules.forward_only`):
-rounds of one F slot and one ppermute, no vjp, no gradient buffers, and a stash slot
-freed as soon as its forward has read it: v m + p - 1 rounds for m >= p (training's
-rounds also carry the backwards' tail) and a stash of 2 slots for v = 1 (at most p + 1).
+rounds of one F slot and one ppermute, no vjp, and a stash slot freed as soon as its forward
+has read it: v m + p - 1 rounds for m >= p and a stash of 2 slots for v = 1.
 
 Scatter/gather (PTD-P §4.1): a stage output is the same on every tensor rank, so each
 tensor rank sends only its 1/t slice of the hidden dimension and the receiver all-gathers
@@ -44,45 +54,130 @@ stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r.
 """
 from __future__ import annotations
 
+import inspect
+from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 from jax import lax
 
-from jaxptd.mesh import DATA, PIPE, TENSOR
 from jaxptd import model as models
+from jaxptd.mesh import DATA, PIPE, TENSOR
 from jaxptd.pipeline import schedules
+from jaxptd.pipeline.lowering import Rounds, lower
 from jaxptd.sharding import mark_varying
 
-try:  # an all-gather typed "same on every rank" (the receiver's activations must be)
-    from jax._src.lax.parallel import all_gather_invariant
-except ImportError:  # a JAX without it: place the slice and psum (twice the bytes)
-    all_gather_invariant = None
-
-# The tables of schedules.Rounds that each slot reads; a forward-only pass reads the first.
-FORWARD_FIELDS = ("f_valid", "f_mb", "f_chunk", "f_slot", "recv_f_valid", "recv_f_slot")
-BACKWARD_FIELDS = ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "recv_b_valid",
-                   "recv_b_slot")
+FORMS = ("cond", "steady", "masked")
+MIN_STEADY_ROUNDS = 2  # shorter runs of full rounds are not worth their own scan
+SLOT_FIELDS = {
+    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "recv_f_valid", "recv_f_slot"),
+    "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "recv_b_valid",
+          "recv_b_slot"),
+    "W": ("w_valid", "w_mb", "w_chunk", "w_slot"),
+}
+# An all-gather typed "the same on every rank" (the receiver's activations must be).
+_GATHER_INVARIANT = "to" in inspect.signature(lax.all_gather).parameters
 
 
 @lru_cache(maxsize=32)
 def rounds_for(kind: str, stages: int, microbatches: int, chunks: int,
-               forward_only: bool = False) -> schedules.Rounds:
+               forward_only: bool = False) -> Rounds:
     """The lowered rounds of a schedule (training, or its forwards alone for evaluation)."""
     schedule = schedules.make_schedule(kind, stages, microbatches, chunks)
-    return schedules.lower(schedules.forward_only(schedule) if forward_only else schedule)
+    return lower(schedules.forward_only(schedule) if forward_only else schedule)
 
 
-def _tables(rounds: schedules.Rounds, rank, fields):
-    """This rank's row of the named tables: a dict of int32 [T] arrays."""
-    return {name: jnp.asarray(getattr(rounds, name), jnp.int32)[:, rank] for name in fields}
+def round_form(config) -> str:
+    """parallel.round_form, with 'auto' resolved: cond on CPU, steady on a GPU."""
+    form = config.parallel.round_form
+    if form == "auto":
+        return "cond" if jax.default_backend() == "cpu" else "steady"
+    return form
 
 
-def _pairs(p: int, v: int, step: int) -> list:
-    """ppermute (source, destination) pairs r -> r + step over 'pipe': activations (step
-    1) or gradients (step -1); the wrap-around link is used only by interleaving."""
-    return [(r, (r + step) % p) for r in range(p) if v > 1 or 0 <= r + step < p]
+# --------------------------------------------------------------------------- segments
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rounds [start, stop) run by one scan. modes[k] for slot kind k in 'FBW': 'off' (no
+    rank uses it: not traced, nothing sent), 'run' (every rank, every round), 'cond' or
+    'mask' (some ranks). inline: the embedding and head are computed by every rank and
+    selected, where `ends` says a slot needs them: ('embed', 'F') when some rank's F is
+    virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise."""
+    start: int
+    stop: int
+    modes: tuple
+    inline: bool
+    ends: frozenset = frozenset()
+
+    def piece(self, name: str, slot: str) -> str:
+        """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""
+        return "cond" if not self.inline else "inline" if (name, slot) in self.ends else "off"
+
+
+def _slot_state(valid_row) -> str:
+    return "run" if all(valid_row) else "some" if any(valid_row) else "off"
+
+
+def segments(rounds: Rounds, form: str) -> list:
+    """Splits the rounds into scans for a round form (see the module docstring)."""
+    tables = {k: getattr(rounds, f"{k.lower()}_valid") for k in "FBW"}
+    used = tuple("off" if not any(map(any, tables[k])) else None for k in "FBW")
+    if form != "steady":
+        modes = tuple(u or ("cond" if form == "cond" else "mask") for u in used)
+        everywhere = frozenset((n, k) for n in ("embed", "head") for k in "FB")
+        return [Segment(0, rounds.num_rounds, modes, inline=form == "masked",
+                        ends=everywhere)]
+    p, last = rounds.stages, rounds.stages * rounds.chunks - 1
+
+    def signature(t):
+        states = tuple(_slot_state(tables[k][t]) for k in "FBW")
+        ends = frozenset((name, k) for name, stage in (("embed", 0), ("head", last))
+                         for k in "FB" if any(
+                             tables[k][t][r] and getattr(rounds, f"{k.lower()}_chunk")[t][r]
+                             * p + r == stage for r in range(p)))
+        return states, ends
+
+    runs = []  # [start, stop, slot states, pieces needed] of equal slot states
+    for t in range(rounds.num_rounds):
+        states, ends = signature(t)
+        if runs and runs[-1][2] == states:
+            runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
+        else:
+            runs.append([t, t + 1, states, ends])
+    out = []
+    for start, stop, states, ends in runs:
+        if "run" in states and stop - start >= MIN_STEADY_ROUNDS:
+            modes = tuple("cond" if s == "some" else s for s in states)
+            out.append(Segment(start, stop, modes, inline=True, ends=ends))
+        elif out and not out[-1].inline:  # merge with the conditional segment before
+            out[-1] = Segment(out[-1].start, stop, out[-1].modes, inline=False)
+        else:
+            modes = tuple(u or "cond" for u in used)
+            out.append(Segment(start, stop, modes, inline=False))
+    return out
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+def _read(buffer, slot):
+    return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+
+
+def _write(buffer, slot, value, valid):
+    """buffer[slot] = value where valid (True: unconditionally)."""
+    if valid is not True:
+        value = jnp.where(valid, value, _read(buffer, slot))
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
+
+
+def _masked(tree, valid):
+    """tree where valid, zeros elsewhere (valid True: tree itself)."""
+    return tree if valid is True else jax.tree.map(lambda x: jnp.where(valid, x, 0), tree)
 
 
 def _chunk(layers, c):
@@ -91,11 +186,22 @@ def _chunk(layers, c):
 
 
 def _add_chunk(grads_layers, c, chunk_grads):
-    """grads[c, 0] += chunk_grads for every layer leaf."""
+    """grads[c, 0] += chunk_grads for the leaves chunk_grads has (a subtree of the layers)."""
+    flat = traverse_util.flatten_dict(grads_layers)
+
     def add(total, g):
         current = lax.dynamic_index_in_dim(total, c, 0, keepdims=True)
-        return lax.dynamic_update_index_in_dim(total, current + g[None, None], c, 0)
-    return jax.tree.map(add, grads_layers, chunk_grads)
+        update = current + g.astype(total.dtype)[None, None]
+        return lax.dynamic_update_index_in_dim(total, update, c, 0)
+    for path, g in traverse_util.flatten_dict(chunk_grads).items():
+        flat[path] = add(flat[path], g)
+    return traverse_util.unflatten_dict(flat)
+
+
+def _cast(tree, dtype):
+    """Master weights -> the compute dtype, done before a vjp so that a kept backward closes
+    over the very values it is given again (not over a cast copy of them)."""
+    return jax.tree.map(lambda w: w.astype(dtype), tree)
 
 
 def _scatter(x, tensor: int):
@@ -110,37 +216,39 @@ def _gather(x, tensor: int):
     """[b, s, h/t] slices -> [b, s, h], the same (and typed so) on every tensor rank."""
     if tensor == 1:
         return x
-    if all_gather_invariant is not None:
-        return all_gather_invariant(x, TENSOR, axis=x.ndim - 1, tiled=True)
-    width = x.shape[-1]
+    if _GATHER_INVARIANT:
+        return lax.all_gather(x, TENSOR, axis=x.ndim - 1, tiled=True, to="invarying")
+    width = x.shape[-1]  # a JAX without it: place the slice and psum (twice the bytes)
     full = jnp.zeros((*x.shape[:-1], width * tensor), x.dtype)
     return lax.psum(lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(TENSOR) * width,
                                                     axis=-1), TENSOR)
 
 
-def _read(buffer, slot):
-    return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+def _pairs(p: int, v: int, step: int) -> list:
+    """ppermute (source, destination) pairs r -> r + step over 'pipe': activations (step
+    1) or gradients (step -1); the wrap-around link is used only by interleaving."""
+    return [(r, (r + step) % p) for r in range(p) if v > 1 or 0 <= r + step < p]
 
 
-def _store(buffer, valid, slot, value):
-    """buffer[slot] = value where valid (a received message), else unchanged."""
-    return lax.dynamic_update_index_in_dim(
-        buffer, jnp.where(valid, value, _read(buffer, slot)), slot, 0)
+def _send(x, p: int, v: int, step: int, tensor: int):
+    """Starts sending x [b, s, h] along the chain (each tensor rank its 1/t slice)."""
+    return lax.ppermute(_scatter(x, tensor), PIPE, _pairs(p, v, step))
 
 
-def _send(x, pairs, tensor: int, buffer, valid, slot):
-    """Sends x [b, s, h] along `pairs` (each tensor rank its 1/t slice, gathered again at
-    the receiver) and stores what arrives in buffer[slot] where valid. Every rank calls it."""
-    received = _gather(lax.ppermute(_scatter(x, tensor), PIPE, pairs), tensor)
-    return _store(buffer, valid > 0, slot, received)
+def _arrive(buffer, message, valid, slot, tensor: int):
+    """Stores a message that arrived (gathered over tensor) in buffer[slot] where valid."""
+    return _write(buffer, slot, _gather(message, tensor), valid > 0)
+
+
+# --------------------------------------------------------------------------- stages
 
 
 class _Stage:
     """One virtual stage in three pieces: [embedding] -> a chunk of layers -> [head + loss].
 
-    `ends` holds the parameters of the pieces at the two ends ({'embed', 'final_norm'});
-    `layers` one chunk's stack [Lc, ...]. The embedding runs on virtual stage 0 only and
-    the head on the last only (lax.cond: the other ranks skip them at run time).
+    `ends` holds the parameters of the pieces at the two ends (model.ends); `layers` one
+    chunk's stack [Lc, ...]. The embedding runs on virtual stage 0 only and the head on the
+    last only: a `lax.cond` on the rank, or (inline) computed by every rank and selected.
     """
 
     def __init__(self, setup, batch, key, deterministic):
@@ -150,7 +258,7 @@ class _Stage:
         self.key, self.rank = key, lax.axis_index(PIPE)
         self.deterministic = deterministic
         self.last = config.parallel.pipe * config.parallel.chunks - 1
-        self.norm = 1.0 / (config.train.global_batch * config.model.seq_len)
+        self.norm = setup.loss_norm
 
     def vstage(self, chunk):
         return chunk * self.config.parallel.pipe + self.rank
@@ -165,73 +273,312 @@ class _Stage:
     def tokens(self, mb):
         return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
 
-    def embed_or_input(self, ends, x_in, mb, chunk):
-        """Virtual stage 0 embeds its microbatch; the others take the received input."""
-        return lax.cond(self.vstage(chunk) == 0,
-                        lambda: self.arch.embed(ends, self.tokens(mb), self.config.model,
-                                                self.layout),
-                        lambda: x_in)
+    def embed_or_input(self, ends, x_in, mb, chunk, how: str):
+        """Virtual stage 0 embeds its microbatch; the others take the received input.
+        how: 'cond', 'inline' (every rank embeds, stage 0 keeps it) or 'off' (no rank's
+        slot is stage 0)."""
+        def embed():
+            return self.arch.embed(ends, self.tokens(mb), self.config.model, self.layout)
+        if how == "cond":
+            return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
+        return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
 
-    def layers(self, layers, x, mb, chunk):
+    def layers(self, layers, x, mb, chunk, perturbations=None):
         key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
-        return self.arch.apply_layers(layers, x, key, self.config.model, self.layout,
-                                self.deterministic)
+        return models.apply_layers(layers, x, key, self.config.model, self.layout,
+                                   self.deterministic, perturbations)
 
-    def head(self, ends, y, mb, chunk):
+    def head(self, ends, y, mb, chunk, how: str):
         """The loss contribution (scaled to the global token mean) of the last stage; 0
-        elsewhere."""
-        loss = lax.cond(self.vstage(chunk) == self.last,
-                        lambda: self.arch.head_loss(ends, y, self.tokens(mb),
-                                                    self.config.model, self.layout),
-                        lambda: mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE)))
-        return loss * self.norm
+        elsewhere. how: as for embed_or_input."""
+        def loss():
+            return self.arch.head_loss(ends, y, self.tokens(mb), self.config.model,
+                                       self.layout) * self.norm
 
-    def __call__(self, ends, layers, x_in, mb, chunk):
-        """The whole stage -> (output [b, s, h], loss contribution)."""
-        y = self.layers(layers, self.embed_or_input(ends, x_in, mb, chunk), mb, chunk)
-        return y, self.head(ends, y, mb, chunk)
+        def zero():
+            return mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
+        is_last = self.vstage(chunk) == self.last
+        if how == "cond":
+            return lax.cond(is_last, loss, zero)
+        return jnp.where(is_last, loss(), 0.0) if how == "inline" else zero()
 
 
-class _Residuals:
-    """How a layer chunk's `jax.vjp` closure is kept between its F and its B slot.
+class _Kept:
+    """A `jax.vjp` backward kept from one slot for a later one, as arrays.
 
-    The closure is a pytree: a static backward jaxpr and its residual leaves. Leaves that
-    *are* the chunk's weights (JAX's scan passes weights through unchanged) are not stored:
-    the B slot takes them from the parameters again. The others, activations, go to
-    per-slot buffers [slots, ...]. The structure is fixed by tracing once (the probe);
-    every later trace must give the same leaves.
+    `jax.closure_convert` (public) turns the backward into a function of its cotangent and
+    of the values it closes over. Those that are values the later slot has anyway (`given`:
+    the chunk's weights, passed in again) are not stored. The first trace (the probe) fixes
+    the order; every later trace must close over values of the same shapes in it.
     """
 
-    def __init__(self, vjp_fn, weights):
-        self.treedef, self.sources, stored = self._split(vjp_fn, weights)
-        self.templates = [jnp.zeros_like(x) for x in stored]
+    def __init__(self, vjp_fn, cotangent, given):
+        self.backward, consts = jax.closure_convert(vjp_fn, cotangent)
+        self.sources = self._sources(consts, given)
+        self.templates = [jnp.zeros_like(c) for c, s in zip(consts, self.sources) if s is None]
 
     @staticmethod
-    def _split(vjp_fn, weights):
-        leaves, treedef = jax.tree.flatten(vjp_fn)
-        sources = tuple(next((i for i, w in enumerate(weights) if leaf is w), None)
-                        for leaf in leaves)
-        return treedef, sources, [leaf for leaf, src in zip(leaves, sources) if src is None]
+    def _sources(consts, given):
+        return tuple(next((i for i, g in enumerate(given) if c is g), None) for c in consts)
 
-    def store(self, vjp_fn, weights):
-        """The leaves to stash (in buffer order)."""
-        _, sources, stored = self._split(vjp_fn, weights)
-        # The treedef holds the backward jaxpr (a new object per trace): compare the rest.
-        assert sources == self.sources and [(x.shape, x.dtype) for x in stored] == [
-            (t.shape, t.dtype) for t in self.templates], "residuals changed between traces"
-        return stored
+    def keep(self, vjp_fn, cotangent, given) -> list:
+        """The closed-over values to store (in buffer order)."""
+        _, consts = jax.closure_convert(vjp_fn, cotangent)
+        kept = [c for c, s in zip(consts, self._sources(consts, given)) if s is None]
+        assert self._sources(consts, given) == self.sources and [
+            (x.shape, x.dtype) for x in kept] == [(t.shape, t.dtype) for t in self.templates], \
+            "the backward closes over different values than the probe's"
+        return kept
 
-    def rebuild(self, stored, weights):
-        """The vjp closure from stashed leaves and the current weights."""
+    def run(self, cotangent, stored, given):
+        """The backward from stored values and the given ones."""
         stored = iter(stored)
-        leaves = [next(stored) if src is None else weights[src] for src in self.sources]
-        return jax.tree.unflatten(self.treedef, leaves)
+        consts = [next(stored) if s is None else given[s] for s in self.sources]
+        return self.backward(cotangent, *consts)
 
 
-def _accumulate(grads, chunk, g_ends, g_layers):
-    new = {k: jax.tree.map(jnp.add, grads[k], g_ends[k]) for k in g_ends}
-    new["layers"] = _add_chunk(grads["layers"], chunk, g_layers)
-    return new
+# --------------------------------------------------------------------------- rounds
+
+
+def _tables(rounds: Rounds, rank, kinds: str, seg: Segment) -> dict:
+    """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays."""
+    names = [n for k in kinds for n in SLOT_FIELDS[k]]
+    return {n: jnp.asarray(getattr(rounds, n)[seg.start:seg.stop], jnp.int32)[:, rank]
+            for n in names}
+
+
+def _run_slot(mode, fn, carry, row, valid_field, seg, idle_message):
+    """One slot in its mode -> (message or None, carry). fn(carry, row, valid, seg); an
+    idle rank of a conditional slot sends `idle_message` (zeros, or None for W)."""
+    if mode == "off":
+        return None, carry
+    if mode == "run":
+        return fn(carry, row, True, seg)
+    if mode == "mask":
+        return fn(carry, row, row[valid_field] > 0, seg)
+    return lax.cond(row[valid_field] > 0, lambda c, r: fn(c, r, True, seg),
+                    lambda c, r: (idle_message, c), carry, row)
+
+
+def _round(program, seg: Segment):
+    """The scan body of a segment: the slots of `program` in order, then the arrivals."""
+    p, v, tensor = program.p, program.v, program.tensor
+
+    def one_round(carry, row):
+        idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
+        y, carry = _run_slot(seg.modes[0], program.forward, carry, row, "f_valid", seg, idle)
+        sent_f = None if y is None else _send(y, p, v, 1, tensor)
+        g_x, carry = _run_slot(seg.modes[1], program.backward, carry, row, "b_valid", seg, idle)
+        sent_b = None if g_x is None else _send(g_x, p, v, -1, tensor)
+        _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
+        carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
+        if sent_f is not None:
+            carry["stash"] = _arrive(carry["stash"], sent_f, row["recv_f_valid"],
+                                     row["recv_f_slot"], tensor)
+        if sent_b is not None:
+            carry["gbuf"] = _arrive(carry["gbuf"], sent_b, row["recv_b_valid"],
+                                    row["recv_b_slot"], tensor)
+        return carry, None
+    return one_round
+
+
+def _run(program, rounds: Rounds, form: str, kinds: str):
+    """Runs every segment's scan over the program's carry; returns the final carry."""
+    carry = program.initial_carry()
+    for seg in segments(rounds, form):
+        carry, _ = lax.scan(_round(program, seg), carry,
+                            _tables(rounds, program.stage.rank, kinds, seg))
+    return carry
+
+
+# --------------------------------------------------------------------------- programs
+
+
+def _slots(template, slots: int):
+    """[slots, ...] zeros like every leaf of `template` (its varying axes kept)."""
+    return jax.tree.map(lambda t: jnp.broadcast_to(jnp.zeros_like(t), (slots, *t.shape)),
+                        template)
+
+
+def _write_tree(buffers, slot, values, valid):
+    return jax.tree.map(lambda b, x: _write(b, slot, x, valid), buffers, values)
+
+
+def _read_tree(buffers, slot):
+    return jax.tree.map(lambda b: _read(b, slot), buffers)
+
+
+class _Training:
+    """The slots of a training schedule on this pipe rank: forward, backward and weight,
+    each (carry, row, valid, seg) -> (message, carry). The carry holds the stage-input
+    stash, the received output gradients (gbuf), what F keeps for B (saved: the backward's
+    values, the stage output, the dense inputs), what B keeps for W (wsaved: dense inputs
+    and output gradients), the gradient sums and the loss."""
+
+    def __init__(self, params, batch, key, loss_scale, setup, deterministic):
+        par = setup.config.parallel
+        self.p, self.v, self.tensor = par.pipe, par.chunks, par.tensor
+        self.rounds = rounds_for(par.schedule, par.pipe, par.microbatches, par.chunks)
+        self.stage = _Stage(setup, batch, key, deterministic)
+        self.params, self.ends, self.loss_scale = params, models.ends(params), loss_scale
+        self.model, self.layout = setup.config.model, setup.local_layout
+        self.keep_activations = par.stash == "activations"
+        self.split = self.rounds.split_backward
+        self.probe = self._probe() if self.keep_activations or self.split else None
+
+    def chunk_weights(self, chunk):
+        """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
+        dense, rest = models.split_dense(_chunk(self.params["layers"], chunk))
+        return models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
+
+    def layer_vjp(self, x, mb, chunk):
+        """jax.vjp of the chunk's layers at x -> (y, backward, dense inputs, the weights it
+        was given). Split: in (x, rest, perturbations), dense inputs taped; else in
+        (weights, x), no dense inputs."""
+        weights = self.chunk_weights(chunk)
+        if not self.split:
+            y, backward = jax.vjp(lambda w, x: self.stage.layers(w, x, mb, chunk), weights, x)
+            return y, backward, None, jax.tree.leaves(weights)
+        dense, rest = models.split_dense(weights)
+        added = models.perturbations(weights, x, self.model, self.layout)
+
+        def layers(x, rest, added):
+            return self.stage.layers(models.merge_dense(dense, rest), x, mb, chunk, added)
+        y, backward, inputs = jax.vjp(layers, x, rest, added, has_aux=True)
+        return y, backward, inputs, jax.tree.leaves((dense, rest))
+
+    def _probe(self):
+        """Traces one chunk to fix what F keeps for B and B for W (XLA drops its compute)."""
+        index = self.stage.rank * 0  # traced, like the slots' microbatch and chunk
+        x = self.stage.buffer(1)[0]
+        y, backward, inputs, given = self.layer_vjp(x, index, index)
+        kept = _Kept(backward, y, given) if self.keep_activations else None
+        added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout)
+        return kept, y, (inputs, added) if self.split else None
+
+    def initial_carry(self):
+        rounds, stage = self.rounds, self.stage
+        kept, y, wkept = self.probe or (None, None, None)
+        saved = ()
+        if self.keep_activations:
+            saved = _slots((kept.templates, y, wkept[0] if self.split else ()),
+                           rounds.num_stash_slots)
+        return {"stash": stage.buffer(rounds.num_stash_slots),
+                "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
+                "wsaved": _slots(wkept, rounds.num_w_slots) if self.split else (),
+                "grads": jax.tree.map(jnp.zeros_like, self.params),
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))}
+
+    def forward(self, carry, row, valid, seg):
+        """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
+        mb, chunk, slot = row["f_mb"], row["f_chunk"], row["f_slot"]
+        x = self.stage.embed_or_input(self.ends, _read(carry["stash"], slot), mb, chunk,
+                                      seg.piece("embed", "F"))
+        if not self.keep_activations:
+            return self.stage.layers(self.chunk_weights(chunk), x, mb, chunk), carry
+        y, backward, inputs, given = self.layer_vjp(x, mb, chunk)
+        kept = (self.probe[0].keep(backward, y, given), y, inputs if self.split else ())
+        return y, {**carry, "saved": _write_tree(carry["saved"], slot, kept, valid)}
+
+    def backward(self, carry, row, valid, seg):
+        """B: the input gradient (sent to the previous stage) and the gradients of the ends
+        and of the chunk (split: all but the dense() weights, whose W slot gets the taps)."""
+        mb, chunk = row["b_mb"], row["b_chunk"]
+        x_in = _read(carry["stash"], row["b_slot"])
+        is_last = self.stage.vstage(chunk) == self.stage.last
+        g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
+                              (DATA, PIPE))
+        g_out = jnp.where(is_last, 0.0, _read(carry["gbuf"], row["b_grad_slot"]))
+        if self.keep_activations:
+            loss, g_ends, g_layers, g_x, taps = self._backward_kept(
+                carry, row, x_in, g_out, g_loss, seg)
+        else:
+            loss, g_ends, g_layers, g_x, taps = self._backward_recomputed(
+                x_in, mb, chunk, g_out, g_loss, seg)
+        grads = carry["grads"]
+        grads = {**{k: jax.tree.map(jnp.add, grads[k], g) for k, g in
+                    _masked(g_ends, valid).items()},
+                 "layers": _add_chunk(grads["layers"], chunk, _masked(g_layers, valid))}
+        carry = {**carry, "grads": grads, "loss": carry["loss"] + _masked(loss, valid)}
+        if self.split:
+            carry["wsaved"] = _write_tree(carry["wsaved"], row["b_wslot"], taps, valid)
+        return g_x.astype(x_in.dtype), carry
+
+    def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg):
+        mb, chunk = row["b_mb"], row["b_chunk"]
+        residuals, y, inputs = _read_tree(carry["saved"], row["b_slot"])
+        loss, head_vjp = jax.vjp(
+            lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
+        g_head, g_y = head_vjp(g_loss)
+        weights = self.chunk_weights(chunk)
+        given = jax.tree.leaves(models.split_dense(weights) if self.split else weights)
+        out = self.probe[0].run(g_out + g_y.astype(g_out.dtype), residuals, given)
+        if self.split:
+            g_x, g_layers, g_taps = out
+        else:
+            g_layers, g_x = out
+        _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
+            e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
+        g_embed, g_x_in = embed_vjp(g_x)
+        g_ends = jax.tree.map(jnp.add, g_head, g_embed)
+        return loss, g_ends, g_layers, g_x_in, (inputs, g_taps) if self.split else None
+
+    def _backward_recomputed(self, x_in, mb, chunk, g_out, g_loss, seg):
+        """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input
+        (split: in everything but the dense() weights, whose W slot gets the taps)."""
+        weights = self.chunk_weights(chunk)
+        dense, _ = models.split_dense(weights)
+
+        def stage(ends, layers, x_in, added=None):
+            x = self.stage.embed_or_input(ends, x_in, mb, chunk, seg.piece("embed", "B"))
+            w = models.merge_dense(dense, layers) if self.split else layers
+            out = self.stage.layers(w, x, mb, chunk, added)
+            y, inputs = out if self.split else (out, None)
+            return (self.stage.head(ends, y, mb, chunk, seg.piece("head", "B")), y), inputs
+
+        if not self.split:
+            (loss, _), backward, _ = jax.vjp(stage, self.ends, weights, x_in, has_aux=True)
+            g_ends, g_layers, g_x = backward((g_loss, g_out))
+            return loss, g_ends, g_layers, g_x, None
+        added = models.perturbations(weights, x_in, self.model, self.layout)
+        rest = models.split_dense(weights)[1]
+        (loss, _), backward, inputs = jax.vjp(stage, self.ends, rest, x_in, added, has_aux=True)
+        g_ends, g_layers, g_x, g_taps = backward((g_loss, g_out))
+        return loss, g_ends, g_layers, g_x, (inputs, g_taps)
+
+    def weight(self, carry, row, valid, seg):
+        """W: the dense() weights' gradients from what the microbatch's B kept."""
+        inputs, g_taps = _read_tree(carry["wsaved"], row["w_slot"])
+        dense, _ = models.split_dense(_chunk(self.params["layers"], row["w_chunk"]))
+        g_dense = models.dense_weight_grads(dense, inputs, g_taps)
+        grads = {**carry["grads"], "layers": _add_chunk(carry["grads"]["layers"],
+                                                        row["w_chunk"], _masked(g_dense, valid))}
+        return None, {**carry, "grads": grads}
+
+
+class _Evaluation:
+    """The F slots of a forward-only schedule: embedding, layers and head, the loss summed."""
+
+    def __init__(self, params, batch, setup):
+        par = setup.config.parallel
+        self.p, self.v, self.tensor = par.pipe, par.chunks, par.tensor
+        self.rounds = rounds_for(par.schedule, par.pipe, par.microbatches, par.chunks,
+                                 forward_only=True)
+        self.stage = _Stage(setup, batch, jax.random.key(0), deterministic=True)
+        self.params, self.ends = params, models.ends(params)
+        self.backward = self.weight = None  # their slots are 'off'
+
+    def initial_carry(self):
+        return {"stash": self.stage.buffer(self.rounds.num_stash_slots),
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))}
+
+    def forward(self, carry, row, valid, seg):
+        mb, chunk = row["f_mb"], row["f_chunk"]
+        x = self.stage.embed_or_input(self.ends, _read(carry["stash"], row["f_slot"]), mb,
+                                      chunk, seg.piece("embed", "F"))
+        y = self.stage.layers(_chunk(self.params["layers"], chunk), x, mb, chunk)
+        loss = self.stage.head(self.ends, y, mb, chunk, seg.piece("head", "F"))
+        return y, {**carry, "loss": carry["loss"] + _masked(loss, valid)}
 
 
 def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool):
@@ -240,89 +587,10 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
     batch: this data rank's rows [m * b, s + 1]. Returns (gradient sums, loss sum) on this
     device, scaled to the global token mean (the loss is nonzero on the last stage's rank).
-
-    parallel.stash = 'inputs': the B slot recomputes the stage from its stashed input;
-    'activations': the F slot's vjp residuals are stashed and the B slot only runs the
-    backward (the embedding and head, cheap, are recomputed).
     """
-    config = setup.config
-    p, v, m = config.parallel.pipe, config.parallel.chunks, config.parallel.microbatches
-    tensor = config.parallel.tensor
-    rounds = rounds_for(config.parallel.schedule, p, m, v)
-    stage = _Stage(setup, batch, key, deterministic)
-    keep_activations = config.parallel.stash == "activations"
-    ends = models.ends(params)
-    stash, gbuf = stage.buffer(rounds.num_stash_slots), stage.buffer(rounds.num_grad_slots)
-    saved, residuals = (), None
-    if keep_activations:  # trace one chunk to learn the residuals (XLA drops the compute)
-        index = stage.rank * 0  # traced, like the slots' microbatch and chunk
-        weights = _chunk(params["layers"], index)
-        _, probe = jax.vjp(lambda w, x: stage.layers(w, x, index, index), weights, stash[0])
-        residuals = _Residuals(probe, jax.tree.leaves(weights))
-        templates = residuals.templates + [stash[0]]  # + the stage output, for the head
-        saved = tuple(jnp.broadcast_to(t, (rounds.num_stash_slots, *t.shape))
-                      for t in templates)
-
-    def forward(carry, row):
-        stash, _, _, loss, saved = carry
-        mb, chunk = row["f_mb"], row["f_chunk"]
-        x_in = _read(stash, row["f_slot"])
-        if not keep_activations:
-            y, contribution = stage(ends, _chunk(params["layers"], chunk), x_in, mb, chunk)
-            return y, loss + contribution, ()
-        weights = _chunk(params["layers"], chunk)
-        x = stage.embed_or_input(ends, x_in, mb, chunk)
-        y, vjp_fn = jax.vjp(lambda w, x: stage.layers(w, x, mb, chunk), weights, x)
-        kept = tuple(residuals.store(vjp_fn, jax.tree.leaves(weights))) + (y,)
-        # Written here, not after the cond, so that ranks with an idle F slot write nothing.
-        saved = tuple(lax.dynamic_update_index_in_dim(buffer, value, row["f_slot"], 0)
-                      for buffer, value in zip(saved, kept))
-        return y, loss + stage.head(ends, y, mb, chunk), saved
-
-    def backward(carry, row):
-        stash, gbuf, grads, _, saved = carry
-        mb, chunk = row["b_mb"], row["b_chunk"]
-        x_in = _read(stash, row["b_slot"])
-        g_out = _read(gbuf, row["b_grad_slot"])
-        is_last = stage.vstage(chunk) == stage.last
-        g_loss = mark_varying(jnp.where(is_last, loss_scale, 0.0).astype(jnp.float32),
-                              (DATA, PIPE))
-        g_y = jnp.where(is_last, jnp.zeros_like(g_out), g_out)
-        weights = _chunk(params["layers"], chunk)
-        if not keep_activations:  # recompute the stage's forward inside its vjp
-            _, vjp = jax.vjp(lambda e, w, x: stage(e, w, x, mb, chunk), ends, weights, x_in)
-            g_ends, g_layers, g_x = vjp((g_y, g_loss))
-            return g_x, _accumulate(grads, chunk, g_ends, g_layers)
-        kept = [_read(buffer, row["b_slot"]) for buffer in saved]
-        _, head_vjp = jax.vjp(lambda e, y: stage.head(e, y, mb, chunk), ends, kept[-1])
-        g_head, g_y_head = head_vjp(g_loss)
-        vjp_fn = residuals.rebuild(kept[:-1], jax.tree.leaves(weights))
-        g_layers, g_x = vjp_fn(g_y + g_y_head)
-        _, embed_vjp = jax.vjp(lambda e, x: stage.embed_or_input(e, x, mb, chunk), ends, x_in)
-        g_embed, g_x_in = embed_vjp(g_x)
-        return g_x_in, _accumulate(grads, chunk, jax.tree.map(jnp.add, g_head, g_embed),
-                                   g_layers)
-
-    def idle_forward(carry, row):
-        return jnp.zeros_like(carry[0][0]), carry[3], carry[4]
-
-    def one_round(carry, row):
-        stash, gbuf, grads, loss, saved = carry
-        # F slot: run a forward (or nothing), keep what its backward needs, send its output.
-        y, loss, saved = lax.cond(row["f_valid"] > 0, forward, idle_forward, carry, row)
-        stash = _send(y, _pairs(p, v, 1), tensor, stash, row["recv_f_valid"], row["recv_f_slot"])
-        carry = (stash, gbuf, grads, loss, saved)
-        # B slot: a backward (or nothing), then send the input gradient to the previous rank.
-        g_x, grads = lax.cond(row["b_valid"] > 0, backward,
-                              lambda c, r: (jnp.zeros_like(c[0][0]), c[2]), carry, row)
-        gbuf = _send(g_x, _pairs(p, v, -1), tensor, gbuf, row["recv_b_valid"], row["recv_b_slot"])
-        return (stash, gbuf, grads, loss, saved), None
-
-    grads = jax.tree.map(jnp.zeros_like, params)
-    loss = mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
-    carry, _ = lax.scan(one_round, (stash, gbuf, grads, loss, saved),
-                        _tables(rounds, stage.rank, FORWARD_FIELDS + BACKWARD_FIELDS))
-    return carry[2], carry[3]
+    program = _Training(params, batch, key, loss_scale, setup, deterministic)
+    carry = _run(program, program.rounds, round_form(setup.config), "FBW")
+    return carry["grads"], carry["loss"]
 
 
 def pipeline_loss(params, batch, *, setup):
@@ -333,29 +601,5 @@ def pipeline_loss(params, batch, *, setup):
     batch: this data rank's rows [m * b, s + 1]. Returns this device's loss sum scaled to
     the global token mean (nonzero on the last stage's rank), as pipeline_grads does.
     """
-    config = setup.config
-    p, v, m = config.parallel.pipe, config.parallel.chunks, config.parallel.microbatches
-    rounds = rounds_for(config.parallel.schedule, p, m, v, forward_only=True)
-    stage = _Stage(setup, batch, jax.random.key(0), deterministic=True)  # the key is unused
-    ends = models.ends(params)
-
-    def forward(carry, row):
-        stash, loss = carry
-        mb, chunk = row["f_mb"], row["f_chunk"]
-        y, contribution = stage(ends, _chunk(params["layers"], chunk),
-                                _read(stash, row["f_slot"]), mb, chunk)
-        return y, loss + contribution
-
-    def idle(carry, row):
-        return jnp.zeros_like(carry[0][0]), carry[1]  # [b, s, h] zeros, like a stage output
-
-    def one_round(carry, row):
-        y, loss = lax.cond(row["f_valid"] > 0, forward, idle, carry, row)
-        stash = _send(y, _pairs(p, v, 1), config.parallel.tensor, carry[0],
-                      row["recv_f_valid"], row["recv_f_slot"])
-        return (stash, loss), None
-
-    loss = mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
-    (_, loss), _ = lax.scan(one_round, (stage.buffer(rounds.num_stash_slots), loss),
-                            _tables(rounds, stage.rank, FORWARD_FIELDS))
-    return loss
+    program = _Evaluation(params, batch, setup)
+    return _run(program, program.rounds, round_form(setup.config), "F")["loss"]

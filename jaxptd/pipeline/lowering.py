@@ -1,0 +1,166 @@
+"""Lowering: a validated schedule's packed rounds -> the slot tables the executor runs.
+
+Owns the buffers a pipeline needs and which slot of each every action uses. Pure Python.
+`Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0. Per
+round and rank: an F slot (microbatch, chunk, the stash slot of its input), a B slot (its
+input's stash slot, the grad slot of its output gradient, and with zero-bubble kinds the
+W slot it fills), a W slot (the W slot it empties), and the messages that arrive at the end
+of the round (activations into a stash slot, gradients into a grad slot).
+
+Slot lifetimes (lowest free index first; a slot freed in round t is reusable from t + 1
+unless said otherwise):
+- stash: a stage input from its arrival (virtual stage 0: from its forward) until its B
+  (forward-only: until its F);
+- grad: an incoming output gradient from its arrival until the B that reads it; a grad
+  slot freed by round t's B may receive round t's message (arrivals are stored after the
+  round's slots have read their inputs);
+- W (zero-bubble kinds): what a B keeps for its W (each weight matmul's input and output
+  gradient) from the B until the W.
+The stash the schedule reports (`peak_stash`) counts, per rank, the microbatch-stages held
+at once: stash slots plus W slots, i.e. from arrival until the last backward piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxptd.pipeline.schedules import Costs, Schedule, format_grid, round_cells, validate
+
+TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
+          "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "recv_f_valid",
+          "recv_f_slot", "recv_b_valid", "recv_b_slot")
+
+
+@dataclass(frozen=True)
+class Rounds:
+    """Lockstep tables, each [num_rounds][stages] of ints (see module docstring)."""
+    num_rounds: int
+    stages: int
+    chunks: int
+    microbatches: int
+    f_valid: tuple
+    f_mb: tuple
+    f_chunk: tuple
+    f_slot: tuple
+    b_valid: tuple
+    b_mb: tuple
+    b_chunk: tuple
+    b_slot: tuple
+    b_grad_slot: tuple
+    b_wslot: tuple
+    w_valid: tuple
+    w_mb: tuple
+    w_chunk: tuple
+    w_slot: tuple
+    recv_f_valid: tuple
+    recv_f_slot: tuple
+    recv_b_valid: tuple
+    recv_b_slot: tuple
+    num_stash_slots: int
+    num_grad_slots: int
+    num_w_slots: int
+    forward_only: bool
+    split_backward: bool
+    packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
+
+    def grid(self) -> str:
+        """Rank x round text grid: each round shows its F, B (and W) slots."""
+        return format_grid(round_cells(self.packed, self.chunks), "round")
+
+    def peak_stash(self) -> list:
+        """Per rank: most microbatch-stages held at once (see module docstring)."""
+        peaks = []
+        for r in range(self.stages):
+            live = peak = 0
+            for t in range(self.num_rounds):
+                stage0 = self.f_valid[t][r] and r == 0 and self.f_chunk[t][r] == 0
+                live += stage0 + self.recv_f_valid[t][r]
+                peak = max(peak, live)
+                done = self.f_valid if self.forward_only else \
+                    self.w_valid if self.split_backward else self.b_valid
+                live -= done[t][r]
+            peaks.append(peak)
+        return peaks
+
+
+class _SlotPool:
+    """Lowest-free-index slot allocator for one rank, tracking its size."""
+
+    def __init__(self):
+        self.free, self.size = [], 0
+
+    def take(self) -> int:
+        if self.free:
+            slot = min(self.free)
+            self.free.remove(slot)
+        else:
+            slot, self.size = self.size, self.size + 1
+        return slot
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
+    """Validates and packs a schedule (costs place zero-bubble W's), then assigns stash,
+    grad and W slots.
+
+    Returns: Rounds with [T][p] tables. Raises: ScheduleError (validate's).
+    """
+    packed = validate(schedule, costs)
+    p, v, T = schedule.stages, schedule.chunks, len(packed)
+    S = p * v
+    tab = {k: [[0] * p for _ in range(T)] for k in TABLES}
+    pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w")}
+    stash_of, grad_of, w_of = {}, {}, {}  # (rank, microbatch, virtual stage) -> slot
+    for t, row in enumerate(packed):
+        freed_w = []
+        for r, (fa, _, _) in enumerate(row):  # F slot, then activation arrivals
+            if fa:
+                j, s = fa.microbatch, fa.chunk * p + r
+                if s == 0:
+                    stash_of[(r, j, s)] = pools["stash"][r].take()
+                _put(tab, "f", t, r, fa, f_slot=stash_of[(r, j, s)])
+                if s < S - 1:
+                    dst = (r + 1) % p
+                    stash_of[(dst, j, s + 1)] = slot = pools["stash"][dst].take()
+                    tab["recv_f_valid"][t][dst], tab["recv_f_slot"][t][dst] = 1, slot
+        for r, (fa, _, _) in enumerate(row):  # forward-only: an input is done after its F
+            if fa and schedule.forward_only:
+                pools["stash"][r].give(stash_of.pop((r, fa.microbatch, fa.chunk * p + r)))
+        for r, (_, ba, wa) in enumerate(row):  # B slot, then W slot
+            if ba:
+                j, s = ba.microbatch, ba.chunk * p + r
+                slot = stash_of.pop((r, j, s))
+                grad_slot = grad_of.pop((r, j, s)) if s < S - 1 else 0
+                wslot = 0
+                if schedule.split_backward:
+                    w_of[(r, j, s)] = wslot = pools["w"][r].take()
+                _put(tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot)
+                pools["stash"][r].give(slot)
+                if s < S - 1:
+                    pools["grad"][r].give(grad_slot)
+            if wa:
+                slot = w_of.pop((r, wa.microbatch, wa.chunk * p + r))
+                _put(tab, "w", t, r, wa, w_slot=slot)
+                freed_w.append((r, slot))
+        for r, (_, ba, _) in enumerate(row):  # gradient arrivals
+            if ba and ba.chunk * p + r > 0:
+                dst, key = (r - 1) % p, (ba.microbatch, ba.chunk * p + r - 1)
+                grad_of[(dst,) + key] = slot = pools["grad"][dst].take()
+                tab["recv_b_valid"][t][dst], tab["recv_b_slot"][t][dst] = 1, slot
+        for r, slot in freed_w:  # a W reads its slot after the round's B wrote theirs
+            pools["w"][r].give(slot)
+    frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
+    size = {k: max(pool.size for pool in pools[k]) for k in pools}
+    return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
+                  num_grad_slots=size["grad"], num_w_slots=size["w"],
+                  forward_only=schedule.forward_only,
+                  split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
+
+
+def _put(tab, prefix, t, r, action, **slots) -> None:
+    tab[f"{prefix}_valid"][t][r] = 1
+    tab[f"{prefix}_mb"][t][r] = action.microbatch
+    tab[f"{prefix}_chunk"][t][r] = action.chunk
+    for name, value in slots.items():
+        tab[name][t][r] = value
