@@ -43,6 +43,20 @@ def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
     return flops + (4 * b * s * s * h * l if recompute == "selective" else 0)
 
 
+def flops_6n(params: float, model: ModelConfig, batch: int) -> float:
+    """FLOPs of one training iteration over `batch` sequences as 6N + attention.
+
+    The model-FLOPs count of PaLM (Chowdhery et al. 2022, appendix B) and nanoGPT: per
+    token 6 N for the weights (forward 2N, backward 4N) plus 12 l h s for the attention
+    scores and their product with the values (the full s x s, no causal halving). N is the
+    model's parameter count (the tied embedding once; position embeddings, biases and
+    LayerNorm included), so this is equation (3) without recomputation up to 6 B s times
+    the parameters that are not matmul weights. Recomputation is never counted.
+    """
+    l, h, s = model.num_layers, model.hidden_size, model.seq_len
+    return batch * s * (6 * params + 12 * l * h * s)
+
+
 def peak_flops(device_kind: str) -> float | None:
     """Peak dense bf16 FLOP/s of a device, or None when unknown (e.g. CPU)."""
     for name, flops in PEAK_FLOPS.items():
