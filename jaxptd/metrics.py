@@ -10,7 +10,8 @@ twice the forward; full recomputation adds one more forward of the layers (not t
 layer). With recomputation this is equation (3):
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)),
 and without it 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)). Selective recomputation
-(the attention core only) adds the core's 4 B s^2 h per layer to the latter.
+(the attention core only) adds the core's 4 B s^2 h per layer to the latter. `flops_6n`
+is the other common count, 6N + attention, for comparison with what others report.
 """
 from __future__ import annotations
 
