@@ -75,14 +75,18 @@ def save(path: pathlib.Path, doc: dict) -> None:
     path.write_text(json.dumps({k: doc[k] for k in order}, indent=1))
 
 
+def _problem(row: dict) -> str | None:
+    """'error: ...' or 'skipped: ...' for a row that did not measure, else None."""
+    return next((f"{kind}: {row[kind]}" for kind in ("error", "skipped") if row.get(kind)), None)
+
+
 def _line(run: dict, summary: dict) -> str:
     row = dict(run, step_ms=run["step_time_s"] * 1e3 if "step_time_s" in run else None,
                peak_gb=run["peak_memory_bytes"] / 1e9 if run.get("peak_memory_bytes") else None)
     if run["variant"] == "base":
         row.update((k, summary.get(run["model"], {}).get(k))
                    for k in ("baseline_tokens_per_s", "speedup"))
-    problem = run.get("error") and f"error: {run['error']}" or (
-        run.get("skipped") and f"skipped: {run['skipped']}")
+    problem = _problem(run)
     columns = COLUMNS[:2] if problem else COLUMNS
     cells = [cell(row.get(key), fmt, width) for _, key, fmt, width in columns]
     return " ".join(cells + [problem or ""]).rstrip()
@@ -101,10 +105,8 @@ def table(doc: dict, keys: list | None = None) -> str:
              " ".join(f"{header:>{width}}" if fmt else f"{header:<{width}}"
                       for header, _, fmt, width in COLUMNS)]
     lines += [_line(run, summary) for run in runs]
-    lines += [f"torch baseline {b['model']} b={b.get('microbatch_size')}: "
-              f"{'error' if b.get('error') else 'skipped'}: {b.get('error') or b['skipped']}"
-              for b in doc["baselines"]
-              if b["model"] in models and (b.get("error") or b.get("skipped"))]
+    lines += [f"torch baseline {b['model']} b={b.get('microbatch_size')}: {_problem(b)}"
+              for b in doc["baselines"] if b["model"] in models and _problem(b)]
     return "\n".join(lines)
 
 

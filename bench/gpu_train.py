@@ -213,10 +213,11 @@ def child_env() -> dict:
 
 
 def failure(output: str, returncode: int) -> str:
-    """One line saying why a run failed, from its output."""
+    """One line saying why a run failed, from its output. Out of memory is what XLA
+    (RESOURCE_EXHAUSTED) or PyTorch (OutOfMemoryError) raise, not the allocator's warning
+    that it ran out of memory, which successful runs print too."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    oom = [line for line in lines
-           if "RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower()]
+    oom = [line for line in lines if "RESOURCE_EXHAUSTED" in line or "OutOfMemoryError" in line]
     if oom:
         return "out of memory: " + oom[-1][:240]
     if returncode < 0:
