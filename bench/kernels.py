@@ -14,17 +14,15 @@ their difference. Before timing, every implementation's outputs are compared wit
 (`err`: max |difference| / max |XLA output|); the run fails if one is off by more than
 bf16 rounding, so a wrong kernel is never reported as fast.
 
-    PYTHONPATH=. python bench/kernels.py [--batch 4] [--reps 50]
+    PYTHONPATH=. python bench/kernels.py [--batch 4] [--reps 50] [--out-dir bench/results]
 
-Needs a CUDA GPU; elsewhere it exits with a message (tests/test_bench_kernels.py runs it
-at toy shapes in interpret mode). Writes bench/results/kernels_<device>.json.
+Needs a CUDA GPU; elsewhere it exits with a message, except with --toy (tiny shapes, any
+device, interpret mode on CPU: what CI runs). Writes <out-dir>/kernels_<device>.json.
 """
 import argparse
 import dataclasses
 import functools
 import json
-import pathlib
-import re
 import statistics
 import sys
 import time
@@ -35,8 +33,8 @@ import jax.numpy as jnp
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import attention_core
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
+from report import cell, result_path
 
-RESULTS = pathlib.Path(__file__).parent / "results"
 MAX_ERR = 0.02  # relative to the largest XLA output: a few bf16 ulps
 
 
@@ -51,6 +49,10 @@ class Shapes:
     long_queries: int = 256
     long_keys: int = 32768
     copy_elems: int = 1 << 30  # bf16 elements of the bandwidth copy (2 GiB)
+
+
+TOY = Shapes(batch=1, heads=2, seq=16, head_dim=8, ffn=48, long_queries=3, long_keys=40,
+             copy_elems=4096)
 
 
 def median_seconds(fn, args, reps, warmup=5):
@@ -157,18 +159,14 @@ def measure(shapes, reps, cudnn=True):
     return bandwidth, rows
 
 
-def _cell(value, fmt, width):
-    return " " * width if value is None else format(value, f"{width}{fmt}")
-
-
 def print_table(device, bandwidth, rows, command):
     print(f"device: {device}; copy bandwidth {bandwidth:.0f} GB/s; jax {jax.__version__}")
     print(f"{'op':<13} {'impl':<7} {'pass':<8} {'ms':>9} {'bwd ms':>9} {'GB/s':>8} "
           f"{'%HBM':>6} {'err':>8}")
     for r in rows:
         print(f"{r['op']:<13} {r['impl']:<7} {r['pass_']:<8} {r['ms']:9.3f} "
-              f"{_cell(r.get('bwd_ms'), '.3f', 9)} {_cell(r['gbps'], '.0f', 8)} "
-              f"{_cell(r['pct_hbm'], '.1f', 6)} {_cell(r.get('err'), '.1e', 8)}")
+              f"{cell(r.get('bwd_ms'), '.3f', 9)} {cell(r['gbps'], '.0f', 8)} "
+              f"{cell(r['pct_hbm'], '.1f', 6)} {cell(r.get('err'), '.1e', 8)}")
     print(f"reproduce: {command}")
 
 
@@ -181,16 +179,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4, help="sequences of 2048 tokens")
     parser.add_argument("--reps", type=int, default=50, help="timed calls per case")
+    parser.add_argument("--out-dir", default="bench/results")
+    parser.add_argument("--toy", action="store_true",
+                        help="tiny shapes on any device (a test of this script, not a benchmark)")
     args = parser.parse_args()
-    if jax.default_backend() != "gpu":
+    gpu = jax.default_backend() == "gpu"
+    if not gpu and not args.toy:
         sys.exit(f"bench/kernels.py needs a CUDA GPU; JAX's default backend here is "
                  f"{jax.default_backend()!r}. Nothing was measured.")
     device = jax.devices()[0].device_kind
-    command = f"PYTHONPATH=. python bench/kernels.py --batch {args.batch} --reps {args.reps}"
-    bandwidth, rows = measure(Shapes(batch=args.batch), args.reps)
+    command = (f"PYTHONPATH=. python bench/kernels.py "
+               f"{'--toy' if args.toy else f'--batch {args.batch}'} --reps {args.reps}")
+    shapes = TOY if args.toy else Shapes(batch=args.batch)
+    bandwidth, rows = measure(shapes, args.reps, cudnn=gpu)
     print_table(device, bandwidth, rows, command)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"kernels_{re.sub(r'[^A-Za-z0-9]+', '_', device).strip('_')}.json"
+    path = result_path(args.out_dir, "kernels", device)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(device=device, jax=jax.__version__, batch=args.batch,
                                     reps=args.reps, copy_gbps=bandwidth, command=command,
                                     rows=rows), indent=2))

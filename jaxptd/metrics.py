@@ -10,7 +10,8 @@ twice the forward; full recomputation adds one more forward of the layers (not t
 layer). With recomputation this is equation (3):
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)),
 and without it 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)). Selective recomputation
-(the attention core only) adds the core's 4 B s^2 h per layer to the latter.
+(the attention core only) adds the core's 4 B s^2 h per layer to the latter. `flops_6n`
+is the other common count, 6N + attention, for comparison with what others report.
 """
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
         return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
     flops = 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
     return flops + (4 * b * s * s * h * l if recompute == "selective" else 0)
+
+
+def flops_6n(params: float, model: ModelConfig, batch: int) -> float:
+    """FLOPs of one training iteration over `batch` sequences as 6N + attention.
+
+    The model-FLOPs count of PaLM (Chowdhery et al. 2022, appendix B) and nanoGPT: per
+    token 6 N for the weights (forward 2N, backward 4N) plus 12 l h s for the attention
+    scores and their product with the values (the full s x s, no causal halving). N is the
+    model's parameter count (the tied embedding once; position embeddings, biases and
+    LayerNorm included), so this is equation (3) without recomputation up to 6 B s times
+    the parameters that are not matmul weights. Recomputation is never counted.
+    """
+    l, h, s = model.num_layers, model.hidden_size, model.seq_len
+    return batch * s * (6 * params + 12 * l * h * s)
 
 
 def peak_flops(device_kind: str) -> float | None:

@@ -4,19 +4,20 @@ benchmark proper needs a GPU."""
 import importlib
 import importlib.util
 import pathlib
+import sys
 
 import pytest
 
 from pallas_kernels import reference_fused_softmax
 
-SPEC = importlib.util.spec_from_file_location(
-    "bench_kernels", pathlib.Path(__file__).parents[1] / "bench" / "kernels.py")
+BENCH = pathlib.Path(__file__).parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # the bench scripts import their neighbours (report.py)
+SPEC = importlib.util.spec_from_file_location("bench_kernels", BENCH / "kernels.py")
 kernels = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(kernels)
 
 # 40-key rows over a 16-key block: softmax_long takes the multi-block path, as on a GPU.
-TOY = kernels.Shapes(batch=1, heads=2, seq=16, head_dim=8, ffn=48, long_queries=3,
-                     long_keys=40, copy_elems=4096)
+TOY = kernels.TOY
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from jaxptd import plan, plan_model
+from jaxptd import metrics, plan, plan_model
 from jaxptd.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,6 +47,17 @@ def test_equation_3_by_hand(capsys):
                             "model.seq_len=4", "model.vocab_size=128", "train.global_batch=2",
                             "model.remat=selective", "--json"])
     assert json.loads(out)["flops_per_iteration"] == pytest.approx(3 * 13312 + 1024 + 49152)
+
+
+def test_6n_plus_attention_is_equation_3_for_the_matmul_weights():
+    # N = 12 l h^2 + V h (the matrices and the tied embedding) makes 6N + 12 l h s per
+    # token equation (3) without recomputation; every other parameter adds 6 B s FLOPs.
+    config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"))
+    m, V, B = config.model, 50304, 16
+    matmul = 12 * m.num_layers * m.hidden_size ** 2 + V * m.hidden_size
+    eq3 = metrics.flops_per_iteration(m, B, V)
+    assert metrics.flops_6n(matmul, m, B) == pytest.approx(eq3, rel=1e-12)
+    assert metrics.flops_6n(matmul + 1000, m, B) - eq3 == pytest.approx(6 * B * m.seq_len * 1000)
 
 
 @pytest.mark.parametrize("billions", sorted(TABLE1))

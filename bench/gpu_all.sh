@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# Every GPU measurement of jaxptd in one command, runnable part by part.
+#
+#   bench/gpu_all.sh [--toy] OUT_DIR [PART ...]
+#
+# Parts (default: all, in this order), each meant to fit in one 10-minute device
+# command: the train parts start no run after GPU_ALL_BUDGET_S seconds (default 500) and
+# record the rest as skipped, and any part is ended after GPU_ALL_PART_TIMEOUT_S (580).
+#   env         versions, devices, nvidia-smi
+#   kernels     bench/kernels.py: the Pallas kernels and attention paths vs XLA
+#   sizes       bench/gpu_train.py: GPT 1.3B, 350M, 125M as configured, each with
+#               the PyTorch baseline (bench/torch_gpt.py) when torch is importable
+#   llama       the Llama-style sizes (skipped, with a note, until model.arch=llama exists)
+#   variants    GPT-1.3B: attention xla/cudnn x kernels xla/pallas x remat none/selective/full,
+#               one change at a time from the config
+#   microbatch  GPT-1.3B at b = 1, 2, 8; GPT-350M and 125M at b = 4, 16
+#   profile     bench/profile_step.py: the top XLA ops of one GPT-1.3B step
+#   pipeline    bench/pipeline_rounds.py --json OUT_DIR/pipeline_rounds.json (plus --toy
+#               under --toy), when that script exists
+#
+# Everything goes under OUT_DIR, in at most 8 files (what a device command hands back):
+# gpu_all.log (all output), env.txt, kernels_<device>.json, gpu_train_<device>.json,
+# gpu_train_runs.log (every run's own output), profile_gpt-1.3B_<device>.json,
+# pipeline_rounds.json. gpu_train_<device>.json starts from bench/results/ of the copy it
+# runs in when OUT_DIR has none, so parts run in separate commands add up once each
+# command's file is copied back there. A failing part is reported and the next one runs;
+# a failing run inside a part is an `error` in its row. Exit status: the number of failed
+# parts (2 for bad arguments).
+#
+# --toy runs the same parts at toy sizes on any machine (CPU: interpret-mode kernels,
+# 2-layer models, eager PyTorch): what CI runs (tests/test_bench_gpu.py).
+set -u -o pipefail
+
+ALL_PARTS=(env kernels sizes llama variants microbatch profile pipeline)
+usage="usage: bench/gpu_all.sh [--toy] OUT_DIR [PART ...]; parts: ${ALL_PARTS[*]}"
+TOY=""
+if [ "${1:-}" = "--toy" ]; then TOY=1; shift; fi
+if [ $# -lt 1 ] || [[ "$1" == -* ]]; then echo "error: $usage" >&2; exit 2; fi
+if ! mkdir -p "$1" 2>/dev/null || [ ! -w "$1" ]; then
+  echo "error: OUT_DIR $1: cannot create or write it" >&2; exit 2
+fi
+OUT=$(cd "$1" && pwd)
+shift
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=("${ALL_PARTS[@]}")
+for part in "${PARTS[@]}"; do
+  if [[ ! " ${ALL_PARTS[*]} " == *" $part "* ]]; then
+    echo "error: part $part: unknown; $usage" >&2; exit 2
+  fi
+done
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
+# Compiled programs are reused by a later command on the same machine (a rerun of a part).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxptd-jax-cache}
+PY=${PYTHON:-python}
+BUDGET=${GPU_ALL_BUDGET_S:-500}
+PART_TIMEOUT=${GPU_ALL_PART_TIMEOUT_S:-580}
+
+if [ -n "$TOY" ]; then
+  BIG=gpt-toy; MID=gpt-toy; SMALL=gpt-toy; LLAMA=llama-toy
+  TRAIN=(--steps 2 --warmup 1 --budget-s "$BUDGET" --out-dir "$OUT")
+  KERNELS=(--toy --reps 2)
+else
+  BIG=gpt-1.3B; MID=gpt-350M; SMALL=gpt-125M; LLAMA=llama-125M,llama-350M,llama-1.3B
+  TRAIN=(--budget-s "$BUDGET" --out-dir "$OUT" --previous bench/results)
+  KERNELS=()
+fi
+
+part_env() {
+  $PY -c "import jax; jax.print_environment_info(); print(jax.devices())"
+  $PY -c "
+import importlib.metadata as m
+for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'torch', 'triton'):
+    try: print(p, m.version(p))
+    except m.PackageNotFoundError: print(p, 'not installed')"
+}
+
+part_kernels() { $PY bench/kernels.py "${KERNELS[@]}" --out-dir "$OUT"; }
+part_sizes() { $PY bench/gpu_train.py --models "$BIG,$MID,$SMALL" "${TRAIN[@]}"; }
+part_llama() { $PY bench/gpu_train.py --models "$LLAMA" "${TRAIN[@]}"; }
+part_variants() {
+  $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants \
+    attention=xla,b=2 attention=xla,kernels=pallas,b=2 attention=xla,remat=selective \
+    kernels=pallas remat=full
+}
+part_microbatch() {  # two commands sharing one budget
+  local start=$SECONDS status
+  $PY bench/gpu_train.py --models "$BIG" --variants b=1 b=2 b=8 "${TRAIN[@]}" \
+    --budget-s $((BUDGET * 3 / 5))
+  status=$?
+  $PY bench/gpu_train.py --models "$MID,$SMALL" --variants b=4 b=16 "${TRAIN[@]}" \
+    --budget-s $((BUDGET - (SECONDS - start) > 1 ? BUDGET - (SECONDS - start) : 1)) || status=$?
+  return $status
+}
+part_profile() {
+  $PY bench/profile_step.py --model "$BIG" ${TOY:+--warmup 1} --out-dir "$OUT"
+}
+part_pipeline() {
+  if [ ! -f bench/pipeline_rounds.py ]; then
+    echo "bench/pipeline_rounds.py does not exist yet: nothing to run"; return 0
+  fi
+  $PY bench/pipeline_rounds.py --json "$OUT/pipeline_rounds.json" ${TOY:+--toy}
+}
+
+if [ -n "${GPU_ALL_PART:-}" ]; then  # one part, in the process the loop below starts
+  "part_$GPU_ALL_PART"
+  exit $?
+fi
+
+failed=0
+summary=()
+for part in "${PARTS[@]}"; do
+  start=$SECONDS
+  echo "==== part $part ($(date -u +%H:%M:%S))" | tee -a "$OUT/gpu_all.log"
+  # Each part in its own process group, ended after PART_TIMEOUT seconds whatever it does.
+  GPU_ALL_PART=$part timeout -k 10 "$PART_TIMEOUT" bash "$0" ${TOY:+--toy} "$OUT" 2>&1 |
+    if [ "$part" = env ]; then tee "$OUT/env.txt"; else cat; fi | tee -a "$OUT/gpu_all.log"
+  status=$?
+  [ $status -ne 0 ] && failed=$((failed + 1))
+  case $status in
+    0) result=ok ;;
+    124|137) result="FAILED: timed out after $PART_TIMEOUT s" ;;
+    *) result="FAILED, exit $status" ;;
+  esac
+  summary+=("$(printf '%-11s %s (%d s)' "$part" "$result" $((SECONDS - start)))")
+done
+{
+  echo "==== summary"
+  for results in "$OUT"/gpu_train_*.json; do
+    [ -f "$results" ] && $PY bench/gpu_results.py "$results"
+  done
+  printf '%s\n' "${summary[@]}"
+  echo "results in $OUT"
+  echo "reproduce: bench/gpu_all.sh ${TOY:+--toy }OUT_DIR ${PARTS[*]}"
+} | tee -a "$OUT/gpu_all.log"
+exit $failed

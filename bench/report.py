@@ -1,0 +1,22 @@
+"""How the bench scripts name their result files and print their tables.
+
+A result file is <out_dir>/<prefix>_<device kind>.json, the device kind with every run of
+characters other than letters, digits and '.' made one '_' (e.g.
+gpu_train_NVIDIA_H100_80GB_HBM3.json), so results of different devices sit side by side
+and each name is one the device machines hand back.
+"""
+from __future__ import annotations
+
+import pathlib
+import re
+
+
+def result_path(out_dir, prefix: str, device_kind: str) -> pathlib.Path:
+    """<out_dir>/<prefix>_<device kind made a file name>.json"""
+    name = re.sub(r"[^A-Za-z0-9.]+", "_", device_kind).strip("_")
+    return pathlib.Path(out_dir) / f"{prefix}_{name}.json"
+
+
+def cell(value, fmt: str, width: int) -> str:
+    """One table cell: blank for None; text left-aligned, numbers right-aligned."""
+    return " " * width if value is None else format(value, f"{width}{fmt}")
