@@ -56,6 +56,7 @@ class ParallelConfig:
     chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedules)
     stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
     round_form: str = "auto"  # pipe > 1: cond | steady | masked (auto: cond on CPU, steady GPU)
+    sequence_parallel: bool = False  # activations outside attention/MLP split [b, s/t, h]
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,11 @@ def validate(config: Config) -> None:
     _require(
         m.num_heads % par.tensor == 0,
         f"model.num_heads={m.num_heads}: must be divisible by parallel.tensor={par.tensor}",
+    )
+    _require(
+        not par.sequence_parallel or m.seq_len % par.tensor == 0,
+        f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
+        f"parallel.tensor={par.tensor}",
     )
     stages = par.pipe * par.chunks
     _require(

@@ -63,7 +63,7 @@ class Setup:
         self.pipelined = par.pipe > 1
         self.vocab = model.padded_vocab(par.tensor)
         self.arch = models.get(model)
-        self.local_layout = Layout(self.vocab, par.tensor, TENSOR)
+        self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel)
         logical = self.arch.logical_axes(model, self.vocab)
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
         self.logical_param_specs = specs_from_logical(

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Block, Embed, Layout, layer_norm, psum
+from jaxptd.model.layers import Block, Embed, Layout, enter_tensor, layer_norm, psum
 
 
 def block(cfg: ModelConfig, layout: Layout) -> Block:
@@ -33,7 +33,7 @@ def block(cfg: ModelConfig, layout: Layout) -> Block:
 
 
 def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
-    return Embed(cfg, layout.vocab // layout.tensor, layout.tensor_axis)
+    return Embed(cfg, layout)
 
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
@@ -80,7 +80,7 @@ def head_loss(params, x, batch, cfg: ModelConfig, layout: Layout):
     """
     targets = batch[:, 1:]
     x = layer_norm(cfg).apply({"params": params["final_norm"]}, x.astype(jnp.float32))
-    x = x.astype(cfg.dtype)
+    x = enter_tensor(x.astype(cfg.dtype), layout)  # SP: the whole sequence for the logits
     module = _embed(cfg, layout)
     logits = module.apply({"params": params["embed"]}, x, method=Embed.logits)  # [b, s, V/t]
     ids = module.apply({"params": params["embed"]}, method=Embed.vocab_start) + jnp.arange(

@@ -12,6 +12,12 @@ size on its shards. Collectives run over `layout.tensor_axis` (None: one device,
   meeting a rank-local weight is broadcast, and the transpose of that is the all-reduce);
 - g, `exit_tensor`, after the row-parallel attention output and second MLP layer: the
   explicit all-reduce, exactly two per layer in the forward pass.
+With sequence parallelism (`layout.sequence_parallel`; Korthikanti et al. 2022) the
+activations outside attention and the MLP are split over the sequence on the tensor axis,
+[b, s/t, h]: f becomes an all-gather of the sequence (a reduce-scatter in the backward, as
+the transpose of a tiled all-gather) and g a reduce-scatter (an all-gather backward); the
+LayerNorms, dropouts and residual adds work on 1/t of the tokens, with dropout masks that
+differ per tensor rank.
 
 Every matmul with a weight goes through `dense`, which names it by its weight and keeps its
 einsum as data (`DENSE`): with the zero-bubble split of the backward (pipeline executor),
@@ -45,6 +51,12 @@ class Layout:
     vocab: int  # padded vocabulary (global)
     tensor: int = 1  # parameter shapes are global / tensor
     tensor_axis: str | None = None  # collectives over this axis; None: a single device
+    sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]
+
+    @property
+    def split_sequence(self) -> bool:
+        """True when activations between the tensor-parallel blocks are [b, s/t, h]."""
+        return self.sequence_parallel and self.tensor_axis is not None
 
 
 def normal(std: float, names: tuple[str, ...]):
@@ -82,13 +94,27 @@ def dense(module: nn.Module, name: str, x, w):
 
 
 def enter_tensor(x, layout: "Layout"):
-    """f: the activation entering a column-parallel linear (identity; see module docstring)."""
-    return x
+    """f: the activation entering a column-parallel linear: identity, or with sequence
+    parallelism the all-gather [b, s/t, h] -> [b, s, h] (see the module docstring)."""
+    if not layout.split_sequence:
+        return x
+    return lax.all_gather(x, layout.tensor_axis, axis=1, tiled=True)
 
 
 def exit_tensor(x, layout: "Layout"):
-    """g: a row-parallel linear's partial sums [b, s, h] -> their sum over tensor ranks."""
-    return psum(x, layout.tensor_axis)
+    """g: a row-parallel linear's partial sums [b, s, h] -> their sum over tensor ranks
+    [b, s, h], or with sequence parallelism its reduce-scatter [b, s/t, h]."""
+    if not layout.split_sequence:
+        return psum(x, layout.tensor_axis)
+    return lax.psum_scatter(x, layout.tensor_axis, scatter_dimension=1, tiled=True)
+
+
+def sequence_slice(x, layout: "Layout"):
+    """This tensor rank's part of a sequence-long [s, ...] value (all of it without SP)."""
+    if not layout.split_sequence:
+        return x
+    part = x.shape[0] // layout.tensor
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(layout.tensor_axis) * part, part)
 
 
 def gelu(x):
@@ -221,10 +247,14 @@ class Block(nn.Module):
         return x + self._dropout(h, deterministic)
 
     def _dropout(self, x, deterministic):
-        # After the all-reduce the activation is the same on every tensor rank: one mask.
+        # After the all-reduce the activation is the same on every tensor rank: one mask;
+        # with sequence parallelism each rank holds other tokens: a mask per rank.
         if not self.cfg.dropout or deterministic:
             return x
-        return _dropout(x, self.cfg.dropout, self.make_rng("dropout"))
+        key = self.make_rng("dropout")
+        if self.layout.split_sequence:
+            key = jax.random.fold_in(key, lax.axis_index(self.layout.tensor_axis))
+        return _dropout(x, self.cfg.dropout, key)
 
 
 def _dropout(x, rate: float, key):
@@ -236,8 +266,12 @@ class Embed(nn.Module):
     """Vocab-parallel token embedding plus learned positions; its table is the tied head."""
 
     cfg: ModelConfig
-    vocab: int  # local rows: padded vocabulary / tensor
-    tensor_axis: str | None
+    layout: Layout
+
+    @property
+    def vocab(self) -> int:
+        """Local rows: padded vocabulary / tensor."""
+        return self.layout.vocab // self.layout.tensor
 
     def setup(self):
         cfg = self.cfg
@@ -248,16 +282,18 @@ class Embed(nn.Module):
 
     def vocab_start(self):
         """First vocabulary id held by this tensor rank."""
-        return 0 if self.tensor_axis is None else lax.axis_index(self.tensor_axis) * self.vocab
+        axis = self.layout.tensor_axis
+        return 0 if axis is None else lax.axis_index(axis) * self.vocab
 
-    def __call__(self, tokens):  # tokens: [b, s] int32 -> [b, s, h]
-        # Megatron's lookup: ids outside this rank's rows give zeros; the all-reduce sums
-        # the one rank that holds each id.
+    def __call__(self, tokens):  # tokens: [b, s] int32 -> [b, s, h] ([b, s/t, h] with SP)
+        # Megatron's lookup: ids outside this rank's rows give zeros; the all-reduce (with
+        # SP the reduce-scatter) sums the one rank that holds each id.
         local = tokens - self.vocab_start()
         inside = (local >= 0) & (local < self.vocab)
         rows = jnp.take(self.wte, jnp.clip(local, 0, self.vocab - 1), axis=0)
-        x = psum(jnp.where(inside[..., None], rows, 0.0), self.tensor_axis)
-        return (x + self.wpe[: tokens.shape[1]]).astype(self.cfg.dtype)
+        x = exit_tensor(jnp.where(inside[..., None], rows, 0.0), self.layout)
+        positions = sequence_slice(self.wpe[: tokens.shape[1]], self.layout)
+        return (x + positions).astype(self.cfg.dtype)
 
     def logits(self, x):  # x: [b, s, h] -> [b, s, vocab/t] float32, never gathered
         return jnp.einsum("bsh,vh->bsv", x, self.wte.astype(self.cfg.dtype)).astype(jnp.float32)

@@ -231,13 +231,20 @@ def _pairs(p: int, v: int, step: int) -> list:
 
 
 def _send(x, p: int, v: int, step: int, tensor: int):
-    """Starts sending x [b, s, h] along the chain (each tensor rank its 1/t slice)."""
+    """Starts sending x [b, s, h] along the chain (each tensor rank its 1/t slice; with
+    sequence parallelism, tensor = 1 here: x is already this rank's [b, s/t, h])."""
     return lax.ppermute(_scatter(x, tensor), PIPE, _pairs(p, v, step))
 
 
 def _arrive(buffer, message, valid, slot, tensor: int):
     """Stores a message that arrived (gathered over tensor) in buffer[slot] where valid."""
     return _write(buffer, slot, _gather(message, tensor), valid > 0)
+
+
+def _message_split(setup) -> int:
+    """How many tensor ranks split a stage-to-stage message (PTD-P §4.1's scatter/gather);
+    1 with sequence parallelism, whose activations are already split over the sequence."""
+    return 1 if setup.local_layout.split_sequence else setup.config.parallel.tensor
 
 
 # --------------------------------------------------------------------------- stages
@@ -265,10 +272,13 @@ class _Stage:
 
     def buffer(self, slots):
         """Zeros [slots, b, s, h] for stage inputs or their gradients: varying over data and
-        pipe and the same on every tensor rank, like the activations they receive."""
-        model = self.config.model
-        shape = (slots, self.micro.shape[1], model.seq_len, model.hidden_size)
-        return mark_varying(jnp.zeros(shape, jnp.dtype(model.dtype)), (DATA, PIPE))
+        pipe and the same on every tensor rank, like the activations they receive (with
+        sequence parallelism [slots, b, s/t, h], varying over tensor too)."""
+        model, split = self.config.model, self.layout.split_sequence
+        seq = model.seq_len // (self.layout.tensor if split else 1)
+        shape = (slots, self.micro.shape[1], seq, model.hidden_size)
+        axes = (DATA, PIPE, TENSOR) if split else (DATA, PIPE)
+        return mark_varying(jnp.zeros(shape, jnp.dtype(model.dtype)), axes)
 
     def tokens(self, mb):
         return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
@@ -417,7 +427,7 @@ class _Training:
 
     def __init__(self, params, batch, key, loss_scale, setup, deterministic):
         par = setup.config.parallel
-        self.p, self.v, self.tensor = par.pipe, par.chunks, par.tensor
+        self.p, self.v, self.tensor = par.pipe, par.chunks, _message_split(setup)
         self.rounds = rounds_for(par.schedule, par.pipe, par.microbatches, par.chunks)
         self.stage = _Stage(setup, batch, key, deterministic)
         self.params, self.ends, self.loss_scale = params, models.ends(params), loss_scale
@@ -561,7 +571,7 @@ class _Evaluation:
 
     def __init__(self, params, batch, setup):
         par = setup.config.parallel
-        self.p, self.v, self.tensor = par.pipe, par.chunks, par.tensor
+        self.p, self.v, self.tensor = par.pipe, par.chunks, _message_split(setup)
         self.rounds = rounds_for(par.schedule, par.pipe, par.microbatches, par.chunks,
                                  forward_only=True)
         self.stage = _Stage(setup, batch, jax.random.key(0), deterministic=True)
