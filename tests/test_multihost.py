@@ -20,7 +20,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxptd.checkpoint import Checkpointer, inspect
+from jaxptd.checkpoint import Checkpointer
+from jaxptd.checkpoint_integrity import inspect
 from jaxptd.config import load_config
 from jaxptd.data import TokenDataset, resolve_corpus
 from jaxptd.mesh import make_mesh
@@ -202,7 +203,7 @@ def test_half_written_and_corrupt_steps_are_skipped(launched, tmp_path, capfd):
     state, step = _restore_latest(directory)
     assert step == 3 and int(state["step"]) == 3
     err = capfd.readouterr().err
-    assert f"checkpoint {directory / '6'} is unreadable" in err, err
+    assert "checkpoint step 6 is damaged" in err, err
     assert (directory / "6.corrupt").is_dir() and not (directory / "6").exists()
     statuses = {r["step"]: r["status"] for r in inspect(str(directory)) if r["step"] != 9}
     assert statuses == {3: "complete", 6: "corrupt"}
