@@ -41,6 +41,7 @@ import tempfile
 import orbax.checkpoint as ocp
 
 from jaxptd import checkpoint_integrity as integrity
+from jaxptd.runlog import LOG
 
 TMP_MARK = integrity.TMP_MARK
 LAYOUT_KEYS = ("data", "pipe", "tensor", "chunks")
@@ -73,12 +74,6 @@ def layout_metadata(config, processes: int) -> dict:
     return {**{k: getattr(par, k) for k in LAYOUT_KEYS}, "zero1": config.optimizer.zero1,
             "processes": processes, "padded_vocab": config.model.padded_vocab(par.tensor),
             "config": config.to_dict()}
-
-
-def warn(message: str) -> None:
-    import jax
-    if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _all_agree(ok: bool) -> bool:
@@ -184,7 +179,7 @@ class Checkpointer:
         """
         for name in sorted(os.listdir(self.directory)):
             if TMP_MARK in name:
-                warn(f"skipping half-written checkpoint {os.path.join(self.directory, name)}")
+                LOG.warning(f"skipping half-written checkpoint {os.path.join(self.directory, name)}")
         failures = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             state, problem = self._try_restore(abstract_state, step, vocab_size)
@@ -225,7 +220,7 @@ class Checkpointer:
         while os.path.exists(aside):
             n += 1
             aside = f"{path}.corrupt-{n}"
-        warn(f"checkpoint step {step} is damaged ({problem}); moved to {aside}, falling "
+        LOG.warning(f"checkpoint step {step} is damaged ({problem}); moved to {aside}, falling "
              "back to the previous step")
         if jax.process_index() == 0:
             os.replace(path, aside)
@@ -249,11 +244,15 @@ class Checkpointer:
                                             vocab_size), abstract_state)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(targets)))["state"]
-        layout = integrity.read_layout(os.path.join(self.directory, str(step))) or {}
-        mismatch = integrity.checksum_mismatch(restored, layout.get("checksums"))
+        mismatch = integrity.checksum_mismatch(restored, (self.layout(step) or {}).get(
+            "checksums"))
         if mismatch:
             raise _Damaged(mismatch)
         return jax.tree.map(_resize, restored, abstract_state)
+
+    def layout(self, step: int) -> dict | None:
+        """The layout item of `step` (how it was written, its config and checksums)."""
+        return integrity.read_layout(os.path.join(self.directory, str(step)))
 
     def has(self, step: int) -> bool:
         """True when `step` is on disk (or being saved)."""
