@@ -6,11 +6,16 @@ Ctrl-C sends SIGINT. A handler only records the signal; the loop calls `agreed()
 step, a collective that ORs every process's flag, so all processes leave the loop after
 the same step even when only one of them was signalled. The loop then saves that step;
 the run exits 0 after SIGTERM/SIGUSR1 (a requeued job resumes) and 130 after SIGINT (the
-shell's code for an interrupted command). A second SIGINT exits at once, without saving.
+shell's code for an interrupted command).
+
+A second SIGINT exits at once, without saving: the first one gives SIGINT back its default
+action, so the kernel ends the process even while the main thread is inside a long XLA
+call (where a Python handler would wait for the call to return). CPython runs one handler
+for signals that arrive before it runs, so "second" means after the first was handled,
+which the notice it prints shows.
 """
 from __future__ import annotations
 
-import os
 import signal
 import sys
 
@@ -21,35 +26,37 @@ INTERRUPTED = 130  # 128 + SIGINT
 
 
 class Preemption:
-    """Installs the handlers (call after jax.distributed starts, so they are the last)."""
+    """Installs the handlers (call after jax.distributed starts, so they are the last).
+    `lead`: this process prints the notice of the first SIGINT."""
 
-    def __init__(self):
+    def __init__(self, lead: bool = True):
+        self.lead = lead
         self.received: str | None = None  # the name of the first signal seen
-        self.interrupts = 0  # SIGINTs seen here
-        self._interrupted = False  # some process saw SIGINT (known after agreed())
+        self.interrupted = False  # SIGINT seen here
+        self._any_interrupted = False  # SIGINT seen by some process (after agreed())
         for sig in SIGNALS:
             signal.signal(sig, self._record)
 
     def _record(self, signum, _frame) -> None:
         if signum == signal.SIGINT:
-            self.interrupts += 1
-            if self.interrupts > 1:
-                print("interrupted again: exiting now, without saving", file=sys.stderr,
-                      flush=True)
-                os._exit(INTERRUPTED)
+            self.interrupted = True
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # the next one ends the process
+            if self.lead:
+                print("interrupted: the current step is saved before exiting; interrupt "
+                      "again to exit at once without saving", file=sys.stderr, flush=True)
         self.received = self.received or signal.Signals(signum).name
 
     @property
     def exit_code(self) -> int:
         """The exit status after the loop: 130 when any process saw SIGINT, else 0."""
-        return INTERRUPTED if self._interrupted or self.interrupts else 0
+        return INTERRUPTED if self._any_interrupted or self.interrupted else 0
 
     def agreed(self) -> bool:
         """True on every process when any process was signalled. All must call it."""
         import jax
-        code = 2 if self.interrupts else 1 if self.received else 0
+        code = 2 if self.interrupted else 1 if self.received else 0
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             code = int(np.max(multihost_utils.process_allgather(np.int32(code))))
-        self._interrupted = code == 2
+        self._any_interrupted = code == 2
         return code > 0

@@ -44,11 +44,15 @@ def check_files(config: Config):
 
 
 def devices(jax, config: Config) -> list:
-    """jax.devices(), or a ConfigError when the platform asked for is not there."""
+    """jax.devices(), or a ConfigError when the platform asked for is not there (JAX raises
+    a RuntimeError or, when no backend at all remains, an AssertionError)."""
     try:
         return jax.devices()
-    except RuntimeError as e:
-        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - a user error only for an explicit platform
+        if config.runtime.platform == "auto":
+            raise
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else \
+            "no backend could start"
         raise ConfigError(f"runtime.platform={config.runtime.platform}: no such devices on "
                           f"this machine ({reason}); use runtime.platform=auto") from None
 

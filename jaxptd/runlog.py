@@ -4,7 +4,7 @@ Owns what goes into `train.run_dir`:
 
 - `config.yaml`: the resolved config of the latest start (every key, defaults included);
 - `train.log`: every console line and warning with a timestamp, and the libraries'
-  warnings (Orbax, absl) that would otherwise fill the console;
+  logged warnings (Orbax's absl, asyncio) that would otherwise fill the console;
 - `metrics.jsonl`: one JSON record per step and kind (training, validation, compile);
 - `tensorboard/`: event files, tags grouped as train/, val/ and perf/;
 - Weights & Biases, when `train.wandb_project` is set and `wandb` is installed.
@@ -48,25 +48,25 @@ def _console_handler(stream, low: int, high: int) -> logging.Handler:
 
 def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
     """Console handlers on process 0 (info to stdout, warnings to stderr) and the
-    timestamped train.log in `run_dir`; absl's (Orbax's) records go to the file only."""
+    timestamped train.log in `run_dir`. Other loggers' records (Orbax's absl, asyncio)
+    go to the file only: a failed save is reported in one line, not in their tracebacks."""
     LOG.handlers.clear()
     LOG.setLevel(logging.INFO)
     LOG.propagate = False
-    absl = logging.getLogger("absl")
-    absl.handlers.clear()
-    absl.propagate = False  # Orbax reports a failed save in tracebacks; we report one line
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.addHandler(logging.NullHandler())  # not logging's last resort, which prints
     if not lead:
         return
     LOG.addHandler(_console_handler(sys.stdout, logging.INFO, logging.WARNING))
     LOG.addHandler(_console_handler(sys.stderr, logging.WARNING, logging.CRITICAL + 1))
     if run_dir:
-        handler = logging.FileHandler(os.path.join(run_dir, "train.log"))
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        LOG.addHandler(handler)
-        absl_file = logging.FileHandler(os.path.join(run_dir, "train.log"))
-        absl_file.setFormatter(logging.Formatter("%(asctime)s absl %(levelname)s %(message)s"))
-        absl_file.setLevel(logging.WARNING)
-        absl.addHandler(absl_file)
+        path = os.path.join(run_dir, "train.log")
+        for logger, name, level in ((LOG, "", logging.INFO), (root, "%(name)s ", logging.WARNING)):
+            handler = logging.FileHandler(path)
+            handler.setFormatter(logging.Formatter(f"%(asctime)s {name}%(levelname)s %(message)s"))
+            handler.setLevel(level)
+            logger.addHandler(handler)
 
 
 setup_logging()  # until a run sets up its directory: warnings on stderr

@@ -72,9 +72,9 @@ def start(config: Config):
     from jaxptd.plan import device_memory_bytes
     from jaxptd.step import Setup
 
+    devices = preflight.devices(jax, config)  # the first use of the backend
     lead = jax.process_index() == 0
     runlog.setup_logging(config.train.run_dir, lead)
-    devices = preflight.devices(jax, config)
     check_device_count(config, len(devices), "devices found")
     available = preflight.device_memory(devices[0], jax.local_device_count())
     preflight.check_memory(config, device_memory_bytes(config), available)
@@ -135,8 +135,8 @@ class Run:
         from jaxptd.step import build_eval_step
         self.config, self.train, self.val = config, train, val
         self.jax, self.setup, self.ckpt, self.state, self.available = start(config)
-        self.preemption = Preemption()  # after jax.distributed: its handlers are the last
         self.lead = self.jax.process_index() == 0
+        self.preemption = Preemption(self.lead)  # after jax.distributed: the last handlers
         self.start_step = self.last = int(self.state["step"])
         self.tokens = config.train.global_batch * config.model.seq_len
         self.timer = metrics.StepTimer()
@@ -212,7 +212,7 @@ class Run:
 
     def _stop_reason(self) -> str:
         signal_name = self.preemption.received or "a signal on another process"
-        interrupted = self.preemption.exit_code == INTERRUPTED
+        interrupted = self.preemption.exit_code == INTERRUPTED  # here or elsewhere
         return f"{'interrupted' if interrupted else 'preempted'} ({signal_name})"
 
     def finish(self) -> None:

@@ -103,16 +103,17 @@ def assert_same_state(actual, expected) -> None:
         np.testing.assert_array_equal(a[name], e[name], err_msg=name)
 
 
-def walk_faults(source: Path, step: int, tmp: Path, restore, states: dict, capfd) -> dict:
-    """Every fault of FAULTS in every file of step `step` of checkpoint directory `source`,
-    each on a fresh copy: `restore(directory)` must give (state, good step) with the state
+def walk_faults(source: Path, step: int, tmp: Path, restore, states: dict, capfd,
+                rotate: bool = False) -> dict:
+    """Every fault of FAULTS (with `rotate`, one per file, in turn) in every file of step
+    `step` of checkpoint directory `source`, each on a fresh copy: `restore(directory)` must give (state, good step) with the state
     bitwise equal to `states[step]`, every other step kept, and, when it fell back, one
     warning line naming the damaged step. Returns {(file, fault): restored step}."""
     step_dir = source / str(step)
     files = sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file())
     outcomes = {}
-    for rel in files:
-        for fault in FAULTS:
+    for index, rel in enumerate(files):
+        for fault in (FAULTS[index % len(FAULTS)],) if rotate else FAULTS:
             work = tmp / "walk"
             shutil.rmtree(work, ignore_errors=True)
             shutil.copytree(source, work)

@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import walk_faults
 from jaxptd.checkpoint import Checkpointer
 from jaxptd.checkpoint_integrity import inspect
 from jaxptd.config import load_config
@@ -207,6 +208,29 @@ def test_half_written_and_corrupt_steps_are_skipped(launched, tmp_path, capfd):
     assert (directory / "6.corrupt").is_dir() and not (directory / "6").exists()
     statuses = {r["step"]: r["status"] for r in inspect(str(directory)) if r["step"] != 9}
     assert statuses == {3: "complete", 6: "corrupt"}
+
+
+def test_every_fault_in_a_multi_process_step_resumes_from_a_good_step(launched, tmp_path,
+                                                                     capfd):
+    """The walk of tests/test_checkpoint.py over a step written by 4 processes: every
+    process's files, each damaged one of the four ways in turn (the single-process walk
+    does all four to every kind of file), restored here at another layout."""
+    source = launched(*SOURCE) / "checkpoints"
+    states = {step: _restore_step(source, step) for step in (3, 6)}
+    outcomes = walk_faults(source, 6, tmp_path, _restore_latest, states, capfd, rotate=True)
+    damaged = {rel for (rel, _), step in outcomes.items() if step == 3}
+    assert {"state/_METADATA", "layout/metadata"} <= damaged
+    assert {f"state/array_metadatas/process_{i}" for i in range(4)} <= damaged
+    assert any(f"ocdbt.process_{i}/d/" in rel for rel in damaged for i in range(1, 4))
+
+
+def _restore_step(directory, step):
+    setup = setup_for(overrides(LAUNCH_LAYOUTS["pipe1"], True))
+    ckpt = Checkpointer(str(directory), 0, 3)
+    try:
+        return jax.device_get(ckpt.restore(setup.abstract_state(logical=True), step, 300))
+    finally:
+        ckpt.close()
 
 
 def test_sigterm_saves_agreed_step_and_resume_continues(tmp_path):
