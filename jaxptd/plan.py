@@ -358,7 +358,8 @@ def _format_verify(v: dict, mem: dict) -> list:
 
 
 def draw(report: dict, config: Config, path: str) -> None:
-    """Memory bars (left) and, with pipe > 1, the schedule's timeline (path-timeline.png)."""
+    """Memory bars and, with pipe > 1, the schedule's timeline (path-timeline.png); says
+    on stderr which files it wrote (stdout keeps the report or its JSON)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -380,10 +381,13 @@ def draw(report: dict, config: Config, path: str) -> None:
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
+        print(f"wrote {path} (memory per device)", file=sys.stderr)
         stats = schedule_stats(config)[2]
         if stats:
             from jaxptd.pipeline.draw import draw_timeline
-            draw_timeline(stats[0], stats[1], path.rsplit(".", 1)[0] + "-timeline.png")
+            timeline = path.rsplit(".", 1)[0] + "-timeline.png"
+            draw_timeline(stats[0], stats[1], timeline)
+            print(f"wrote {timeline} (the pipeline schedule)", file=sys.stderr)
     except OSError as e:
         raise ConfigError(f"--png {path}: {e.strerror or e}") from None
     finally:

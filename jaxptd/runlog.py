@@ -181,9 +181,9 @@ class Progress:
     """Progress lines: step/total, elapsed, time left (from the steps of this run so far),
     loss and tokens/s."""
 
-    def __init__(self, total: int, start_step: int, tokens_per_step: int):
+    def __init__(self, total: int, start_step: int, tokens_per_step: int, began: float):
         self.total, self.start_step, self.tokens = total, start_step, tokens_per_step
-        self.began = time.monotonic()  # the run, compile included
+        self.began = began  # time.monotonic() when the run started: start-up included
         self.first = None  # when the first step of this run started
 
     def start_steps(self) -> None:

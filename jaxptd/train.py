@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
 from jaxptd import distributed, preflight, runlog
 from jaxptd.checkpoint import CheckpointError, human_bytes
@@ -76,7 +77,7 @@ def start(config: Config):
     lead = jax.process_index() == 0
     runlog.setup_logging(config.train.run_dir, lead)
     check_device_count(config, len(devices), "devices found")
-    available = preflight.device_memory(devices[0], jax.local_device_count())
+    available = preflight.device_memory(jax.local_devices()[0], jax.local_device_count())
     preflight.check_memory(config, device_memory_bytes(config), available)
     if lead:
         runlog.write_config(config.train.run_dir, config)
@@ -133,6 +134,7 @@ class Run:
     def __init__(self, config: Config, train: TokenDataset, val: TokenDataset):
         from jaxptd import metrics
         from jaxptd.step import build_eval_step
+        self.began = time.monotonic()
         self.config, self.train, self.val = config, train, val
         self.jax, self.setup, self.ckpt, self.state, self.available = start(config)
         self.lead = self.jax.process_index() == 0
@@ -242,7 +244,8 @@ class Run:
             self.ckpt.close()
             return 0
         self.metrics_log = runlog.MetricsLog(config, self.start_step, self.lead)
-        self.progress = runlog.Progress(config.train.steps, self.start_step, self.tokens)
+        self.progress = runlog.Progress(config.train.steps, self.start_step, self.tokens,
+                                        self.began)
         self.loop()
         self.finish()
         return self.preemption.exit_code

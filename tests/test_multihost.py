@@ -153,6 +153,9 @@ def test_local_launch_matches_single_process(launched, name):
                  reference_losses(overrides(LAUNCH_LAYOUTS[name], zero1)))
     records = inspect(str(run_dir / "checkpoints"))
     assert [(r["step"], r["status"]) for r in records] == [(3, "complete"), (6, "complete")]
+    out = (run_dir / "out.txt").read_text()  # only process 0 speaks; no gloo chatter
+    assert "peer ranks" not in out and not any(line.startswith(("[1]", "[2]", "[3]"))
+                                               for line in out.splitlines()), out[-3000:]
     data, pipe, tensor, chunks = LAUNCH_LAYOUTS[name]
     assert {k: records[0]["layout"][k] for k in ("data", "pipe", "tensor", "chunks",
                                                   "processes")} == \
