@@ -22,12 +22,13 @@ Invariants:
   coordination service ends them with a message naming the dead task.
 - The collectives' (gloo's) C++ code prints a connection line on stdout for every new
   communicator; unless `runtime.collective_logs` asks for them, a filter on file
-  descriptor 1 drops those lines and passes everything else through.
+  descriptor 1 removes those lines' pieces (and blank lines) and passes the rest through.
 """
 from __future__ import annotations
 
 import atexit
 import os
+import re
 import socket
 import sys
 import threading
@@ -36,7 +37,10 @@ from dataclasses import dataclass
 
 from jaxptd.config import Config, ConfigError
 
-CHATTER = b"peer ranks. Expected number of connected peer ranks"
+# gloo's line, written in pieces that threads interleave: "[Gloo] Rank 1 is connected to 3
+# peer ranks. Expected number of connected peer ranks is : 3"
+CHATTER = re.compile(rb"\[Gloo\] Rank ?\d*|\d* ?is connected to ?\d* ?(peer ranks\. ?)?|"
+                     rb"(peer ranks\. ?)|Expected number of connected peer ranks is : ?\d*")
 ENV = ("JAXPTD_COORDINATOR", "JAXPTD_NUM_PROCESSES", "JAXPTD_PROCESS_ID")
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
 
@@ -199,8 +203,9 @@ def drop_collective_chatter() -> None:
     def pump():
         with os.fdopen(read_end, "rb") as lines, os.fdopen(os.dup(real), "wb", 0) as out:
             for line in lines:
-                if CHATTER not in line:
-                    out.write(line)
+                kept = CHATTER.sub(b"", line)
+                if kept.strip(b" 0123456789\n"):
+                    out.write(kept if kept.endswith(b"\n") else kept + b"\n")
 
     thread = threading.Thread(target=pump, name="jaxptd-stdout-filter", daemon=True)
     thread.start()

@@ -39,11 +39,19 @@ class _ConsoleFormat(logging.Formatter):
             f"{record.levelname.lower()}: {message}"
 
 
-def _console_handler(stream, low: int, high: int) -> logging.Handler:
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(_ConsoleFormat())
-    handler.addFilter(lambda record: low <= record.levelno < high)
-    return handler
+class _Console(logging.StreamHandler):
+    """Records with low <= level < high to sys.<name>, looked up at each record (so a
+    redirected or captured stream is followed)."""
+
+    def __init__(self, name: str, low: int, high: int):
+        super().__init__(getattr(sys, name))
+        self.stream_name = name
+        self.setFormatter(_ConsoleFormat())
+        self.addFilter(lambda record: low <= record.levelno < high)
+
+    def emit(self, record):
+        self.stream = getattr(sys, self.stream_name)
+        super().emit(record)
 
 
 def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
@@ -58,8 +66,8 @@ def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
     root.addHandler(logging.NullHandler())  # not logging's last resort, which prints
     if not lead:
         return
-    LOG.addHandler(_console_handler(sys.stdout, logging.INFO, logging.WARNING))
-    LOG.addHandler(_console_handler(sys.stderr, logging.WARNING, logging.CRITICAL + 1))
+    LOG.addHandler(_Console("stdout", logging.INFO, logging.WARNING))
+    LOG.addHandler(_Console("stderr", logging.WARNING, logging.CRITICAL + 1))
     if run_dir:
         path = os.path.join(run_dir, "train.log")
         for logger, name, level in ((LOG, "", logging.INFO), (root, "%(name)s ", logging.WARNING)):
