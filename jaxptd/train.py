@@ -19,6 +19,8 @@ import math
 import sys
 import time
 
+import numpy as np
+
 from jaxptd import distributed, preflight, runlog
 from jaxptd.checkpoint import CheckpointError, human_bytes
 from jaxptd.config import Config, ConfigError, describe_keys, load_config
@@ -183,9 +185,8 @@ class Run:
         first = global_batch(self.setup, self.train, seed, self.start_step)
         train_step, flops = compile_step(self.setup, self.state, first, self.timer,
                                          self.metrics_log, self.available)
-        if self.start_step and eval_every and self.start_step % eval_every == 0 and \
-                not self.metrics_log.has(self.start_step, "val"):
-            self.evaluate(self.start_step)  # due at the restored step, never done
+        if self._evaluation_missed():
+            self.evaluate(self.start_step)
         self.timer.lap(0)
         self.progress.start_steps()
         since = self.start_step
@@ -211,6 +212,17 @@ class Run:
                          if ckpt else f"{self._stop_reason()}: exiting (nothing saved: "
                          "checkpoint.every=0)")
                 break
+
+    def _evaluation_missed(self) -> bool:
+        """Whether the evaluation due at the restored step never ran (the run stopped
+        between saving and evaluating): process 0's metrics decide, for every process."""
+        every, step = self.config.train.eval_every, self.start_step
+        missed = bool(step and every and step % every == 0) and \
+            not self.metrics_log.has(step, "val")
+        if self.jax.process_count() == 1:
+            return missed
+        from jax.experimental import multihost_utils
+        return bool(multihost_utils.broadcast_one_to_all(np.int32(missed)))
 
     def _stop_reason(self) -> str:
         signal_name = self.preemption.received or "a signal on another process"
