@@ -410,6 +410,18 @@ def test_out_of_memory_at_run_time_is_one_line():
     assert out_of_memory(RuntimeError("INTERNAL: something else"), config) is None
 
 
+def test_memory_check_refuses_only_beyond_the_planners_margin():
+    from jaxptd.config import ConfigError, load_config
+    from jaxptd.preflight import check_memory
+    config = load_config(None, [])
+    gpu = (80e9, "NVIDIA H100 memory")
+    check_memory(config, 90e9, gpu)  # within the planner's 15%: left to XLA
+    check_memory(config, 1e15, None)  # unknown device memory: nothing to compare
+    with pytest.raises(ConfigError, match=r"puts 100.0 GB on each device, the devices have "
+                                          r"80.0 GB \(NVIDIA H100 memory\)"):
+        check_memory(config, 100e9, gpu)
+
+
 def test_help_lists_every_config_key_with_its_default(corpus_env):
     import dataclasses
     from jaxptd.config import Config
