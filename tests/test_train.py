@@ -238,8 +238,12 @@ def test_resume_keeps_one_record_per_step_and_runs_the_due_evaluation(corpus_env
     path.write_text("".join(line + "\n" for line in path.read_text().splitlines()
                             if json.loads(line) != next(r for r in records(reference[0])
                                                         if r.get("val_loss") and r["step"] == 6)))
-    result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"))
+    import importlib.util
+    wandb = [] if importlib.util.find_spec("wandb") else ["train.wandb_project=jaxptd-test"]
+    result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"), *wandb)
     assert_ok(result)
+    if wandb:  # asked for, not installed: said once, TensorBoard goes on
+        assert result.stderr.count("wandb is not installed") == 1, result.stderr
     kinds = [("val" if "val_loss" in r else "event" if "event" in r else "train", r["step"])
              for r in records(tmp_path / "run")]
     assert len(kinds) == len(set(kinds)), kinds
