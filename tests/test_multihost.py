@@ -213,6 +213,7 @@ def test_half_written_and_corrupt_steps_are_skipped(launched, tmp_path, capfd):
     assert statuses == {3: "complete", 6: "corrupt"}
 
 
+@pytest.mark.slow
 def test_every_fault_in_a_multi_process_step_resumes_from_a_good_step(launched, tmp_path,
                                                                      capfd):
     """The walk of tests/test_checkpoint.py over a step written by 4 processes: every

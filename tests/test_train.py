@@ -226,6 +226,7 @@ def test_rerun_of_a_finished_run_says_so_and_names_changed_settings(corpus_env, 
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_resume_keeps_one_record_per_step_and_runs_the_due_evaluation(corpus_env, reference,
                                                                       tmp_path):
     """Resume at step 6 of a run whose metrics reach step 12 and lack step 6's validation
@@ -270,6 +271,7 @@ def start_and_wait(env, tmp_path, name, step=2, extra=()):
     return proc, run_dir
 
 
+@pytest.mark.slow
 def test_sigint_saves_the_step_and_exits_130(corpus_env, tmp_path):
     from jaxptd.checkpoint_integrity import inspect
     env, _ = corpus_env
@@ -313,6 +315,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small_disk,
                                                               tmp_path):
     """Checkpoints of ~1.6 MB every step on 4 MB: the third save finds the disk full."""
