@@ -4,7 +4,8 @@ Owns what goes into `train.run_dir`:
 
 - `config.yaml`: the resolved config of the latest start (every key, defaults included);
 - `train.log`: every console line and warning with a timestamp, and the libraries'
-  logged warnings (Orbax's absl, asyncio) that would otherwise fill the console;
+  logged warnings (Orbax's absl, asyncio) and exceptions ignored in their threads, which
+  would otherwise fill the console;
 - `metrics.jsonl`: one JSON record per step and kind (training, validation, compile);
 - `tensorboard/`: event files, tags grouped as train/, val/ and perf/;
 - Weights & Biases, when `train.wandb_project` is set and `wandb` is installed.
@@ -64,6 +65,9 @@ def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
     root = logging.getLogger()
     root.handlers.clear()
     root.addHandler(logging.NullHandler())  # not logging's last resort, which prints
+    if run_dir:
+        sys.unraisablehook = _unraisable_to(os.path.join(run_dir, "train.log") if lead
+                                            else None)
     if not lead:
         return
     LOG.addHandler(_Console("stdout", logging.INFO, logging.WARNING))
@@ -75,6 +79,23 @@ def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
             handler.setFormatter(logging.Formatter(f"%(asctime)s {name}%(levelname)s %(message)s"))
             handler.setLevel(level)
             logger.addHandler(handler)
+
+
+def _unraisable_to(path: str | None):
+    """A sys.unraisablehook writing to `path` (None: nowhere). Orbax's abandoned asyncio
+    tasks after a failed save raise such exceptions at exit, tracebacks on the console
+    otherwise. The file is opened per record: logging may be shut down by then."""
+    def hook(unraisable):
+        if path is None:
+            return
+        try:
+            with open(path, "a") as f:
+                f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} exception ignored in "
+                        f"{unraisable.object!r}: {unraisable.exc_type.__name__}: "
+                        f"{unraisable.exc_value}\n")
+        except Exception:  # noqa: BLE001 - nothing may escape an unraisable hook
+            pass
+    return hook
 
 
 setup_logging()  # until a run sets up its directory: warnings on stderr
