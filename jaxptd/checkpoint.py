@@ -1,40 +1,49 @@
 """Checkpoints: Orbax only. Save asynchronously, keep the newest K, restore into any layout.
 
 Owns where the train state goes on disk and how it comes back. `python -m jaxptd.checkpoint
-inspect DIR` lists the steps, the layout each was written with and whether it is complete.
+inspect DIR` (a checkpoint, run or step directory) lists the steps, the layout each was
+written with, whether each passes the cheap checks and which one a run would resume from.
 
 A step directory holds two Orbax items: `state` (the train state in the logical layout,
 OCDBT, each process writing only its own shards) and `layout` (JSON: data, pipe, tensor,
-chunks, zero1, processes, padded_vocab and the whole config it was written with).
+chunks, zero1, processes, padded_vocab, the whole config it was written with and the
+arrays' checksums), and `files.json`, the list of its files (checkpoint_integrity.py).
 
 Invariants:
 
 - A save is written under a temporary name and renamed when complete (Orbax's atomic
   finalize), so a save killed halfway is never a step that restore picks; it is skipped with
-  a warning naming it.
+  a warning naming it. A save that fails (a full disk) is one CheckpointError naming the
+  directory and the bytes it needed; its temporary directory is removed.
 - Restore reads into the shardings of the abstract (logical) state it is given: each device
   reads only its shards, so a checkpoint restores at any (data, pipe, tensor, chunks) and
   process count. Leaves whose shape differs only in padded vocabulary rows (128 x tensor
   padding) are read at their saved shape and padded with zeros or sliced: padding rows
-  never take part in the loss. Any other shape difference is a CheckpointError.
-- Training never starts from garbage: a step that fails to read (a truncated or deleted
-  file) on any process is reported with its path and moved aside to `<step>.corrupt`, and
-  every process falls back together to the previous complete step. When none is readable
-  the run stops with an `error:` line.
+  never take part in the loss. A whole step whose arrays differ otherwise is a
+  CheckpointError ("a different model").
+- Training never starts from garbage: a step that fails the cheap checks, fails to read,
+  or whose arrays do not match their checksums, on any process, is reported in one line
+  and moved aside to `<step>.corrupt`, and every process falls back together to the
+  previous step. When none is readable the run stops with an `error:` line.
 - The state holds everything a bitwise-identical resume needs: params, optimizer state,
   step, RNG key (the batch of step k is a pure function of the seed and k).
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 
 import orbax.checkpoint as ocp
 
-TMP_MARK = ".orbax-checkpoint-tmp"
+from jaxptd import checkpoint_integrity as integrity
+from jaxptd.runlog import LOG
+
+TMP_MARK = integrity.TMP_MARK
 LAYOUT_KEYS = ("data", "pipe", "tensor", "chunks")
 
 
@@ -42,7 +51,11 @@ class CheckpointError(ValueError):
     """A user-caused checkpoint problem (unwritable directory, unreadable step); one line."""
 
 
-def check_writable(directory: str) -> str:
+class _Damaged(Exception):
+    """A step that fails a check (its message is one short line)."""
+
+
+def check_writable(directory: str, key: str = "checkpoint.dir") -> str:
     """Creates `directory` if needed and proves a file can be written there."""
     directory = os.path.abspath(directory)
     try:
@@ -51,7 +64,7 @@ def check_writable(directory: str) -> str:
             pass
     except OSError as e:
         raise CheckpointError(
-            f"checkpoint.dir={directory}: not a writable directory ({e.strerror})") from None
+            f"{key}={directory}: not a writable directory ({e.strerror})") from None
     return directory
 
 
@@ -61,12 +74,6 @@ def layout_metadata(config, processes: int) -> dict:
     return {**{k: getattr(par, k) for k in LAYOUT_KEYS}, "zero1": config.optimizer.zero1,
             "processes": processes, "padded_vocab": config.model.padded_vocab(par.tensor),
             "config": config.to_dict()}
-
-
-def warn(message: str) -> None:
-    import jax
-    if jax.process_index() == 0:
-        print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def _all_agree(ok: bool) -> bool:
@@ -81,89 +88,171 @@ def _all_agree(ok: bool) -> bool:
 
 # Status codes tensorstore puts in the message when a step's files are damaged or missing.
 READ_ERROR_CODES = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITION",
-                    "Error reading", "Error opening")
+                    "Error reading", "Error opening", "error while reading")
+
+
+def _causes(error: BaseException | None):
+    while error is not None:
+        yield error
+        error = error.__cause__ or error.__context__
 
 
 def _is_read_error(error: Exception) -> bool:
-    """True for failures to read a step's files (damaged data), False for anything else.
-    Orbax wraps tensorstore's error, so the whole chain of causes is examined."""
-    while error is not None:
-        if isinstance(error, OSError) or any(code in str(error) for code in READ_ERROR_CODES):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
+    """True for failures to read a step's files (damaged data), False for anything else
+    (a bug must not move good steps aside). Orbax wraps tensorstore's error, so the whole
+    chain of causes is examined."""
+    return any(isinstance(e, (OSError, UnicodeDecodeError, json.JSONDecodeError))
+               or any(code in str(e) for code in READ_ERROR_CODES) for e in _causes(error))
+
+
+def _disk_full(error: Exception) -> str | None:
+    """'no space left on device' (or the quota's words) when `error` is a full disk."""
+    for e in _causes(error):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return os.strerror(e.errno).lower()
+        for code in (errno.ENOSPC, errno.EDQUOT):
+            if os.strerror(code) in str(e) or f"os_error_code='{code}'" in str(e):
+                return os.strerror(code).lower()
+    return None
+
+
+def one_line(error: BaseException, limit: int = 160) -> str:
+    """An error as one short line: whitespace collapsed, object reprs dropped."""
+    import re
+    text = re.sub(r"<[^<>]*>", "", " ".join(str(error).split())) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
 
 
 class Checkpointer:
-    """Saves every `every` steps (0: never), keeps `keep`, restores the newest good step."""
+    """Saves every `every` steps (0: never), keeps `keep`, restores the newest good step.
+
+    Saves run in the background unless `async_save` is False. `completed()` hands back
+    (step, seconds, bytes) of the saves finished since the last call (process 0 only).
+    """
 
     def __init__(self, directory: str, every: int, keep: int, async_save: bool = True,
                  metadata: dict | None = None):
+        import time
         self.directory = check_writable(directory)
-        self.every, self.metadata = every, metadata or {}
+        self.every, self.metadata, self.async_save = every, metadata or {}, async_save
+        self._pending: tuple[int, float, int] | None = None  # step, start time, state bytes
+        self._finished: list[tuple[int, float, int]] = []
+        self._failed = False
+        self._clock = time.monotonic
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save)
+            max_to_keep=keep, create=True, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_files))
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers={
             "state": ocp.StandardCheckpointHandler(), "layout": ocp.JsonCheckpointHandler()})
+
+    def _record_files(self) -> None:
+        """Process 0, after every process has written the step, before Orbax renames it:
+        the step's file list, which thereby belongs to the atomic save."""
+        step, started, _ = self._pending
+        prefix = f"{step}{TMP_MARK}"
+        for name in os.listdir(self.directory):
+            if name.startswith(prefix):
+                path = os.path.join(self.directory, name)
+                integrity.write_file_list(path)
+                size = sum(n or 0 for n in integrity.step_files(path).values())
+                self._finished.append((step, self._clock() - started, size))
+
+    def completed(self) -> list[tuple[int, float, int]]:
+        """(step, seconds, bytes on disk) of each save finished since the last call."""
+        done, self._finished[:] = list(self._finished), []
+        return done
 
     def restore_latest(self, abstract_state, vocab_size: int):
         """(state, step) from the newest step that every process reads; None if no step.
 
-        Skips half-written saves and falls back past unreadable steps, with warnings.
-        Raises CheckpointError when steps exist but none can be read.
+        Skips half-written saves and sets damaged steps aside, one warning line each.
+        Raises CheckpointError when steps exist but none can be read, or when a whole step
+        was written by a different model.
         """
         for name in sorted(os.listdir(self.directory)):
             if TMP_MARK in name:
-                warn(f"skipping half-written checkpoint {os.path.join(self.directory, name)}")
-        steps = sorted(self.manager.all_steps(), reverse=True)
+                LOG.warning(f"skipping half-written checkpoint {os.path.join(self.directory, name)}")
         failures = []
-        for step in steps:
-            try:
-                state, error = self.restore(abstract_state, step, vocab_size), None
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - sorted by _is_read_error below
-                if not _is_read_error(e):
-                    raise  # a bug, not a damaged step: never move good checkpoints aside
-                state, error = None, e
-            if _all_agree(error is None):
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            state, problem = self._try_restore(abstract_state, step, vocab_size)
+            if problem is None:
                 return state, step
-            failures.append(self._set_aside(step, error))
+            failures.append(self._set_aside(step, problem))
         if failures:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: "
                                   + "; ".join(failures))
         return None
 
-    def _set_aside(self, step: int, error: Exception | None) -> str:
-        """Reports an unreadable step and renames it so no later run or save meets it."""
+    def _try_restore(self, abstract_state, step: int, vocab_size: int):
+        """(state, None) or (None, why the step is damaged), agreed by every process."""
+        problem = integrity.check_step(os.path.join(self.directory, str(step)))
+        if not _all_agree(problem is None):
+            return None, problem or "failed on another process"
+        state = None
+        try:
+            state = self.restore(abstract_state, step, vocab_size)
+        except CheckpointError:
+            raise
+        except _Damaged as e:
+            problem = str(e)
+        except Exception as e:  # noqa: BLE001 - sorted by _is_read_error below
+            if not _is_read_error(e):
+                raise  # a bug, not a damaged step: never move good checkpoints aside
+            problem = one_line(e)
+        if not _all_agree(problem is None):
+            return None, problem or "failed on another process"
+        return state, None
+
+    def _set_aside(self, step: int, problem: str) -> str:
+        """Reports a damaged step and renames it so no later run or save meets it."""
         import jax
         from jax.experimental import multihost_utils
         path = os.path.join(self.directory, str(step))
-        detail = " ".join(str(error).split())[:300] if error else "failed on another process"
-        warn(f"checkpoint {path} is unreadable ({detail}); moved to {path}.corrupt, falling "
+        aside, n = f"{path}.corrupt", 0
+        while os.path.exists(aside):
+            n += 1
+            aside = f"{path}.corrupt-{n}"
+        LOG.warning(f"checkpoint step {step} is damaged ({problem}); moved to {aside}, falling "
              "back to the previous step")
         if jax.process_index() == 0:
-            os.replace(path, f"{path}.corrupt")
+            os.replace(path, aside)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"jaxptd-set-aside-{step}")
         self.manager.reload()
-        return f"step {step}: {detail}"
+        return f"step {step}: {problem}"
 
     def restore(self, abstract_state, step: int, vocab_size: int):
         """Reads `step` into the shardings of `abstract_state` (the logical layout),
-        padding or slicing padded-vocabulary rows when the tensor size changed."""
+        padding or slicing padded-vocabulary rows when the tensor size changed, and checks
+        the arrays against the checksums the save recorded (_Damaged when they differ)."""
         import jax
         saved = self.manager.item_metadata(step)["state"]
         saved = saved.tree if hasattr(saved, "tree") else saved
         # Saved containers may differ in type (a NamedTuple comes back a dict): match by path.
-        shapes = {_path_key(p): leaf.shape for p, leaf in
+        shapes = {integrity.leaf_name(p): leaf.shape for p, leaf in
                   jax.tree_util.tree_leaves_with_path(saved)}
         targets = jax.tree_util.tree_map_with_path(
-            lambda path, want: _read_target(path, want, shapes.get(_path_key(path)),
+            lambda path, want: _read_target(path, want, shapes.get(integrity.leaf_name(path)),
                                             vocab_size), abstract_state)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(targets)))["state"]
+        mismatch = integrity.checksum_mismatch(restored, (self.layout(step) or {}).get(
+            "checksums"))
+        if mismatch:
+            raise _Damaged(mismatch)
         return jax.tree.map(_resize, restored, abstract_state)
+
+    def layout(self, step: int) -> dict | None:
+        """The layout item of `step` (how it was written, its config and checksums)."""
+        return integrity.read_layout(os.path.join(self.directory, str(step)))
 
     def has(self, step: int) -> bool:
         """True when `step` is on disk (or being saved)."""
@@ -174,19 +263,61 @@ class Checkpointer:
         return bool(self.every) and step % self.every == 0 and not self.has(step)
 
     def save(self, step: int, state) -> bool:
-        """Starts an (asynchronous) save of the logical `state` at `step` (callers check
-        `due` or `has` first, before converting the state)."""
-        return self.manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), layout=ocp.args.JsonSave(self.metadata)))
+        """Starts a save of the logical `state` at `step` (callers check `due` or `has`
+        first, before converting the state); waits for it unless saving asynchronously.
+        Raises CheckpointError when this or the previous save finds the disk full."""
+        import jax
+        try:
+            self.manager.wait_until_finished()  # a failure of the previous save shows here
+        except Exception as e:  # noqa: BLE001 - _save_failed re-raises what is not a full disk
+            self._save_failed(e)
+        nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+        self._pending = (step, self._clock(), nbytes)
+        metadata = {**self.metadata, "checksums": integrity.array_checksums(state)}
+        try:
+            saved = self.manager.save(step, force=True, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), layout=ocp.args.JsonSave(metadata)))
+            if not self.async_save:
+                self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._save_failed(e)
+        return saved
+
+    def _save_failed(self, error: Exception):
+        """A full disk becomes one CheckpointError (the half-written step removed);
+        anything else is re-raised."""
+        import jax
+        reason = _disk_full(error)
+        if reason is None:
+            raise error
+        self._failed = True
+        step, _, nbytes = self._pending
+        if jax.process_index() == 0:
+            for name in os.listdir(self.directory):
+                if name.startswith(f"{step}{TMP_MARK}"):
+                    shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        free = shutil.disk_usage(self.directory).free
+        kept = sorted(s for s in self.manager.all_steps() if s != step)
+        intact = f"steps {', '.join(map(str, kept))} are intact" if kept else \
+            "no earlier step was saved"
+        raise CheckpointError(
+            f"checkpoint.dir={self.directory}: {reason} while saving step {step}: the save "
+            f"needs about {human_bytes(nbytes)} ({nbytes} bytes), {human_bytes(free)} "
+            f"free; {intact}") from None
 
     def close(self) -> None:
         """Waits for a save in flight to finish, then releases the manager."""
-        self.manager.wait_until_finished()
+        if self._failed:  # the manager holds the failed save's error: do not raise it again
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            self._save_failed(e)
         self.manager.close()
-
-
-def _path_key(path) -> tuple[str, ...]:
-    return tuple(str(getattr(e, "key", getattr(e, "name", getattr(e, "idx", e)))) for e in path)
 
 
 def _read_target(path, want, have: tuple | None, vocab_size: int):
@@ -227,42 +358,33 @@ def _resize(array, want):
     return jax.jit(fit, out_shardings=want.sharding)(array)
 
 
-def inspect(directory: str) -> list[dict]:
-    """One record per step directory: step, complete, layout (None when unreadable)."""
-    records = []
-    for name in os.listdir(directory):
-        step_text = name.split(".")[0]
-        if not step_text.isdigit():
-            continue
-        path = os.path.join(directory, name)
-        complete = name.isdigit() and os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
-        try:
-            with open(os.path.join(path, "layout", "metadata")) as f:
-                layout = json.load(f)
-        except (OSError, ValueError):
-            layout = None
-        status = "complete" if complete else "corrupt" if name.endswith(".corrupt") \
-            else "half-written"
-        records.append({"step": int(step_text), "path": path, "status": status,
-                        "layout": layout})
-    return sorted(records, key=lambda r: (r["step"], r["path"]))
-
-
 def main(argv=None) -> int:
+    """`inspect DIR`: exit 0 when DIR holds checkpoints (any state), 2 when it holds none."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m jaxptd.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("inspect", help="list steps, their layout and completeness").add_argument(
-        "directory")
+    sub.add_parser("inspect", help="list the steps, their layout, whether each passes the "
+                   "cheap checks and which one a run resumes from").add_argument(
+        "directory", help="a checkpoint directory, a run directory or one step")
     args = parser.parse_args(argv)
-    if not os.path.isdir(args.directory):
-        print(f"error: {args.directory}: not a checkpoint directory", file=sys.stderr)
+    directory = integrity.find_checkpoints(args.directory)
+    if directory is None:
+        print(f"error: {args.directory}: no checkpoints found (looked for step directories "
+              "there, in its checkpoints/ and in its config.yaml's checkpoint.dir)",
+              file=sys.stderr)
         return 2
-    for r in inspect(args.directory):
+    records = integrity.inspect(directory)
+    resume = max((r["step"] for r in records if r["status"] == "complete"), default=None)
+    print(f"{directory}: {len(records)} step director{'y' if len(records) == 1 else 'ies'}; "
+          + (f"a run resumes from step {resume}" if resume is not None
+             else "none would restore"))
+    for r in records:
         layout = r["layout"] or {}
         shape = " ".join(f"{k}={layout[k]}" for k in (*LAYOUT_KEYS, "zero1", "processes")
                          if k in layout) or "layout unknown"
-        print(f"step {r['step']:>8}  {r['status']:<12}  {shape}  {r['path']}")
+        status = f"{r['status']} ({r['problem']})" if r["problem"] else r["status"]
+        mark = "  <- resume" if r["step"] == resume and r["status"] == "complete" else ""
+        print(f"step {r['step']:>8}  {status:<12}  {shape}  {r['path']}{mark}")
     return 0
 
 

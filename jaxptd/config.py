@@ -88,6 +88,7 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # 0 disables validation
     eval_batches: int = 4
+    wandb_project: str = ""  # also log to Weights & Biases (needs `pip install wandb`)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class RuntimeConfig:
     process_id: int = -1  # -1: from the environment
     init_timeout_s: int = 300  # how long processes wait for each other at start
     heartbeat_timeout_s: int = 30  # a silent process is declared dead after this
+    collective_logs: bool = False  # show the collectives' (gloo's) connection messages
 
 
 @dataclass(frozen=True)
@@ -244,6 +246,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
                 loaded = yaml.safe_load(f)
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: file not found") from None
+        except OSError as e:  # a directory, no permission
+            raise ConfigError(f"--config {path}: not a readable file ({e.strerror})") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""
@@ -257,6 +261,38 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     config = _build(tree)
     validate(config)
     return config
+
+
+def describe_keys() -> str:
+    """Every section.key with its type and default (and choices), from the dataclasses."""
+    lines = []
+    for section in dataclasses.fields(Config):
+        lines.append(f"{section.name}:")
+        for f in dataclasses.fields(section.default_factory):
+            key = f"{section.name}.{f.name}"
+            choices = f" ({' | '.join(CHOICES[key])})" if key in CHOICES else ""
+            lines.append(f"  {key:<30} {f.type:<6} default {f.default!r}{choices}")
+    return "\n".join(lines)
+
+
+# Keys a resumed run may change without a warning: the layout, where files go, how often
+# to log, save and evaluate, and how long to train.
+RESUME_FREE = ("parallel.", "runtime.", "checkpoint.", "train.steps", "train.run_dir",
+               "train.log_every", "train.eval_every", "train.eval_batches",
+               "train.wandb_project", "model.kernels", "model.attention", "model.remat")
+
+
+def changed_keys(saved: dict, config: Config) -> list[str]:
+    """'key old -> new' for every setting that differs from the saved config's `saved`
+    (a to_dict()), other than RESUME_FREE ones."""
+    changes = []
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            old = saved.get(section, {}).get(key, value)
+            if old != value and not dotted.startswith(RESUME_FREE):
+                changes.append(f"{dotted} {old!r} -> {value!r}")
+    return changes
 
 
 def _get(config: Config, dotted: str) -> Any:

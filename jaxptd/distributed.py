@@ -20,16 +20,27 @@ Invariants:
   device-count rule is checked by the caller against the global `jax.device_count()`.
 - A process that dies is noticed by the others within `runtime.heartbeat_timeout_s`: the
   coordination service ends them with a message naming the dead task.
+- The collectives' (gloo's) C++ code prints a connection line on stdout for every new
+  communicator; unless `runtime.collective_logs` asks for them, a filter on file
+  descriptor 1 removes those lines' pieces (and blank lines) and passes the rest through.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 
 from jaxptd.config import Config, ConfigError
 
+# gloo's line, written in pieces that threads interleave: "[Gloo] Rank 1 is connected to 3
+# peer ranks. Expected number of connected peer ranks is : 3"
+CHATTER = re.compile(rb"\[Gloo\] Rank ?\d*|\d* ?is connected to ?\d* ?(peer ranks\. ?)?|"
+                     rb"(peer ranks\. ?)|Expected number of connected peer ranks is : ?\d*")
 ENV = ("JAXPTD_COORDINATOR", "JAXPTD_NUM_PROCESSES", "JAXPTD_PROCESS_ID")
 SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
 
@@ -162,6 +173,8 @@ def start(config: Config):
                       rt.cpu_devices or max(config.num_devices // spec.num_processes, 1))
     if spec.num_processes == 1:
         return jax, {0: socket.gethostname()}
+    if not rt.collective_logs:
+        drop_collective_chatter()
     if spec.process_id == 0:
         hosts = _serve_rollcall(spec, rt.init_timeout_s)
     else:
@@ -175,6 +188,34 @@ def start(config: Config):
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
                                    **timeouts)
     return jax, hosts
+
+
+def drop_collective_chatter() -> None:
+    """Routes file descriptor 1 through a thread that drops gloo's connection lines
+    (C++ writes there directly, so sys.stdout alone cannot filter them). At exit the real
+    stdout is put back and the lines still in the pipe are passed on."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 1)
+    os.close(write_end)
+
+    def pump():
+        with os.fdopen(read_end, "rb") as lines, os.fdopen(os.dup(real), "wb", 0) as out:
+            for line in lines:
+                kept = CHATTER.sub(b"", line)
+                if kept.strip(b" 0123456789\n"):
+                    out.write(kept if kept.endswith(b"\n") else kept + b"\n")
+
+    thread = threading.Thread(target=pump, name="jaxptd-stdout-filter", daemon=True)
+    thread.start()
+
+    def restore():
+        sys.stdout.flush()
+        os.dup2(real, 1)  # closes the pipe's last write end: the pump reads to the end
+        thread.join(timeout=5)
+
+    atexit.register(restore)
 
 
 def describe_hosts(jax, hosts: dict[int, str]) -> str:

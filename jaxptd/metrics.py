@@ -1,8 +1,7 @@
-"""Metrics: FLOPs per iteration (PTD-P eq. 3), throughput, MFU, and the writers.
+"""Metrics: FLOPs per iteration (PTD-P eq. 3), throughput, MFU, step timing.
 
-Owns the numbers the logs report and where they go: a line on stdout (a progress bar when
-stdout is a terminal), a JSON object per line in <run_dir>/metrics.jsonl, and TensorBoard
-event files when `tensorboardX` is installed.
+Owns the numbers the logs report; where they go (console, metrics.jsonl, TensorBoard) is
+jaxptd/runlog.py's.
 
 FLOPs count matrix multiplications only, as the paper does. One forward pass of a layer
 costs 24 B s h^2 + 4 B s^2 h, and the logit layer 2 B s h V. The backward pass costs
@@ -15,9 +14,6 @@ is the other common count, 6N + attention, for comparison with what others repor
 """
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
 from jaxptd.config import ModelConfig
@@ -74,50 +70,6 @@ def throughput(flops: float, tokens: int, step_time: float, devices: int, peak: 
         "tflops_per_device": per_device / 1e12,
         "mfu": per_device / peak if peak else None,
     }
-
-
-class Writer:
-    """Writes metrics records; only the process that owns logging should create one."""
-
-    def __init__(self, run_dir: str, total_steps: int):
-        os.makedirs(run_dir, exist_ok=True)
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        self.total_steps = total_steps
-        self.tty = sys.stdout.isatty()
-        self.tensorboard = None
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            pass
-        else:
-            self.tensorboard = SummaryWriter(os.path.join(run_dir, "tensorboard"))
-
-    def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tensorboard.add_scalar(key, value, record["step"])
-        line = " ".join(_fmt(k, v) for k, v in record.items() if v is not None)
-        if self.tty:
-            done = int(30 * record["step"] / max(self.total_steps, 1))
-            sys.stdout.write(f"\r[{'#' * done}{'.' * (30 - done)}] {line}\033[K")
-            if record["step"] >= self.total_steps or "val_loss" in record:
-                sys.stdout.write("\n")
-        else:
-            sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-    def close(self):
-        if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-def _fmt(key: str, value) -> str:
-    if isinstance(value, float):
-        return f"{key}={value:.4g}"
-    return f"{key}={value}"
 
 
 class StepTimer:

@@ -137,6 +137,28 @@ def schedule_stats(config: Config, simulate: bool = True):
     return stats.bubble_fraction, max(stats.peak_stash), (stats, sched)
 
 
+def _memory(config: Config, counts: dict, peak_stash: int) -> tuple[dict, dict]:
+    """(bytes by kind, activation terms) on the busiest device."""
+    m_cfg, par = config.model, config.parallel
+    acts = pm.activation_memory(
+        b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, a=m_cfg.num_heads,
+        t=par.tensor, e=pm.DTYPE_BYTES[m_cfg.dtype],
+        layers_per_stage=m_cfg.num_layers // par.pipe,
+        vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
+        peak_stash=peak_stash, chunks=par.chunks,
+        keep_activations=par.stash == "activations")
+    memory = pm.device_memory(weight_params=counts["weight_params"],
+                              moment_params=counts["moment_params"], activations=acts,
+                              microbatches=par.microbatches)
+    return memory, acts
+
+
+def device_memory_bytes(config: Config) -> float:
+    """The plan's bytes on the busiest device (the `memory/dev` total), nothing allocated:
+    what a run compares with its devices' memory before compiling."""
+    return _memory(config, real_counts(config), schedule_stats(config)[1])[0]["total"]
+
+
 def plan(config: Config, args, counts: dict | None = None, simulate: bool = True) -> dict:
     """The whole report for one configuration, as a JSON-ready dict (bytes, seconds)."""
     m_cfg, par = config.model, config.parallel
@@ -147,13 +169,7 @@ def plan(config: Config, args, counts: dict | None = None, simulate: bool = True
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     bubble, peak_stash, _ = schedule_stats(config, simulate)
     per_stage = l // par.pipe
-    acts = pm.activation_memory(b=b, s=s, h=h, a=a, t=par.tensor, e=e,
-                                layers_per_stage=per_stage, vocab_local=V / par.tensor,
-                                remat=m_cfg.remat, pipe=par.pipe, peak_stash=peak_stash,
-                                chunks=par.chunks, keep_activations=par.stash == "activations")
-    memory = pm.device_memory(weight_params=counts["weight_params"],
-                              moment_params=counts["moment_params"], activations=acts,
-                              microbatches=par.microbatches)
+    memory, acts = _memory(config, counts, peak_stash)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
     executed = flops_per_iteration(m_cfg, B, V, recomputation(config))
@@ -347,7 +363,8 @@ def _format_verify(v: dict, mem: dict) -> list:
 
 
 def draw(report: dict, config: Config, path: str) -> None:
-    """Memory bars (left) and, with pipe > 1, the schedule's timeline (path-timeline.png)."""
+    """Memory bars and, with pipe > 1, the schedule's timeline (path-timeline.png); says
+    on stderr which files it wrote (stdout keeps the report or its JSON)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -369,10 +386,13 @@ def draw(report: dict, config: Config, path: str) -> None:
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=120)
+        print(f"wrote {path} (memory per device)", file=sys.stderr)
         stats = schedule_stats(config)[2]
         if stats:
             from jaxptd.pipeline.draw import draw_timeline
-            draw_timeline(stats[0], stats[1], path.rsplit(".", 1)[0] + "-timeline.png")
+            timeline = path.rsplit(".", 1)[0] + "-timeline.png"
+            draw_timeline(stats[0], stats[1], timeline)
+            print(f"wrote {timeline} (the pipeline schedule)", file=sys.stderr)
     except OSError as e:
         raise ConfigError(f"--png {path}: {e.strerror or e}") from None
     finally:

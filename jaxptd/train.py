@@ -1,42 +1,42 @@
 """`python -m jaxptd.train --config FILE [section.key=value ...]`: the training loop, thin.
 
-Order of work: config (all user errors caught here, before any device work) -> data ->
-checkpoint directory -> processes (jaxptd/distributed.py) -> devices and mesh -> state
-(restored or initialised into its shardings) -> loop of step / log / evaluate / save.
-A user error prints one line `error: ...` on stderr and exits 2. SIGTERM or SIGUSR1 ends
-the loop after a step all processes agree on, saves it and exits 0 (jaxptd/preemption.py).
+Order of work: config -> preflight (corpus, both splits against model.seq_len, the run
+and checkpoint directories: all user errors caught before any device work) -> processes
+(jaxptd/distributed.py) -> devices, and the planner's memory against theirs -> mesh ->
+state (restored or initialised into its shardings) -> compile (XLA's memory against the
+devices') -> loop of step / log / evaluate / save -> summary.
+
+A user error prints one line `error: ...` on stderr and exits 2; so do an out-of-memory
+and a full disk during a save. SIGTERM or SIGUSR1 ends the loop after a step all
+processes agree on, saves it and exits 0; SIGINT (Ctrl-C) does the same and exits 130,
+and a second SIGINT exits at once (jaxptd/preemption.py). What the run prints and writes
+into train.run_dir is jaxptd/runlog.py's.
 """
 from __future__ import annotations
 
 import argparse
 import math
 import sys
+import time
 
-from jaxptd import distributed
-from jaxptd.checkpoint import CheckpointError, check_writable
-from jaxptd.config import Config, ConfigError, load_config
-from jaxptd.data import DataError, TokenDataset, resolve_corpus
-from jaxptd.preemption import Preemption
+import numpy as np
+
+from jaxptd import distributed, preflight, runlog
+from jaxptd.checkpoint import CheckpointError, human_bytes
+from jaxptd.config import Config, ConfigError, describe_keys, load_config
+from jaxptd.data import DataError, TokenDataset
+from jaxptd.preemption import INTERRUPTED, Preemption
+from jaxptd.runlog import LOG
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m jaxptd.train", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxptd.train", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="config keys (override any as section.key=value):\n" + describe_keys())
     parser.add_argument("--config", help="YAML file (values not given keep their defaults)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tensor=2")
     return parser.parse_args(argv)
-
-
-def prepare(config: Config):
-    """User-facing checks that need files but no devices; returns (train, val) datasets."""
-    corpus = resolve_corpus(config.data.path)
-    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
-    if train.vocab_size > config.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size}: must be >= the corpus vocabulary "
-            f"{train.vocab_size} ({corpus})")
-    if config.checkpoint.every:
-        check_writable(config.checkpoint_dir)
-    return train, val
 
 
 def global_batch(setup, dataset: TokenDataset, seed: int, step: int):
@@ -66,19 +66,26 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
 
 
 def start(config: Config):
-    """Processes, mesh, checkpointer and state (restored or new) -> (jax, setup, ckpt, state)."""
+    """Processes, devices, mesh, checkpointer and state (restored or new)
+    -> (jax, setup, ckpt, state, the devices' memory)."""
     jax, hosts = distributed.start(config)
     from jaxptd.checkpoint import Checkpointer, layout_metadata
-    from jaxptd.config import check_device_count
+    from jaxptd.config import changed_keys, check_device_count
     from jaxptd.mesh import describe, make_mesh
+    from jaxptd.plan import device_memory_bytes
     from jaxptd.step import Setup
 
-    check_device_count(config, jax.device_count(), "devices found")
-    mesh = make_mesh(config.parallel)
+    devices = preflight.devices(jax, config)  # the first use of the backend
     lead = jax.process_index() == 0
+    runlog.setup_logging(config.train.run_dir, lead)
+    check_device_count(config, len(devices), "devices found")
+    available = preflight.device_memory(jax.local_devices()[0], jax.local_device_count())
+    preflight.check_memory(config, device_memory_bytes(config), available)
     if lead:
-        print(distributed.describe_hosts(jax, hosts), flush=True)
-        print(describe(mesh), flush=True)
+        runlog.write_config(config.train.run_dir, config)
+        LOG.info(distributed.describe_hosts(jax, hosts))
+    mesh = make_mesh(config.parallel)
+    LOG.info(describe(mesh))
     setup = Setup(config, mesh)
     ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
                         config.checkpoint.async_save,
@@ -87,14 +94,19 @@ def start(config: Config):
     restored = ckpt.restore_latest(setup.abstract_state(logical=True),
                                    config.model.vocab_size) if ckpt else None
     if restored is None:
-        return jax, setup, ckpt, setup.init_state(config.train.seed)
-    if lead:
-        print(f"resumed from step {restored[1]} in {ckpt.directory}", flush=True)
-    return jax, setup, ckpt, setup.state_from_logical(restored[0])
+        return jax, setup, ckpt, setup.init_state(config.train.seed), available
+    LOG.info(f"resumed from step {restored[1]} in {ckpt.directory}")
+    saved = (ckpt.layout(restored[1]) or {}).get("config", {})
+    changes = changed_keys(saved, config)
+    if changes:
+        LOG.warning(f"step {restored[1]} was trained with other settings; continuing with "
+                    f"the new ones: {', '.join(changes)}")
+    return jax, setup, ckpt, setup.state_from_logical(restored[0]), available
 
 
-def compile_step(setup, state, batch, timer, writer):
-    """Compiles the step ahead of time and records its cost once -> (step, FLOPs/iter)."""
+def compile_step(setup, state, batch, timer, metrics_log, available):
+    """Compiles the step ahead of time, checks its memory and records its cost once
+    -> (step, FLOPs/iter)."""
     from jaxptd import metrics
     from jaxptd.plan import recomputation, schedule_stats
     from jaxptd.step import build_train_step
@@ -102,84 +114,174 @@ def compile_step(setup, state, batch, timer, writer):
     config = setup.config
     train_step = build_train_step(setup).lower(state, batch).compile()
     compile_s = timer.lap(1)
+    preflight.check_compiled(config, train_step, available)
     flops = metrics.flops_per_iteration(config.model, config.train.global_batch, setup.vocab,
                                         recomputation(config))
-    if writer:
-        memory = train_step.memory_analysis()
-        writer.write({"step": int(state["step"]), "event": "compiled",
-                      "compile_time_s": compile_s,
-                      "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
-                      "argument_bytes_per_device":
-                          getattr(memory, "argument_size_in_bytes", None),
-                      "flops_per_iteration": flops,
-                      "bubble_fraction": schedule_stats(config)[0]})
+    memory = train_step.memory_analysis()
+    record = {"step": int(state["step"]), "event": "compiled", "compile_time_s": compile_s,
+              "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
+              "argument_bytes_per_device": getattr(memory, "argument_size_in_bytes", None),
+              "flops_per_iteration": flops, "bubble_fraction": schedule_stats(config)[0]}
+    metrics_log.write(record)
+    LOG.info(f"compiled the step in {compile_s:.1f} s: "
+             f"{human_bytes(record['argument_bytes_per_device'] or 0)} of state and "
+             f"{human_bytes(record['temp_bytes_per_device'] or 0)} of temporaries per device,"
+             f" pipeline bubble {record['bubble_fraction']:.3f}")
     return train_step, flops
 
 
-def run(config: Config, train: TokenDataset, val: TokenDataset) -> None:
-    jax, setup, ckpt, state = start(config)
-    preemption = Preemption()  # after jax.distributed, so its handlers are the last word
-    from jaxptd import metrics
-    from jaxptd.step import build_eval_step
+class Run:
+    """One training run's loop state: what each step needs and what it reports."""
 
-    seed, start_step = config.train.seed, int(state["step"])
-    lead = jax.process_index() == 0
-    writer = metrics.Writer(config.train.run_dir, config.train.steps) if lead else None
-    timer = metrics.StepTimer()
-    first = global_batch(setup, train, seed, start_step)
-    train_step, flops = compile_step(setup, state, first, timer, writer)
-    eval_step = build_eval_step(setup)
-    peak = metrics.peak_flops(jax.devices()[0].device_kind)
-    tokens = config.train.global_batch * config.model.seq_len
+    def __init__(self, config: Config, train: TokenDataset, val: TokenDataset):
+        from jaxptd import metrics
+        from jaxptd.step import build_eval_step
+        self.began = time.monotonic()
+        self.config, self.train, self.val = config, train, val
+        self.jax, self.setup, self.ckpt, self.state, self.available = start(config)
+        self.lead = self.jax.process_index() == 0
+        self.preemption = Preemption(self.lead)  # after jax.distributed: the last handlers
+        self.start_step = self.last = int(self.state["step"])
+        self.tokens = config.train.global_batch * config.model.seq_len
+        self.timer = metrics.StepTimer()
+        self.peak = metrics.peak_flops(self.jax.devices()[0].device_kind)
+        self.eval_step = build_eval_step(self.setup)
+        self.metrics_log = None
 
-    since = last = start_step
-    for step in range(start_step, config.train.steps):
-        batch = first if step == start_step else global_batch(setup, train, seed, step)
-        state, out = train_step(state, batch)
-        done = last = step + 1
-        if done % config.train.log_every == 0 or done == config.train.steps:
-            out = jax.device_get(out)  # synchronises: the timer covers finished work
-            step_time = timer.lap(done - since)
-            since = done
-            record = {"step": done, "loss": float(out["loss"]), "lr": float(out["lr"]),
-                      "grad_norm": float(out["grad_norm"]), "step_time_s": step_time,
-                      **metrics.throughput(flops, tokens, step_time, jax.device_count(), peak)}
-            if config.optimizer.loss_scale == "dynamic":
-                record["loss_scale"] = float(out["loss_scale"])
-            if writer:
-                writer.write(record)
-        saved = bool(ckpt) and ckpt.due(done) and ckpt.save(done, setup.state_to_logical(state))
-        evaluated = config.train.eval_every and done % config.train.eval_every == 0
-        if evaluated:
-            val_loss = evaluate(setup, eval_step, state["params"], val)
-            if writer:
-                writer.write({"step": done, "val_loss": val_loss,
-                              "val_ppl": math.exp(min(val_loss, 50.0))})
-        if saved or evaluated:
-            timer.lap(0)  # keep saving and evaluation out of the next step time
-        if preemption.agreed():  # every process stops after the same step
-            if lead:
-                print(f"preempted ({preemption.received or 'another process'}): saving "
-                      f"step {done} and exiting", flush=True)
-            break
-    if ckpt:
-        if not ckpt.has(last):  # the last step (or the agreed preemption step)
-            ckpt.save(last, setup.state_to_logical(state))
-        ckpt.close()
-    if writer:
-        writer.close()
+    def log_step(self, done: int, since: int, out, flops: float) -> None:
+        """Waits for step `done` and logs it: metrics record and a progress line."""
+        from jaxptd import metrics
+        out = self.jax.device_get(out)  # synchronises: the timer covers finished work
+        step_time = self.timer.lap(done - since)
+        record = {"step": done, "loss": float(out["loss"]), "lr": float(out["lr"]),
+                  "grad_norm": float(out["grad_norm"]), "step_time_s": step_time,
+                  **metrics.throughput(flops, self.tokens, step_time,
+                                       self.jax.device_count(), self.peak)}
+        if self.config.optimizer.loss_scale == "dynamic":
+            record["loss_scale"] = float(out["loss_scale"])
+        self.metrics_log.write(record)
+        LOG.info(self.progress.line(record))
+
+    def evaluate(self, done: int) -> None:
+        val_loss = evaluate(self.setup, self.eval_step, self.state["params"], self.val)
+        record = {"step": done, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        self.metrics_log.write(record)
+        LOG.info(f"step {done}: validation loss {val_loss:.4f}, perplexity "
+                 f"{record['val_ppl']:.2f}")
+
+    def save(self, step: int) -> None:
+        self.ckpt.save(step, self.setup.state_to_logical(self.state))
+
+    def report_saves(self) -> None:
+        for step, seconds, size in self.ckpt.completed() if self.ckpt else ():
+            LOG.info(f"checkpoint: step {step} saved in {seconds:.1f} s ({human_bytes(size)})"
+                     f" to {self.ckpt.directory}/{step}")
+
+    def loop(self) -> None:
+        """Trains from the start step to train.steps or an agreed signal."""
+        config, ckpt = self.config, self.ckpt
+        seed, log_every, eval_every = config.train.seed, config.train.log_every, \
+            config.train.eval_every
+        first = global_batch(self.setup, self.train, seed, self.start_step)
+        train_step, flops = compile_step(self.setup, self.state, first, self.timer,
+                                         self.metrics_log, self.available)
+        if self._evaluation_missed():
+            self.evaluate(self.start_step)
+        self.timer.lap(0)
+        self.progress.start_steps()
+        since = self.start_step
+        for step in range(self.start_step, config.train.steps):
+            batch = first if step == self.start_step else \
+                global_batch(self.setup, self.train, seed, step)
+            self.state, out = train_step(self.state, batch)
+            done = self.last = step + 1
+            if done % log_every == 0 or done == config.train.steps:
+                self.log_step(done, since, out, flops)
+                since = done
+            saved = bool(ckpt) and ckpt.due(done)
+            if saved:
+                self.save(done)
+            evaluated = eval_every and done % eval_every == 0
+            if evaluated:
+                self.evaluate(done)
+            if saved or evaluated:
+                self.timer.lap(0)  # keep saving and evaluation out of the next step time
+            self.report_saves()
+            if self.preemption.agreed():  # every process stops after the same step
+                LOG.info(f"{self._stop_reason()}: saving step {done} and exiting"
+                         if ckpt else f"{self._stop_reason()}: exiting (nothing saved: "
+                         "checkpoint.every=0)")
+                break
+
+    def _evaluation_missed(self) -> bool:
+        """Whether the evaluation due at the restored step never ran (the run stopped
+        between saving and evaluating): process 0's metrics decide, for every process."""
+        every, step = self.config.train.eval_every, self.start_step
+        missed = bool(step and every and step % every == 0) and \
+            not self.metrics_log.has(step, "val")
+        if self.jax.process_count() == 1:
+            return missed
+        from jax.experimental import multihost_utils
+        return bool(multihost_utils.broadcast_one_to_all(np.int32(missed)))
+
+    def _stop_reason(self) -> str:
+        signal_name = self.preemption.received or "a signal on another process"
+        interrupted = self.preemption.exit_code == INTERRUPTED  # here or elsewhere
+        return f"{'interrupted' if interrupted else 'preempted'} ({signal_name})"
+
+    def finish(self) -> None:
+        """The last step saved (or the agreed preemption step), files closed, summary."""
+        if self.ckpt:
+            if not self.ckpt.has(self.last):
+                self.save(self.last)
+            self.ckpt.close()
+            self.report_saves()
+        self.metrics_log.close()
+        LOG.info(self.progress.summary(self.last, self.metrics_log, self._files()))
+
+    def _files(self) -> str:
+        where = f"{self.config.train.run_dir} (config.yaml, train.log, metrics.jsonl, " \
+                "tensorboard/)"
+        if self.ckpt:
+            where += f", checkpoints in {self.ckpt.directory}"
+        return where
+
+    def __call__(self) -> int:
+        config = self.config
+        if self.start_step >= config.train.steps:
+            LOG.info(f"nothing to train: the checkpoint in {self.ckpt.directory} is at step "
+                     f"{self.start_step} and train.steps={config.train.steps}; raise "
+                     "train.steps to continue this run, or use a new train.run_dir "
+                     "(and checkpoint.dir) to start another")
+            self.ckpt.close()
+            return 0
+        self.metrics_log = runlog.MetricsLog(config, self.start_step, self.lead)
+        self.progress = runlog.Progress(config.train.steps, self.start_step, self.tokens,
+                                        self.began)
+        self.loop()
+        self.finish()
+        return self.preemption.exit_code
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    config = None
     try:
         config = load_config(args.config, args.overrides)
-        train, val = prepare(config)
-        run(config, train, val)
+        train, val = preflight.check_files(config)
+        return Run(config, train, val)()
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
+    except KeyboardInterrupt:
+        print("interrupted before training started: nothing saved", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - only XLA's out-of-memory is a user error here
+        message = preflight.out_of_memory(e, config) if config else None
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

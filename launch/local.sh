@@ -5,11 +5,14 @@
 # development and tests). CONFIG is a YAML file, or "-" for the defaults. Unless given,
 # runtime.cpu_devices is derived as (data x pipe x tensor) / NPROC.
 #
-# Output: process 0 prints as usual; other processes' lines are prefixed "[rank] ".
+# Output: process 0 prints as usual; other processes' lines (errors, mostly: only process 0
+# reports progress) are prefixed "[rank] ".
 # Exit status: 0 when every process exits 0. When one fails, the others are killed and
-# this script exits with that process's status, naming it. SIGTERM / SIGINT / SIGUSR1
-# sent to this script are forwarded to every process (a preemption: they agree on a step,
-# save it and exit 0).
+# this script exits with that process's status, naming it. SIGTERM / SIGUSR1 sent to this
+# script are forwarded to every process (a preemption: they agree on a step, save it and
+# exit 0); so is SIGINT (Ctrl-C: they save and exit 130, and this script with them; a
+# second Ctrl-C ends them at once). Each process runs in its own session, so a terminal's
+# Ctrl-C reaches them once, through this script, not twice.
 #
 # Environment: PYTHON (default: python3), JAXPTD_PORT (default: a free port).
 set -u
@@ -63,16 +66,21 @@ pids=()
 for ((rank = 0; rank < nproc; rank++)); do
   if [ "$rank" -eq 0 ]; then
     JAXPTD_COORDINATOR=localhost:$port JAXPTD_NUM_PROCESSES=$nproc JAXPTD_PROCESS_ID=$rank \
-      "$python" -u -m jaxptd.train "${config_args[@]}" "${overrides[@]}" &
+      setsid "$python" -u -m jaxptd.train "${config_args[@]}" "${overrides[@]}" &
   else
     JAXPTD_COORDINATOR=localhost:$port JAXPTD_NUM_PROCESSES=$nproc JAXPTD_PROCESS_ID=$rank \
-      "$python" -u -m jaxptd.train "${config_args[@]}" "${overrides[@]}" \
+      setsid "$python" -u -m jaxptd.train "${config_args[@]}" "${overrides[@]}" \
       > >(sed -u "s/^/[$rank] /") 2> >(sed -u "s/^/[$rank] /" >&2) &
   fi
   pids+=($!)
 done
 
-forward() { echo "local.sh: forwarding SIG$1 to all processes" >&2; kill -"$1" "${pids[@]}" 2>/dev/null; }
+interrupted=0
+forward() {
+  echo "local.sh: forwarding SIG$1 to all processes" >&2
+  [ "$1" = INT ] && interrupted=1
+  kill -"$1" "${pids[@]}" 2>/dev/null
+}
 for sig in TERM INT USR1; do trap "forward $sig" "$sig"; done
 
 alive=("${pids[@]}")
@@ -85,6 +93,10 @@ while [ "${#alive[@]}" -gt 0 ]; do
     continue
   fi
   alive=($(printf '%s\n' "${alive[@]}" | grep -vx "$done_pid"))
+  if [ "$interrupted" -eq 1 ] && [ "$code" -eq 130 ]; then  # saved after Ctrl-C: wait for all
+    final=130
+    continue
+  fi
   if [ "$code" -ne 0 ]; then
     for rank in "${!pids[@]}"; do [ "${pids[$rank]}" = "$done_pid" ] && failed=$rank; done
     echo "local.sh: process $failed (pid $done_pid) exited with status $code; killing the others" >&2
@@ -93,4 +105,4 @@ while [ "${#alive[@]}" -gt 0 ]; do
     exit "$code"
   fi
 done
-exit 0
+exit "${final:-0}"

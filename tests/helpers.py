@@ -1,5 +1,9 @@
-"""Shared test set-up: tiny configs, meshes on the simulated devices, fixed batches, and the
-single-device reference (plain jax.grad of the unsharded model, no shard_map)."""
+"""Shared test set-up: tiny configs, meshes on the simulated devices, fixed batches, the
+single-device reference (plain jax.grad of the unsharded model, no shard_map), and the
+checkpoint fault-injection walk."""
+import shutil
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,3 +68,66 @@ def assert_trees_close(actual, expected, rtol=1e-5):
         assert a.shape == e.shape, (jax.tree_util.keystr(path), a.shape, e.shape)
         np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max() + 1e-12,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+# --------------------------------------------------------------------------- checkpoint faults
+
+REPO = Path(__file__).resolve().parents[1]
+FAULTS = ("truncate", "empty", "delete", "flip")
+
+
+def damage(path: Path, fault: str) -> None:
+    """Damages one file: half of it cut, emptied, deleted, or 4 bytes in its middle
+    inverted (which also makes any text invalid UTF-8)."""
+    data = path.read_bytes()
+    if fault == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif fault == "empty":
+        path.write_bytes(b"")
+    elif fault == "delete":
+        path.unlink()
+    else:
+        flipped = bytearray(data)
+        for i in range(len(data) // 2, min(len(data) // 2 + 4, len(data))):
+            flipped[i] ^= 0xFF
+        path.write_bytes(bytes(flipped))
+
+
+def assert_same_state(actual, expected) -> None:
+    """Bitwise equality, leaves matched by path (a restored NamedTuple may be a dict)."""
+    from jaxptd.checkpoint_integrity import leaf_name
+    flat = lambda tree: {leaf_name(p): np.asarray(x) for p, x in
+                         jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
+    a, e = flat(actual), flat(expected)
+    assert a.keys() == e.keys()
+    for name in e:
+        np.testing.assert_array_equal(a[name], e[name], err_msg=name)
+
+
+def walk_faults(source: Path, step: int, tmp: Path, restore, states: dict, capfd,
+                rotate: bool = False) -> dict:
+    """Every fault of FAULTS (with `rotate`, one per file, in turn) in every file of step
+    `step` of checkpoint directory `source`, each on a fresh copy: `restore(directory)` must give (state, good step) with the state
+    bitwise equal to `states[step]`, every other step kept, and, when it fell back, one
+    warning line naming the damaged step. Returns {(file, fault): restored step}."""
+    step_dir = source / str(step)
+    files = sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file())
+    outcomes = {}
+    for index, rel in enumerate(files):
+        for fault in (FAULTS[index % len(FAULTS)],) if rotate else FAULTS:
+            work = tmp / "walk"
+            shutil.rmtree(work, ignore_errors=True)
+            shutil.copytree(source, work)
+            damage(work / str(step) / rel, fault)
+            capfd.readouterr()
+            state, got = restore(work)
+            err = capfd.readouterr().err
+            case = f"{fault} {rel}: restored step {got}; stderr {err[-1000:]}"
+            assert "Traceback" not in err, case
+            assert_same_state(state, states[got])
+            assert all((work / str(s)).is_dir() for s in states if s != step), case
+            if got != step:
+                warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+                assert len(warnings) == 1 and f"step {step} is damaged" in warnings[0], case
+            outcomes[(rel, fault)] = got
+    return outcomes

@@ -67,21 +67,56 @@ TEXTS = {"a.txt": "héllo wörld\n".encode(), "b.txt": b"\x00\x01binary\xff\n",
          "sub/c.txt": b"third document", "sub/ignored.md": b"not matched"}
 
 
+def byte_stream(texts) -> np.ndarray:
+    """The byte tokens of documents in order, each followed by eot."""
+    return np.concatenate([np.r_[np.frombuffer(t, np.uint8).astype(np.uint16), EOT]
+                           for t in texts])
+
+
 def test_prepare_round_trips_bytes_and_writes_meta(tmp_path):
     src = write_texts(tmp_path / "src", TEXTS)
     out = prepare_corpus([str(src)], tmp_path / "corpus")
     meta = json.loads((Path(out) / "meta.json").read_text())
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == 257 and meta["eot_id"] == EOT
     assert meta["tokenizer"] == "byte" and meta["format_version"] == 1 and meta["source"]
-    train, val = documents_of(out, "train"), documents_of(out, "val")
-    expected = {TEXTS[key] for key in ("a.txt", "b.txt", "sub/c.txt")}
-    assert sorted(train + val) == sorted(expected)  # whole documents, none lost or split
-    # No key hashes below 0.005 here, so the smallest-hash document is the val split.
+    # No key hashes below 0.005 here: too few documents, so the last 0.5% of the tokens
+    # (rounded up) are the val split and the rest, in order, the train split.
     keys = ["a.txt", "b.txt", "sub/c.txt"]
     assert min(map(hash_unit, keys)) >= 0.005
-    assert val == [TEXTS[min(keys, key=hash_unit)]]
-    assert meta["train_tokens"] == sum(map(len, train)) + len(train)
-    assert meta["val_tokens"] == sum(map(len, val)) + len(val)
+    stream = byte_stream([TEXTS[key] for key in keys])
+    val_tokens = math.ceil(len(stream) * 0.005)
+    train = np.fromfile(Path(out) / "train.bin", dtype=np.uint16)
+    val = np.fromfile(Path(out) / "val.bin", dtype=np.uint16)
+    np.testing.assert_array_equal(np.r_[train, val], stream)
+    assert len(val) == val_tokens == meta["val_tokens"]
+    assert meta["train_tokens"] == len(stream) - val_tokens
+    assert meta["val_rule"] == prepare_module.TOKEN_RULE
+
+
+def test_one_file_and_json_lines_prepare_from_the_cli(tmp_path):
+    """One text file is split by tokens; JSON Lines give a document per line, split by
+    key (file name and line number)."""
+    book = tmp_path / "book.txt"
+    book.write_bytes(b"a long single document. " * 400)
+    result = run_cli("--input", book, "--output", tmp_path / "one", "--val-fraction", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "split by tokens" in result.stdout
+    meta = read_meta(tmp_path / "one")
+    assert meta["val_tokens"] == math.ceil((len(book.read_bytes()) + 1) * 0.1)
+    lines = [{"text": f"document number {i}", "id": i} for i in range(60)]
+    jsonl = tmp_path / "corpus.jsonl"
+    jsonl.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    result = run_cli("--input", jsonl, "--output", tmp_path / "lines", "--jsonl-key", "text",
+                     "--val-fraction", "0.2")
+    assert result.returncode == 0, result.stderr
+    expected_val = [lines[i]["text"].encode() for i in range(60)
+                    if hash_unit(f"corpus.jsonl:{i + 1}") < 0.2]
+    assert 0 < len(expected_val) < 60
+    assert documents_of(tmp_path / "lines", "val") == expected_val
+    assert len(documents_of(tmp_path / "lines", "train")) == 60 - len(expected_val)
+    jsonl.write_text('{"text": "fine"}\n{"body": "no text"}\n')
+    assert_user_error(run_cli("--input", jsonl, "--output", tmp_path / "bad", "--jsonl-key",
+                              "text"), "line 2", "'text'", "body")
 
 
 def test_val_split_follows_path_hash_and_is_stable_when_files_are_added(tmp_path):

@@ -20,7 +20,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxptd.checkpoint import Checkpointer, inspect
+from helpers import walk_faults
+from jaxptd.checkpoint import Checkpointer
+from jaxptd.checkpoint_integrity import inspect
 from jaxptd.config import load_config
 from jaxptd.data import TokenDataset, resolve_corpus
 from jaxptd.mesh import make_mesh
@@ -151,6 +153,9 @@ def test_local_launch_matches_single_process(launched, name):
                  reference_losses(overrides(LAUNCH_LAYOUTS[name], zero1)))
     records = inspect(str(run_dir / "checkpoints"))
     assert [(r["step"], r["status"]) for r in records] == [(3, "complete"), (6, "complete")]
+    out = (run_dir / "out.txt").read_text()  # only process 0 speaks; no gloo chatter
+    assert "peer ranks" not in out and not any(line.startswith(("[1]", "[2]", "[3]"))
+                                               for line in out.splitlines()), out[-3000:]
     data, pipe, tensor, chunks = LAUNCH_LAYOUTS[name]
     assert {k: records[0]["layout"][k] for k in ("data", "pipe", "tensor", "chunks",
                                                   "processes")} == \
@@ -202,10 +207,34 @@ def test_half_written_and_corrupt_steps_are_skipped(launched, tmp_path, capfd):
     state, step = _restore_latest(directory)
     assert step == 3 and int(state["step"]) == 3
     err = capfd.readouterr().err
-    assert f"checkpoint {directory / '6'} is unreadable" in err, err
+    assert "checkpoint step 6 is damaged" in err, err
     assert (directory / "6.corrupt").is_dir() and not (directory / "6").exists()
     statuses = {r["step"]: r["status"] for r in inspect(str(directory)) if r["step"] != 9}
     assert statuses == {3: "complete", 6: "corrupt"}
+
+
+@pytest.mark.slow
+def test_every_fault_in_a_multi_process_step_resumes_from_a_good_step(launched, tmp_path,
+                                                                     capfd):
+    """The walk of tests/test_checkpoint.py over a step written by 4 processes: every
+    process's files, each damaged one of the four ways in turn (the single-process walk
+    does all four to every kind of file), restored here at another layout."""
+    source = launched(*SOURCE) / "checkpoints"
+    states = {step: _restore_step(source, step) for step in (3, 6)}
+    outcomes = walk_faults(source, 6, tmp_path, _restore_latest, states, capfd, rotate=True)
+    damaged = {rel for (rel, _), step in outcomes.items() if step == 3}
+    assert {"state/_METADATA", "layout/metadata"} <= damaged
+    assert {f"state/array_metadatas/process_{i}" for i in range(4)} <= damaged
+    assert any(f"ocdbt.process_{i}/d/" in rel for rel in damaged for i in range(1, 4))
+
+
+def _restore_step(directory, step):
+    setup = setup_for(overrides(LAUNCH_LAYOUTS["pipe1"], True))
+    ckpt = Checkpointer(str(directory), 0, 3)
+    try:
+        return jax.device_get(ckpt.restore(setup.abstract_state(logical=True), step, 300))
+    finally:
+        ckpt.close()
 
 
 def test_sigterm_saves_agreed_step_and_resume_continues(tmp_path):

@@ -131,11 +131,21 @@ def test_user_errors_are_one_line(capsys, argv, words):
     assert err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
-def test_png_draws_memory_and_timeline(capsys, tmp_path):
+def test_png_draws_memory_and_timeline_and_says_so(capsys, tmp_path):
     pytest.importorskip("matplotlib")
+    from PIL import Image
     path = str(tmp_path / "plan.png")
-    run_main(capsys, ["parallel.pipe=2", "parallel.microbatches=4", "--png", path])
-    assert os.path.getsize(path) > 0 and os.path.exists(str(tmp_path / "plan-timeline.png"))
+    plan.main(["parallel.pipe=2", "parallel.microbatches=4", "--png", path])
+    err = capsys.readouterr().err
+    timeline = str(tmp_path / "plan-timeline.png")
+    assert f"wrote {path}" in err and f"wrote {timeline}" in err, err
+    assert os.path.getsize(path) > 0 and os.path.exists(timeline)
+    long = str(tmp_path / "long.png")  # 1F1B, 256 microbatches: ~1000 time units, 50k pixels
+    plan.main(["parallel.pipe=4", "parallel.microbatches=256", "model.num_layers=8",
+               "train.global_batch=256", "--png", long])
+    capsys.readouterr()
+    from jaxptd.pipeline.draw import WINDOW  # drawn: its first and last halves at 0.35 in
+    assert Image.open(str(tmp_path / "long-timeline.png")).size[0] <= WINDOW * 0.35 * 150
 
 
 def test_png_needs_matplotlib(capsys, tmp_path, monkeypatch):

@@ -1,7 +1,9 @@
 """End to end through `python -m jaxptd.train` in subprocesses: metrics and checkpoints of a
-short run, a real SIGKILL and a bitwise-identical resume, a half-written checkpoint ignored,
-one-line errors for bad input, and (slow) convergence of the default config below the
-corpus's unigram entropy.
+short run, what it prints and writes (progress, log, config, TensorBoard), a real SIGKILL
+and a bitwise-identical resume, a half-written checkpoint ignored, reruns and resumes
+(nothing to train, changed settings, one metrics record per step), SIGINT, a full disk,
+one-line errors for bad input before device work, and (slow) convergence of the default
+config below the corpus's unigram entropy.
 
 Every run gets its own run_dir and checkpoint.dir under tmp; the built-in stdlib corpus is
 prepared once per session into a session cache ($JAXPTD_CACHE). Every subprocess has a
@@ -13,6 +15,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -155,50 +158,288 @@ def test_half_written_checkpoint_is_ignored(corpus_env, reference, tmp_path):
     assert losses(tmp_path / "run") == expected
 
 
+# --------------------------------------------------------------------------- what a run says
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, list[int]]:
+    """{tag: steps} from TensorBoard event files (TFRecords of Event protos)."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    scalars = {}
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, []).append(event.step)
+    return scalars
+
+
+def test_run_prints_progress_and_writes_log_config_and_tensorboard(reference):
+    from jaxptd.config import load_config
+    run_dir, ckpt, result = reference
+    progress = [line for line in result.stdout.splitlines() if line.startswith("step ")
+                and f"/{STEPS} (" in line]
+    assert [int(line.split()[1].split("/")[0]) for line in progress] == list(range(1, STEPS + 1))
+    for line in progress:
+        assert all(part in line for part in ("loss ", " tok/s", "elapsed ", "left ")), line
+    assert "\r" not in result.stdout
+    saved = [line for line in result.stdout.splitlines() if line.startswith("checkpoint: step")]
+    assert sorted(int(line.split()[2]) for line in saved) == [3, 6, 9, 12], result.stdout
+    assert all(" MB)" in line or " KB)" in line for line in saved), saved
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary.startswith(f"done: step {STEPS}/{STEPS}, {STEPS} steps") and \
+        "best val loss" in summary and str(run_dir) in summary, summary
+    log = (run_dir / "train.log").read_text().splitlines()
+    stamped = [line for line in log if not line.startswith(" ")]
+    assert all(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S") for line in stamped)
+    assert sum(f"/{STEPS} (" in line for line in log) == STEPS
+    config = load_config(str(run_dir / "config.yaml"))
+    assert config == load_config(None, [*BASE, f"train.steps={STEPS}", *dirs(run_dir.parent,
+                                                                            "run")])
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert scalars["train/loss"] == list(range(1, STEPS + 1))
+    assert scalars["val/loss"] == [6, 12] and "perf/tokens_per_s" in scalars
+
+
+def copy_run(reference, tmp_path) -> None:
+    shutil.copytree(reference[0], tmp_path / "run")
+    shutil.copytree(reference[1], tmp_path / "ckpt")
+
+
+def test_rerun_of_a_finished_run_says_so_and_names_changed_settings(corpus_env, reference,
+                                                                   tmp_path):
+    env, _ = corpus_env
+    copy_run(reference, tmp_path)
+    before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"),
+                       "optimizer.lr=0.002", "train.seed=1", "train.log_every=3")
+    assert_ok(result)
+    assert f"nothing to train: the checkpoint in {tmp_path / 'ckpt'} is at step {STEPS} and " \
+        f"train.steps={STEPS}; raise train.steps" in result.stdout, result.stdout
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "optimizer.lr 0.001 -> 0.002" in warnings[0] and \
+        "train.seed 0 -> 1" in warnings[0] and "log_every" not in warnings[0], result.stderr
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.slow
+def test_resume_keeps_one_record_per_step_and_runs_the_due_evaluation(corpus_env, reference,
+                                                                      tmp_path):
+    """Resume at step 6 of a run whose metrics reach step 12 and lack step 6's validation
+    (a kill between saving and evaluating): records past 6 are replaced, 6 is evaluated."""
+    env, _ = corpus_env
+    copy_run(reference, tmp_path)
+    for step in (9, 12):
+        shutil.rmtree(tmp_path / "ckpt" / str(step))
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.write_text("".join(line + "\n" for line in path.read_text().splitlines()
+                            if json.loads(line) != next(r for r in records(reference[0])
+                                                        if r.get("val_loss") and r["step"] == 6)))
+    import importlib.util
+    wandb = [] if importlib.util.find_spec("wandb") else ["train.wandb_project=jaxptd-test"]
+    result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"), *wandb)
+    assert_ok(result)
+    if wandb:  # asked for, not installed: said once, TensorBoard goes on
+        assert result.stderr.count("wandb is not installed") == 1, result.stderr
+    kinds = [("val" if "val_loss" in r else "event" if "event" in r else "train", r["step"])
+             for r in records(tmp_path / "run")]
+    assert len(kinds) == len(set(kinds)), kinds
+    assert sorted(s for k, s in kinds if k == "train") == list(range(1, STEPS + 1))
+    assert sorted(s for k, s in kinds if k == "val") == [6, 12]
+    reference_vals = {r["step"]: r["val_loss"] for r in records(reference[0]) if "val_loss" in r}
+    vals = {r["step"]: r["val_loss"] for r in records(tmp_path / "run") if "val_loss" in r}
+    assert vals == reference_vals and losses(tmp_path / "run") == losses(reference[0])
+
+
+def start_and_wait(env, tmp_path, name, step=2, extra=()):
+    """A long run started in the background, returned once it has logged `step`."""
+    run_dir = tmp_path / name
+    log = open(tmp_path / f"{name}.out", "w")
+    proc = subprocess.Popen(train_command(*BASE, "train.steps=100000", "train.eval_every=0",
+                                          f"train.run_dir={run_dir}",
+                                          f"checkpoint.dir={tmp_path / name / 'ckpt'}", *extra),
+                            cwd=REPO, env=env, stdout=log, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + TIMEOUT
+    while not (run_dir / "metrics.jsonl").exists() or max(losses(run_dir), default=0) < step:
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            (tmp_path / f"{name}.out").read_text()[-3000:]
+        time.sleep(0.05)
+    return proc, run_dir
+
+
+@pytest.mark.slow
+def test_sigint_saves_the_step_and_exits_130(corpus_env, tmp_path):
+    from jaxptd.checkpoint_integrity import inspect
+    env, _ = corpus_env
+    proc, run_dir = start_and_wait(env, tmp_path, "run")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    out = (tmp_path / "run.out").read_text()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupt again to exit at once" in err, err
+    saved = max(losses(run_dir))
+    assert f"interrupted (SIGINT): saving step {saved} and exiting" in out, out[-2000:]
+    assert [(r["step"], r["status"]) for r in inspect(str(run_dir / "ckpt"))] == \
+        [(saved, "complete")]
+
+
+def test_second_sigint_exits_at_once_even_inside_a_long_call():
+    """After the first SIGINT's notice, a second one ends the process although its main
+    thread is blocked in a call that does not return (a Python handler would wait)."""
+    code = ("import threading; from jaxptd.preemption import Preemption; Preemption(); "
+            "print('ready', flush=True); threading.Event().wait(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGINT)
+    assert "interrupt again" in proc.stderr.readline()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=10)
+    assert proc.returncode == -signal.SIGINT  # the shell reports it as 130
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs (root can mount one); skipped where mounting is not allowed."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small_disk,
+                                                              tmp_path):
+    """Checkpoints of ~1.6 MB every step on 4 MB: the third save finds the disk full."""
+    from jaxptd.checkpoint_integrity import inspect
+    env, _ = corpus_env
+    args = [*BASE, "checkpoint.every=1", "train.eval_every=0", f"checkpoint.dir={small_disk}",
+            f"train.run_dir={tmp_path / 'run'}"]
+    result = run_train(env, *args, "train.steps=20")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(result.stderr.strip().splitlines()) == 1 and len(errors) == 1, result.stderr
+    assert f"checkpoint.dir={small_disk}: no space left on device" in errors[0]
+    assert "bytes)" in errors[0] and "are intact" in errors[0], errors[0]
+    records = inspect(str(small_disk))
+    kept = [r["step"] for r in records]
+    assert kept and all(r["status"] == "complete" for r in records), records
+    rerun = run_train(env, *args, f"train.steps={max(kept)}")
+    assert_ok(rerun)
+    assert f"is at step {max(kept)}" in rerun.stdout, rerun.stdout
+
+
 # --------------------------------------------------------------------------- bad input
 
 BAD_INPUTS = {
     "missing data": ["data.path=/nonexistent/dir"],
     "malformed yaml": ["--config", "{tmp}/broken.yaml"],
+    "config is a directory": ["--config", "{tmp}"],
     "unknown key": ["model.nonsense=1"],
     "impossible mesh 3 of 8": ["parallel.data=3", "runtime.cpu_devices=8"],
     "impossible mesh 2x1x2 of 8": ["parallel.data=2", "parallel.tensor=2",
                                    "runtime.cpu_devices=8"],
     "unwritable checkpoint dir": ["checkpoint.dir={tmp}/file.txt/ckpt"],
+    "run_dir is a file": ["train.run_dir={tmp}/file.txt"],
+    "unwritable run_dir": ["train.run_dir={tmp}/file.txt/run"],
+    "gpu platform without a gpu": ["runtime.platform=gpu"],
+    "val split shorter than seq_len": ["data.path={tmp}/one_file_corpus"],
+    "out of memory before compiling": ["model.seq_len=300000", "train.eval_every=0",
+                                       "parallel.data=2", "parallel.tensor=4"],
 }
 
 
 @pytest.fixture(scope="module")
 def bad_input_results(corpus_env, tmp_path_factory):
-    """Runs every bad input at once (each fails before device work); name -> (rc, err)."""
+    """Runs every bad input at once (each fails before device work);
+    name -> (rc, out, err)."""
+    from jaxptd.data import prepare_corpus
+
     env, _ = corpus_env
     tmp = tmp_path_factory.mktemp("bad-input")
     (tmp / "broken.yaml").write_text("model:\n  num_layers: [1, 2\n  hidden_size: 64\n")
     (tmp / "file.txt").write_text("a regular file\n")
+    (tmp / "book.txt").write_bytes(b"one short document " * 200)  # val: 20 tokens
+    prepare_corpus([str(tmp / "book.txt")], tmp / "one_file_corpus", val_fraction=0.005)
     procs = {}
     for name, args in BAD_INPUTS.items():
-        args = [a.format(tmp=tmp) for a in args] + [f"train.run_dir={tmp / 'run'}"]
+        args = [f"train.run_dir={tmp / 'run'}"] + [a.format(tmp=tmp) for a in args]
+        if args[1] == "--config":  # options before the overrides
+            args = args[1:3] + args[:1] + args[3:]
         procs[name] = subprocess.Popen(train_command(*args), cwd=REPO, env=env, text=True,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     results = {}
     for name, proc in procs.items():
         try:
-            _, err = proc.communicate(timeout=TIMEOUT)
+            out, err = proc.communicate(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
+            out, err = proc.communicate()
             err += "\n(timed out)"
-        results[name] = (proc.returncode, err)
+        results[name] = (proc.returncode, out, err)
     return results
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUTS))
 def test_bad_input_gives_one_error_line(bad_input_results, name):
-    returncode, stderr = bad_input_results[name]
+    returncode, stdout, stderr = bad_input_results[name]
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert returncode == 2, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert len(errors) == 1, stderr[-3000:]
+    assert "mesh" not in stdout and "compiled" not in stdout, stdout  # before device work
+
+
+def test_bad_input_errors_name_what_to_change(bad_input_results):
+    assert "runtime.platform=gpu" in bad_input_results["gpu platform without a gpu"][2]
+    assert "train.run_dir=" in bad_input_results["run_dir is a file"][2]
+    assert "split 'val'" in bad_input_results["val split shorter than seq_len"][2]
+    memory = bad_input_results["out of memory before compiling"][2]
+    assert " TB" in memory and "python -m jaxptd.plan" in memory, memory
+
+
+def test_out_of_memory_at_run_time_is_one_line():
+    from jaxptd.config import load_config
+    from jaxptd.preflight import out_of_memory
+    config = load_config(None, ["model.seq_len=4096"])
+    xla = RuntimeError("INTERNAL: Error dispatching computation: Out of memory allocating "
+                       "16330475327704 bytes.")
+    message = out_of_memory(xla, config)
+    assert "16.3 TB" in message and "model.seq_len=4096" in message and "\n" not in message
+    assert out_of_memory(RuntimeError("INTERNAL: something else"), config) is None
+
+
+def test_memory_check_refuses_only_beyond_the_planners_margin():
+    from jaxptd.config import ConfigError, load_config
+    from jaxptd.preflight import check_memory
+    config = load_config(None, [])
+    gpu = (80e9, "NVIDIA H100 memory")
+    check_memory(config, 90e9, gpu)  # within the planner's 15%: left to XLA
+    check_memory(config, 1e15, None)  # unknown device memory: nothing to compare
+    with pytest.raises(ConfigError, match=r"puts 100.0 GB on each device, the devices have "
+                                          r"80.0 GB \(NVIDIA H100 memory\)"):
+        check_memory(config, 100e9, gpu)
+
+
+def test_help_lists_every_config_key_with_its_default(corpus_env):
+    import dataclasses
+    from jaxptd.config import Config
+    result = subprocess.run(train_command("--help"), cwd=REPO, env=corpus_env[0], text=True,
+                            capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    for section in dataclasses.fields(Config):
+        for key in dataclasses.fields(section.default_factory):
+            line = next((l for l in result.stdout.splitlines()
+                         if l.split()[:1] == [f"{section.name}.{key.name}"]), None)
+            assert line and f"default {key.default!r}" in line, (section.name, key.name)
 
 
 # --------------------------------------------------------------------------- convergence

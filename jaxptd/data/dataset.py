@@ -142,6 +142,14 @@ class TokenDataset:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def check_length(self, seq_len: int, remedy: str = "") -> None:
+        """DataError unless the split holds a row of seq_len + 1 tokens."""
+        if len(self.tokens) < seq_len + 1:
+            remedy = f"; lower model.seq_len, prepare more text{' ' + remedy if remedy else ''}"
+            raise DataError(f"split {self.split!r} of {str(self.directory)!r} has "
+                            f"{len(self.tokens)} tokens; model.seq_len={seq_len} needs at "
+                            f"least seq_len + 1 = {seq_len + 1}{remedy}")
+
     def starts(self, seed: int, step: int, global_batch: int, seq_len: int) -> np.ndarray:
         """Start offsets of every row of global batch ``step``, shape [global_batch] int64.
 
@@ -152,10 +160,7 @@ class TokenDataset:
             raise DataError(f"seed={seed}, step={step}: both must be >= 0")
         if global_batch < 1 or seq_len < 1:
             raise DataError(f"global_batch={global_batch}, seq_len={seq_len}: both must be >= 1")
-        if len(self.tokens) < seq_len + 1:
-            raise DataError(f"split {self.split!r} of {str(self.directory)!r} has "
-                            f"{len(self.tokens)} tokens; seq_len={seq_len} needs at least "
-                            f"seq_len + 1 = {seq_len + 1}")
+        self.check_length(seq_len)
         rng = np.random.default_rng([seed, step])
         return rng.integers(0, len(self.tokens) - seq_len, size=global_batch)
 

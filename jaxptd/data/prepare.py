@@ -1,16 +1,19 @@
 """Text -> prepared token directory: tokenizers, the val split, atomic write, stdlib corpus.
 
 ``python -m jaxptd.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer FILE.json]
-[--val-fraction 0.005] [--glob '*.txt']`` writes the format read by ``dataset.py``.
+[--val-fraction 0.005] [--glob '*.txt'] [--jsonl-key text]`` writes the format read by
+``dataset.py``.
 
 Invariants:
 
-- Each input file is one document; every document is followed by the eot id.
+- Each input file is one document, or with ``--jsonl-key KEY`` each line of a JSON Lines
+  file is one (its KEY field, a string); every document is followed by the eot id.
 - A document goes to val iff sha256(its key) / 2**64 < val_fraction, where the key is its
   path relative to the input directory it was found under (a file given directly: its
-  name). The split of a document therefore never changes when files are added elsewhere
-  or the tree is moved. Only if no document is selected does the one with the smallest
-  hash go to val, so a small corpus still has a val split.
+  name; a JSON Lines document: that key, ':' and its line number). The split of a
+  document therefore never changes when files are added elsewhere or the tree is moved.
+  When that leaves a split empty (too few documents, e.g. one file), the corpus is split
+  by tokens instead: the last val_fraction of all tokens (at least one) are the val split.
 - The corpus is built in a temporary sibling directory (``.<name>.tmp-*``), ``meta.json``
   last, then renamed into place: readers see a complete corpus or none. Of concurrent
   preparers of one output, the first rename wins and the others discard their copies
@@ -31,6 +34,7 @@ import errno
 import fnmatch
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -38,7 +42,7 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -98,19 +102,103 @@ def _walk(root: Path, glob: str, excluded_dirs: frozenset[str]) -> list[tuple[st
     return found
 
 
-def _split_of(documents: list[tuple[str, Path]], val_fraction: float) -> list[str]:
-    """"train"/"val" per document by the hash rule in the module docstring."""
-    if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"--val-fraction {val_fraction} must lie in [0, 1)")
-    hashes = [int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
-              for key, _ in documents]
-    splits = ["val" if h < val_fraction else "train" for h in hashes]
-    if val_fraction > 0 and "val" not in splits:
-        splits[int(np.argmin(hashes))] = "val"
-    if "train" not in splits:
-        raise DataError(f"--val-fraction {val_fraction} leaves no training documents among "
-                        f"{len(documents)} file(s); add files or lower it")
-    return splits
+PATH_RULE = "sha256(document key) / 2**64 < val_fraction"
+TOKEN_RULE = "the last val_fraction of the tokens (too few documents for the key rule)"
+
+
+def _hash_unit(key: str) -> float:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
+
+
+def _read_document(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") from None
+
+
+def _jsonl_documents(key: str, path: Path, field: str) -> Iterator[tuple[str, bytes]]:
+    """(key:line, UTF-8 text) of every non-blank line of a JSON Lines file."""
+    try:
+        handle = open(path, "rb")
+    except OSError as err:
+        raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") from None
+    with handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                raise DataError(f"input file {str(path)!r} line {number}: not JSON; "
+                                f"--jsonl-key {field} reads JSON Lines (one object a line)") \
+                    from None
+            text = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
+                raise DataError(f"input file {str(path)!r} line {number}: no text field "
+                                f"--jsonl-key {field!r} (it has {fields})")
+            yield f"{key}:{number}", text.encode("utf-8")
+
+
+def _documents(documents: list[tuple[str, Path]],
+               jsonl_key: str | None) -> Iterator[tuple[str, Path, bytes]]:
+    """(split key, file, bytes) of every document, in order."""
+    for key, path in documents:
+        if jsonl_key is None:
+            yield key, path, _read_document(path)
+        else:
+            for line_key, data in _jsonl_documents(key, path, jsonl_key):
+                yield line_key, path, data
+
+
+def _write_splits(documents: list[tuple[str, Path]], val_fraction: float,
+                  tokenizer: Tokenizer, directory: Path, jsonl_key: str | None = None) -> dict:
+    """Tokenize each document into ``directory``/<split>.bin; returns per-split counts and
+    the val rule applied."""
+    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
+    counts = {f"{split}_{what}": 0 for split in SPLITS for what in ("tokens", "documents")}
+    files = {split: open(directory / f"{split}.bin", "wb") for split in SPLITS}
+    try:
+        for key, path, data in _documents(documents, jsonl_key):
+            split = "val" if _hash_unit(key) < val_fraction else "train"
+            try:
+                ids = np.concatenate([tokenizer.encode(data), eot])
+            except UnicodeDecodeError as err:
+                raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                                f"{err.reason}), which --tokenizer {tokenizer.name!r} "
+                                "requires; fix or drop the file") from None
+            files[split].write(ids.tobytes())
+            counts[f"{split}_tokens"] += len(ids)
+            counts[f"{split}_documents"] += 1
+    finally:
+        for handle in files.values():
+            handle.close()
+    counts["val_rule"] = PATH_RULE
+    if val_fraction > 0 and not (counts["train_documents"] and counts["val_documents"]):
+        _split_by_tokens(directory, counts, val_fraction, tokenizer.dtype)
+    for split in SPLITS:  # durable before the rename publishes the corpus
+        with open(directory / f"{split}.bin", "rb+") as handle:
+            os.fsync(handle.fileno())
+    return counts
+
+
+def _split_by_tokens(directory: Path, counts: dict, val_fraction: float, dtype) -> None:
+    """All tokens sit in one split: the last val_fraction of them become val (at least one,
+    and at least one stays in train), reading only that tail."""
+    total = counts["train_tokens"] + counts["val_tokens"]
+    if total < 2:
+        raise DataError(f"--input holds {total} token(s); a training and a validation split "
+                        "need at least 2")
+    if not counts["train_tokens"]:
+        os.replace(directory / "val.bin", directory / "train.bin")
+    val_tokens = min(max(1, math.ceil(total * val_fraction)), total - 1)
+    tail = np.memmap(directory / "train.bin", dtype=dtype, mode="r")[total - val_tokens:]
+    (directory / "val.bin").write_bytes(np.asarray(tail).tobytes())
+    del tail
+    os.truncate(directory / "train.bin", (total - val_tokens) * np.dtype(dtype).itemsize)
+    counts.update(train_tokens=total - val_tokens, val_tokens=val_tokens,
+                  val_rule=TOKEN_RULE)
 
 
 def _is_complete(output: Path) -> bool:
@@ -128,39 +216,9 @@ def _is_complete(output: Path) -> bool:
     return True
 
 
-def _write_splits(documents: list[tuple[str, Path]], splits: list[str],
-                  tokenizer: Tokenizer, directory: Path) -> dict:
-    """Tokenize each document into ``directory``/<split>.bin; returns per-split counts."""
-    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
-    counts = {f"{split}_{what}": 0 for split in SPLITS for what in ("tokens", "documents")}
-    files = {split: open(directory / f"{split}.bin", "wb") for split in SPLITS}
-    try:
-        for (_, path), split in zip(documents, splits):
-            try:
-                data = path.read_bytes()
-            except OSError as err:
-                raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") \
-                    from None
-            try:
-                ids = np.concatenate([tokenizer.encode(data), eot])
-            except UnicodeDecodeError as err:
-                raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
-                                f"{err.reason}), which --tokenizer {tokenizer.name!r} "
-                                "requires; fix or drop the file") from None
-            files[split].write(ids.tobytes())
-            counts[f"{split}_tokens"] += len(ids)
-            counts[f"{split}_documents"] += 1
-        for handle in files.values():
-            handle.flush()
-            os.fsync(handle.fileno())  # durable before the rename publishes the corpus
-    finally:
-        for handle in files.values():
-            handle.close()
-    return counts
-
-
 def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenizer: Tokenizer,
-                 val_fraction: float, source: str, exist_ok: bool = False) -> str:
+                 val_fraction: float, source: str, exist_ok: bool = False,
+                 jsonl_key: str | None = None) -> str:
     """Tokenize ``documents`` into the prepared directory ``output``, atomically.
 
     Args:
@@ -171,6 +229,7 @@ def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenize
       source: a short description stored in meta.json.
       exist_ok: if ``output`` already holds a complete corpus, return it unchanged
         instead of raising DataError.
+      jsonl_key: read the files as JSON Lines, each line's field of this name a document.
     Returns:
       ``output`` as a string; it holds a complete corpus (possibly a concurrent winner's).
     """
@@ -180,7 +239,8 @@ def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenize
             return str(output)
         raise DataError(f"--output {str(output)!r} already holds a prepared corpus; remove it "
                         "to prepare again")
-    splits = _split_of(documents, val_fraction)
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction {val_fraction} must lie in [0, 1)")
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
@@ -188,11 +248,11 @@ def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenize
         raise DataError(f"--output {str(output)!r} is not writable ({err.strerror}); its "
                         "parent directory must be creatable and writable") from None
     try:
-        counts = _write_splits(documents, splits, tokenizer, staging)
+        counts = _write_splits(documents, val_fraction, tokenizer, staging, jsonl_key)
         meta = {"format_version": FORMAT_VERSION, "dtype": tokenizer.dtype.name,
                 "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.name,
                 "eot_id": tokenizer.eot_id, "source": source, "val_fraction": val_fraction,
-                "val_rule": "sha256(relative path) / 2**64 < val_fraction", **counts}
+                **counts}
         with open(staging / "meta.json", "w") as handle:
             json.dump(meta, handle, indent=2)
             handle.flush()
@@ -217,8 +277,8 @@ def _publish(staging: Path, output: Path) -> None:
 
 
 def prepare_corpus(inputs: Sequence[str], output: str | Path, *, tokenizer: str | None = None,
-                   val_fraction: float = 0.005, glob: str = "*.txt",
-                   exist_ok: bool = False) -> str:
+                   val_fraction: float = 0.005, glob: str | None = None,
+                   exist_ok: bool = False, jsonl_key: str | None = None) -> str:
     """Prepare text files into a token directory (the CLI's work, callable from Python).
 
     Args:
@@ -226,15 +286,20 @@ def prepare_corpus(inputs: Sequence[str], output: str | Path, *, tokenizer: str 
       output: the prepared directory to create.
       tokenizer: None/"byte" for the byte tokenizer, or a tokenizers JSON file path.
       val_fraction: expected share of documents held out for validation, in [0, 1).
-      glob: file name pattern used inside directories.
+      glob: file name pattern used inside directories (default: *.txt, or *.jsonl with
+        ``jsonl_key``).
       exist_ok: return an existing complete ``output`` instead of raising DataError.
+      jsonl_key: read JSON Lines files, one document per line in this text field.
     Returns:
       ``output`` as a string.
     """
     loaded = load_tokenizer(tokenizer)
+    glob = glob or ("*.jsonl" if jsonl_key else "*.txt")
     documents = find_documents(inputs, glob)
     source = f"{len(documents)} file(s) matching {glob!r} under {', '.join(map(str, inputs))}"
-    return write_corpus(documents, output, loaded, val_fraction, source, exist_ok)
+    if jsonl_key:
+        source += f", JSON Lines field {jsonl_key!r}"
+    return write_corpus(documents, output, loaded, val_fraction, source, exist_ok, jsonl_key)
 
 
 def prepare_stdlib(output: str | Path, val_fraction: float = 0.01) -> str:
@@ -289,18 +354,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Hugging Face tokenizers JSON file (default: byte-level)")
     parser.add_argument("--val-fraction", type=float, default=0.005,
                         help="expected share of documents held out for validation")
-    parser.add_argument("--glob", default="*.txt", help="file pattern inside directories")
+    parser.add_argument("--glob", default=None,
+                        help="file pattern inside directories (default: *.txt, or *.jsonl "
+                             "with --jsonl-key)")
+    parser.add_argument("--jsonl-key", default=None, metavar="KEY",
+                        help="inputs are JSON Lines: each line's KEY field (e.g. text) is "
+                             "one document")
     args = parser.parse_args(argv)
     try:
         output = prepare_corpus(args.input, args.output, tokenizer=args.tokenizer,
-                                val_fraction=args.val_fraction, glob=args.glob)
+                                val_fraction=args.val_fraction, glob=args.glob,
+                                jsonl_key=args.jsonl_key)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     meta = read_meta(output)
-    print(f"prepared {output}: train {meta['train_tokens']} tokens "
-          f"({meta['train_documents']} documents), val {meta['val_tokens']} tokens "
-          f"({meta['val_documents']} documents), vocab {meta['vocab_size']}")
+    split = "split by tokens: too few documents to split by key" \
+        if meta.get("val_rule") == TOKEN_RULE else \
+        f"{meta['train_documents']} and {meta['val_documents']} documents"
+    print(f"prepared {output}: train {meta['train_tokens']} tokens, val {meta['val_tokens']} "
+          f"tokens ({split}), vocab {meta['vocab_size']}")
     return 0
 
 

@@ -1,0 +1,112 @@
+"""Checks before work starts: every user error a run can meet, found before it trains.
+
+Owns the checks that need more than the config (config.py has those): the corpus and its
+splits against `model.seq_len`, the run and checkpoint directories, the platform's
+devices, and whether the model fits in the devices' memory. Each failure is one
+ConfigError / DataError / CheckpointError line naming the key, the value and the rule.
+
+Memory: the planner's per-device total (`plan.device_memory_bytes`, the same model
+`python -m jaxptd.plan` reports, so planner changes flow through) is compared before
+compiling with the device's memory: `memory_stats()["bytes_limit"]` on an accelerator;
+on CPU, where the simulated devices of a process share the host, the host's physical
+memory divided among them. The planner matches the compiled step within 15% on the
+tested layouts, so a run is refused only when the plan exceeds the memory by more than
+that. XLA's own out-of-memory at compile or run time is turned into one line as well.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from jaxptd.checkpoint import check_writable, human_bytes
+from jaxptd.config import Config, ConfigError
+from jaxptd.data import TokenDataset, resolve_corpus
+
+PLAN_MARGIN = 1.15  # the planner's tested agreement with XLA
+OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def check_files(config: Config):
+    """The corpus, its splits and the directories; returns (train, val) datasets."""
+    corpus = resolve_corpus(config.data.path)
+    train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
+    if train.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size}: must be >= the corpus vocabulary "
+            f"{train.vocab_size} ({corpus})")
+    train.check_length(config.model.seq_len)
+    if config.train.eval_every:
+        val.check_length(config.model.seq_len, "or set train.eval_every=0")
+    check_writable(config.train.run_dir, "train.run_dir")
+    if config.checkpoint.every:
+        check_writable(config.checkpoint_dir)
+    return train, val
+
+
+def devices(jax, config: Config) -> list:
+    """jax.devices(), or a ConfigError when the platform asked for is not there (JAX raises
+    a RuntimeError or, when no backend at all remains, an AssertionError)."""
+    try:
+        return jax.devices()
+    except Exception as e:  # noqa: BLE001 - a user error only for an explicit platform
+        if config.runtime.platform == "auto":
+            raise
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else \
+            "no backend could start"
+        raise ConfigError(f"runtime.platform={config.runtime.platform}: no such devices on "
+                          f"this machine ({reason}); use runtime.platform=auto") from None
+
+
+def device_memory(device, local_devices: int) -> tuple[float, str] | None:
+    """(bytes one device may use, what that number is), None when unknown."""
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{device.device_kind} memory"
+    if device.platform == "cpu":
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+        return host / local_devices, f"host memory / {local_devices} local devices"
+    return None
+
+
+def check_memory(config: Config, planned: float, available: tuple[float, str] | None) -> None:
+    """Refuses a run whose planned bytes per device exceed the device's by PLAN_MARGIN."""
+    if available is None or planned <= available[0] * PLAN_MARGIN:
+        return
+    raise ConfigError(
+        f"the planner puts {human_bytes(planned)} on each device, the devices have "
+        f"{human_bytes(available[0])} ({available[1]}); "
+        + _PLAN_HINT.format(seq_len=config.model.seq_len))
+
+
+def check_compiled(config: Config, compiled, available: tuple[float, str] | None) -> None:
+    """The compiled step's own memory (XLA's analysis) against the device's, before it runs."""
+    memory = compiled.memory_analysis()
+    if memory is None or available is None:
+        return
+    needed = sum(getattr(memory, f"{k}_size_in_bytes", 0) or 0
+                 for k in ("argument", "output", "temp", "generated_code")) - \
+        (getattr(memory, "alias_size_in_bytes", 0) or 0)
+    if needed > available[0]:
+        raise ConfigError(f"the compiled step needs {human_bytes(needed)} per device, the "
+                          f"devices have {human_bytes(available[0])} ({available[1]}); "
+                          + _PLAN_HINT.format(seq_len=config.model.seq_len))
+
+
+_PLAN_HINT = ("`python -m jaxptd.plan` with the same config and overrides shows where the "
+              "memory goes (model.seq_len={seq_len}), and its --search N_DEVICES finds a "
+              "layout that fits")
+
+
+def out_of_memory(error: BaseException, config: Config) -> str | None:
+    """One line for XLA's out-of-memory error (None for any other error)."""
+    text = str(error)
+    if not any(marker in text for marker in OOM_MARKERS):
+        return None
+    asked = re.search(r"(\d{4,}) bytes", text)
+    amount = f" of {human_bytes(float(asked.group(1)))}" if asked else ""
+    return (f"out of memory: XLA could not allocate a buffer{amount} per device; "
+            + _PLAN_HINT.format(seq_len=config.model.seq_len))
+

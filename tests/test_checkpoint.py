@@ -1,0 +1,104 @@
+"""Damaged checkpoints never leave a run stuck: a fault-injection walk over every file of a
+saved step (truncate, empty, delete, flip bytes), the one-line errors, and `inspect`.
+
+The walk restores in this process through `Checkpointer.restore_latest`, the function a
+training run resumes with. Each fault must end in a bitwise-exact state of a good step
+(the damaged one when the damage cannot matter, else the previous one, with one warning
+line), or in one CheckpointError line when no good step is left; never an exception
+of another kind, never a good step lost. The multi-process checkpoint's walk is in
+tests/test_multihost.py (it reuses the 4-process runs there).
+"""
+import shutil
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from helpers import REPO, assert_same_state, damage, make_setup, walk_faults
+from jaxptd.checkpoint import CheckpointError, Checkpointer, layout_metadata
+from jaxptd.checkpoint_integrity import FILE_LIST, inspect
+
+EXTRA = ("model.num_layers=2",)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1 and 2 of distinct states, saved on one device: (directory, setup, states)."""
+    setup = make_setup(extra=EXTRA)
+    directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    ckpt = Checkpointer(str(directory), 1, 10, metadata=layout_metadata(setup.config, 1))
+    first = setup.init_state(1)
+    states = {1: first, 2: jax.tree.map(lambda x: x * 2 if x.dtype.kind == "f" else x, first)}
+    for step, state in states.items():
+        ckpt.save(step, state)
+    ckpt.close()
+    return directory, setup, jax.device_get(states)
+
+
+def restore_latest(setup, directory):
+    ckpt = Checkpointer(str(directory), 0, 10)
+    try:
+        return ckpt.restore_latest(setup.abstract_state(logical=True),
+                                   setup.config.model.vocab_size)
+    finally:
+        ckpt.close()
+
+
+def test_every_fault_in_every_file_resumes_from_a_good_step(saved, tmp_path, capfd):
+    directory, setup, states = saved
+    outcomes = walk_faults(directory, 2, tmp_path, lambda d: restore_latest(setup, d),
+                           states, capfd)
+    # The files a restore reads must have been noticed when damaged, not only survived:
+    assert outcomes[("state/_METADATA", "truncate")] == 1
+    assert outcomes[("state/_METADATA", "delete")] == 1
+    assert outcomes[("state/array_metadatas/process_0", "truncate")] == 1
+    assert outcomes[("layout/metadata", "empty")] == 1
+    assert outcomes[(FILE_LIST, "flip")] == 1
+    assert all(outcomes[(rel, f)] == 1 for rel, f in outcomes if "/d/" in rel and f != "flip")
+
+
+@pytest.mark.parametrize("rel", ["state/_METADATA", "layout/metadata", "state/manifest.ocdbt"])
+def test_no_good_step_left_is_one_error_line(saved, tmp_path, rel):
+    directory, setup, _ = saved
+    work = tmp_path / "checkpoints"
+    work.mkdir()
+    shutil.copytree(directory / "2", work / "2")
+    damage(work / "2" / rel, "truncate")
+    with pytest.raises(CheckpointError) as raised:
+        restore_latest(setup, work)
+    message = str(raised.value)
+    assert "\n" not in message and "step 2" in message and rel.split("/")[-1] in message
+    assert (work / "2.corrupt").is_dir()  # moved aside, not deleted
+
+
+def test_whole_checkpoint_of_another_model_is_a_different_model(saved):
+    directory, _, _ = saved
+    other = make_setup(extra=EXTRA + ("model.hidden_size=64",))
+    with pytest.raises(CheckpointError, match="different model"):
+        restore_latest(other, directory)
+    assert (directory / "2").is_dir() and (directory / "1").is_dir()
+
+
+def test_inspect_reports_damage_and_the_step_a_run_resumes_from(saved, tmp_path):
+    directory, setup, states = saved
+    run = tmp_path / "run"
+    shutil.copytree(directory, run / "checkpoints")
+    damage(run / "checkpoints" / "2" / "state" / "_METADATA", "truncate")
+    statuses = {r["step"]: (r["status"], r["problem"]) for r in inspect(str(run / "checkpoints"))}
+    assert statuses[1] == ("complete", None)
+    assert statuses[2][0] == "damaged" and "state/_METADATA" in statuses[2][1]
+    for target in (run, run / "checkpoints" / "1"):
+        out = subprocess.run([sys.executable, "-m", "jaxptd.checkpoint", "inspect", str(target)],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert "a run resumes from step 1" in out.stdout, out.stdout
+        assert "damaged (state/_METADATA" in out.stdout, out.stdout
+    state, step = restore_latest(setup, run / "checkpoints")
+    assert step == 1
+    assert_same_state(state, states[1])
+    empty = subprocess.run([sys.executable, "-m", "jaxptd.checkpoint", "inspect", str(tmp_path)],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert empty.returncode == 2 and empty.stderr.startswith("error: ")
+    assert len(empty.stderr.strip().splitlines()) == 1
+
