@@ -104,9 +104,10 @@ def start(config: Config):
     return jax, setup, ckpt, setup.state_from_logical(restored[0]), available
 
 
-def compile_step(setup, state, batch, timer, metrics_log, available):
-    """Compiles the step ahead of time, checks its memory and records its cost once
-    -> (step, FLOPs/iter)."""
+def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
+    """Compiles the step ahead of time, checks its memory against `available` (bytes,
+    where from) and records its cost once in `metrics_log` (each when given)
+    -> (step, FLOPs/iter). bench/gpu_train.py compiles through here too."""
     from jaxptd import metrics
     from jaxptd.plan import recomputation, schedule_stats
     from jaxptd.step import build_train_step
@@ -122,7 +123,8 @@ def compile_step(setup, state, batch, timer, metrics_log, available):
               "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
               "argument_bytes_per_device": getattr(memory, "argument_size_in_bytes", None),
               "flops_per_iteration": flops, "bubble_fraction": schedule_stats(config)[0]}
-    metrics_log.write(record)
+    if metrics_log is not None:
+        metrics_log.write(record)
     LOG.info(f"compiled the step in {compile_s:.1f} s: "
              f"{human_bytes(record['argument_bytes_per_device'] or 0)} of state and "
              f"{human_bytes(record['temp_bytes_per_device'] or 0)} of temporaries per device,"

@@ -190,8 +190,10 @@ def test_torch_model_is_the_jaxptd_model():
     import torch
     import torch_gpt
 
+    from jaxptd import model as models
     from jaxptd.config import load_config
     from jaxptd.model import gpt
+    from jaxptd.model.layers import Layout
 
     config = load_config(str(ROOT / "configs/gpu/gpt_125m.yaml"), [
         *gpu_train.TOY, "model.vocab_size=512", "model.dtype=float32", "model.attention=xla"])
@@ -200,8 +202,8 @@ def test_torch_model_is_the_jaxptd_model():
     params = jax.tree.map(lambda x: rng.normal(0, 0.5, x.shape).astype(np.float32),
                           jax.eval_shape(lambda: gpt.init_params(m, 512, jax.random.key(0))))
     batch = rng.integers(0, 512, (2, m.seq_len + 1)).astype(np.int32)
-    expected = jax.jit(lambda p, b: gpt.loss_sum(p, b, jax.random.key(0), m, gpt.Layout(512),
-                                                 True))(params, batch) / batch[:, 1:].size
+    expected = jax.jit(lambda p, b: models.loss_sum(p, b, jax.random.key(0), m, Layout(512),
+                                                    True))(params, batch) / batch[:, 1:].size
     model = torch_gpt.GPT(config)
     assert sum(p.numel() for p in model.parameters()) == sum(
         x.size for x in jax.tree.leaves(params))
