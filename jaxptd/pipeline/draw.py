@@ -1,15 +1,17 @@
 """Timeline picture of a simulated schedule, in the manner of the PTD-P paper's Figure 4.
 
-Owns only drawing: one row per rank, forwards blue and backwards green (darker for the
-first chunk, lighter for later ones, as the legend says), the microbatch number in each
-box. A long schedule (over WINDOW time units) is drawn as its first and last WINDOW / 2
+Owns only drawing: one row per rank, forwards blue, backwards (input gradients, for zero-
+bubble kinds) green and weight gradients orange (darker for the first chunk, lighter for
+later ones, as the legend says), the microbatch number in each box. A long schedule (over WINDOW time units) is drawn as its first and last WINDOW / 2
 units side by side, so boxes stay readable; the steady state between them repeats.
 matplotlib is imported here lazily so that schedules.py and its CLI run without it.
 """
 from __future__ import annotations
 
-_FORWARD = ("#1f4e9c", "#6f9be0")  # first chunk, later chunks
-_BACKWARD = ("#1d7a3a", "#79c98f")
+_COLOURS = {"F": ("#1f4e9c", "#6f9be0"),  # first chunk, later chunks
+            "B": ("#1d7a3a", "#79c98f"),
+            "W": ("#b35806", "#f1a340")}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 WINDOW = 80  # time units drawn in full
@@ -22,7 +24,7 @@ def _panel(ax, stats, p: int, start: float, end: float) -> None:
         for begin, finish, action in row:
             if finish <= start or begin >= end:
                 continue
-            colours = _FORWARD if action.kind == "F" else _BACKWARD
+            colours = _COLOURS[action.kind]
             ax.add_patch(plt.Rectangle((begin, p - 1 - r), finish - begin, 0.9,
                                        edgecolor="black", linewidth=0.5,
                                        facecolor=colours[min(action.chunk, 1)]))
@@ -58,11 +60,11 @@ def draw_timeline(stats, schedule, path: str) -> None:
     if len(spans) > 1:
         axes[0][0].set_title(f"first {WINDOW // 2} of {total:g} time units", fontsize=8)
         axes[0][1].set_title(f"last {WINDOW // 2}", fontsize=8)
-    legend = [Patch(facecolor=_FORWARD[0], label="forward"),
-              Patch(facecolor=_BACKWARD[0], label="backward")]
+    kinds = "FBW" if schedule.split_backward else "F" if schedule.forward_only else "FB"
+    legend = [Patch(facecolor=_COLOURS[k][0], label=_NAMES[k]) for k in kinds]
     if schedule.chunks > 1:
-        legend += [Patch(facecolor=_FORWARD[1], label="forward, later chunks"),
-                   Patch(facecolor=_BACKWARD[1], label="backward, later chunks")]
+        legend += [Patch(facecolor=_COLOURS[k][1], label=f"{_NAMES[k]}, later chunks")
+                   for k in kinds]
     fig.legend(handles=legend, loc="lower center", ncol=len(legend), fontsize=7,
                frameon=False)
     fig.suptitle(f"{schedule.kind}: p={p} v={schedule.chunks} m={schedule.microbatches}, "
