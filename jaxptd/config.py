@@ -57,6 +57,13 @@ class ParallelConfig:
     stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
     round_form: str = "auto"  # pipe > 1: cond | steady | masked (auto: cond on CPU, steady GPU)
     sequence_parallel: bool = False  # activations outside attention/MLP split [b, s/t, h]
+    fsdp: bool = False  # ZeRO-3: parameters, gradients, optimizer state sharded over data
+    fsdp_group: int = 0  # data ranks per FSDP sharding group (HSDP); 0: all of them
+
+    @property
+    def fsdp_size(self) -> int:
+        """Data ranks one FSDP group shards over (1 without FSDP)."""
+        return (self.fsdp_group or self.data) if self.fsdp else 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,13 @@ class OptimizerConfig:
     clip_norm: float = 1.0
     zero1: bool = False  # shard optimizer state over the data axis
     loss_scale: str = "none"  # none | dynamic (required for model.dtype float16)
+    grad_reduce_dtype: str = "float32"  # data-parallel gradient reductions (and FSDP gathers)
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: bool = False  # optimizer state and float32 masters in host memory
+    activations: bool = False  # each layer's checkpointed input in host memory (pipe = 1)
 
 
 @dataclass(frozen=True)
@@ -123,6 +137,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     @property
     def checkpoint_dir(self) -> str:
@@ -143,6 +158,7 @@ class Config:
 
 CHOICES = {
     "model.arch": ("gpt",),
+    "optimizer.grad_reduce_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
@@ -163,7 +179,7 @@ POSITIVE = (
 NON_NEGATIVE = (
     "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
     "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
-    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices",
+    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices", "parallel.fsdp_group",
     "runtime.num_processes",
 )
 
@@ -334,6 +350,19 @@ def validate(config: Config) -> None:
         not par.sequence_parallel or m.seq_len % par.tensor == 0,
         f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
         f"parallel.tensor={par.tensor}",
+    )
+    _require(
+        par.fsdp or not par.fsdp_group,
+        f"parallel.fsdp_group={par.fsdp_group}: needs parallel.fsdp=true",
+    )
+    _require(
+        not par.fsdp_group or par.data % par.fsdp_group == 0,
+        f"parallel.fsdp_group={par.fsdp_group}: must divide parallel.data={par.data}",
+    )
+    _require(
+        not (config.offload.activations and par.pipe > 1),
+        "offload.activations=true: needs parallel.pipe=1 (a pipeline keeps its activations "
+        "in its stash; parallel.stash=inputs keeps only the stage inputs)",
     )
     stages = par.pipe * par.chunks
     _require(
