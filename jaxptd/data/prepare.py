@@ -1,7 +1,9 @@
 """Text -> prepared token directory: tokenizers, the val split, atomic write, stdlib corpus.
 
 ``python -m jaxptd.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer FILE.json]
-[--val-fraction 0.005] [--glob '*.txt']`` writes the format read by ``dataset.py``.
+[--val-fraction 0.005] [--glob '*.txt'] [--format megatron]`` writes the format read by
+``dataset.py``, or with ``--format megatron`` a Megatron-LM indexed dataset with path
+prefix OUTPUT (``megatron.py``; the invariants below are for the directory format).
 
 Invariants:
 
@@ -42,6 +44,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxptd.data import megatron
 from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta
 from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -128,25 +131,30 @@ def _is_complete(output: Path) -> bool:
     return True
 
 
+def _encoded(documents: list[tuple[str, Path]], tokenizer: Tokenizer):
+    """Yields each document's token ids followed by the eot id."""
+    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
+    for _, path in documents:
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") \
+                from None
+        try:
+            yield np.concatenate([tokenizer.encode(data), eot])
+        except UnicodeDecodeError as err:
+            raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                            f"{err.reason}), which --tokenizer {tokenizer.name!r} "
+                            "requires; fix or drop the file") from None
+
+
 def _write_splits(documents: list[tuple[str, Path]], splits: list[str],
                   tokenizer: Tokenizer, directory: Path) -> dict:
     """Tokenize each document into ``directory``/<split>.bin; returns per-split counts."""
-    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
     counts = {f"{split}_{what}": 0 for split in SPLITS for what in ("tokens", "documents")}
     files = {split: open(directory / f"{split}.bin", "wb") for split in SPLITS}
     try:
-        for (_, path), split in zip(documents, splits):
-            try:
-                data = path.read_bytes()
-            except OSError as err:
-                raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") \
-                    from None
-            try:
-                ids = np.concatenate([tokenizer.encode(data), eot])
-            except UnicodeDecodeError as err:
-                raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
-                                f"{err.reason}), which --tokenizer {tokenizer.name!r} "
-                                "requires; fix or drop the file") from None
+        for ids, split in zip(_encoded(documents, tokenizer), splits):
             files[split].write(ids.tobytes())
             counts[f"{split}_tokens"] += len(ids)
             counts[f"{split}_documents"] += 1
@@ -218,23 +226,43 @@ def _publish(staging: Path, output: Path) -> None:
 
 def prepare_corpus(inputs: Sequence[str], output: str | Path, *, tokenizer: str | None = None,
                    val_fraction: float = 0.005, glob: str = "*.txt",
-                   exist_ok: bool = False) -> str:
+                   exist_ok: bool = False, fmt: str = "jaxptd") -> str:
     """Prepare text files into a token directory (the CLI's work, callable from Python).
 
     Args:
       inputs: text files or directories searched recursively with ``glob``.
-      output: the prepared directory to create.
+      output: the prepared directory to create, or with fmt="megatron" the path prefix of
+        the Megatron-LM dataset (OUTPUT.bin, OUTPUT.idx) to create.
       tokenizer: None/"byte" for the byte tokenizer, or a tokenizers JSON file path.
       val_fraction: expected share of documents held out for validation, in [0, 1).
       glob: file name pattern used inside directories.
       exist_ok: return an existing complete ``output`` instead of raising DataError.
+      fmt: "jaxptd" or "megatron" (every document in input order, no split of its own:
+        the reader takes the last documents as val, see megatron.py).
     Returns:
       ``output`` as a string.
     """
     loaded = load_tokenizer(tokenizer)
     documents = find_documents(inputs, glob)
+    if fmt == "megatron":
+        return _write_megatron(documents, output, loaded, exist_ok)
     source = f"{len(documents)} file(s) matching {glob!r} under {', '.join(map(str, inputs))}"
     return write_corpus(documents, output, loaded, val_fraction, source, exist_ok)
+
+
+def _write_megatron(documents: list[tuple[str, Path]], output: str | Path,
+                    tokenizer: Tokenizer, exist_ok: bool) -> str:
+    """The documents as one Megatron-LM dataset with path prefix ``output``."""
+    if megatron.is_prefix(output):
+        if exist_ok:
+            return str(output)
+        raise DataError(f"--output {str(output)!r}: {output}.idx already exists; remove it "
+                        "to prepare again")
+    if not Path(output).parent.is_dir() or not os.access(Path(output).parent, os.W_OK):
+        raise DataError(f"--output {str(output)!r} is not writable: its directory must "
+                        "exist and be writable")
+    megatron.write(output, _encoded(documents, tokenizer), tokenizer.vocab_size)
+    return str(output)
 
 
 def prepare_stdlib(output: str | Path, val_fraction: float = 0.01) -> str:
@@ -262,7 +290,8 @@ def resolve_corpus(path: str) -> str:
 
     Args:
       path: "pystdlib" (prepared on first use into ``cache_dir()``/pystdlib-py<version>),
-        a prepared directory, or that directory's meta.json.
+        a prepared directory, that directory's meta.json, or the path prefix of a
+        Megatron-LM dataset (PREFIX.bin and PREFIX.idx; megatron.py).
     Returns:
       the prepared directory.
     Raises:
@@ -270,6 +299,9 @@ def resolve_corpus(path: str) -> str:
     """
     if path == STDLIB_CORPUS:
         return prepare_stdlib(cache_dir() / f"{STDLIB_CORPUS}-py{platform.python_version()}")
+    if megatron.is_prefix(path):
+        megatron.read_index(path)
+        return path
     directory = Path(path)
     if directory.name == "meta.json" and directory.is_file():
         directory = directory.parent
@@ -290,13 +322,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--val-fraction", type=float, default=0.005,
                         help="expected share of documents held out for validation")
     parser.add_argument("--glob", default="*.txt", help="file pattern inside directories")
+    parser.add_argument("--format", default="jaxptd", choices=("jaxptd", "megatron"),
+                        help="megatron: --output is a path prefix for a Megatron-LM "
+                             "indexed dataset (PREFIX.bin, PREFIX.idx)")
     args = parser.parse_args(argv)
     try:
         output = prepare_corpus(args.input, args.output, tokenizer=args.tokenizer,
-                                val_fraction=args.val_fraction, glob=args.glob)
+                                val_fraction=args.val_fraction, glob=args.glob,
+                                fmt=args.format)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.format == "megatron":
+        index = megatron.read_index(output)
+        print(f"prepared Megatron-LM dataset {output}.bin/.idx: {index.lengths.sum()} "
+              f"tokens, {len(index.documents) - 1} documents, {index.dtype.name}")
+        return 0
     meta = read_meta(output)
     print(f"prepared {output}: train {meta['train_tokens']} tokens "
           f"({meta['train_documents']} documents), val {meta['val_tokens']} tokens "
