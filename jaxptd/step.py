@@ -64,7 +64,7 @@ class Setup:
         self.vocab = model.padded_vocab(par.tensor)
         self.arch = models.get(model)
         self.local_layout = Layout(self.vocab, par.tensor, TENSOR)
-        logical = self.arch.logical_axes(model, self.vocab)
+        logical = self.arch.logical_axes(model, self.vocab, par.tensor)
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
         self.logical_param_specs = specs_from_logical(
             _map_layers(lambda names: P(*(("stages",) if self.pipelined else ("layers",)),

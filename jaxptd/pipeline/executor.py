@@ -165,17 +165,20 @@ class _Stage:
     def tokens(self, mb):
         return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
 
+    def stage_key(self, mb, chunk):
+        return jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
+
     def embed_or_input(self, ends, x_in, mb, chunk):
         """Virtual stage 0 embeds its microbatch; the others take the received input."""
         return lax.cond(self.vstage(chunk) == 0,
-                        lambda: self.arch.embed(ends, self.tokens(mb), self.config.model,
-                                                self.layout),
+                        lambda: self.arch.embed(ends, self.tokens(mb), self.stage_key(mb, chunk),
+                                                self.config.model, self.layout,
+                                                self.deterministic),
                         lambda: x_in)
 
     def layers(self, layers, x, mb, chunk):
-        key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
-        return self.arch.apply_layers(layers, x, key, self.config.model, self.layout,
-                                self.deterministic)
+        return self.arch.apply_layers(layers, x, self.tokens(mb), self.stage_key(mb, chunk),
+                                      self.config.model, self.layout, self.deterministic)
 
     def head(self, ends, y, mb, chunk):
         """The loss contribution (scaled to the global token mean) of the last stage; 0

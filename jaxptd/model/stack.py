@@ -1,0 +1,64 @@
+"""The layer stack every architecture shares: stacked initialisation with logical names,
+the scan over layers (training, with dropout keys and full recomputation) and over layers
+with a KV cache (decoding).
+
+Layers are `layers.Block`s whose parameters are stacked on a leading [L] axis named
+'layers'; layer i of a stack draws dropout from fold_in(key, i).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxptd.config import ModelConfig
+
+
+def init_layers(block: nn.Module, cfg: ModelConfig, key, x):
+    """Boxed parameters of cfg.num_layers independently drawn layers, stacked [L, ...],
+    with 'layers' prepended to every logical name. x: a [1, s, h] example input."""
+    layers = jax.vmap(lambda k: block.init(k, x)["params"])(
+        jax.random.split(key, cfg.num_layers))
+    return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), layers,
+                        is_leaf=lambda b: isinstance(b, nn.Partitioned))
+
+
+def scan_layers(block: nn.Module, layers, x, key, cfg: ModelConfig, deterministic: bool,
+                mask=None):
+    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
+
+    `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
+    With model.remat == 'full' each layer's activations are recomputed in the backward pass
+    ('selective' recomputes only the attention core, inside layers.attend). mask: the
+    attention mask every layer gets (BERT's padding), or None.
+    """
+    def one_layer(x, layer_and_index):
+        layer, index = layer_and_index
+        rngs = {"dropout": jax.random.fold_in(key, index)}
+        return block.apply({"params": layer}, x, deterministic, mask, rngs=rngs), None
+
+    if cfg.remat == "full":
+        one_layer = jax.checkpoint(one_layer)
+    n = jax.tree.leaves(layers)[0].shape[0]
+    x, _ = lax.scan(one_layer, x, (layers, jnp.arange(n)))
+    return x
+
+
+def init_cache(cfg: ModelConfig, kv_heads: int, batch: int, length: int):
+    """Zero keys and values for decoding: two [L, batch, length, kv_heads, d] arrays (this
+    rank's key/value heads) in the compute dtype."""
+    shape = (cfg.num_layers, batch, length, kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
+
+
+def decode_layers(block: nn.Module, layers, x, cache, start):
+    """x [b, q, h] at positions start.. through every layer, reading and extending the
+    cache (from init_cache) -> (x, cache). No dropout."""
+    def one_layer(x, layer_and_cache):
+        layer, k_cache, v_cache = layer_and_cache
+        x, (k_cache, v_cache) = block.apply({"params": layer}, x, True, None,
+                                            (k_cache, v_cache, start))
+        return x, (k_cache, v_cache)
+
+    return lax.scan(one_layer, x, (layers, *cache))

@@ -1,0 +1,113 @@
+"""The Llama-style decoder: fp32 parity of every kind of layout with the single-device
+program (grouped-query attention with key/value heads split over tensor ranks and
+replicated, pipelines with interleaving, ZeRO-1, recomputation, Pallas kernels), and its
+FLOPs against the matmuls in its own program."""
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads,
+                     reference_losses)
+from jaxptd import model as models
+from jaxptd.config import ConfigError, load_config
+from jaxptd.metrics import flops_per_iteration
+from jaxptd.model.layers import Layout
+from jaxptd.step import build_grads, build_train_step
+
+LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.rope_theta=500.0"]
+
+# (data, pipe, tensor, kv heads, extra): 8 query heads, 4 layers.
+CASES = [
+    (8, 1, 1, 2, ["optimizer.zero1=true"]),
+    (2, 1, 4, 2, []),  # kv heads < t: replicated, 2 ranks share each
+    (2, 1, 4, 4, ["optimizer.zero1=true"]),  # kv heads = t: one per rank
+    (1, 1, 8, 8, ["model.remat=selective", "model.kernels=pallas"]),
+    (1, 2, 4, 2, ["parallel.schedule=interleaved", "parallel.chunks=2"]),
+    (2, 2, 2, 4, ["parallel.schedule=interleaved", "parallel.chunks=2", "optimizer.zero1=true"]),
+    (1, 4, 2, 1, ["parallel.schedule=gpipe", "model.remat=full"]),
+    (1, 2, 2, 8, ["parallel.stash=inputs"]),
+]
+
+
+@pytest.mark.parametrize("data, pipe, tensor, kv, extra", CASES,
+                         ids=lambda x: x if not isinstance(x, list) else "+".join(x) or "plain")
+def test_gradients_match_single_device(data, pipe, tensor, kv, extra):
+    setup = make_setup(data, pipe, tensor, LLAMA + [f"model.num_kv_heads={kv}",
+                                                    "parallel.microbatches=2", *extra])
+    state = setup.init_state(0)
+    batch = fixed_batches(setup.config, 1)[0]
+    grads, loss = jax.jit(build_grads(setup, deterministic=True))(
+        state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
+        state["step"], jnp.float32(1))
+    params = jax.device_get(setup.to_logical(state["params"]))
+    ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
+
+
+@pytest.mark.slow
+def test_training_steps_match_single_device():
+    """Three AdamW steps at (data 2, tensor 4), key/value heads replicated, ZeRO-1."""
+    setup = make_setup(2, 1, 4, LLAMA + ["model.num_kv_heads=2", "optimizer.zero1=true"])
+    state = setup.init_state(0)
+    params0 = jax.device_get(state["params"])
+    batches = fixed_batches(setup.config, 3)
+    step, losses = build_train_step(setup), []
+    for batch in batches:
+        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(
+        losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.num_kv_heads=3", "model.num_heads=8"], "must divide model.num_heads=8"),
+    (["model.num_kv_heads=4", "model.num_heads=12", "parallel.tensor=3"],
+     "multiple or a divisor of parallel.tensor=3"),
+    (["model.hidden_size=24", "model.num_heads=8"], "even head dimension"),
+    (["model.ffn_size=30", "parallel.tensor=4"], "ffn_size=30: must be divisible"),
+])
+def test_bad_llama_configs_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["model.arch=llama", "model.hidden_size=48", *overrides])
+
+
+def test_replicated_kv_heads_are_not_sharded():
+    """kv heads 2 < t 4: w_kv replicated over tensor; kv 4 = t: split over it."""
+    for kv, sharded in ((2, False), (4, True)):
+        setup = make_setup(2, 1, 4, LLAMA + [f"model.num_kv_heads={kv}"])
+        assert ("tensor" in str(setup.param_specs["layers"]["attn"]["w_kv"])) == sharded
+
+
+def matmul_flops(fn, *args) -> int:
+    """2 x (output elements) x (contracted size), summed over the dot_generals of fn's
+    jaxpr (scans unrolled by their length)."""
+    def count(jaxpr, times):
+        total = 0
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (contract, _), _ = eqn.params["dimension_numbers"]
+                lhs = eqn.invars[0].aval.shape
+                size = int(np.prod([lhs[d] for d in contract]))
+                total += 2 * size * int(np.prod(eqn.outvars[0].aval.shape)) * times
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                total += count(sub, times * eqn.params.get("length", 1))
+        return total
+    return count(jax.make_jaxpr(fn)(*args).jaxpr, 1)
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_forward_flops_count_the_matmuls(arch):
+    """The metrics' FLOPs (SwiGLU, grouped-query attention) equal the matmuls the forward
+    pass really runs; a training iteration is three forwards."""
+    extra = LLAMA + ["model.num_kv_heads=2"] if arch == "llama" else ["model.ffn_size=24"]
+    setup = make_setup(1, 1, 1, extra)
+    config, vocab = setup.config, setup.vocab
+    params = models.get(config.model).init_params(config.model, vocab, jax.random.key(0))
+    batch = jnp.asarray(fixed_batches(config, 1)[0])
+    counted = matmul_flops(lambda p: models.loss_sum(p, batch, jax.random.key(0), config.model,
+                                                     Layout(vocab), True), params)
+    planned = flops_per_iteration(config.model, config.train.global_batch, vocab)
+    assert planned == 3 * counted, (planned, counted)
