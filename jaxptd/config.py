@@ -274,6 +274,14 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     return config
 
 
+def from_dict(tree: dict[str, Any]) -> Config:
+    """A validated Config from {section: {key: value}} (e.g. a checkpoint's record of its
+    config); raises ConfigError like load_config."""
+    config = _build(tree)
+    validate(config)
+    return config
+
+
 def _get(config: Config, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(config, section), key)

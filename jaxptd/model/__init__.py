@@ -14,8 +14,9 @@ leaves, plus the "ends" (every other top-level key: embedding, final norm, outpu
     head_loss(ends, x, batch, cfg, layout)        -> the batch's loss sum (see below)
     forward_flops(cfg, vocab)                     matmul FLOPs per token: {layer, core, head}
 
-and, for decoders, `decode(params, tokens, cache, start, cfg, layout)` and
-`init_cache(cfg, layout, batch, length)` (jaxptd/generate.py). Architectures with their own
+and, for decoders, `logits(ends, x, cfg, layout)` (final norm and output layer),
+`decode(params, tokens, cache, start, cfg, layout)` and `init_cache(cfg, layout, batch,
+length)` (jaxptd/generate.py). Architectures with their own
 batch rows (BERT) also define `batch_width(cfg)`, `make_batch(tokens, seed, step, first_row,
 cfg)` and `reserved_ids(cfg)`; the defaults below are the decoders'.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import importlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxptd.config import ModelConfig
@@ -54,6 +56,16 @@ def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic
     x = arch.embed(ends(params), batch, key, cfg, layout, deterministic)
     x = arch.apply_layers(params["layers"], x, batch, key, cfg, layout, deterministic)
     return arch.head_loss(ends(params), x, batch, cfg, layout)
+
+
+def forward_logits(params, tokens, cfg: ModelConfig, layout: Layout):
+    """A decoder's logits [b, s, V/t] float32 for tokens [b, s] through the training
+    forward (no cache, no dropout)."""
+    arch, key = get(cfg), jax.random.key(0)
+    batch = jnp.pad(tokens, ((0, 0), (0, 1)))  # the rows embed expects: s + 1 tokens
+    x = arch.embed(ends(params), batch, key, cfg, layout, True)
+    x = arch.apply_layers(params["layers"], x, batch, key, cfg, layout, True)
+    return arch.logits(ends(params), x, cfg, layout)
 
 
 def batch_width(cfg: ModelConfig) -> int:
