@@ -221,9 +221,14 @@ def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
             _set(params, path, value)
     for path, parts in halves.items():  # [L, h, k, d] x 2 -> [L, h, 2, k, d]
         _set(params, path, np.stack([parts[0], parts[1]], axis=2))
+    return pad_vocab(params, vocab)
+
+
+def pad_vocab(params: dict, vocab: int) -> dict:
+    """Zero rows (columns of the output layer) up to the padded vocabulary `vocab`."""
     for (section, leaf), axis in VOCAB_AXES.items():
         if section in params:
-            table = params[section][leaf]
+            table = np.asarray(params[section][leaf])
             widths = [(0, 0)] * table.ndim
             widths[axis] = (0, vocab - table.shape[axis])
             params[section][leaf] = np.pad(table, widths)
@@ -275,23 +280,28 @@ def from_params(model: ModelConfig, params: dict) -> dict:
     return tensors
 
 
+def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
+    """(jaxptd config tree, its model config, global params padded for tensor = 1)."""
+    arch, hf, tensors = read_hf(hf_dir)
+    tree = {"model": ARCHITECTURES[arch](hf)}
+    try:
+        model = from_dict(tree).model
+    except ConfigError as e:
+        raise HFError(f"{hf_dir}/config.json gives an invalid jaxptd config: {e}") from None
+    return tree, model, to_params(model, tensors, model.padded_vocab(1))
+
+
 def import_hf(hf_dir: str, out_dir: str) -> Path:
     """Writes OUT_DIR/config.yaml and a step-0 checkpoint; returns the config path."""
     import yaml
 
-    arch, hf, tensors = read_hf(hf_dir)
+    tree, _, params = load_hf(hf_dir)
     out = Path(out_dir).absolute()
-    tree = {"model": ARCHITECTURES[arch](hf), "train": {"run_dir": str(out)},
-            "checkpoint": {"dir": str(out / "checkpoints")}}
-    try:
-        config = from_dict(tree)
-    except ConfigError as e:
-        raise HFError(f"{hf_dir}/config.json gives an invalid jaxptd config: {e}") from None
-    setup = _single_device_setup(config)
-    params = to_params(config.model, tensors, setup.vocab)
+    tree.update({"train": {"run_dir": str(out)}, "checkpoint": {"dir": str(out / "checkpoints")}})
+    setup = _single_device_setup(from_dict(tree))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(
-        f"# Imported from {Path(hf_dir).absolute()} ({arch}) by python -m jaxptd.hf import\n"
+        f"# Imported from {Path(hf_dir).absolute()} by python -m jaxptd.hf import\n"
         + yaml.safe_dump(tree, sort_keys=False))
     _save(setup, params)
     return out / "config.yaml"
@@ -338,7 +348,8 @@ def checkpoint_steps(directory: str) -> tuple[Path, list[int]]:
 
 
 def load_params(directory: str, step: int | None = None):
-    """(model config, global float32 params as numpy, step) from a checkpoint directory."""
+    """(config, global float32 params as numpy (vocabulary padded for tensor = 1), step)
+    from a checkpoint directory."""
     import jax
     from jaxptd.checkpoint import Checkpointer
 
@@ -352,14 +363,15 @@ def load_params(directory: str, step: int | None = None):
     ckpt = Checkpointer(str(ckpt_dir), every=0, keep=len(steps), async_save=False)
     state = ckpt.restore(setup.abstract_state(logical=True), step, config.model.vocab_size)
     ckpt.close()
-    return config.model, jax.device_get(state["params"]), step
+    return config, jax.device_get(state["params"]), step
 
 
 def export_hf(directory: str, hf_dir: str, step: int | None = None) -> int:
     """config.json + model.safetensors in HF_DIR from a checkpoint; returns the step."""
     from safetensors.numpy import save_file
 
-    model, params, step = load_params(directory, step)
+    config, params, step = load_params(directory, step)
+    model = config.model
     hf_config = _export_config(model)
     out = Path(hf_dir)
     out.mkdir(parents=True, exist_ok=True)

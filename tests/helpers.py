@@ -64,3 +64,24 @@ def assert_trees_close(actual, expected, rtol=1e-5):
         assert a.shape == e.shape, (jax.tree_util.keystr(path), a.shape, e.shape)
         np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max() + 1e-12,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+HF_VOCAB = 301
+
+
+def tiny_hf_model(kind: str):
+    """A random transformers model with odd sizes and several layers (torch seed 0):
+    GPT2LMHeadModel, or LlamaForCausalLM with grouped-query attention (6 heads, 2 kv)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=36, n_head=3, n_layer=3, vocab_size=HF_VOCAB, n_positions=20, n_inner=52,
+            bos_token_id=None, eos_token_id=None)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
+        intermediate_size=70, vocab_size=HF_VOCAB, max_position_embeddings=64,
+        rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None)).eval()

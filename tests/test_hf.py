@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
-from helpers import assert_trees_close, reference_loss  # noqa: E402
+from helpers import HF_VOCAB, assert_trees_close, reference_loss, tiny_hf_model  # noqa: E402
 from jaxptd import hf  # noqa: E402
 from jaxptd.config import Config  # noqa: E402
 from jaxptd import model as models  # noqa: E402
@@ -26,24 +26,13 @@ from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
 from jaxptd.model.layers import Layout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 301
-HF_CONFIGS = {
-    "gpt": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_embd=36, n_head=3, n_layer=3, vocab_size=VOCAB, n_positions=20, n_inner=52,
-        bos_token_id=None, eos_token_id=None)),
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
-        intermediate_size=70, vocab_size=VOCAB, max_position_embeddings=64,
-        rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=None)),
-}
+VOCAB = HF_VOCAB
 
 
 @pytest.fixture(scope="module", params=["gpt", "llama"])
 def imported(request, tmp_path_factory):
     """(kind, transformers model, its directory, the import's directory)."""
-    torch.manual_seed(0)
-    model = HF_CONFIGS[request.param]().eval()
+    model = tiny_hf_model(request.param)
     tmp = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(tmp / "hf")
     assert hf.main(["import", str(tmp / "hf"), str(tmp / "jaxptd")]) == 0
@@ -58,6 +47,7 @@ def torch_logits(model, tokens):
 def test_import_gives_transformers_logits_and_loss(imported):
     _, model, _, out = imported
     config, params, step = hf.load_params(out)
+    config = config.model
     assert step == 0
     batch = np.random.default_rng(1).integers(0, VOCAB, (3, 18))
     vocab = params["embed"]["wte"].shape[0]

@@ -309,6 +309,16 @@ def resolve_corpus(path: str) -> str:
     return str(directory)
 
 
+def corpus_tokenizer(path: str) -> str | None:
+    """The tokenizer a config's data.path was prepared with ("byte" or a tokenizers file),
+    without preparing anything; None for a Megatron-LM dataset (it names none)."""
+    if path == STDLIB_CORPUS:
+        return "byte"
+    if megatron.is_prefix(path):
+        return None
+    return read_meta(Path(resolve_corpus(path)))["tokenizer"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit status (2 for errors a user can cause)."""
     parser = argparse.ArgumentParser(prog="python -m jaxptd.data.prepare",

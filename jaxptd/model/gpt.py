@@ -89,6 +89,11 @@ def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
     return stack.init_cache(cfg, cfg.num_heads // layout.tensor, batch, length)
 
 
+def max_length(cfg: ModelConfig) -> int:
+    """Longest sequence the model can read: its learned positions."""
+    return cfg.seq_len
+
+
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (24 h^2 + 4 s h with ffn = 4h,
     PTD-P eq. 3), its attention core (4 s h) and the logit layer (2 h V)."""
