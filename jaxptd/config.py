@@ -372,6 +372,8 @@ def _validate_heads(m: ModelConfig, tensor: int) -> None:
              f"dimension, hidden_size / num_heads = {m.head_dim}")
     _require(m.ffn % tensor == 0,
              f"model.ffn_size={m.ffn}: must be divisible by parallel.tensor={tensor}")
+    _require(m.arch != "bert" or m.seq_len >= 5,
+             f"model.seq_len={m.seq_len}: BERT's rows [CLS] A [SEP] B [SEP] need at least 5")
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be positive")
 
 

@@ -181,6 +181,8 @@ def generate(args) -> tuple[str | None, list[int]]:
     from jaxptd.model import get
 
     model, params, spec = _load(args)
+    if not hasattr(get(model), "decode"):
+        raise ConfigError(f"model.arch={model.arch}: an encoder; generation needs a decoder")
     parallel = ParallelConfig(tensor=args.tensor)
     validate(Config(model=model, parallel=parallel))  # heads, kv heads, ffn vs --tensor
     if len(jax.devices()) < args.tensor:

@@ -247,7 +247,8 @@ def verify(config: Config, report: dict) -> dict:
                           f"{len(jax.devices())}")
     mesh = make_mesh(config.parallel, jax.devices()[: config.num_devices])
     setup = Setup(config, mesh)
-    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+    from jaxptd.model import batch_width
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, batch_width(config.model)),
                                  jnp.int32, sharding=setup.batch_sharding)
     try:
         compiled = build_train_step(setup).lower(setup.abstract_state(), batch).compile()

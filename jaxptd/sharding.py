@@ -11,7 +11,8 @@ the model with `nn.with_logical_partitioning`); `RULES` maps each name to a mesh
   kv_heads_replicated, which is replicated);
 - mlp -> tensor: the first MLP layer(s) column-parallel, the second row-parallel;
 - stages -> pipe: stacked layers are split into pipeline stages;
-- everything else (embed, kv, qkv, positions, layers, chunks, norm, types) is replicated.
+- everything else (embed, embed_out, kv, qkv, positions, layers, chunks, norm,
+  types) is replicated.
 
 ZeRO-1 (`optimizer.zero1`) further shards optimizer state over data on the first
 dimension that is free and divisible by the data size.
@@ -43,6 +44,8 @@ RULES: dict[str, str | None] = {
     "chunks": None,
     "norm": None,
     "kv_heads_replicated": None,  # ... else every rank holds them all
+    "embed_out": None,  # BERT's replicated h x h head layers
+    "types": None,  # BERT's token types and SOP classes
 }
 
 

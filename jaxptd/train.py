@@ -13,6 +13,7 @@ import math
 import sys
 
 from jaxptd import distributed
+from jaxptd import model as models
 from jaxptd.checkpoint import CheckpointError, check_writable
 from jaxptd.config import Config, ConfigError, load_config
 from jaxptd.data import DataError, TokenDataset, resolve_corpus
@@ -30,28 +31,32 @@ def prepare(config: Config):
     """User-facing checks that need files but no devices; returns (train, val) datasets."""
     corpus = resolve_corpus(config.data.path)
     train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
-    if train.vocab_size > config.model.vocab_size:
+    reserved = models.reserved_ids(config.model)  # ids the architecture keeps (BERT's)
+    if train.vocab_size > config.model.vocab_size - reserved:
         raise ConfigError(
             f"model.vocab_size={config.model.vocab_size}: must be >= the corpus vocabulary "
-            f"{train.vocab_size} ({corpus})")
+            f"{train.vocab_size} ({corpus})" + (f" + {reserved} ids model.arch="
+                                                f"{config.model.arch} reserves" if reserved else ""))
     if config.checkpoint.every:
         check_writable(config.checkpoint_dir)
     return train, val
 
 
 def global_batch(setup, dataset: TokenDataset, seed: int, step: int):
-    """Batch `step` as a global array; each process reads only the rows its devices hold."""
+    """Batch `step` as a global array in the architecture's rows; each process reads and
+    builds only the rows its devices hold."""
     import jax
 
     config = setup.config
-    shape = (config.train.global_batch, config.model.seq_len + 1)
+    shape = (config.train.global_batch, models.batch_width(config.model))
     cache = {}
 
     def rows(index):
         span = index[0].indices(shape[0])
         if span not in cache:
-            cache[span] = dataset.batch(seed, step, shape[0], config.model.seq_len,
-                                        rows=range(*span))
+            tokens = dataset.batch(seed, step, shape[0], config.model.seq_len,
+                                   rows=range(*span))
+            cache[span] = models.make_batch(tokens, seed, step, span[0], config.model)
         return cache[span]
 
     return jax.make_array_from_callback(shape, setup.batch_sharding, rows)

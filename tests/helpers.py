@@ -25,14 +25,18 @@ def make_setup(data=1, pipe=1, tensor=1, extra=()):
 
 
 def fixed_batches(config, n, seed=0):
+    """n random global batches in the architecture's rows (token rows for decoders)."""
     rng = np.random.default_rng(seed)
     shape = (config.train.global_batch, config.model.seq_len + 1)
-    return [rng.integers(0, config.model.vocab_size, shape).astype(np.int32) for _ in range(n)]
+    high = config.model.vocab_size - models.reserved_ids(config.model)
+    return [models.make_batch(rng.integers(0, high, shape).astype(np.int32), seed, step, 0,
+                              config.model) for step in range(n)]
 
 
 def reference_loss(config, vocab, params, batch):
-    """Mean token loss on one device, global parameters, no dropout."""
-    tokens = batch.shape[0] * (batch.shape[1] - 1)
+    """The step's loss on one device, global parameters, no dropout: the loss sum over
+    (rows x seq_len), the mean token loss of a decoder."""
+    tokens = batch.shape[0] * config.model.seq_len
     return models.loss_sum(params, jnp.asarray(batch), jax.random.key(0), config.model,
                            Layout(vocab), True) / tokens
 

@@ -74,6 +74,10 @@ DENSE = {
     "w_up": "bsh,hf->bsf",  # column-parallel
     "w_down": "bsf,fh->bsh",  # row-parallel
     "w_head": "bsh,hv->bsv",  # untied output layer, column-parallel (by vocabulary)
+    # BERT's heads (bert.py), replicated
+    "w_mlm": "bsh,hk->bsk",
+    "w_pool": "bh,hk->bk",
+    "w_sop": "bh,hc->bc",
 }
 DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
@@ -358,14 +362,16 @@ def vocab_start(layout: Layout):
     return 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis) * local
 
 
-def vocab_parallel_xent(logits, targets, cfg: ModelConfig, layout: Layout):
+def vocab_parallel_xent(logits, targets, cfg: ModelConfig, layout: Layout,
+                        classes: int | None = None):
     """Cross-entropy of vocab-parallel logits [b, s, V/t] float32 at targets [b, s] -> [b, s].
 
     The logits stay on their tensor rank: only [b, s] maxima, sums of exponentials and
-    target logits cross the tensor axis. Padded vocabulary rows never take probability.
+    target logits cross the tensor axis. Padded vocabulary rows, and any id from `classes`
+    on (default: model.vocab_size), never take probability.
     """
     ids = vocab_start(layout) + jnp.arange(logits.shape[-1])
-    logits = jnp.where(ids < cfg.vocab_size, logits, -jnp.inf)
+    logits = jnp.where(ids < (classes or cfg.vocab_size), logits, -jnp.inf)
     # The max only stabilises the exponentials; its gradient cancels, so it is stopped.
     row_max = lax.stop_gradient(jnp.max(logits, axis=-1))  # [b, s]
     if layout.tensor_axis is not None:
