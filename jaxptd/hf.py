@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -310,7 +309,7 @@ def import_hf(hf_dir: str, out_dir: str) -> Path:
 def _single_device_setup(config: Config):
     """Setup on one device (data = pipe = tensor = 1, no ZeRO-1): the logical layout."""
     import jax
-    from jaxptd.config import OptimizerConfig, ParallelConfig
+    from jaxptd.config import ParallelConfig
     from jaxptd.mesh import make_mesh
     from jaxptd.step import Setup
 

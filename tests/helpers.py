@@ -58,6 +58,37 @@ def reference_losses(config, vocab, params, batches):
     return losses
 
 
+def assert_grads_match_single_device(setup):
+    """build_grads at the setup's layout gives the single-device loss and gradients."""
+    from jaxptd.step import build_grads
+
+    state = setup.init_state(0)
+    batch = fixed_batches(setup.config, 1)[0]
+    grads, loss = jax.jit(build_grads(setup, deterministic=True))(
+        state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
+        state["step"], jnp.float32(1))
+    params = jax.device_get(setup.to_logical(state["params"]))
+    ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
+    return float(loss)
+
+
+def assert_steps_match_single_device(setup, steps=3):
+    """`steps` optimizer steps at the setup's layout give the single-device losses."""
+    from jaxptd.step import build_train_step
+
+    state = setup.init_state(0)
+    params0 = jax.device_get(setup.to_logical(state["params"]))
+    batches = fixed_batches(setup.config, steps)
+    step, losses = build_train_step(setup), []
+    for batch in batches:
+        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(
+        losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
+
+
 def assert_trees_close(actual, expected, rtol=1e-5):
     """Elementwise rtol, with an absolute floor of rtol x the leaf's largest magnitude."""
     flat_a = jax.tree_util.tree_leaves_with_path(jax.device_get(actual))

@@ -14,28 +14,29 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads,
-                     reference_losses)
+from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
+                     fixed_batches, make_setup)
 from jaxptd import model as models
 from jaxptd.config import ConfigError, load_config
 from jaxptd.data import resolve_corpus, unigram_entropy
 from jaxptd.metrics import flops_per_iteration
 from jaxptd.model.layers import Layout
-from jaxptd.step import build_grads, build_train_step
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.rope_theta=500.0"]
 
 # (data, pipe, tensor, kv heads, extra): 8 query heads, 4 layers.
+SLOW = pytest.mark.slow  # the fast subset keeps one layout of each kind
 CASES = [
-    (8, 1, 1, 2, ["optimizer.zero1=true"]),
+    pytest.param(8, 1, 1, 2, ["optimizer.zero1=true"], marks=SLOW),
     (2, 1, 4, 2, []),  # kv heads < t: replicated, 2 ranks share each
     (2, 1, 4, 4, ["optimizer.zero1=true"]),  # kv heads = t: one per rank
-    (1, 1, 8, 8, ["model.remat=selective", "model.kernels=pallas"]),
+    pytest.param(1, 1, 8, 8, ["model.remat=selective", "model.kernels=pallas"], marks=SLOW),
     (1, 2, 4, 2, ["parallel.schedule=interleaved", "parallel.chunks=2"]),
-    (2, 2, 2, 4, ["parallel.schedule=interleaved", "parallel.chunks=2", "optimizer.zero1=true"]),
-    (1, 4, 2, 1, ["parallel.schedule=gpipe", "model.remat=full"]),
-    (1, 2, 2, 8, ["parallel.stash=inputs"]),
+    pytest.param(2, 2, 2, 4, ["parallel.schedule=interleaved", "parallel.chunks=2",
+                              "optimizer.zero1=true"], marks=SLOW),
+    pytest.param(1, 4, 2, 1, ["parallel.schedule=gpipe", "model.remat=full"], marks=SLOW),
+    pytest.param(1, 2, 2, 8, ["parallel.stash=inputs"], marks=SLOW),
 ]
 
 
@@ -44,30 +45,14 @@ CASES = [
 def test_gradients_match_single_device(data, pipe, tensor, kv, extra):
     setup = make_setup(data, pipe, tensor, LLAMA + [f"model.num_kv_heads={kv}",
                                                     "parallel.microbatches=2", *extra])
-    state = setup.init_state(0)
-    batch = fixed_batches(setup.config, 1)[0]
-    grads, loss = jax.jit(build_grads(setup, deterministic=True))(
-        state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
-        state["step"], jnp.float32(1))
-    params = jax.device_get(setup.to_logical(state["params"]))
-    ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
+    assert_grads_match_single_device(setup)
 
 
 @pytest.mark.slow
 def test_training_steps_match_single_device():
     """Three AdamW steps at (data 2, tensor 4), key/value heads replicated, ZeRO-1."""
     setup = make_setup(2, 1, 4, LLAMA + ["model.num_kv_heads=2", "optimizer.zero1=true"])
-    state = setup.init_state(0)
-    params0 = jax.device_get(state["params"])
-    batches = fixed_batches(setup.config, 3)
-    step, losses = build_train_step(setup), []
-    for batch in batches:
-        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(
-        losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
+    assert_steps_match_single_device(setup)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -114,7 +99,8 @@ def test_forward_flops_count_the_matmuls(arch):
              "bert": ["model.arch=bert"]}[arch]
     setup = make_setup(1, 1, 1, extra)
     config, vocab = setup.config, setup.vocab
-    params = models.get(config.model).init_params(config.model, vocab, jax.random.key(0))
+    params = jax.jit(models.get(config.model).init_params, static_argnums=(0, 1))(
+        config.model, vocab, jax.random.key(0))
     batch = jnp.asarray(fixed_batches(config, 1)[0])  # the architecture's rows
     counted = matmul_flops(lambda p: models.loss_sum(p, batch, jax.random.key(0), config.model,
                                                      Layout(vocab), True), params)

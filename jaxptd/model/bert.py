@@ -124,15 +124,10 @@ def _block(cfg: ModelConfig, layout: Layout) -> Block:
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
     layout = Layout(vocab)
-    k_embed, k_layers, k_heads = jax.random.split(key, 3)
-    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
-    return {
-        "embed": Embed(cfg, layout, cfg.seq_len).init(k_embed, tokens)["params"],
-        "layers": stack.init_layers(_block(cfg, layout), cfg, k_layers, x),
-        "final_norm": layer_norm(cfg).init(jax.random.key(0), x.astype(jnp.float32))["params"],
-        "heads": Heads(cfg, layout).init(k_heads, x)["params"],
-    }
+    return stack.boxed_init(cfg, key, _block(cfg, layout),
+                            {"embed": (Embed(cfg, layout, cfg.seq_len), True),
+                             "heads": (Heads(cfg, layout), False)},
+                            {"final_norm": layer_norm(cfg)})
 
 
 def init_params(cfg: ModelConfig, vocab: int, key):

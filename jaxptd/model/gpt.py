@@ -19,8 +19,7 @@ import jax.numpy as jnp
 
 from jaxptd.config import ModelConfig
 from jaxptd.model import stack
-from jaxptd.model.layers import (Block, Embed, Layout, embedding_dropout, layer_norm,
-                                 vocab_parallel_xent)
+from jaxptd.model.layers import Block, Embed, Layout, layer_norm
 
 
 def _block(cfg: ModelConfig, layout: Layout) -> Block:
@@ -34,13 +33,8 @@ def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
     """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
     layout = Layout(vocab)
-    k_embed, k_layers = jax.random.split(key)
-    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
-    embed = _embed(cfg, layout).init(k_embed, tokens)["params"]
-    layers = stack.init_layers(_block(cfg, layout), cfg, k_layers, x)
-    final_norm = layer_norm(cfg).init(jax.random.key(0), x.astype(jnp.float32))["params"]
-    return {"embed": embed, "layers": layers, "final_norm": final_norm}
+    return stack.boxed_init(cfg, key, _block(cfg, layout), {"embed": (_embed(cfg, layout), True)},
+                            {"final_norm": layer_norm(cfg)})
 
 
 def init_params(cfg: ModelConfig, vocab: int, key):
@@ -53,18 +47,6 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
     return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
 
 
-def embed(ends, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """batch [b, s + 1] int32 (inputs are its first s tokens) -> activations [b, s, h] in
-    the compute dtype, with dropout on the embedding sum."""
-    x = _embed(cfg, layout).apply({"params": ends["embed"]}, batch[:, :-1])
-    return embedding_dropout(x, key, cfg, deterministic)
-
-
-def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """A stack of layers (leading axis n) on x [b, s, h]; see stack.scan_layers."""
-    return stack.scan_layers(_block(cfg, layout), layers, x, key, cfg, deterministic)
-
-
 def logits(ends, x, cfg: ModelConfig, layout: Layout):
     """Final LayerNorm and the tied output layer: x [b, s, h] -> [b, s, V/t] float32."""
     x = layer_norm(cfg).apply({"params": ends["final_norm"]}, x.astype(jnp.float32))
@@ -72,17 +54,7 @@ def logits(ends, x, cfg: ModelConfig, layout: Layout):
                                      method=Embed.logits)
 
 
-def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
-    """x [b, s, h], batch [b, s + 1] int32 (targets are its last s tokens) -> scalar float32
-    sum of the token losses (vocab-parallel cross-entropy)."""
-    return jnp.sum(vocab_parallel_xent(logits(ends, x, cfg, layout), batch[:, 1:], cfg, layout))
-
-
-def decode(params, tokens, cache, start, cfg: ModelConfig, layout: Layout):
-    """tokens [b, q] at positions start.. -> (logits [b, q, V/t] float32, cache)."""
-    x = _embed(cfg, layout).apply({"params": params["embed"]}, tokens, start)
-    x, cache = stack.decode_layers(_block(cfg, layout), params["layers"], x, cache, start)
-    return logits(params, x, cfg, layout), cache
+embed, apply_layers, head_loss, decode = stack.decoder(_embed, _block, logits)
 
 
 def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):

@@ -300,13 +300,6 @@ class Block(nn.Module):
         return _dropout(x, self.cfg.dropout, self.make_rng("dropout"))
 
 
-def _dropout(self, x, deterministic):
-        # After the all-reduce the activation is the same on every tensor rank: one mask.
-        if not self.cfg.dropout or deterministic:
-            return x
-        return _dropout(x, self.cfg.dropout, self.make_rng("dropout"))
-
-
 def _dropout(x, rate: float, key):
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)

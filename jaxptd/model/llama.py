@@ -27,9 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import ModelConfig
 from jaxptd.model import stack
-from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, embedding_dropout,
-                                 enter_tensor, exit_tensor, normal, residual_std, rms_norm,
-                                 vocab_parallel_xent)
+from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, enter_tensor,
+                                 exit_tensor, normal, residual_std, rms_norm)
 
 
 def kv_sharded(cfg: ModelConfig, tensor: int) -> bool:
@@ -126,15 +125,9 @@ def _block(cfg: ModelConfig, layout: Layout) -> Block:
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
     """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
     layout = Layout(vocab)
-    k_embed, k_layers, k_head = jax.random.split(key, 3)
-    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
-    return {
-        "embed": Embed(cfg, layout).init(k_embed, tokens)["params"],
-        "layers": stack.init_layers(_block(cfg, layout), cfg, k_layers, x),
-        "final_norm": rms_norm(cfg).init(jax.random.key(0), x.astype(jnp.float32))["params"],
-        "head": Head(cfg, layout).init(k_head, x)["params"],
-    }
+    return stack.boxed_init(cfg, key, _block(cfg, layout),
+                            {"embed": (Embed(cfg, layout), True), "head": (Head(cfg, layout), False)},
+                            {"final_norm": rms_norm(cfg)})
 
 
 def init_params(cfg: ModelConfig, vocab: int, key):
@@ -154,33 +147,13 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
     return specs
 
 
-def embed(ends, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """batch [b, s + 1] int32 (inputs are its first s tokens) -> [b, s, h]."""
-    x = Embed(cfg, layout).apply({"params": ends["embed"]}, batch[:, :-1])
-    return embedding_dropout(x, key, cfg, deterministic)
-
-
-def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """A stack of layers (leading axis n) on x [b, s, h]; see stack.scan_layers."""
-    return stack.scan_layers(_block(cfg, layout), layers, x, key, cfg, deterministic)
-
-
 def logits(ends, x, cfg: ModelConfig, layout: Layout):
     """Final RMSNorm and the output layer: x [b, s, h] -> [b, s, V/t] float32."""
     x = rms_norm(cfg).apply({"params": ends["final_norm"]}, x.astype(jnp.float32))
     return Head(cfg, layout).apply({"params": ends["head"]}, x.astype(cfg.dtype))
 
 
-def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
-    """x [b, s, h], batch [b, s + 1] (targets: its last s tokens) -> sum of token losses."""
-    return jnp.sum(vocab_parallel_xent(logits(ends, x, cfg, layout), batch[:, 1:], cfg, layout))
-
-
-def decode(params, tokens, cache, start, cfg: ModelConfig, layout: Layout):
-    """tokens [b, q] at positions start.. -> (logits [b, q, V/t] float32, cache)."""
-    x = Embed(cfg, layout).apply({"params": params["embed"]}, tokens)
-    x, cache = stack.decode_layers(_block(cfg, layout), params["layers"], x, cache, start)
-    return logits(params, x, cfg, layout), cache
+embed, apply_layers, head_loss, decode = stack.decoder(Embed, _block, logits)
 
 
 def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):

@@ -62,3 +62,52 @@ def decode_layers(block: nn.Module, layers, x, cache, start):
         return x, (k_cache, v_cache)
 
     return lax.scan(one_layer, x, (layers, *cache))
+
+
+def boxed_init(cfg: ModelConfig, key, block: nn.Module, keyed: dict, norms: dict):
+    """Global parameters as Flax boxes: {'layers': cfg.num_layers blocks} plus the ends.
+
+    keyed: {name: (module, takes_tokens)} drawn with their own keys (in this order, the
+    layers' key last); norms: {name: module} (ones and zeros: no key). Example inputs are
+    [1, s] tokens or [1, s, h] activations.
+    """
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
+    *keys, k_layers = jax.random.split(key, len(keyed) + 1)
+    tree = {name: module.init(k, tokens if takes_tokens else x)["params"]
+            for (name, (module, takes_tokens)), k in zip(keyed.items(), keys)}
+    tree.update({name: norm.init(jax.random.key(0), x.astype(jnp.float32))["params"]
+                 for name, norm in norms.items()})
+    tree["layers"] = init_layers(block, cfg, k_layers, x)
+    return tree
+
+
+def decoder(embed_module, block, logits):
+    """The interface functions every decoder shares, from its embedding module and layer
+    (factories of (cfg, layout)) and its `logits(ends, x, cfg, layout)`:
+    (embed, apply_layers, head_loss, decode)."""
+    from jaxptd.model.layers import embedding_dropout, vocab_parallel_xent
+
+    def embed(ends, batch, key, cfg, layout, deterministic: bool):
+        """batch [b, s + 1] int32 (inputs: its first s tokens) -> [b, s, h] in the compute
+        dtype, with dropout on the embedding."""
+        x = embed_module(cfg, layout).apply({"params": ends["embed"]}, batch[:, :-1])
+        return embedding_dropout(x, key, cfg, deterministic)
+
+    def apply_layers(layers, x, batch, key, cfg, layout, deterministic: bool):
+        """A stack of layers (leading axis n) on x [b, s, h]; see scan_layers."""
+        return scan_layers(block(cfg, layout), layers, x, key, cfg, deterministic)
+
+    def head_loss(ends, x, batch, cfg, layout):
+        """x [b, s, h], batch [b, s + 1] (targets: its last s tokens) -> the sum of the
+        token losses (vocab-parallel cross-entropy)."""
+        return jnp.sum(vocab_parallel_xent(logits(ends, x, cfg, layout), batch[:, 1:], cfg,
+                                           layout))
+
+    def decode(params, tokens, cache, start, cfg, layout):
+        """tokens [b, q] at positions start.. -> (logits [b, q, V/t] float32, cache)."""
+        x = embed_module(cfg, layout).apply({"params": params["embed"]}, tokens, start)
+        x, cache = decode_layers(block(cfg, layout), params["layers"], x, cache, start)
+        return logits(params, x, cfg, layout), cache
+
+    return embed, apply_layers, head_loss, decode

@@ -146,7 +146,7 @@ class _Stage:
     def __init__(self, setup, batch, key, deterministic):
         config, m = setup.config, setup.config.parallel.microbatches
         self.config, self.layout, self.arch = config, setup.local_layout, setup.arch
-        self.micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, s+1]
+        self.micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, row width]
         self.key, self.rank = key, lax.axis_index(PIPE)
         self.deterministic = deterministic
         self.last = config.parallel.pipe * config.parallel.chunks - 1
@@ -163,7 +163,7 @@ class _Stage:
         return mark_varying(jnp.zeros(shape, jnp.dtype(model.dtype)), (DATA, PIPE))
 
     def tokens(self, mb):
-        return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
+        return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, row width]
 
     def stage_key(self, mb, chunk):
         return jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
