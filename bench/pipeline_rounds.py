@@ -59,7 +59,7 @@ def build(shape: dict, rounds: int, form: str, valid_fraction: float):
 
     def loop(layers, x):
         def chunk(w, x):
-            return models.apply_layers(w, x, jax.random.key(0), cfg, layout, True)
+            return models.apply_layers(w, x, None, jax.random.key(0), cfg, layout, True)
 
         def kept():  # what the chunk's backward closes over (its residuals and weights)
             return jax.closure_convert(jax.vjp(chunk, layers, x)[1], x)

@@ -26,7 +26,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = "gpt"  # gpt (the papers' GPT-2-shaped decoder)
+    arch: str = "gpt"  # gpt (the papers' GPT-2-shaped decoder) | llama | bert
     num_layers: int = 4
     hidden_size: int = 128
     num_heads: int = 4
@@ -38,7 +38,24 @@ class ModelConfig:
     attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
     remat: str = "none"  # activation recomputation: none | selective (attention core) | full
     init_std: float = 0.02
-    layernorm_eps: float = 1e-5
+    layernorm_eps: float = 1e-5  # LayerNorm's (RMSNorm's for llama) epsilon
+    ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
+    num_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: num_heads
+    rope_theta: float = 10000.0  # llama: base of the rotary position embedding
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn_size or 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (fewer than num_heads: grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
     def padded_vocab(self, tensor: int) -> int:
         """Vocabulary rounded up to a multiple of 128 x tensor, as Megatron pads it."""
@@ -157,7 +174,7 @@ class Config:
 
 
 CHOICES = {
-    "model.arch": ("gpt",),
+    "model.arch": ("gpt", "llama", "bert"),
     "optimizer.grad_reduce_dtype": ("float32", "bfloat16"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
@@ -179,7 +196,8 @@ POSITIVE = (
 NON_NEGATIVE = (
     "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
     "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
-    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices", "parallel.fsdp_group",
+    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices", "model.ffn_size",
+    "model.num_kv_heads", "parallel.fsdp_group",
     "runtime.num_processes",
 )
 
@@ -309,6 +327,12 @@ def changed_keys(saved: dict, config: Config) -> list[str]:
             if old != value and not dotted.startswith(RESUME_FREE):
                 changes.append(f"{dotted} {old!r} -> {value!r}")
     return changes
+def from_dict(tree: dict[str, Any]) -> Config:
+    """A validated Config from {section: {key: value}} (e.g. a checkpoint's record of its
+    config); raises ConfigError like load_config."""
+    config = _build(tree)
+    validate(config)
+    return config
 
 
 def _get(config: Config, dotted: str) -> Any:
@@ -364,6 +388,7 @@ def validate(config: Config) -> None:
         "offload.activations=true: needs parallel.pipe=1 (a pipeline keeps its activations "
         "in its stash; parallel.stash=inputs keeps only the stage inputs)",
     )
+    _validate_heads(m, par.tensor)
     stages = par.pipe * par.chunks
     _require(
         m.num_layers % stages == 0,
@@ -399,6 +424,28 @@ def validate(config: Config) -> None:
         f"{config.optimizer.lr}",
     )
     _validate_runtime(config)
+
+
+def _validate_heads(m: ModelConfig, tensor: int) -> None:
+    """Grouped-query attention: key/value heads split over tensor ranks when t divides them,
+    else replicated, which needs t to be a multiple of them (each rank's query heads then
+    share one key/value head)."""
+    _require(m.num_kv_heads == 0 or m.arch == "llama",
+             f"model.num_kv_heads={m.num_kv_heads}: only model.arch=llama has grouped-query "
+             "attention (0: as many as model.num_heads)")
+    _require(m.num_heads % m.kv_heads == 0,
+             f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads={m.num_heads}")
+    _require(m.kv_heads % tensor == 0 or tensor % m.kv_heads == 0,
+             f"model.num_kv_heads={m.kv_heads}: must be a multiple or a divisor of "
+             f"parallel.tensor={tensor}")
+    _require(m.arch != "llama" or m.head_dim % 2 == 0,
+             f"model.hidden_size={m.hidden_size}: rotary embeddings need an even head "
+             f"dimension, hidden_size / num_heads = {m.head_dim}")
+    _require(m.ffn % tensor == 0,
+             f"model.ffn_size={m.ffn}: must be divisible by parallel.tensor={tensor}")
+    _require(m.arch != "bert" or m.seq_len >= 5,
+             f"model.seq_len={m.seq_len}: BERT's rows [CLS] A [SEP] B [SEP] need at least 5")
+    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be positive")
 
 
 def _validate_runtime(config: Config) -> None:

@@ -3,8 +3,9 @@
 Owns the numbers the logs report; where they go (console, metrics.jsonl, TensorBoard) is
 jaxptd/runlog.py's.
 
-FLOPs count matrix multiplications only, as the paper does. One forward pass of a layer
-costs 24 B s h^2 + 4 B s^2 h, and the logit layer 2 B s h V. The backward pass costs
+FLOPs count matrix multiplications only, as the paper does. One forward pass of a GPT layer
+costs 24 B s h^2 + 4 B s^2 h, and the logit layer 2 B s h V (other architectures: their
+`forward_flops`, e.g. SwiGLU and grouped-query attention for Llama). The backward pass costs
 twice the forward; full recomputation adds one more forward of the layers (not the logit
 layer). With recomputation this is equation (3):
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)),
@@ -28,16 +29,17 @@ PEAK_FLOPS = {
 
 def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
                         recompute: str = "none") -> float:
-    """Matmul FLOPs of one training iteration over `batch` sequences (eq. 3 of PTD-P).
+    """Matmul FLOPs of one training iteration over `batch` sequences (eq. 3 of PTD-P for
+    the GPT; the architecture's `forward_flops` per token for any).
 
     recompute: "none", "selective" (the attention core again) or "full" (every layer's
     forward again: equation (3) itself).
     """
-    b, s, l, h = batch, model.seq_len, model.num_layers, model.hidden_size
-    if recompute == "full":
-        return 96 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
-    flops = 72 * b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
-    return flops + (4 * b * s * s * h * l if recompute == "selective" else 0)
+    from jaxptd.model import get
+    per_token = get(model).forward_flops(model, vocab)
+    layers = model.num_layers * per_token["layer"]
+    extra = {"none": 0, "selective": model.num_layers * per_token["core"], "full": layers}
+    return batch * model.seq_len * (3 * (layers + per_token["head"]) + extra[recompute])
 
 
 def flops_6n(params: float, model: ModelConfig, batch: int) -> float:

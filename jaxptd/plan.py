@@ -84,7 +84,7 @@ def real_counts(config: Config) -> dict:
     vocab = config.model.padded_vocab(par.tensor)
     arch = models.get(config.model)
     params = jax.eval_shape(partial(arch.init_params, config.model, vocab), jax.random.key(0))
-    specs = specs_from_logical(arch.logical_axes(config.model, vocab))
+    specs = specs_from_logical(arch.logical_axes(config.model, vocab, par.tensor))
     sizes = {DATA: par.data, PIPE: par.pipe, TENSOR: par.tensor}
 
     def local(leaf, spec, layers: bool) -> float:
@@ -267,7 +267,8 @@ def verify(config: Config, report: dict) -> dict:
                           f"{len(jax.devices())}")
     mesh = make_mesh(config.parallel, jax.devices()[: config.num_devices])
     setup = Setup(config, mesh)
-    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+    from jaxptd.model import batch_width
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, batch_width(config.model)),
                                  jnp.int32, sharding=setup.batch_sharding)
     try:
         compiled = build_train_step(setup).lower(setup.abstract_state(), batch).compile()
@@ -295,12 +296,13 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     microbatch scan and the layer scan contribute one microbatch through one layer
     (forward, backward and what model.remat recomputes; Appendix) plus the logit
     layer (6 b s h V), per device."""
+    from jaxptd.model import get
     m_cfg, par = config.model, config.parallel
-    b, s, h, V = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, \
-        m_cfg.padded_vocab(par.tensor)
-    forward, core = 24 * b * s * h * h + 4 * b * s * s * h, 4 * b * s * s * h
+    tokens = config.microbatch_size * m_cfg.seq_len
+    per_token = get(m_cfg).forward_flops(m_cfg, m_cfg.padded_vocab(par.tensor))
+    forward, core = per_token["layer"], per_token["core"]
     layer = 3 * forward + {"none": 0, "selective": core, "full": forward}[m_cfg.remat]
-    return (layer + 6 * b * s * h * V) / par.tensor
+    return tokens * (layer + 3 * per_token["head"]) / par.tensor
 
 
 def format_report(r: dict, args) -> str:

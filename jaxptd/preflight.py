@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 
+from jaxptd import model as models
 from jaxptd.checkpoint import check_writable, human_bytes
 from jaxptd.config import Config, ConfigError
 from jaxptd.data import TokenDataset, resolve_corpus
@@ -30,10 +31,13 @@ def check_files(config: Config):
     """The corpus, its splits and the directories; returns (train, val) datasets."""
     corpus = resolve_corpus(config.data.path)
     train, val = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
-    if train.vocab_size > config.model.vocab_size:
+    reserved = models.reserved_ids(config.model)  # ids the architecture keeps (BERT's)
+    if train.vocab_size > config.model.vocab_size - reserved:
         raise ConfigError(
             f"model.vocab_size={config.model.vocab_size}: must be >= the corpus vocabulary "
-            f"{train.vocab_size} ({corpus})")
+            f"{train.vocab_size} ({corpus})" + (f" + {reserved} ids model.arch="
+                                                f"{config.model.arch} reserves"
+                                                if reserved else ""))
     train.check_length(config.model.seq_len)
     if config.train.eval_every:
         val.check_length(config.model.seq_len, "or set train.eval_every=0")

@@ -6,9 +6,13 @@ the model with `nn.with_logical_partitioning`); `RULES` maps each name to a mesh
 - vocab -> tensor: the embedding (and the tied output layer) is vocab-parallel;
 - heads -> tensor: QKV is column-parallel (split by heads), the attention output
   projection row-parallel (its input dimension is heads);
-- mlp -> tensor: the first MLP layer is column-parallel, the second row-parallel;
+- kv_heads -> tensor: Llama's grouped-query key/value projection, column-parallel by
+  key/value heads when the tensor size divides them (else the model names them
+  kv_heads_replicated, which is replicated);
+- mlp -> tensor: the first MLP layer(s) column-parallel, the second row-parallel;
 - stages -> pipe: stacked layers are split into pipeline stages;
-- everything else (embed, kv, qkv, positions, layers, chunks, norm) is replicated.
+- everything else (embed, embed_out, kv, qkv, positions, layers, chunks, norm,
+  types) is replicated.
 
 FSDP (`parallel.fsdp`) shards every parameter (and so its gradient and Adam moments) over
 the `fsdp` axis on its first free dimension divisible by the group size, past the layer-
@@ -32,6 +36,7 @@ from jaxptd.mesh import DATA, FSDP, PIPE, TENSOR
 RULES: dict[str, str | None] = {
     "vocab": TENSOR,
     "heads": TENSOR,
+    "kv_heads": TENSOR,  # grouped-query key/value heads, when the tensor size divides them
     "mlp": TENSOR,
     "stages": PIPE,
     "embed": None,
@@ -41,6 +46,9 @@ RULES: dict[str, str | None] = {
     "layers": None,
     "chunks": None,
     "norm": None,
+    "kv_heads_replicated": None,  # ... else every rank holds them all
+    "embed_out": None,  # BERT's replicated h x h head layers
+    "types": None,  # BERT's token types and SOP classes
 }
 
 

@@ -78,7 +78,7 @@ class Setup:
         self.arch = models.get(model)
         self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
                                    config.offload.activations)
-        logical = self.arch.logical_axes(model, self.vocab)
+        logical = self.arch.logical_axes(model, self.vocab, par.tensor)
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
         logical_params = jax.eval_shape(
             lambda: self.arch.init_params(model, self.vocab, jax.random.key(0)))

@@ -22,6 +22,7 @@ import time
 import numpy as np
 
 from jaxptd import distributed, preflight, runlog
+from jaxptd import model as models
 from jaxptd.checkpoint import CheckpointError, human_bytes
 from jaxptd.config import Config, ConfigError, describe_keys, load_config
 from jaxptd.data import DataError, TokenDataset
@@ -40,18 +41,20 @@ def parse_args(argv):
 
 
 def global_batch(setup, dataset: TokenDataset, seed: int, step: int):
-    """Batch `step` as a global array; each process reads only the rows its devices hold."""
+    """Batch `step` as a global array in the architecture's rows; each process reads and
+    builds only the rows its devices hold."""
     import jax
 
     config = setup.config
-    shape = (config.train.global_batch, config.model.seq_len + 1)
+    shape = (config.train.global_batch, models.batch_width(config.model))
     cache = {}
 
     def rows(index):
         span = index[0].indices(shape[0])
         if span not in cache:
-            cache[span] = dataset.batch(seed, step, shape[0], config.model.seq_len,
-                                        rows=range(*span))
+            tokens = dataset.batch(seed, step, shape[0], config.model.seq_len,
+                                   rows=range(*span))
+            cache[span] = models.make_batch(tokens, seed, step, span[0], config.model)
         return cache[span]
 
     return jax.make_array_from_callback(shape, setup.batch_sharding, rows)

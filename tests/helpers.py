@@ -29,14 +29,18 @@ def make_setup(data=1, pipe=1, tensor=1, extra=()):
 
 
 def fixed_batches(config, n, seed=0):
+    """n random global batches in the architecture's rows (token rows for decoders)."""
     rng = np.random.default_rng(seed)
     shape = (config.train.global_batch, config.model.seq_len + 1)
-    return [rng.integers(0, config.model.vocab_size, shape).astype(np.int32) for _ in range(n)]
+    high = config.model.vocab_size - models.reserved_ids(config.model)
+    return [models.make_batch(rng.integers(0, high, shape).astype(np.int32), seed, step, 0,
+                              config.model) for step in range(n)]
 
 
 def reference_loss(config, vocab, params, batch):
-    """Mean token loss on one device, global parameters, no dropout."""
-    tokens = batch.shape[0] * (batch.shape[1] - 1)
+    """The step's loss on one device, global parameters, no dropout: the loss sum over
+    (rows x seq_len), the mean token loss of a decoder."""
+    tokens = batch.shape[0] * config.model.seq_len
     return models.loss_sum(params, jnp.asarray(batch), jax.random.key(0), config.model,
                            Layout(vocab), True) / tokens
 
@@ -56,6 +60,37 @@ def reference_losses(config, vocab, params, batches):
         params = jax.tree.map(lambda p, u: p + u, params, updates)
         losses.append(float(loss))
     return losses
+
+
+def assert_grads_match_single_device(setup):
+    """build_grads at the setup's layout gives the single-device loss and gradients."""
+    from jaxptd.step import build_grads
+
+    state = setup.init_state(0)
+    batch = fixed_batches(setup.config, 1)[0]
+    grads, loss = jax.jit(build_grads(setup, deterministic=True))(
+        state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
+        state["step"], jnp.float32(1))
+    params = jax.device_get(setup.to_logical(state["params"]))
+    ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
+    return float(loss)
+
+
+def assert_steps_match_single_device(setup, steps=3):
+    """`steps` optimizer steps at the setup's layout give the single-device losses."""
+    from jaxptd.step import build_train_step
+
+    state = setup.init_state(0)
+    params0 = jax.device_get(setup.to_logical(state["params"]))
+    batches = fixed_batches(setup.config, steps)
+    step, losses = build_train_step(setup), []
+    for batch in batches:
+        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(
+        losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
 
 
 def assert_trees_close(actual, expected, rtol=1e-5):
@@ -131,3 +166,22 @@ def walk_faults(source: Path, step: int, tmp: Path, restore, states: dict, capfd
                 assert len(warnings) == 1 and f"step {step} is damaged" in warnings[0], case
             outcomes[(rel, fault)] = got
     return outcomes
+HF_VOCAB = 301
+
+
+def tiny_hf_model(kind: str):
+    """A random transformers model with odd sizes and several layers (torch seed 0):
+    GPT2LMHeadModel, or LlamaForCausalLM with grouped-query attention (6 heads, 2 kv)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gpt":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=36, n_head=3, n_layer=3, vocab_size=HF_VOCAB, n_positions=20, n_inner=52,
+            bos_token_id=None, eos_token_id=None)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
+        intermediate_size=70, vocab_size=HF_VOCAB, max_position_embeddings=64,
+        rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=None, eos_token_id=None)).eval()

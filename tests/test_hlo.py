@@ -112,7 +112,7 @@ def layer_forward_hlo(setup: Setup) -> str:
     config = setup.config
 
     def local(layers, x):  # x: [b/d, s, h] on each device
-        return models.apply_layers(layers, x, jax.random.key(0), config.model,
+        return models.apply_layers(layers, x, None, jax.random.key(0), config.model,
                                    setup.local_layout, True)
 
     fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.param_specs["layers"], P("data")),
@@ -227,7 +227,7 @@ def layer_grad_hlo(setup: Setup) -> str:
 
     def local(layers, x):
         def loss(layers, x):
-            y = models.apply_layers(layers, x, jax.random.key(0), config.model,
+            y = models.apply_layers(layers, x, None, jax.random.key(0), config.model,
                                     setup.local_layout, True)
             return jnp.sum(y * y)
         return jax.grad(loss, argnums=(0, 1))(layers, x)[1]

@@ -1,6 +1,7 @@
 """The model against independent references: Pallas kernels against the plain-XLA ops (one
 device and inside the manual shard_map), Megatron's initialisation statistics, the loss at
-initialisation against ln(vocab), and zero gradient for the padded vocabulary rows."""
+initialisation against ln(vocab), zero gradient for the padded vocabulary rows, and
+dropout on the embedding sum."""
 import math
 
 import jax
@@ -166,3 +167,18 @@ def test_recomputation_keeps_gradients_and_saves_memory():
         assert_trees_close(results[remat][1], grads, rtol=1e-5)
     assert results["full"][2] < results["selective"][2] < 0.9 * temp, {
         remat: r[2] for remat, r in results.items()}
+
+
+def test_embedding_sum_gets_dropout():
+    """GPT-2 and Megatron drop out the embedding sum (token + position) in training."""
+    config = load_config(None, SMALL + ["model.dropout=0.5", "model.hidden_size=64"]).model
+    vocab = config.padded_vocab(1)
+    params = jax.jit(gpt.init_params, static_argnums=(0, 1))(config, vocab, jax.random.key(0))
+    batch = jnp.arange(4 * 9).reshape(4, 9) % 257
+    embed = jax.jit(lambda ends, deterministic: gpt.embed(  # noqa: E731
+        ends, batch, jax.random.key(1), config, Layout(vocab), deterministic),
+        static_argnums=1)
+    kept, plain = (np.asarray(embed(models.ends(params), d)) for d in (False, True))
+    dropped = kept == 0
+    assert 0.4 < dropped.mean() < 0.6
+    np.testing.assert_allclose(kept[~dropped], 2 * plain[~dropped], rtol=1e-6)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from jax.extend.core import Literal
 
-from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss,
-                     reference_loss_and_grads, reference_losses)
+from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
+                     fixed_batches, make_setup, reference_loss)
 from jaxptd.config import ConfigError, load_config
 from jaxptd.pipeline.executor import rounds_for, segments
 from jaxptd.pipeline.schedules import make_schedule
 from jaxptd.pipeline.simulate import simulate
-from jaxptd.step import build_eval_step, build_grads, build_train_step
+from jaxptd.step import build_eval_step, build_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,30 +87,14 @@ def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=(
 def test_pipelined_gradients_match_single_device(stash, case, form):
     setup = pipelined_setup(*case, extra=[f"parallel.stash={stash}",
                                           f"parallel.round_form={form}"])
-    state = setup.init_state(0)
-    batch = fixed_batches(setup.config, 1)[0]
-    grads, loss = jax.jit(build_grads(setup, deterministic=True))(
-        state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
-        state["step"], jnp.float32(1))
-    params = jax.device_get(setup.to_logical(state["params"]))
-    ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
+    assert_grads_match_single_device(setup)
 
 
 @pytest.mark.parametrize("schedule, chunks", [("interleaved", 2), ("zb-h1", 1)])
 def test_pipelined_training_steps_match_single_device(schedule, chunks):
     """Three optimizer steps (zero1) give the single-device losses."""
     setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 4, ["optimizer.zero1=true"])
-    state = setup.init_state(0)
-    params0 = jax.device_get(setup.to_logical(state["params"]))
-    batches = fixed_batches(setup.config, 3)
-    step, losses = build_train_step(setup), []
-    for batch in batches:
-        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
-        losses.append(float(metrics["loss"]))
-    np.testing.assert_allclose(
-        losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
+    assert_steps_match_single_device(setup)
 
 
 def random_params(setup, seed=0):

@@ -6,6 +6,8 @@
   ``tokenizers`` JSON file (the optional package ``tokenizers``).
 - ``dataset.py``: ``TokenDataset`` (memmapped split; ``batch(seed, step, ...)`` is a pure
   function of its arguments, rows selectable per process), ``unigram_entropy``.
+- ``megatron.py``: Megatron-LM indexed datasets (``.bin``/``.idx``) read as splits and
+  written (``--format megatron``).
 
 Pure numpy; nothing here imports JAX. User-caused problems raise ``DataError``
 (a ValueError) with a one-line message for the entry point to print as ``error:``.

@@ -119,25 +119,30 @@ def _open_tokens(directory: Path, meta: dict, split: str) -> np.ndarray:
 
 
 class TokenDataset:
-    """One split of a prepared corpus, memory-mapped.
+    """One split of a prepared corpus or of a Megatron-LM dataset (megatron.py), memory-mapped.
 
     Attributes:
-      directory: the corpus directory.
+      directory: the corpus directory (or the Megatron dataset's path prefix).
       split: "train" or "val".
       meta: the validated meta.json dict.
       tokens: read-only memmap of token ids, shape [num_tokens], dtype meta["dtype"].
-      vocab_size, eot_id: from meta.
+      vocab_size, eot_id: from meta (eot_id None for a Megatron dataset).
     """
 
     def __init__(self, directory: str | Path, split: str = "train"):
         if split not in SPLITS:
             raise DataError(f"split={split!r} must be one of {list(SPLITS)}")
+        from jaxptd.data import megatron  # it imports DataError from here
+
         self.directory = Path(directory)
         self.split = split
-        self.meta = read_meta(self.directory)
-        self.tokens = _open_tokens(self.directory, self.meta, split)
+        if megatron.is_prefix(self.directory):
+            self.tokens, self.meta = megatron.open_split(self.directory, split)
+        else:
+            self.meta = read_meta(self.directory)
+            self.tokens = _open_tokens(self.directory, self.meta, split)
         self.vocab_size = int(self.meta["vocab_size"])
-        self.eot_id = int(self.meta["eot_id"])
+        self.eot_id = self.meta["eot_id"]
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -1,8 +1,9 @@
 """Text -> prepared token directory: tokenizers, the val split, atomic write, stdlib corpus.
 
 ``python -m jaxptd.data.prepare --input PATH [PATH ...] --output DIR [--tokenizer FILE.json]
-[--val-fraction 0.005] [--glob '*.txt'] [--jsonl-key text]`` writes the format read by
-``dataset.py``.
+[--val-fraction 0.005] [--glob '*.txt'] [--jsonl-key text] [--format megatron]`` writes the
+format read by ``dataset.py``, or with ``--format megatron`` a Megatron-LM indexed dataset
+with path prefix OUTPUT (``megatron.py``; the invariants below are for the directory format).
 
 Invariants:
 
@@ -46,6 +47,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jaxptd.data import megatron
 from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta
 from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
 
@@ -162,12 +164,7 @@ def _write_splits(documents: list[tuple[str, Path]], val_fraction: float,
     try:
         for key, path, data in _documents(documents, jsonl_key):
             split = "val" if _hash_unit(key) < val_fraction else "train"
-            try:
-                ids = np.concatenate([tokenizer.encode(data), eot])
-            except UnicodeDecodeError as err:
-                raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
-                                f"{err.reason}), which --tokenizer {tokenizer.name!r} "
-                                "requires; fix or drop the file") from None
+            ids = np.concatenate([_encode(tokenizer, data, path), eot])
             files[split].write(ids.tobytes())
             counts[f"{split}_tokens"] += len(ids)
             counts[f"{split}_documents"] += 1
@@ -214,6 +211,23 @@ def _is_complete(output: Path) -> bool:
         raise DataError(f"--output {str(output)!r} exists and is not a complete prepared "
                         f"corpus ({err}); remove it or pick another path") from None
     return True
+
+
+def _encoded(documents: list[tuple[str, Path]], tokenizer: Tokenizer,
+             jsonl_key: str | None = None) -> Iterator[np.ndarray]:
+    """Yields each document's token ids followed by the eot id (Megatron's writer)."""
+    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
+    for _, path, data in _documents(documents, jsonl_key):
+        yield np.concatenate([_encode(tokenizer, data, path), eot])
+
+
+def _encode(tokenizer: Tokenizer, data: bytes, path: Path) -> np.ndarray:
+    try:
+        return tokenizer.encode(data)
+    except UnicodeDecodeError as err:
+        raise DataError(f"input file {str(path)!r} is not UTF-8 text (byte {err.start}: "
+                        f"{err.reason}), which --tokenizer {tokenizer.name!r} "
+                        "requires; fix or drop the file") from None
 
 
 def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenizer: Tokenizer,
@@ -278,28 +292,49 @@ def _publish(staging: Path, output: Path) -> None:
 
 def prepare_corpus(inputs: Sequence[str], output: str | Path, *, tokenizer: str | None = None,
                    val_fraction: float = 0.005, glob: str | None = None,
-                   exist_ok: bool = False, jsonl_key: str | None = None) -> str:
+                   exist_ok: bool = False, jsonl_key: str | None = None,
+                   fmt: str = "jaxptd") -> str:
     """Prepare text files into a token directory (the CLI's work, callable from Python).
 
     Args:
       inputs: text files or directories searched recursively with ``glob``.
-      output: the prepared directory to create.
+      output: the prepared directory to create, or with fmt="megatron" the path prefix of
+        the Megatron-LM dataset (OUTPUT.bin, OUTPUT.idx) to create.
       tokenizer: None/"byte" for the byte tokenizer, or a tokenizers JSON file path.
       val_fraction: expected share of documents held out for validation, in [0, 1).
       glob: file name pattern used inside directories (default: *.txt, or *.jsonl with
         ``jsonl_key``).
       exist_ok: return an existing complete ``output`` instead of raising DataError.
       jsonl_key: read JSON Lines files, one document per line in this text field.
+      fmt: "jaxptd" or "megatron" (every document in input order, no split of its own:
+        the reader takes the last documents as val, see megatron.py).
     Returns:
       ``output`` as a string.
     """
     loaded = load_tokenizer(tokenizer)
     glob = glob or ("*.jsonl" if jsonl_key else "*.txt")
     documents = find_documents(inputs, glob)
+    if fmt == "megatron":
+        return _write_megatron(documents, output, loaded, exist_ok, jsonl_key)
     source = f"{len(documents)} file(s) matching {glob!r} under {', '.join(map(str, inputs))}"
     if jsonl_key:
         source += f", JSON Lines field {jsonl_key!r}"
     return write_corpus(documents, output, loaded, val_fraction, source, exist_ok, jsonl_key)
+
+
+def _write_megatron(documents: list[tuple[str, Path]], output: str | Path,
+                    tokenizer: Tokenizer, exist_ok: bool, jsonl_key: str | None) -> str:
+    """The documents as one Megatron-LM dataset with path prefix ``output``."""
+    if megatron.is_prefix(output):
+        if exist_ok:
+            return str(output)
+        raise DataError(f"--output {str(output)!r}: {output}.idx already exists; remove it "
+                        "to prepare again")
+    if not Path(output).parent.is_dir() or not os.access(Path(output).parent, os.W_OK):
+        raise DataError(f"--output {str(output)!r} is not writable: its directory must "
+                        "exist and be writable")
+    megatron.write(output, _encoded(documents, tokenizer, jsonl_key), tokenizer.vocab_size)
+    return str(output)
 
 
 def prepare_stdlib(output: str | Path, val_fraction: float = 0.01) -> str:
@@ -327,7 +362,8 @@ def resolve_corpus(path: str) -> str:
 
     Args:
       path: "pystdlib" (prepared on first use into ``cache_dir()``/pystdlib-py<version>),
-        a prepared directory, or that directory's meta.json.
+        a prepared directory, that directory's meta.json, or the path prefix of a
+        Megatron-LM dataset (PREFIX.bin and PREFIX.idx; megatron.py).
     Returns:
       the prepared directory.
     Raises:
@@ -335,11 +371,24 @@ def resolve_corpus(path: str) -> str:
     """
     if path == STDLIB_CORPUS:
         return prepare_stdlib(cache_dir() / f"{STDLIB_CORPUS}-py{platform.python_version()}")
+    if megatron.is_prefix(path):
+        megatron.read_index(path)
+        return path
     directory = Path(path)
     if directory.name == "meta.json" and directory.is_file():
         directory = directory.parent
     read_meta(directory)
     return str(directory)
+
+
+def corpus_tokenizer(path: str) -> str | None:
+    """The tokenizer a config's data.path was prepared with ("byte" or a tokenizers file),
+    without preparing anything; None for a Megatron-LM dataset (it names none)."""
+    if path == STDLIB_CORPUS:
+        return "byte"
+    if megatron.is_prefix(path):
+        return None
+    return read_meta(Path(resolve_corpus(path)))["tokenizer"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -360,14 +409,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--jsonl-key", default=None, metavar="KEY",
                         help="inputs are JSON Lines: each line's KEY field (e.g. text) is "
                              "one document")
+    parser.add_argument("--format", default="jaxptd", choices=("jaxptd", "megatron"),
+                        help="megatron: --output is a path prefix for a Megatron-LM "
+                             "indexed dataset (PREFIX.bin, PREFIX.idx)")
     args = parser.parse_args(argv)
     try:
         output = prepare_corpus(args.input, args.output, tokenizer=args.tokenizer,
                                 val_fraction=args.val_fraction, glob=args.glob,
-                                jsonl_key=args.jsonl_key)
+                                jsonl_key=args.jsonl_key, fmt=args.format)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.format == "megatron":
+        index = megatron.read_index(output)
+        print(f"prepared Megatron-LM dataset {output}.bin/.idx: {index.lengths.sum()} "
+              f"tokens, {len(index.documents) - 1} documents, {index.dtype.name}")
+        return 0
     meta = read_meta(output)
     split = "split by tokens: too few documents to split by key" \
         if meta.get("val_rule") == TOKEN_RULE else \

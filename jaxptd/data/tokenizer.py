@@ -73,6 +73,14 @@ class Tokenizer:
         return np.concatenate([np.asarray(self._ids(piece), dtype=self.dtype)
                                for piece in self._pieces(text)])
 
+    def decode(self, ids) -> str:
+        """Text of token ids (eot and ids outside the vocabulary dropped; bytes that are not
+        UTF-8 replaced)."""
+        ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size and int(i) != self.eot_id]
+        if self._hf is None:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return self._hf.decode(ids, skip_special_tokens=False)
+
     def _ids(self, text: str) -> list[int]:
         return self._hf.encode(text, add_special_tokens=False).ids
 

@@ -1,14 +1,30 @@
-"""The models: Flax modules in layers.py, one module per architecture (gpt.py), and the
-interface every part outside model/ uses, so that nothing else branches on the architecture.
+"""The models: shared Flax modules in layers.py and stack.py, one module per architecture
+(gpt.py, llama.py, bert.py), and the interface every part outside model/ uses, so that
+nothing else branches on the architecture.
 
 An architecture module defines, over a parameter tree {'layers': [L, ...] stacked layer
 leaves, plus the "ends" (every other top-level key: embedding, final norm, output layer)}:
 
     init_params(cfg, vocab, key)                  global float32 parameters
-    logical_axes(cfg, vocab)                      their logical axis names (PartitionSpecs)
-    embed(ends, batch, cfg, layout)               batch [b, s + 1] -> x [b, s, h]   first stage
-    block(cfg, layout)                            one layer, a Flax module (x, deterministic)
-    head_loss(ends, x, batch, cfg, layout)        -> sum of token losses            last stage
+    logical_axes(cfg, vocab, tensor)              their logical axis names (PartitionSpecs;
+                                                  a few depend on the tensor size)
+    embed(ends, batch, key, cfg, layout, deterministic)   batch [b, W] -> x [b, s, h]
+    block(cfg, layout)                            one layer, a Flax module
+                                                  (x, deterministic, mask, cache)
+    head_loss(ends, x, batch, cfg, layout)        -> the batch's loss sum (see below)
+    forward_flops(cfg, vocab)                     matmul FLOPs per token: {layer, core, head}
+
+and, for decoders, `logits(ends, x, cfg, layout)` (final norm and output layer),
+`decode(params, tokens, cache, start, cfg, layout)` and `init_cache(cfg, layout, batch,
+length)` (jaxptd/generate.py). Architectures with their own
+batch rows (BERT) also define `batch_width(cfg)`, `make_batch(tokens, seed, step, first_row,
+cfg)`, `reserved_ids(cfg)` and `attention_mask(batch, cfg)`; the defaults below are the
+decoders'.
+
+A batch row is what the data gives (token rows [s + 1]) turned into the architecture's
+row by `make_batch`; every stage gets the microbatch's rows. The loss convention: the step
+divides the sum of `head_loss` over the global batch by (global batch x seq_len), so a
+decoder returns the sum of its token losses and BERT seq_len x each row's loss.
 
 `Layout` (layers.py) says whether the functions see global parameters or one tensor rank's
 shards. This module adds what is the same for every architecture: `get(cfg)`, the layer
@@ -17,8 +33,11 @@ stack (`apply_layers`, with the zero-bubble taps: `perturbations`, `dense_weight
 """
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import traverse_util
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
@@ -37,8 +56,7 @@ OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names
 
 def get(cfg: ModelConfig):
     """The architecture module named by model.arch."""
-    from jaxptd.model import gpt
-    return {"gpt": gpt}[cfg.arch]
+    return importlib.import_module(f"jaxptd.model.{cfg.arch}")
 
 
 def ends(params) -> dict:
@@ -46,9 +64,10 @@ def ends(params) -> dict:
     return {k: v for k, v in params.items() if k != "layers"}
 
 
-def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-                 perturbations=None, prepare=None, extra=None, keep=None):
-    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
+def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
+                 deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None):
+    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan; batch: the
+    microbatch's rows, from which an architecture may take an attention mask (BERT).
 
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
     With model.remat == 'full' each layer's activations are recomputed in the backward pass
@@ -62,7 +81,9 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
     i + 1's ahead of layer i's compute. keep: the jax.checkpoint policy of a prepared layer
     (which of its values the backward may keep; FSDP's says: not the gathered parameters).
     """
-    layer = get(cfg).block(cfg, layout)
+    arch = get(cfg)
+    layer = arch.block(cfg, layout)
+    mask = arch.attention_mask(batch, cfg) if hasattr(arch, "attention_mask") else None
     taped = perturbations is not None
 
     def one_layer(x, xs):
@@ -73,9 +94,9 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
             x = checkpoint_name(x, LAYER_INPUT)
         rngs = {"dropout": jax.random.fold_in(key, index)}
         if not taped:
-            return layer.apply({"params": params}, x, deterministic, rngs=rngs), None
+            return layer.apply({"params": params}, x, deterministic, mask, rngs=rngs), None
         y, state = layer.apply({"params": params, PERTURBATIONS: added}, x, deterministic,
-                               rngs=rngs, mutable=[DENSE_INPUTS])
+                               mask, rngs=rngs, mutable=[DENSE_INPUTS])
         return y, state[DENSE_INPUTS]
 
     if layout.offload_activations:
@@ -96,7 +117,7 @@ def perturbations(layers, x, cfg: ModelConfig, layout: Layout, prepare=None):
 
     def one_layer(x, params):
         params = params if prepare is None else prepare(params, None)
-        y, state = layer.apply({"params": params}, x, True, mutable=[PERTURBATIONS])
+        y, state = layer.apply({"params": params}, x, True, None, mutable=[PERTURBATIONS])
         return y, state[PERTURBATIONS]
 
     shapes = jax.eval_shape(lambda: lax.scan(one_layer, x, layers)[1])
@@ -148,15 +169,46 @@ def dense_weight_grads(dense, inputs, output_grads, prepare=None):
 
 def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
              prepare_ends=None, prepare=None, extra=None, keep=None):
-    """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32).
+    """The whole model: batch [b, W] int32 -> its loss sum (float32; module docstring).
     prepare_ends (and prepare, extra, keep: see apply_layers) turn the stored parameters
     into what the model computes with."""
     arch = get(cfg)
     the_ends = ends(params) if prepare_ends is None else prepare_ends(ends(params))
-    x = arch.embed(the_ends, batch, cfg, layout)
-    x = apply_layers(params["layers"], x, key, cfg, layout, deterministic,
+    x = arch.embed(the_ends, batch, key, cfg, layout, deterministic)
+    x = apply_layers(params["layers"], x, batch, key, cfg, layout, deterministic,
                      prepare=prepare, extra=extra, keep=keep)
     return arch.head_loss(the_ends, x, batch, cfg, layout)
+
+
+def forward_logits(params, tokens, cfg: ModelConfig, layout: Layout):
+    """A decoder's logits [b, s, V/t] float32 for tokens [b, s] through the training
+    forward (no cache, no dropout)."""
+    arch, key = get(cfg), jax.random.key(0)
+    batch = jnp.pad(tokens, ((0, 0), (0, 1)))  # the rows embed expects: s + 1 tokens
+    x = arch.embed(ends(params), batch, key, cfg, layout, True)
+    x = apply_layers(params["layers"], x, batch, key, cfg, layout, True)
+    return arch.logits(ends(params), x, cfg, layout)
+
+
+def batch_width(cfg: ModelConfig) -> int:
+    """Columns of a batch row: s + 1 tokens for decoders."""
+    return getattr(get(cfg), "batch_width", lambda c: c.seq_len + 1)(cfg)
+
+
+def make_batch(tokens: np.ndarray, seed: int, step: int, first_row: int,
+               cfg: ModelConfig) -> np.ndarray:
+    """Token rows [n, s + 1] (rows first_row.. of batch `step`) -> the architecture's rows
+    [n, batch_width] int32, a pure function of its arguments (numpy, on the host)."""
+    arch = get(cfg)
+    if not hasattr(arch, "make_batch"):
+        return tokens
+    return arch.make_batch(tokens, seed, step, first_row, cfg)
+
+
+def reserved_ids(cfg: ModelConfig) -> int:
+    """Ids at the top of model.vocab_size the architecture keeps for itself (BERT's special
+    tokens); the data's ids must stay below them."""
+    return getattr(get(cfg), "reserved_ids", lambda c: 0)(cfg)
 
 
 def weight_decay_mask(params):

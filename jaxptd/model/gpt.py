@@ -1,11 +1,5 @@
-"""The GPT model as pure functions over a parameter tree, ready to be cut into stages.
-
-Owns the parameter tree, its initialisation and logical axes, and the three pieces a
-pipeline stage is built from:
-
-    embed(params, batch)           -> x        first stage
-    block(cfg, layout)             -> one layer (jaxptd.model.apply_layers runs a stack)
-    head_loss(params, x, batch)    -> sum of token losses   last stage (tied embedding)
+"""The GPT model (the papers' GPT-2-shaped decoder) as pure functions over a parameter tree,
+ready to be cut into stages.
 
 Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
 
@@ -13,18 +7,19 @@ Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
     layers/{ln1, attn, ln2, mlp}/...  each with a leading [L] axis (model order)
     final_norm/{scale, bias} [h]
 
-The functions follow the architecture interface of jaxptd/model/__init__.py; `Layout`
-(layers.py) says how they see the parameters. The model never sees a mesh.
+Learned positions, LayerNorm, GeLU MLP, biases, and the tied embedding as the output
+layer. The functions follow the architecture interface of jaxptd/model/__init__.py;
+`Layout` (layers.py) says how they see the parameters. The model never sees a mesh.
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Block, Embed, Layout, enter_tensor, layer_norm, psum
+from jaxptd.model import stack
+from jaxptd.model.layers import Block, Embed, Layout, enter_tensor, layer_norm
 
 
 def block(cfg: ModelConfig, layout: Layout) -> Block:
@@ -33,24 +28,14 @@ def block(cfg: ModelConfig, layout: Layout) -> Block:
 
 
 def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
-    return Embed(cfg, layout)
+    return Embed(cfg, layout, positions=cfg.seq_len)
 
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
     """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
     layout = Layout(vocab)
-    k_embed, k_layers = jax.random.split(key)
-    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
-    embed = _embed(cfg, layout).init(k_embed, tokens)["params"]
-    layer = block(cfg, layout)
-    layers = jax.vmap(lambda k: layer.init(k, x)["params"])(
-        jax.random.split(k_layers, cfg.num_layers))
-    # vmap stacked the values; prepend the 'layers' name to every box.
-    layers = jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), layers,
-                          is_leaf=lambda b: isinstance(b, nn.Partitioned))
-    final_norm = layer_norm(cfg).init(jax.random.key(0), x.astype(jnp.float32))["params"]
-    return {"embed": embed, "layers": layers, "final_norm": final_norm}
+    return stack.boxed_init(cfg, key, block(cfg, layout), {"embed": (_embed(cfg, layout), True)},
+                            {"final_norm": layer_norm(cfg)})
 
 
 def init_params(cfg: ModelConfig, vocab: int, key):
@@ -58,39 +43,35 @@ def init_params(cfg: ModelConfig, vocab: int, key):
     return nn.unbox(_boxed_init(cfg, vocab, key))
 
 
-def logical_axes(cfg: ModelConfig, vocab: int):
+def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
     """A tree (like the parameters) of PartitionSpecs holding logical axis names."""
     return nn.get_partition_spec(jax.eval_shape(lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
 
 
-def embed(params, batch, cfg: ModelConfig, layout: Layout):
-    """batch [b, s + 1] int32 (inputs are its first s tokens) -> activations [b, s, h] in
-    the compute dtype."""
-    return _embed(cfg, layout).apply({"params": params["embed"]}, batch[:, :-1])
+def logits(ends, x, cfg: ModelConfig, layout: Layout):
+    """Final LayerNorm and the tied output layer: x [b, s, h] ([b, s/t, h] with sequence
+    parallelism, gathered here) -> [b, s, V/t] float32."""
+    x = layer_norm(cfg).apply({"params": ends["final_norm"]}, x.astype(jnp.float32))
+    return _embed(cfg, layout).apply({"params": ends["embed"]},
+                                     enter_tensor(x.astype(cfg.dtype), layout),
+                                     method=Embed.logits)
 
 
-def head_loss(params, x, batch, cfg: ModelConfig, layout: Layout):
-    """Final LayerNorm, tied output layer and vocab-parallel cross-entropy.
+embed, head_loss, decode = stack.decoder(_embed, block, logits)
 
-    x [b, s, h], batch [b, s + 1] int32 (targets are its last s tokens) -> scalar float32
-    sum of token losses. The
-    [b, s, vocab/t] logits stay on their tensor rank: only [b, s] maxima, sums of
-    exponentials and target logits cross the tensor axis. Padded vocabulary rows never
-    take probability.
-    """
-    targets = batch[:, 1:]
-    x = layer_norm(cfg).apply({"params": params["final_norm"]}, x.astype(jnp.float32))
-    x = enter_tensor(x.astype(cfg.dtype), layout)  # SP: the whole sequence for the logits
-    module = _embed(cfg, layout)
-    logits = module.apply({"params": params["embed"]}, x, method=Embed.logits)  # [b, s, V/t]
-    ids = module.apply({"params": params["embed"]}, method=Embed.vocab_start) + jnp.arange(
-        logits.shape[-1])
-    logits = jnp.where(ids < cfg.vocab_size, logits, -jnp.inf)
-    # The max only stabilises the exponentials; its gradient cancels, so it is stopped.
-    row_max = lax.stop_gradient(jnp.max(logits, axis=-1))  # [b, s]
-    if layout.tensor_axis is not None:
-        row_max = lax.pmax(row_max, layout.tensor_axis)
-    sum_exp = psum(jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1), layout.tensor_axis)
-    target_logit = psum(
-        jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1), layout.tensor_axis)
-    return jnp.sum(jnp.log(sum_exp) + row_max - target_logit)
+
+def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
+    return stack.init_cache(cfg, cfg.num_heads // layout.tensor, batch, length)
+
+
+def max_length(cfg: ModelConfig) -> int:
+    """Longest sequence the model can read: its learned positions."""
+    return cfg.seq_len
+
+
+def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
+    """Matmul FLOPs per token of one forward pass: a layer (24 h^2 + 4 s h with ffn = 4h,
+    PTD-P eq. 3), its attention core (4 s h) and the logit layer (2 h V)."""
+    h, s = cfg.hidden_size, cfg.seq_len
+    return {"layer": 8 * h * h + 4 * h * cfg.ffn + 4 * s * h, "core": 4 * s * h,
+            "head": 2 * h * vocab}

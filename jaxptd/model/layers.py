@@ -32,8 +32,10 @@ softmax and the loss run in float32.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -77,7 +79,19 @@ DENSE = {
     "w_qkv": "bsh,hcnd->cbsnd",  # column-parallel (by heads)
     "w_out": "bqnd,ndh->bqh",  # row-parallel: a partial sum over this rank's heads
     "w_fc1": "bsh,hf->bsf",  # column-parallel
-    "w_fc2": "bsf,fh->bsh",  # row-parallel: a partial sum over this rank's 4h/t
+    "w_fc2": "bsf,fh->bsh",  # row-parallel: a partial sum over this rank's ffn/t
+    # Llama (llama.py)
+    "w_q": "bsh,hnd->bsnd",  # column-parallel (by heads)
+    "w_kv": "bsh,hcnd->cbsnd",  # column-parallel by key/value heads (or replicated)
+    "w_o": "bqnd,ndh->bqh",  # row-parallel
+    "w_gate": "bsh,hf->bsf",  # column-parallel
+    "w_up": "bsh,hf->bsf",  # column-parallel
+    "w_down": "bsf,fh->bsh",  # row-parallel
+    "w_head": "bsh,hv->bsv",  # untied output layer, column-parallel (by vocabulary)
+    # BERT's heads (bert.py), replicated
+    "w_mlm": "bsh,hk->bsk",
+    "w_pool": "bh,hk->bk",
+    "w_sop": "bh,hc->bc",
 }
 DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
@@ -110,12 +124,29 @@ def exit_tensor(x, layout: "Layout"):
     return lax.psum_scatter(x, layout.tensor_axis, scatter_dimension=1, tiled=True)
 
 
-def sequence_slice(x, layout: "Layout"):
-    """This tensor rank's part of a sequence-long [s, ...] value (all of it without SP)."""
+def sequence_slice(x, layout: "Layout", axis: int = 0):
+    """This tensor rank's part of a value whose `axis` is the sequence (all of it without
+    sequence parallelism)."""
     if not layout.split_sequence:
         return x
-    part = x.shape[0] // layout.tensor
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(layout.tensor_axis) * part, part)
+    part = x.shape[axis] // layout.tensor
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(layout.tensor_axis) * part, part, axis)
+
+
+_GATHER_INVARIANT = "to" in inspect.signature(lax.all_gather).parameters
+
+
+def gather_invariant(x, axis_name: str, axis: int, size: int):
+    """All-gathers x's `axis` over `axis_name` (of `size` ranks), typed "the same on every
+    rank" (a value that meets replicated parameters must be); its transpose takes each
+    rank's own part of the gradient. A JAX without the typed gather: place the part and
+    psum (twice the bytes)."""
+    if _GATHER_INVARIANT:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
+    width = x.shape[axis]
+    full = jnp.zeros((*x.shape[:axis], width * size, *x.shape[axis + 1:]), x.dtype)
+    placed = lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(axis_name) * width, axis)
+    return lax.psum(placed, axis_name)
 
 
 def gelu(x):
@@ -123,11 +154,16 @@ def gelu(x):
     return jax.nn.gelu(x, approximate=True)
 
 
-def softmax_reference(scores, scale: float):
-    """Causal softmax of scale * scores over the last axis, float32. scores: [b, n, sq, sk]."""
+def softmax_reference(scores, scale: float, causal: bool = True, mask=None):
+    """softmax(scale * scores) over the last axis in float32, keys masked out where the
+    bottom-right aligned causal mask or `mask` (True = masked, broadcastable) says.
+    scores: [b, n, sq, sk]."""
     sq, sk = scores.shape[-2:]
-    allowed = jnp.tril(jnp.ones((sq, sk), dtype=bool), k=sk - sq)
-    logits = jnp.where(allowed, scores.astype(jnp.float32) * scale, -jnp.inf)
+    logits = scores.astype(jnp.float32) * scale
+    if causal:
+        logits = jnp.where(jnp.tril(jnp.ones((sq, sk), dtype=bool), k=sk - sq), logits, -jnp.inf)
+    if mask is not None:
+        logits = jnp.where(mask, -jnp.inf, logits)
     return jax.nn.softmax(logits, axis=-1)
 
 
@@ -140,74 +176,117 @@ def layer_norm(cfg: ModelConfig, name: str | None = None) -> nn.LayerNorm:
     )
 
 
-def normed(cfg: ModelConfig, name: str, x):
-    """LayerNorm of x in float32, returned in the compute dtype."""
-    return layer_norm(cfg, name)(x.astype(jnp.float32)).astype(cfg.dtype)
+def rms_norm(cfg: ModelConfig, name: str | None = None) -> nn.RMSNorm:
+    """RMSNorm (Llama) with a replicated float32 scale; callers pass float32 input."""
+    return nn.RMSNorm(
+        epsilon=cfg.layernorm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
+
+
+def normed(norm, cfg: ModelConfig, name: str, x):
+    """norm(cfg, name) (layer_norm or rms_norm) of x in float32, in the compute dtype."""
+    return norm(cfg, name)(x.astype(jnp.float32)).astype(cfg.dtype)
+
+
+def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mask=None,
+           cache=None):
+    """Attention of q [b, s, n/t, d] over k, v [b, s, nk/t, d] (nk <= n: grouped-query) ->
+    (context [b, s, n/t, d], cache).
+
+    Picks cuDNN flash attention when asked and possible, else `attention_core` with its
+    dropout key and selective recomputation. mask: True = masked, broadcastable to
+    [b, n/t, s, sk] (BERT's padding). cache: (k_cache, v_cache [b, S, nk/t, d], start) of
+    decoding: k, v are written at positions start.. and the queries (at those positions)
+    attend to every cached key up to their own; the updated (k_cache, v_cache) is returned
+    (None without a cache).
+    """
+    cfg, layout = module.cfg, module.layout
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if cache is not None:
+        k_cache, v_cache, start = cache
+        k = lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
+        v = lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+        cache = (k, v)
+        positions = start + jnp.arange(q.shape[1])
+        mask, causal = jnp.arange(k.shape[1])[None, :] > positions[:, None], False
+    if (cfg.attention == "cudnn" and jax.default_backend() == "gpu" and mask is None
+            and k.shape[2] == q.shape[2]):
+        # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout).
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            implementation="cudnn"), cache
+    key = None
+    if cfg.dropout and not deterministic:
+        # Each tensor rank holds different heads: its dropout mask must differ.
+        rank = 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis)
+        key = jax.random.fold_in(module.make_rng("dropout"), rank)
+    core = functools.partial(attention_core, cfg=cfg, scale=scale, causal=causal)
+    if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
+        core = jax.checkpoint(core)
+    return core(q, k, v, key, mask=mask), cache
 
 
 class Attention(nn.Module):
-    """Causal self-attention: QKV column-parallel by heads, output projection row-parallel."""
+    """Self-attention (causal, or bidirectional for BERT): QKV column-parallel by heads,
+    output projection row-parallel."""
 
     cfg: ModelConfig
     layout: Layout
+    causal: bool = True
 
     @nn.compact
-    def __call__(self, x, deterministic: bool):  # x: [b, s, h]
+    def __call__(self, x, deterministic: bool, mask=None, cache=None):  # x: [b, s, h]
         cfg, dt, layout = self.cfg, self.cfg.dtype, self.layout
         heads = cfg.num_heads // layout.tensor
-        head_dim = cfg.hidden_size // cfg.num_heads
         w_qkv = self.param("w_qkv", normal(cfg.init_std, ("embed", "qkv", "heads", "kv")),
-                           (cfg.hidden_size, 3, heads, head_dim))
-        b_qkv = self.param("b_qkv", zeros(("qkv", "heads", "kv")), (3, heads, head_dim))
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        w_out = self.param("w_out", normal(out_std, ("heads", "kv", "embed")),
-                           (heads, head_dim, cfg.hidden_size))
+                           (cfg.hidden_size, 3, heads, cfg.head_dim))
+        b_qkv = self.param("b_qkv", zeros(("qkv", "heads", "kv")), (3, heads, cfg.head_dim))
+        w_out = self.param("w_out", normal(residual_std(cfg), ("heads", "kv", "embed")),
+                           (heads, cfg.head_dim, cfg.hidden_size))
         b_out = self.param("b_out", zeros(("embed",)), (cfg.hidden_size,))
 
         qkv = dense(self, "w_qkv", enter_tensor(x, layout), w_qkv) + b_qkv.astype(dt)[:, None, None]
         q, k, v = qkv  # each [b, s, heads/t, d]
-        scale = 1.0 / math.sqrt(head_dim)
-        if cfg.attention == "cudnn" and jax.default_backend() == "gpu":
-            # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout).
-            context = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                                   implementation="cudnn")
-        else:
-            key = None
-            if cfg.dropout and not deterministic:
-                # Each tensor rank holds different heads: its dropout mask must differ.
-                rank = 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis)
-                key = jax.random.fold_in(self.make_rng("dropout"), rank)
-            core = functools.partial(attention_core, cfg=cfg, scale=scale)
-            if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
-                core = jax.checkpoint(core)
-            context = core(q, k, v, key)
+        context, cache = attend(self, q, k, v, deterministic, causal=self.causal, mask=mask,
+                                cache=cache)
         out = dense(self, "w_out", context, w_out)  # partial sum over this rank's heads
-        return exit_tensor(out, layout) + b_out.astype(dt)  # g: all-reduce #1
+        return exit_tensor(out, layout) + b_out.astype(dt), cache  # g: all-reduce #1
 
 
-def attention_core(q, k, v, key, *, cfg: ModelConfig, scale: float):
-    """softmax(scale q k^T) v with the causal mask and, when `key` is given, dropout on the
-    probabilities. q, k, v: [b, s, heads/t, d] -> context [b, s, heads/t, d].
+def residual_std(cfg: ModelConfig) -> float:
+    """Megatron's init of the layers writing into the residual stream: std / sqrt(2 L)."""
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def attention_core(q, k, v, key, *, cfg: ModelConfig, scale: float, causal: bool = True,
+                   mask=None):
+    """softmax(scale q k^T) v with the causal mask and/or `mask` (True = masked, broadcastable
+    to [b, heads/t, sq, sk]) and, when `key` is given, dropout on the probabilities.
+    q: [b, sq, heads/t, d]; k, v: [b, sk, kv_heads/t, d], each key/value head shared by
+    heads / kv_heads consecutive query heads (grouped-query attention) -> [b, sq, heads/t, d].
 
     Megatron's selective recomputation (Korthikanti et al. 2022) recomputes exactly this:
     its [b, heads/t, s, s] tensors are most of a layer's activations at long sequences and
     only 4 b s^2 h of its FLOPs.
     """
-    scores = jnp.einsum("bqnd,bknd->bnqk", q, k)  # [b, heads/t, s, s]
+    b, sq, heads, d = q.shape
+    kv_heads, sk = k.shape[2], k.shape[1]
+    grouped = q.reshape(b, sq, kv_heads, heads // kv_heads, d)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k).reshape(b, heads, sq, sk)
     if cfg.kernels == "pallas":
         from pallas_kernels import fused_softmax
 
-        probs = fused_softmax(scores, scale=scale, causal=True)
+        probs = fused_softmax(scores, scale=scale, causal=causal, mask=mask)
     else:
-        probs = softmax_reference(scores, scale)
+        probs = softmax_reference(scores, scale, causal, mask)
     probs = probs.astype(cfg.dtype)
     if key is not None:
         probs = _dropout(probs, cfg.dropout, key)
-    return jnp.einsum("bnqk,bknd->bqnd", probs, v)  # [b, s, heads/t, d]
+    probs = probs.reshape(b, kv_heads, heads // kv_heads, sq, sk)
+    return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, sq, heads, d)
 
 
 class MLP(nn.Module):
-    """h -> 4h (column-parallel) -> GeLU -> h (row-parallel)."""
+    """h -> ffn (column-parallel) -> GeLU -> h (row-parallel); ffn = 4h unless set."""
 
     cfg: ModelConfig
     layout: Layout
@@ -215,37 +294,49 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):  # x: [b, s, h]
         cfg, dt, layout = self.cfg, self.cfg.dtype, self.layout
-        ffn = 4 * cfg.hidden_size // layout.tensor
+        ffn = cfg.ffn // layout.tensor
         w_fc1 = self.param("w_fc1", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
         b_fc1 = self.param("b_fc1", zeros(("mlp",)), (ffn,))
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        w_fc2 = self.param("w_fc2", normal(out_std, ("mlp", "embed")), (ffn, cfg.hidden_size))
+        w_fc2 = self.param("w_fc2", normal(residual_std(cfg), ("mlp", "embed")),
+                           (ffn, cfg.hidden_size))
         b_fc2 = self.param("b_fc2", zeros(("embed",)), (cfg.hidden_size,))
 
-        hidden = dense(self, "w_fc1", enter_tensor(x, layout), w_fc1)  # [b, s, 4h/t]
+        hidden = dense(self, "w_fc1", enter_tensor(x, layout), w_fc1)  # [b, s, ffn/t]
         if cfg.kernels == "pallas":
             from pallas_kernels import bias_gelu
 
             hidden = bias_gelu(hidden, b_fc1.astype(dt))
         else:
             hidden = gelu(hidden + b_fc1.astype(dt))
-        out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's 4h/t
+        out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's ffn/t
         return exit_tensor(out, layout) + b_fc2.astype(dt)  # g: all-reduce #2
 
 
 class Block(nn.Module):
-    """Pre-LN transformer layer: x + drop(attn(ln1 x)); x + drop(mlp(ln2 x))."""
+    """Pre-norm transformer layer: x + drop(attn(norm1 x)); x + drop(mlp(norm2 x)).
+
+    The pieces are attributes, so every architecture's layer is this one: GPT's (LayerNorm,
+    Attention, MLP), Llama's (RMSNorm, grouped-query attention with rotary positions,
+    SwiGLU), BERT's (GPT's, bidirectional with a padding mask). Called with a KV cache it
+    returns (x, cache), else x.
+    """
 
     cfg: ModelConfig
     layout: Layout
+    attention: type = Attention
+    mlp: type = MLP
+    norm: Callable = layer_norm
+    causal: bool = True
 
     @nn.compact
-    def __call__(self, x, deterministic: bool = True):
-        sub = dict(cfg=self.cfg, layout=self.layout)
-        h = Attention(**sub, name="attn")(normed(self.cfg, "ln1", x), deterministic)
+    def __call__(self, x, deterministic: bool = True, mask=None, cache=None):
+        cfg, layout = self.cfg, self.layout
+        h, new_cache = self.attention(cfg, layout, self.causal, name="attn")(
+            normed(self.norm, cfg, "ln1", x), deterministic, mask, cache)
         x = x + self._dropout(h, deterministic)
-        h = MLP(**sub, name="mlp")(normed(self.cfg, "ln2", x))
-        return x + self._dropout(h, deterministic)
+        h = self.mlp(cfg, layout, name="mlp")(normed(self.norm, cfg, "ln2", x))
+        x = x + self._dropout(h, deterministic)
+        return x if cache is None else (x, new_cache)
 
     def _dropout(self, x, deterministic):
         # After the all-reduce the activation is the same on every tensor rank: one mask;
@@ -264,37 +355,76 @@ def _dropout(x, rate: float, key):
 
 
 class Embed(nn.Module):
-    """Vocab-parallel token embedding plus learned positions; its table is the tied head."""
+    """Vocab-parallel token embedding plus `positions` learned positions (0: none, as with
+    rotary embeddings); its table is the tied head of GPT and BERT."""
 
     cfg: ModelConfig
     layout: Layout
-
-    @property
-    def vocab(self) -> int:
-        """Local rows: padded vocabulary / tensor."""
-        return self.layout.vocab // self.layout.tensor
+    positions: int = 0
 
     def setup(self):
         cfg = self.cfg
+        self.vocab = self.layout.vocab // self.layout.tensor  # local rows
         self.wte = self.param("wte", normal(cfg.init_std, ("vocab", "embed")),
                               (self.vocab, cfg.hidden_size))
-        self.wpe = self.param("wpe", normal(cfg.init_std, ("positions", "embed")),
-                              (cfg.seq_len, cfg.hidden_size))
+        if self.positions:
+            self.wpe = self.param("wpe", normal(cfg.init_std, ("positions", "embed")),
+                                  (self.positions, cfg.hidden_size))
 
-    def vocab_start(self):
-        """First vocabulary id held by this tensor rank."""
-        axis = self.layout.tensor_axis
-        return 0 if axis is None else lax.axis_index(axis) * self.vocab
-
-    def __call__(self, tokens):  # tokens: [b, s] int32 -> [b, s, h] ([b, s/t, h] with SP)
+    def __call__(self, tokens, start=0):
+        # tokens: [b, s] int32 at positions start.. -> [b, s, h] ([b, s/t, h] with SP).
         # Megatron's lookup: ids outside this rank's rows give zeros; the all-reduce (with
         # SP the reduce-scatter) sums the one rank that holds each id.
-        local = tokens - self.vocab_start()
+        local = tokens - vocab_start(self.layout)
         inside = (local >= 0) & (local < self.vocab)
         rows = jnp.take(self.wte, jnp.clip(local, 0, self.vocab - 1), axis=0)
         x = exit_tensor(jnp.where(inside[..., None], rows, 0.0), self.layout)
-        positions = sequence_slice(self.wpe[: tokens.shape[1]], self.layout)
-        return (x + positions).astype(self.cfg.dtype)
+        if self.positions:
+            positions = lax.dynamic_slice_in_dim(self.wpe, start, tokens.shape[1])
+            x = x + sequence_slice(positions, self.layout)
+        return x.astype(self.cfg.dtype)
 
     def logits(self, x):  # x: [b, s, h] -> [b, s, vocab/t] float32, never gathered
         return jnp.einsum("bsh,vh->bsv", x, self.wte.astype(self.cfg.dtype)).astype(jnp.float32)
+
+
+def embedding_dropout(x, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
+    """Dropout on the embedding output (GPT-2's and Megatron's), one mask for all tensor
+    ranks (the embedding is the same on each; with sequence parallelism each holds other
+    tokens: a mask per rank). `key` is the first stage's layer key; the layers fold in
+    their indices, this folds in one no stack reaches."""
+    if not cfg.dropout or deterministic:
+        return x
+    key = jax.random.fold_in(key, EMBED_STREAM)
+    if layout.split_sequence:
+        key = jax.random.fold_in(key, lax.axis_index(layout.tensor_axis))
+    return _dropout(x, cfg.dropout, key)
+
+
+EMBED_STREAM = 2**31 - 1
+
+
+def vocab_start(layout: Layout):
+    """First vocabulary id of this tensor rank's [V/t] logits."""
+    local = layout.vocab // layout.tensor
+    return 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis) * local
+
+
+def vocab_parallel_xent(logits, targets, cfg: ModelConfig, layout: Layout,
+                        classes: int | None = None):
+    """Cross-entropy of vocab-parallel logits [b, s, V/t] float32 at targets [b, s] -> [b, s].
+
+    The logits stay on their tensor rank: only [b, s] maxima, sums of exponentials and
+    target logits cross the tensor axis. Padded vocabulary rows, and any id from `classes`
+    on (default: model.vocab_size), never take probability.
+    """
+    ids = vocab_start(layout) + jnp.arange(logits.shape[-1])
+    logits = jnp.where(ids < (classes or cfg.vocab_size), logits, -jnp.inf)
+    # The max only stabilises the exponentials; its gradient cancels, so it is stopped.
+    row_max = lax.stop_gradient(jnp.max(logits, axis=-1))  # [b, s]
+    if layout.tensor_axis is not None:
+        row_max = lax.pmax(row_max, layout.tensor_axis)
+    sum_exp = psum(jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1), layout.tensor_axis)
+    target_logit = psum(
+        jnp.sum(jnp.where(ids == targets[..., None], logits, 0.0), axis=-1), layout.tensor_axis)
+    return jnp.log(sum_exp) + row_max - target_logit

@@ -54,7 +54,6 @@ stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -67,6 +66,7 @@ from jaxptd import model as models
 from jaxptd.mesh import BATCH, PIPE, TENSOR
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import Rounds, lower
+from jaxptd.model.layers import gather_invariant
 from jaxptd.sharding import mark_varying, regather
 
 FORMS = ("cond", "steady", "masked")
@@ -77,8 +77,6 @@ SLOT_FIELDS = {
           "recv_b_slot"),
     "W": ("w_valid", "w_mb", "w_chunk", "w_slot"),
 }
-# An all-gather typed "the same on every rank" (the receiver's activations must be).
-_GATHER_INVARIANT = "to" in inspect.signature(lax.all_gather).parameters
 
 
 @lru_cache(maxsize=32)
@@ -214,14 +212,7 @@ def _scatter(x, tensor: int):
 
 def _gather(x, tensor: int):
     """[b, s, h/t] slices -> [b, s, h], the same (and typed so) on every tensor rank."""
-    if tensor == 1:
-        return x
-    if _GATHER_INVARIANT:
-        return lax.all_gather(x, TENSOR, axis=x.ndim - 1, tiled=True, to="invarying")
-    width = x.shape[-1]  # a JAX without it: place the slice and psum (twice the bytes)
-    full = jnp.zeros((*x.shape[:-1], width * tensor), x.dtype)
-    return lax.psum(lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(TENSOR) * width,
-                                                    axis=-1), TENSOR)
+    return x if tensor == 1 else gather_invariant(x, TENSOR, x.ndim - 1, tensor)
 
 
 def _pairs(p: int, v: int, step: int) -> list:
@@ -261,7 +252,7 @@ class _Stage:
     def __init__(self, setup, batch, key, deterministic):
         config, m = setup.config, setup.config.parallel.microbatches
         self.config, self.layout, self.arch = config, setup.local_layout, setup.arch
-        self.micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, s+1]
+        self.micro = batch.reshape(m, -1, batch.shape[-1])  # [m, b, row width]
         self.key, self.rank = key, lax.axis_index(PIPE)
         self.deterministic = deterministic
         self.last = config.parallel.pipe * config.parallel.chunks - 1
@@ -285,24 +276,27 @@ class _Stage:
         return mark_varying(jnp.zeros(shape, jnp.dtype(model.dtype)), axes)
 
     def tokens(self, mb):
-        return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, s+1]
+        return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, row width]
+
+    def stage_key(self, mb, chunk):
+        return jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
 
     def embed_or_input(self, ends, x_in, mb, chunk, how: str):
         """Virtual stage 0 embeds its microbatch; the others take the received input.
         how: 'cond', 'inline' (every rank embeds, stage 0 keeps it) or 'off' (no rank's
         slot is stage 0)."""
         def embed():
-            return self.arch.embed(self.gather_ends(ends), self.tokens(mb), self.config.model,
-                                   self.layout)
+            return self.arch.embed(self.gather_ends(ends), self.tokens(mb),
+                                   self.stage_key(mb, chunk), self.config.model, self.layout,
+                                   self.deterministic)
         if how == "cond":
             return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
         return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
 
     def layers(self, layers, x, mb, chunk, perturbations=None):
-        key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
-        return models.apply_layers(layers, x, key, self.config.model, self.layout,
-                                   self.deterministic, perturbations, self.prepare,
-                                   keep=self.keep)
+        return models.apply_layers(layers, x, self.tokens(mb), self.stage_key(mb, chunk),
+                                   self.config.model, self.layout, self.deterministic,
+                                   perturbations, self.prepare, keep=self.keep)
 
     def head(self, ends, y, mb, chunk, how: str):
         """The loss contribution (scaled to the global token mean) of the last stage; 0

@@ -1,0 +1,170 @@
+"""The Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query
+attention, untied output layer, no biases. Functions as in jaxptd/model/__init__.py.
+
+Parameter tree (global shapes; n heads, k key/value heads, d = h / n, f = model.ffn):
+
+    embed/wte [V, h]                     vocab-parallel
+    layers/ln1/scale, layers/ln2/scale [L, h]
+    layers/attn/w_q [L, h, n, d]         column-parallel by heads
+    layers/attn/w_kv [L, h, 2, k, d]     column-parallel by key/value heads when the tensor
+                                         size t divides k; else replicated (t a multiple
+                                         of k), each rank using the one head its queries share
+    layers/attn/w_o [L, n, d, h]         row-parallel
+    layers/mlp/w_gate, w_up [L, h, f], w_down [L, f, h]   column-, column-, row-parallel
+    final_norm/scale [h]
+    head/w_head [h, V]                   column-parallel by vocabulary
+
+Rotary embeddings rotate the two halves of each head (Hugging Face's `rotate_half`
+convention, so its q/k weights need no permutation), frequencies theta^(-2i/d).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jaxptd.config import ModelConfig
+from jaxptd.model import stack
+from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, enter_tensor,
+                                 exit_tensor, normal, residual_std, rms_norm)
+
+
+def kv_sharded(cfg: ModelConfig, tensor: int) -> bool:
+    """Whether key/value heads split over the tensor ranks (else they are replicated)."""
+    return cfg.kv_heads % tensor == 0
+
+
+def rotary(x, positions, theta: float):
+    """x [b, s, heads, d] rotated by positions [s] (float32 math, x's dtype out)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [d/2]
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [s, d/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, None]  # [s, 1, d]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, None]
+    x32 = x.astype(jnp.float32)
+    half = jnp.concatenate([-x32[..., d // 2:], x32[..., : d // 2]], -1)
+    return (x32 * cos + half * sin).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary positions, no biases."""
+
+    cfg: ModelConfig
+    layout: Layout
+    causal: bool = True
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool, mask=None, cache=None):  # x: [b, s, h]
+        cfg, layout = self.cfg, self.layout
+        t, d = layout.tensor, cfg.head_dim
+        sharded = kv_sharded(cfg, t)
+        kv_name = "kv_heads" if sharded else "kv_heads_replicated"
+        w_q = self.param("w_q", normal(cfg.init_std, ("embed", "heads", "kv")),
+                         (cfg.hidden_size, cfg.num_heads // t, d))
+        w_kv = self.param("w_kv", normal(cfg.init_std, ("embed", "qkv", kv_name, "kv")),
+                          (cfg.hidden_size, 2, cfg.kv_heads // t if sharded else cfg.kv_heads, d))
+        w_o = self.param("w_o", normal(residual_std(cfg), ("heads", "kv", "embed")),
+                         (cfg.num_heads // t, d, cfg.hidden_size))
+
+        x_in = enter_tensor(x, layout)
+        q = dense(self, "w_q", x_in, w_q)  # [b, s, n/t, d]
+        k, v = dense(self, "w_kv", x_in, w_kv)  # each [b, s, k/t (or k), d]
+        if not sharded and layout.tensor_axis is not None:
+            # t / k consecutive ranks share key/value head r // (t / k); the gradient of
+            # the replicated weight sums over the ranks (JAX's varying-axes transpose).
+            head = lax.axis_index(layout.tensor_axis) // (t // cfg.kv_heads)
+            k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
+        start = 0 if cache is None else cache[2]
+        positions = start + jnp.arange(x_in.shape[1])  # the whole sequence (SP: gathered)
+        q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+        context, cache = attend(self, q, k, v, deterministic, causal=self.causal,
+                                cache=cache)
+        out = dense(self, "w_o", context, w_o)  # partial sum over this rank's heads
+        return exit_tensor(out, layout), cache  # g: all-reduce #1
+
+
+class MLP(nn.Module):
+    """SwiGLU: (silu(x W_gate) * x W_up) W_down; gate and up column-, down row-parallel."""
+
+    cfg: ModelConfig
+    layout: Layout
+
+    @nn.compact
+    def __call__(self, x):  # x: [b, s, h]
+        cfg, layout = self.cfg, self.layout
+        ffn = cfg.ffn // layout.tensor
+        w_gate = self.param("w_gate", normal(cfg.init_std, ("embed", "mlp")),
+                            (cfg.hidden_size, ffn))
+        w_up = self.param("w_up", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
+        w_down = self.param("w_down", normal(residual_std(cfg), ("mlp", "embed")),
+                            (ffn, cfg.hidden_size))
+        x_in = enter_tensor(x, layout)
+        hidden = jax.nn.silu(dense(self, "w_gate", x_in, w_gate)) * dense(self, "w_up", x_in, w_up)
+        return exit_tensor(dense(self, "w_down", hidden, w_down), layout)  # g: all-reduce #2
+
+
+class Head(nn.Module):
+    """The untied output layer: x [b, s, h] -> logits [b, s, V/t] float32, never gathered."""
+
+    cfg: ModelConfig
+    layout: Layout
+
+    @nn.compact
+    def __call__(self, x):
+        w_head = self.param("w_head", normal(self.cfg.init_std, ("embed", "vocab")),
+                            (self.cfg.hidden_size, self.layout.vocab // self.layout.tensor))
+        return dense(self, "w_head", enter_tensor(x, self.layout), w_head).astype(jnp.float32)
+
+
+def block(cfg: ModelConfig, layout: Layout) -> Block:
+    return Block(cfg, layout, attention=Attention, mlp=MLP, norm=rms_norm)
+
+
+def _boxed_init(cfg: ModelConfig, vocab: int, key):
+    """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
+    layout = Layout(vocab)
+    return stack.boxed_init(cfg, key, block(cfg, layout),
+                            {"embed": (Embed(cfg, layout), True), "head": (Head(cfg, layout), False)},
+                            {"final_norm": rms_norm(cfg)})
+
+
+def init_params(cfg: ModelConfig, vocab: int, key):
+    """Global float32 parameters (N(0, init_std); residual outputs scaled by 1/sqrt(2L))."""
+    return nn.unbox(_boxed_init(cfg, vocab, key))
+
+
+def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
+    """Logical names; the key/value heads are 'kv_heads' (split over tensor) when `tensor`
+    divides them, else 'kv_heads_replicated'."""
+    specs = nn.get_partition_spec(jax.eval_shape(
+        lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
+    if not kv_sharded(cfg, tensor):
+        attn = specs["layers"]["attn"]
+        attn["w_kv"] = P(*("kv_heads_replicated" if n == "kv_heads" else n
+                           for n in attn["w_kv"]))
+    return specs
+
+
+def logits(ends, x, cfg: ModelConfig, layout: Layout):
+    """Final RMSNorm and the output layer: x [b, s, h] ([b, s/t, h] with sequence
+    parallelism, gathered by the column-parallel Head) -> [b, s, V/t] float32."""
+    x = rms_norm(cfg).apply({"params": ends["final_norm"]}, x.astype(jnp.float32))
+    return Head(cfg, layout).apply({"params": ends["head"]}, x.astype(cfg.dtype))
+
+
+embed, head_loss, decode = stack.decoder(Embed, block, logits)
+
+
+def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
+    heads = cfg.kv_heads // layout.tensor if kv_sharded(cfg, layout.tensor) else 1
+    return stack.init_cache(cfg, heads, batch, length)
+
+
+def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
+    """Matmul FLOPs per token of one forward pass: a layer (queries and output 2 h^2 each,
+    keys and values 4 h k d, SwiGLU 6 h f, attention core 4 s h), its core, the head."""
+    h, s = cfg.hidden_size, cfg.seq_len
+    return {"layer": 4 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim + 6 * h * cfg.ffn
+            + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}

@@ -1,0 +1,88 @@
+"""What the decoders share: stacked initialisation with logical names, the scan over layers
+with a KV cache (decoding; training's layer scan is jaxptd.model.apply_layers), and their
+interface functions.
+
+Layers are `layers.Block`s whose parameters are stacked on a leading [L] axis named
+'layers'; layer i of a stack draws dropout from fold_in(key, i).
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxptd.config import ModelConfig
+
+
+def init_layers(block: nn.Module, cfg: ModelConfig, key, x):
+    """Boxed parameters of cfg.num_layers independently drawn layers, stacked [L, ...],
+    with 'layers' prepended to every logical name. x: a [1, s, h] example input."""
+    layers = jax.vmap(lambda k: block.init(k, x)["params"])(
+        jax.random.split(key, cfg.num_layers))
+    return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), layers,
+                        is_leaf=lambda b: isinstance(b, nn.Partitioned))
+
+
+def init_cache(cfg: ModelConfig, kv_heads: int, batch: int, length: int):
+    """Zero keys and values for decoding: two [L, batch, length, kv_heads, d] arrays (this
+    rank's key/value heads) in the compute dtype."""
+    shape = (cfg.num_layers, batch, length, kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
+
+
+def decode_layers(block: nn.Module, layers, x, cache, start):
+    """x [b, q, h] at positions start.. through every layer, reading and extending the
+    cache (from init_cache) -> (x, cache). No dropout."""
+    def one_layer(x, layer_and_cache):
+        layer, k_cache, v_cache = layer_and_cache
+        x, (k_cache, v_cache) = block.apply({"params": layer}, x, True, None,
+                                            (k_cache, v_cache, start))
+        return x, (k_cache, v_cache)
+
+    return lax.scan(one_layer, x, (layers, *cache))
+
+
+def boxed_init(cfg: ModelConfig, key, block: nn.Module, keyed: dict, norms: dict):
+    """Global parameters as Flax boxes: {'layers': cfg.num_layers blocks} plus the ends.
+
+    keyed: {name: (module, takes_tokens)} drawn with their own keys (in this order, the
+    layers' key last); norms: {name: module} (ones and zeros: no key). Example inputs are
+    [1, s] tokens or [1, s, h] activations.
+    """
+    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+    x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
+    *keys, k_layers = jax.random.split(key, len(keyed) + 1)
+    tree = {name: module.init(k, tokens if takes_tokens else x)["params"]
+            for (name, (module, takes_tokens)), k in zip(keyed.items(), keys)}
+    tree.update({name: norm.init(jax.random.key(0), x.astype(jnp.float32))["params"]
+                 for name, norm in norms.items()})
+    tree["layers"] = init_layers(block, cfg, k_layers, x)
+    return tree
+
+
+def decoder(embed_module, block, logits):
+    """The interface functions every decoder shares, from its embedding module and layer
+    (factories of (cfg, layout)) and its `logits(ends, x, cfg, layout)`:
+    (embed, head_loss, decode)."""
+    from jaxptd.model.layers import embedding_dropout, vocab_parallel_xent
+
+    def embed(ends, batch, key, cfg, layout, deterministic: bool):
+        """batch [b, s + 1] int32 (inputs: its first s tokens) -> [b, s, h] in the compute
+        dtype, with dropout on the embedding."""
+        x = embed_module(cfg, layout).apply({"params": ends["embed"]}, batch[:, :-1])
+        return embedding_dropout(x, key, cfg, layout, deterministic)
+
+    def head_loss(ends, x, batch, cfg, layout):
+        """x [b, s, h], batch [b, s + 1] (targets: its last s tokens) -> the sum of the
+        token losses (vocab-parallel cross-entropy)."""
+        return jnp.sum(vocab_parallel_xent(logits(ends, x, cfg, layout), batch[:, 1:], cfg,
+                                           layout))
+
+    def decode(params, tokens, cache, start, cfg, layout):
+        """tokens [b, q] at positions start.. -> (logits [b, q, V/t] float32, cache)."""
+        x = embed_module(cfg, layout).apply({"params": params["embed"]}, tokens, start)
+        x, cache = decode_layers(block(cfg, layout), params["layers"], x, cache, start)
+        return logits(params, x, cfg, layout), cache
+
+    return embed, head_loss, decode

@@ -1,0 +1,130 @@
+"""The Hugging Face bridge against transformers itself, live: tiny random GPT-2 and Llama
+models (odd sizes, grouped-query attention, several layers) imported give transformers'
+logits and loss; exported, they load in transformers and round-trip every value; training
+resumes from an import at another layout; bad input is one error line."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors.numpy import load_file  # noqa: E402  (after the skips)
+
+from helpers import HF_VOCAB, assert_trees_close, reference_loss, tiny_hf_model  # noqa: E402
+from jaxptd import hf  # noqa: E402
+from jaxptd.config import Config  # noqa: E402
+from jaxptd import model as models  # noqa: E402
+from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
+from jaxptd.model.layers import Layout  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = HF_VOCAB
+
+
+@pytest.fixture(scope="module", params=["gpt", "llama"])
+def imported(request, tmp_path_factory):
+    """(kind, transformers model, its directory, the import's directory)."""
+    model = tiny_hf_model(request.param)
+    tmp = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(tmp / "hf")
+    assert hf.main(["import", str(tmp / "hf"), str(tmp / "jaxptd")]) == 0
+    return request.param, model, tmp / "hf", tmp / "jaxptd"
+
+
+def torch_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def test_import_gives_transformers_logits_and_loss(imported):
+    _, model, _, out = imported
+    config, params, step = hf.load_params(out)
+    config = config.model
+    assert step == 0
+    batch = np.random.default_rng(1).integers(0, VOCAB, (3, config.seq_len + 1))
+    vocab = params["embed"]["wte"].shape[0]
+    ours = models.forward_logits(params, jnp.asarray(batch[:, :-1]), config, Layout(vocab))
+    expected = torch_logits(model, batch[:, :-1])
+    np.testing.assert_allclose(np.asarray(ours)[..., :VOCAB], expected,
+                               atol=2e-6 * np.abs(expected).max())
+    # GPT-2 reads at most n_positions = seq_len tokens: its loss from its logits by torch
+    hf_loss = torch.nn.functional.cross_entropy(
+        torch.tensor(expected).reshape(-1, VOCAB), torch.tensor(batch[:, 1:]).reshape(-1)).item()
+    loss = reference_loss(Config(model=config), vocab, params, batch)
+    np.testing.assert_allclose(float(loss), hf_loss, rtol=1e-6)
+
+
+def test_export_round_trips_every_value(imported, tmp_path):
+    kind, model, hf_dir, out = imported
+    assert hf.main(["export", str(out), str(tmp_path / "hf")]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    original = load_file(hf_dir / "model.safetensors")
+    tied = {"lm_head.weight"} if kind == "gpt" else set()  # GPT-2 ties it to wte
+    assert set(exported) == set(original) - tied
+    for name, value in original.items():
+        if name in exported:
+            np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 11))
+    np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(model, tokens))
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "again")]) == 0
+    assert_trees_close(hf.load_params(tmp_path / "again")[1], hf.load_params(out)[1], rtol=0)
+
+
+def test_training_resumes_from_an_import_at_another_layout(imported, tmp_path):
+    """The Llama import (kv heads 2, tensor 2, pipe 3) fine-tunes: the first step's loss is
+    transformers' loss on the same batch."""
+    kind, model, _, out = imported
+    if kind != "llama":
+        pytest.skip("one architecture is enough: the restore path does not depend on it")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
+    corpus = prepare_corpus([str(docs)], tmp_path / "corpus", val_fraction=0.3)
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    overrides = ["parallel.pipe=3", "parallel.tensor=2", "parallel.microbatches=2",
+                 "model.seq_len=16", "train.global_batch=4", "train.steps=1",
+                 "train.log_every=1", "train.eval_every=0", f"data.path={corpus}",
+                 f"train.run_dir={run}", f"checkpoint.dir={run / 'checkpoints'}"]
+    result = subprocess.run([sys.executable, "-m", "jaxptd.train", "--config",
+                             str(run / "config.yaml"), *overrides], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from step 0" in result.stdout
+    record = [json.loads(line) for line in open(run / "metrics.jsonl") if '"loss"' in line][0]
+    batch = TokenDataset(corpus, "train").batch(0, 0, 4, 16).astype(np.int64)
+    with torch.no_grad():
+        expected = model(torch.tensor(batch), labels=torch.tensor(batch)).loss.item()
+    np.testing.assert_allclose(record["loss"], expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: _edit_config(d, architectures=["BertForMaskedLM"]), "is not supported"),
+    (lambda d: os.remove(d / "model.safetensors"), "no *.safetensors"),
+    (lambda d: _edit_config(d, n_inner=40, intermediate_size=40), "has shape"),
+    (lambda d: os.remove(d / "config.json"), "no config.json"),
+])
+def test_bad_input_is_one_error_line(imported, tmp_path, capsys, damage, message):
+    _, _, hf_dir, _ = imported
+    shutil.copytree(hf_dir, tmp_path / "hf")
+    damage(tmp_path / "hf")
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    assert hf.main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update({k: v for k, v in changes.items() if k in config or k == "architectures"})
+    (directory / "config.json").write_text(json.dumps(config))
