@@ -1,6 +1,7 @@
 """The planner against independent references: equations (2) and (3) by hand, Table 1 of
-the PTD-P paper, its §5.1 training times, and XLA's compiled memory on 64 simulated devices
-(in a subprocess, since this session has 8)."""
+the PTD-P paper, its §5.1 training times, Korthikanti et al.'s activation formulas, the
+executor's lowered buffers, and XLA's compiled memory on up to 64 simulated devices (in a
+subprocess, since this session has 8)."""
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import pytest
 
 from jaxptd import metrics, plan, plan_model
+from jaxptd.pipeline import schedules
+from jaxptd.pipeline.lowering import lower
 from jaxptd.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,8 +90,11 @@ def test_json_schema(capsys):
                 "bubble_fraction"):
         assert isinstance(report[key], (int, float)), key
     memory = report["memory_bytes_per_device"]
-    parts = ("weights", "gradients", "optimizer", "activations", "gradient_workspace")
+    parts = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
+             "gradient_workspace", "offload_buffer")
     assert memory["total"] == pytest.approx(sum(memory[k] for k in parts))
+    host = report["host_memory_bytes_per_device"]
+    assert host["total"] == 0 and report["fits"] and report["host_memory_fits"]
     assert "days_to_train" not in report
     # interleaved p=16, v=2, m=192: the simulated bubble is the paper's (p-1)/(v m)
     assert report["bubble_fraction"] == pytest.approx(15 / (2 * 192), rel=0.05)
@@ -111,8 +117,87 @@ def test_search_ranks_layouts_that_fit(capsys):
     for r in rows:
         assert r["data"] * r["pipe"] * r["tensor"] == 16 and r["memory_gb"] <= 40
         assert r["tensor"] <= 8 and 64 % (r["data"] * r["microbatches"]) == 0
-    tiny = json.loads(run_main(capsys, argv[:-2] + ["--memory-gb", "1"]))
+    tiny = json.loads(run_main(capsys, argv[:-2] + ["--memory-gb", "0.2"]))
     assert tiny == []
+
+
+def test_korthikanti_formulas_by_hand():
+    """Korthikanti et al. 2022, Table 2, for GPT-3 175B at t = 8 (5as/(ht) = 10 here)."""
+    b, s, h, a, t = 1, 2048, 12288, 96, 8
+    sbh, layer = s * b * h, plan_model.korthikanti_layer_bytes
+    assert layer(b, s, h, a, t) == pytest.approx(sbh * (10 + 24 / 8 + 10))
+    assert layer(b, s, h, a, t, sp=True) == pytest.approx(sbh / 8 * (34 + 80))
+    assert layer(b, s, h, a, t, sp=True, remat="selective") == pytest.approx(sbh / 8 * 34)
+    assert layer(b, s, h, a, t, remat="full") == 2 * sbh
+    assert layer(b, s, h, a, t, sp=True, remat="full") == 2 * sbh / 8
+    # the paper's headline: SP + selective recomputation keep about 5x less than t alone
+    assert 5 <= layer(b, s, h, a, t) / layer(b, s, h, a, t, sp=True, remat="selective") < 6
+
+
+def test_our_layer_is_megatrons_plus_what_fusion_saves():
+    """Ours keeps what Megatron keeps plus float32 LayerNorm internals, two softmax copies
+    and the unfused GeLU's intermediates; SP divides the replicated part by t like
+    Megatron's 10 sbh, but keeps f's two gathered [b, s, h] inputs (autodiff's residuals
+    of the column-parallel matmuls; Megatron re-gathers them in the backward)."""
+    b, s, h, a, t, e = 1, 2048, 12288, 96, 8, 2
+    ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
+    for sp in (False, True):
+        assert 1.5 < ours(b, s, h, a, t, e, sp) / theirs(b, s, h, a, t, sp) < 2.5
+    saved_ours = ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, sp=True)
+    saved_theirs = theirs(b, s, h, a, t) - theirs(b, s, h, a, t, sp=True)
+    assert saved_theirs == pytest.approx(10 * s * b * h * (1 - 1 / t))
+    sbh = s * b * h
+    assert saved_ours == pytest.approx(2 * (12 + e) * sbh * (1 - 1 / t) - 2 * e * sbh)
+    # flash attention keeps no [s, s] probabilities, only a float32 [b, a/t, s]
+    flash = ours(b, s, h, a, t, e, flash=True)
+    assert ours(b, s, h, a, t, e) - flash == pytest.approx(a * s * s * b / t * 6 - 4 * b * a / t * s)
+
+
+@pytest.mark.parametrize("kind", schedules.KINDS)
+def test_buffer_slots_formula_is_the_lowering(kind):
+    """The formula the planner uses for long schedules against the executor's buffers."""
+    chunks = (2, 3) if "interleaved" in kind else (1,)
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            for v in chunks:
+                rounds = lower(schedules.make_schedule(kind, p, m, v))
+                got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
+                       "w": rounds.num_w_slots}
+                assert plan_model.slots_formula(kind, p, m, v) == got, (p, m, v)
+
+
+TABLE1_ROWS = sorted(TABLE1.values()) + ["gpt3_175b"]
+
+
+@pytest.mark.parametrize("name", TABLE1_ROWS)
+def test_table1_fits_in_80gb_at_the_papers_layout(capsys, name):
+    """The paper trained every row on 80 GB A100s at its (p, t, d, v, m) with full
+    recomputation; with sequence parallelism's [b, s/t, h] stage boundary and a stash of
+    stage inputs in the compute dtype each fits, with room for XLA's 15%."""
+    report = json.loads(run_main(capsys, ["--config", os.path.join(MEGATRON, name + ".yaml"),
+                                          "--json"]))
+    lay, memory = report["layout"], report["memory_bytes_per_device"]
+    assert report["fits"] and memory["total"] < 80e9 / 1.15, (name, memory["total"])
+    assert report["options"]["remat"] == "full"
+    assert report["options"]["sequence_parallel"] == (lay["tensor"] > 1)
+    if lay["pipe"] > 1:  # the stash holds [b, s/t, h] stage inputs in bfloat16
+        config = load_config(os.path.join(MEGATRON, name + ".yaml"))
+        m = config.model
+        stage_input = lay["microbatch_size"] * m.seq_len * m.hidden_size * 2 / lay["tensor"]
+        slots = report["pipeline_slots"]
+        assert memory["stash"] == pytest.approx((slots["stash"] + slots["grad"]) * stage_input)
+
+
+def test_1t_row_without_sequence_parallelism_does_not_fit(capsys):
+    """What the planner said before: the 1T row's stash of 192 in-flight microbatch-stages
+    of [s, b, h] inputs, each stored with the layer's input and output, 3 x 105 MB."""
+    report = json.loads(run_main(capsys, [
+        "--config", os.path.join(MEGATRON, "gpt_1008b.yaml"), "parallel.sequence_parallel=false",
+        "parallel.stash=activations", "--json"]))
+    memory = report["memory_bytes_per_device"]
+    assert not report["fits"] and memory["total"] > 100e9
+    assert report["pipeline_slots"]["stash"] == 192
+    assert memory["stash"] == pytest.approx((192 * 3 + 1) * 2048 * 25600 * 2)
 
 
 @pytest.mark.parametrize("argv, words", [
