@@ -249,8 +249,8 @@ for overrides in json.loads(sys.argv[1]):
 """
 
 
-def verify_in_subprocess(layouts):
-    runs = [SMALL + layout for layout in layouts]
+def verify_in_subprocess(layouts, base=SMALL):
+    runs = [base + layout for layout in layouts]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(runs)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
@@ -284,3 +284,37 @@ def test_memory_matches_compiled_step_on_64_devices():
             assert check["planned_flops_loop_bodies"] <= check["xla_flops"] * 1.05, layout
             assert check["planned_flops_loop_bodies"] >= check["xla_flops"] * 0.5, layout
 
+
+
+SP = ["parallel.tensor=4", "parallel.sequence_parallel=true"]
+SP_LAYOUTS = {
+    "layers": SP + ["parallel.data=2", "parallel.microbatches=2"],
+    "half the layers": SP + ["parallel.data=2", "parallel.microbatches=2",
+                             "model.num_layers=2"],
+    # Table 1's big rows scaled down: interleaved, stage inputs stashed, full recomputation
+    "table 1 proxy": SP + ["parallel.pipe=2", "parallel.microbatches=4", "parallel.chunks=2",
+                           "parallel.schedule=interleaved", "parallel.stash=inputs",
+                           "model.remat=full", "model.seq_len=256", "train.global_batch=16"],
+    "zb-h1": SP + ["parallel.pipe=2", "parallel.microbatches=4", "parallel.schedule=zb-h1"],
+}
+
+
+def test_sequence_parallel_memory_matches_compiled_step():
+    """--verify on 8 simulated devices for sequence-parallel layouts, unpipelined and
+    pipelined; and the activations one layer adds, in XLA's temporary memory, against the
+    plan's per-layer inventory with SP (each layer's gradients and workspace included)."""
+    reports = dict(zip(SP_LAYOUTS, verify_in_subprocess(list(SP_LAYOUTS.values()))))
+    assert len(reports) == len(SP_LAYOUTS)
+    for name, report in reports.items():
+        check = report["verify"]
+        assert check["memory_ratio"] == pytest.approx(1.0, abs=0.15), (name, check)
+        assert check["xla_memory"]["argument"] == pytest.approx(
+            check["planned_arguments"], rel=0.02), name
+    full, half = reports["layers"]["verify"], reports["half the layers"]["verify"]
+    xla_per_layer = (full["xla_memory"]["temp"] - half["xla_memory"]["temp"]) / 2
+    plan_per_layer = (full["planned_temp"] - half["planned_temp"]) / 2
+    assert plan_per_layer == pytest.approx(xla_per_layer, rel=0.1)
+    # the stash of the pipelined proxy is [b, s/t, h] per slot
+    proxy = reports["table 1 proxy"]
+    assert proxy["memory_bytes_per_device"]["stash"] == pytest.approx(
+        sum(proxy["pipeline_slots"].values()) * 4 * 256 * 512 * 4 / 4)
