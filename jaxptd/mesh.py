@@ -1,10 +1,15 @@
-"""The device mesh: axes (data, pipe, tensor), laid onto hosts as PTD-P prescribes.
+"""The device mesh: axes (data, fsdp, pipe, tensor), laid onto hosts as PTD-P prescribes.
 
 Owns the mesh-axis names and the device order. Devices are ordered by (process, local id)
-and reshaped to [data, pipe, tensor], so the tensor axis is innermost: a tensor-parallel
-group is `tensor` consecutive devices of one process (one host), never spanning hosts
-(PTD-P Takeaway #1); pipe comes next and may cross hosts; data is outermost. Axis types are
-Auto: the training step is a fully manual shard_map, and GSPMD handles what lies outside it.
+and reshaped to [data, fsdp, pipe, tensor], so the tensor axis is innermost: a tensor-
+parallel group is `tensor` consecutive devices of one process (one host), never spanning
+hosts (PTD-P Takeaway #1); pipe comes next and may cross hosts; the data-parallel ranks are
+outermost. They form two axes: `fsdp`, the g = parallel.fsdp_size ranks of one FSDP
+sharding group (consecutive data ranks: with tensor = pipe = 1 and g = GPUs per node, one
+node), and `data`, the d / g groups that replicate each other (HSDP); without FSDP g = 1.
+BATCH names both: the batch is split over all d data ranks in (data, fsdp) order, the order
+of a single data axis. Axis types are Auto: the training step is a fully manual shard_map,
+and GSPMD handles what lies outside it.
 """
 from __future__ import annotations
 
@@ -14,12 +19,13 @@ from jax.sharding import AxisType, Mesh
 
 from jaxptd.config import ConfigError, ParallelConfig
 
-DATA, PIPE, TENSOR = "data", "pipe", "tensor"
-AXES = (DATA, PIPE, TENSOR)
+DATA, FSDP, PIPE, TENSOR = "data", "fsdp", "pipe", "tensor"
+AXES = (DATA, FSDP, PIPE, TENSOR)
+BATCH = (DATA, FSDP)  # every data-parallel rank
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """Builds the (data, pipe, tensor) mesh over `devices` (default: all devices).
+    """Builds the (data, fsdp, pipe, tensor) mesh over `devices` (default: all devices).
 
     Raises ConfigError when the axis sizes do not multiply to the device count, or when a
     tensor group would span processes.
@@ -39,7 +45,9 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
             f"parallel.tensor={parallel.tensor}: must divide the devices per process ({local}) "
             "so a tensor-parallel group stays inside one host"
         )
-    grid = np.array(devices, dtype=object).reshape(shape)
+    g = parallel.fsdp_size
+    grid = np.array(devices, dtype=object).reshape(
+        (parallel.data // g, g, parallel.pipe, parallel.tensor))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

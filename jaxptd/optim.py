@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import Config
 from jaxptd.model import weight_decay_mask
-from jaxptd.sharding import is_spec, zero1_spec
+from jaxptd.sharding import is_spec
 
 
 def lr_schedule(config: Config) -> optax.Schedule:
@@ -39,16 +39,12 @@ def make_optimizer(config: Config) -> optax.GradientTransformation:
     )
 
 
-def optimizer_specs(tx, abstract_params, param_specs, zero1: bool, data_size: int):
-    """PartitionSpecs for the optimizer state: each moment like its parameter (ZeRO-1: also
-    split over data on a free dimension); counters replicated."""
+def optimizer_specs(tx, abstract_params, moment_specs):
+    """PartitionSpecs for the optimizer state: each moment as `moment_specs` says (like its
+    parameter, or with ZeRO-1 also split over the data replicas); counters replicated."""
     abstract_state = jax.eval_shape(tx.init, abstract_params)
-
-    def moment_spec(leaf, spec):
-        return zero1_spec(spec, leaf.shape, data_size) if zero1 else spec
-
     return optax.tree_map_params(
-        tx, moment_spec, abstract_state, param_specs,
+        tx, lambda _, spec: spec, abstract_state, moment_specs,
         transform_non_params=lambda _: P(), is_leaf=is_spec)
 
 

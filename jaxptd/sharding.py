@@ -10,8 +10,11 @@ the model with `nn.with_logical_partitioning`); `RULES` maps each name to a mesh
 - stages -> pipe: stacked layers are split into pipeline stages;
 - everything else (embed, kv, qkv, positions, layers, chunks, norm) is replicated.
 
-ZeRO-1 (`optimizer.zero1`) further shards optimizer state over data on the first
-dimension that is free and divisible by the data size.
+FSDP (`parallel.fsdp`) shards every parameter (and so its gradient and Adam moments) over
+the `fsdp` axis on its first free dimension divisible by the group size, past the layer-
+stacking dimensions (`fsdp_spec`); `fsdp_dims` says which dimension of each leaf, as the
+layers see it, to all-gather. ZeRO-1 (`optimizer.zero1`) further shards optimizer state
+over the `data` axis (the replicas) on the first free dimension divisible by its size.
 
 Inside the step's manual shard_map, values carry JAX's varying-manual-axes type; the last
 helpers here set it (`mark_varying`) and undo it by reduction (`reduce_to`).
@@ -24,7 +27,7 @@ import jax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxptd.mesh import DATA, PIPE, TENSOR
+from jaxptd.mesh import DATA, FSDP, PIPE, TENSOR
 
 RULES: dict[str, str | None] = {
     "vocab": TENSOR,
@@ -59,24 +62,45 @@ def specs_from_logical(logical_tree, rules=RULES):
                         is_leaf=is_spec)
 
 
-def zero1_spec(spec: P, shape: tuple[int, ...], data_size: int) -> P:
-    """Adds the data axis to the first unsharded dimension divisible by `data_size`.
-
-    A leaf with no such dimension (a scalar, a small bias) stays as it was: it is tiny.
-    """
-    if data_size == 1:
+def _shard_free_dim(spec: P, shape: tuple[int, ...], axis: str, size: int, skip: int = 0):
+    """spec with `axis` on the first dimension past `skip` that is unsharded and divisible
+    by `size`. A leaf with no such dimension (a scalar, a small bias) stays as it was."""
+    if size == 1:
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
-    for i, (entry, size) in enumerate(zip(entries, shape)):
-        if entry is None and size % data_size == 0:
-            entries[i] = DATA
+    for i in range(skip, len(shape)):
+        if entries[i] is None and shape[i] % size == 0:
+            entries[i] = axis
             return P(*entries)
     return spec
 
 
-def named(mesh, spec_tree):
-    """A tree of PartitionSpecs -> a tree of NamedShardings on `mesh`."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), spec_tree, is_leaf=is_spec)
+def zero1_spec(spec: P, shape: tuple[int, ...], data_size: int, stacked: int = 0) -> P:
+    """Adds the data axis (the replicas) to the first free dimension divisible by it past
+    the `stacked` layer-stacking dimensions."""
+    return _shard_free_dim(spec, shape, DATA, data_size, stacked)
+
+
+def fsdp_spec(spec: P, shape: tuple[int, ...], group: int, stacked: int) -> P:
+    """Adds the fsdp axis to the first free dimension divisible by the group size past
+    the `stacked` layer-stacking dimensions (0 for the ends)."""
+    return _shard_free_dim(spec, shape, FSDP, group, stacked)
+
+
+def fsdp_dims(specs, stacked: int):
+    """For each leaf (a tree of PartitionSpecs), the dimension sharded over fsdp as the
+    layers see the leaf, with its `stacked` leading dimensions gone; None if unsharded."""
+    def dim(spec):
+        hits = [i for i, entry in enumerate(spec) if entry == FSDP]
+        return hits[0] - stacked if hits else None
+    return jax.tree.map(dim, specs, is_leaf=is_spec)
+
+
+def named(mesh, spec_tree, memory_kind: str | None = None):
+    """A tree of PartitionSpecs -> a tree of NamedShardings on `mesh` (in `memory_kind`:
+    None for the device's default, 'pinned_host' for host memory)."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind), spec_tree,
+                        is_leaf=is_spec)
 
 
 def varying_axes(x) -> frozenset:
@@ -99,11 +123,23 @@ def mark_varying(tree, axes: tuple[str, ...]):
     return jax.tree.map(cast, tree)
 
 
-def reduce_to(tree, specs, axes: tuple[str, ...]):
-    """Sums each leaf over the axes in `axes` that its PartitionSpec does not shard."""
-    def reduce(x, spec):
-        sharded = {a for entry in spec if entry for a in (entry if isinstance(entry, tuple)
-                                                           else (entry,))}
-        over = tuple(a for a in axes if a not in sharded)
-        return lax.psum(x, over) if over else x
-    return jax.tree.map(reduce, tree, specs, is_leaf=is_spec)
+def _axes_of(spec: P) -> dict:
+    """{mesh axis: the dimension it shards} of a PartitionSpec."""
+    return {a: i for i, entry in enumerate(spec) if entry
+            for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+def reduce_to(tree, have, want, axes: tuple[str, ...], dtype=None):
+    """Reduces each leaf, sharded as `have` (a spec tree), over `axes` into `want`: summed
+    (all-reduce) over the axes neither shards, reduce-scattered over those only `want`
+    shards (ZeRO-1's gradients), left alone over those `have` shards (already reduced,
+    e.g. by FSDP's reduce-scatter). dtype: the reductions' dtype (None: the leaf's)."""
+    def reduce(x, have_spec, want_spec):
+        old, new = _axes_of(have_spec), _axes_of(want_spec)
+        out_dtype = x.dtype
+        x = x.astype(dtype or x.dtype)
+        for axis in (a for a in axes if a in new and a not in old):
+            x = lax.psum_scatter(x, axis, scatter_dimension=new[axis], tiled=True)
+        over = tuple(a for a in axes if a not in new and a not in old)
+        return (lax.psum(x, over) if over else x).astype(out_dtype)
+    return jax.tree.map(reduce, tree, have, want, is_leaf=is_spec)

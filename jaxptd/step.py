@@ -1,18 +1,25 @@
-"""The training step: one jitted SPMD program over the (data, pipe, tensor) mesh.
+"""The training step: one jitted SPMD program over the (data, fsdp, pipe, tensor) mesh.
 
 Owns the train state, its shardings, and the step. The step has two parts:
 
-1. Gradients, inside a fully manual `shard_map` over all three axes. Each device holds its
+1. Gradients, inside a fully manual `shard_map` over all axes. Each device holds its
    parameter shards and its data-parallel rows; tensor-parallel collectives are written
-   out in the model (Megatron's f and g). Gradients accumulate over the microbatches
-   locally and are reduced over data (and over pipe for parameters every stage holds)
-   once per step. With pipe = 1 a scan runs the microbatches; with pipe > 1 the pipeline
-   executor runs the schedule.
+   out in the model (Megatron's f and g, or sequence parallelism's gathers and scatters).
+   With pipe = 1 a scan runs the microbatches; with pipe > 1 the pipeline executor runs
+   the schedule. Gradients accumulate over the microbatches locally and are reduced over
+   data (and over pipe for the parameters every stage holds) once per step:
+   all-reduced, or with ZeRO-1 reduce-scattered into the optimizer state's shards
+   (`optimizer.grad_reduce_dtype`). With FSDP (`parallel.fsdp`, ZeRO-3) every parameter is
+   sharded over the fsdp axis and all-gathered where it is used, one layer at a time,
+   inside a `jax.checkpoint` so the backward gathers it again instead of keeping it; the
+   gather's transpose reduce-scatters each microbatch's gradient into the shards (per
+   microbatch: the memory of unsharded gradients is what FSDP exists to avoid).
    Why fully manual: every collective is explicit and countable, the Pallas kernels see
-   local shapes, and the pipeline's per-rank control flow (lax.cond on the pipe rank)
-   needs manual axes anyway.
+   local shapes, and the pipeline's per-rank control flow needs manual axes anyway.
 2. The update, outside it (GSPMD): clipping, AdamW on float32 masters, ZeRO-1 optimizer
-   state sharded over data, dynamic loss scaling for float16.
+   state sharded over the data replicas, dynamic loss scaling for float16. With
+   `offload.optimizer` the masters and Adam's moments live in host memory (pinned_host)
+   between steps and are brought to the device for the step.
 
 The eval step (validation loss) is the same fully manual shard_map without gradients: a
 forward over the local rows, or with pipe > 1 the executor's forward-only pipeline.
@@ -26,25 +33,30 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import optax
+from flax import traverse_util
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxptd import model as models
 from jaxptd import optim
 from jaxptd.config import Config
-from jaxptd.mesh import DATA, PIPE, TENSOR
-from jaxptd import model as models
+from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
 from jaxptd.model.layers import Layout
-from jaxptd.sharding import is_spec, mark_varying, named, reduce_to, specs_from_logical
+from jaxptd.sharding import (fsdp_dims, fsdp_spec, is_spec, mark_varying, named, reduce_to,
+                             specs_from_logical, zero1_spec)
+
+REDUCED = (DATA, FSDP, PIPE)  # the axes gradients are reduced over
 
 
 def _is_layer_leaf(path) -> bool:
     return any(getattr(entry, "key", None) == "layers" for entry in path)
 
 
-def _map_layers(fn, tree):
-    """Applies fn to every leaf under a 'layers' key (params and their optimizer moments)."""
+def _map_layers(fn, tree, other=lambda x: x):
+    """Applies fn to every leaf under a 'layers' key (params and their optimizer moments),
+    `other` to the rest."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: fn(x) if _is_layer_leaf(path) else x, tree, is_leaf=is_spec)
+        lambda path, x: fn(x) if _is_layer_leaf(path) else other(x), tree, is_leaf=is_spec)
 
 
 class Setup:
@@ -54,7 +66,7 @@ class Setup:
     leading [num_layers] axis in model order. In memory with pipe > 1: [v, p, L/(p v), ...]
     (chunks, stages, layers of a chunk), a free reshape of the logical order in which
     rank r's dimension-1 slice holds virtual stages r, r + p, ... With pipe = 1 the two are
-    the same.
+    the same. FSDP shards both layouts over the fsdp axis the same way (fsdp_spec).
     """
 
     def __init__(self, config: Config, mesh):
@@ -63,37 +75,102 @@ class Setup:
         self.pipelined = par.pipe > 1
         self.vocab = model.padded_vocab(par.tensor)
         self.arch = models.get(model)
-        self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel)
+        self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
+                                   config.offload.activations)
         logical = self.arch.logical_axes(model, self.vocab)
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
-        self.logical_param_specs = specs_from_logical(
+        logical_params = jax.eval_shape(
+            lambda: self.arch.init_params(model, self.vocab, jax.random.key(0)))
+        self.logical_param_specs = self._fsdp(specs_from_logical(
             _map_layers(lambda names: P(*(("stages",) if self.pipelined else ("layers",)),
-                                        *names[1:]), logical))
-        self.param_specs = specs_from_logical(_map_layers(
-            lambda names: P("chunks", "stages", *names), logical)) if self.pipelined \
-            else self.logical_param_specs
-        self.abstract_params = jax.eval_shape(
-            lambda: self.to_stacked(self.arch.init_params(model, self.vocab, jax.random.key(0))))
+                                        *names[1:]), logical)), logical_params, 1)
+        self.abstract_params = jax.eval_shape(self.to_stacked, logical_params)
+        self.stacked = 3 if self.pipelined else 1  # leading dims of a layer leaf in memory
+        self.param_specs = self._fsdp(specs_from_logical(_map_layers(
+            lambda names: P("chunks", "stages", *names), logical)), self.abstract_params,
+            self.stacked) if self.pipelined else self.logical_param_specs
         self.tx = optim.make_optimizer(config)
         self.schedule = optim.lr_schedule(config)
         self.state_specs = self._state_specs(self.param_specs, self.abstract_params)
-        self.state_shardings = named(mesh, self.state_specs)
-        self.logical_state_shardings = named(mesh, self._state_specs(
-            self.logical_param_specs, jax.eval_shape(self.to_logical, self.abstract_params)))
-        self.batch_sharding = NamedSharding(mesh, P(DATA))
+        self.state_shardings = self._shardings(self.state_specs, config.offload.optimizer)
+        self.device_state_shardings = self._shardings(self.state_specs, False)
+        self.logical_state_shardings = self._shardings(self._state_specs(
+            self.logical_param_specs, logical_params, 1), False)
+        self.batch_sharding = NamedSharding(mesh, P(BATCH))
         # Every loss is a sum over tokens scaled to the global token mean.
         self.loss_norm = 1.0 / (config.train.global_batch * model.seq_len)
 
-    def _state_specs(self, param_specs, abstract_params):
-        opt = self.config.optimizer
+    def _fsdp(self, specs, shapes, stacked: int):
+        """With parallel.fsdp, every leaf's spec also shards it over the fsdp axis."""
+        group = self.config.parallel.fsdp_size
+        if group == 1:
+            return specs
+        return jax.tree_util.tree_map_with_path(
+            lambda path, spec, x: fsdp_spec(spec, x.shape, group,
+                                            stacked if _is_layer_leaf(path) else 0),
+            specs, shapes, is_leaf=is_spec)
+
+    def _state_specs(self, param_specs, abstract_params, stacked: int | None = None):
+        moments = self._zero1(param_specs, abstract_params,
+                              self.stacked if stacked is None else stacked)
         return {
             "params": param_specs,
-            "opt_state": optim.optimizer_specs(self.tx, abstract_params, param_specs,
-                                               opt.zero1, self.config.parallel.data),
+            "opt_state": optim.optimizer_specs(self.tx, abstract_params, moments),
             "step": P(),
             "rng": P(),
             "loss_scale": optim.LossScale(P(), P()),
         }
+
+    def _shardings(self, specs, offload: bool):
+        """NamedShardings; with offload, the masters and Adam's moments in host memory."""
+        device = named(self.mesh, specs)
+        if not offload:
+            return device
+        host = named(self.mesh, {k: specs[k] for k in ("params", "opt_state")},
+                     memory_kind="pinned_host")
+        return {**device, **host}
+
+    def _zero1(self, specs, shapes, stacked: int):
+        """With optimizer.zero1: specs also split over the data replicas, on a dimension
+        past the layer-stacking ones (so each layer's part is its own)."""
+        replicas = self.mesh.shape[DATA]
+        if not self.config.optimizer.zero1 or replicas == 1:
+            return specs
+        return jax.tree_util.tree_map_with_path(
+            lambda path, spec, x: zero1_spec(spec, x.shape, replicas,
+                                             stacked if _is_layer_leaf(path) else 0),
+            specs, shapes, is_leaf=is_spec)
+
+    @property
+    def grads_specs(self):
+        """Where the reduced gradients land: like the optimizer's moments (with ZeRO-1
+        reduce-scattered over the data replicas, else like the parameters)."""
+        return self._zero1(self.param_specs, self.abstract_params, self.stacked)
+
+    def gather(self):
+        """(gather the ends, gather a layer's subtree) for use inside the shard_map: FSDP's
+        all-gathers of parameter shards in optimizer.grad_reduce_dtype, recomputed in the
+        backward (jax.checkpoint) rather than kept; their transpose reduce-scatters the
+        gradients. (None, None) without FSDP."""
+        if self.config.parallel.fsdp_size == 1:
+            return None, None
+        dtype = jnp.dtype(self.config.optimizer.grad_reduce_dtype)
+
+        def gatherer(dims_tree):
+            flat_dims = traverse_util.flatten_dict(dims_tree)
+
+            def gather(tree):  # any subtree of dims_tree, matched by path
+                flat = traverse_util.flatten_dict(tree)
+                for path, x in flat.items():
+                    dim = flat_dims[path]
+                    if dim is not None:
+                        flat[path] = lax.all_gather(x.astype(dtype), FSDP, axis=dim,
+                                                    tiled=True).astype(x.dtype)
+                return traverse_util.unflatten_dict(flat)
+            return jax.checkpoint(gather)
+
+        return (gatherer(fsdp_dims(models.ends(self.param_specs), 0)),
+                gatherer(fsdp_dims(self.param_specs["layers"], self.stacked)))
 
     def to_stacked(self, tree):
         """Logical [L, ...] layer leaves -> the in-memory [v, p, L/(p v), ...] (a reshape)."""
@@ -110,7 +187,7 @@ class Setup:
 
     def _fresh_state(self, seed: int, dynamic: bool):
         params = self.to_stacked(self.arch.init_params(self.config.model, self.vocab,
-                                                 jax.random.key(seed)))
+                                                       jax.random.key(seed)))
         return {
             "params": params,
             "opt_state": self.tx.init(params),
@@ -142,57 +219,170 @@ class Setup:
 
     def state_from_logical(self, state):
         """A restored logical state -> the in-memory layout and shardings."""
-        if not self.pipelined:
+        if not self.pipelined and not self.config.offload.optimizer:
             return state
         return jax.jit(self.to_stacked, out_shardings=self.state_shardings)(state)
 
 
-def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
-    """Unpipelined local gradients: a scan over microbatches. Runs inside the shard_map.
+@jax.custom_vjp
+def _add_to_gradient(p, acc):
+    """p; its gradient gets acc added (the microbatches before the last)."""
+    return p
 
-    params: local shards, varying over data and pipe; batch [rows, s + 1] local rows.
-    Returns (local gradient sums, local loss sum), both scaled to the global token mean.
+
+_add_to_gradient.defvjp(lambda p, acc: (p, acc),
+                        lambda acc, g: (jax.tree.map(jnp.add, g, acc),
+                                        jax.tree.map(jnp.zeros_like, acc)))
+
+
+def _reduce_scatter_gradient(axis: str, dim: int, dtype):
+    """p -> p, whose gradient is reduce-scattered over `axis` on `dim` in its backward,
+    this rank's part placed where it belongs in a zero gradient of p's shape (ZeRO-1: the
+    step keeps only that part)."""
+    @jax.custom_vjp
+    def hook(p):
+        return p
+
+    def backward(_, g):
+        part = lax.psum_scatter(g.astype(dtype), axis, scatter_dimension=dim, tiled=True)
+        where = lax.axis_index(axis) * part.shape[dim]
+        return (lax.dynamic_update_slice_in_dim(jnp.zeros_like(g), part.astype(g.dtype),
+                                                where, dim),)
+    hook.defvjp(lambda p: (p, None), backward)
+    return hook
+
+
+class _Reduction:
+    """How the step reduces gradients over data (and pipe): once, after everything
+    (`after`), or, unpipelined, inside the last microbatch's backward (`hooks`): each
+    parameter's gradient, plus the sum of the microbatches before, is all-reduced (the
+    transpose of casting the parameter to varying where a layer uses it) or with ZeRO-1
+    reduce-scattered as soon as its layer's backward is done (Megatron's
+    --overlap-grad-reduce), so it can overlap the backward of the layers below."""
+
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        self.dtype = jnp.dtype(setup.config.optimizer.grad_reduce_dtype)
+        zero1 = setup.config.optimizer.zero1
+        self.scatter_dims = jax.tree.map(
+            lambda have, want: next((i for i, e in enumerate(want) if e == DATA and (
+                len(have) <= i or have[i] != DATA)), None) if zero1 else None,
+            setup.param_specs, setup.grads_specs, is_leaf=is_spec)
+
+    def after(self, grads):
+        """Local gradient sums -> reduced (and ZeRO-1 scattered), at the end of the step."""
+        setup = self.setup
+        return reduce_to(grads, setup.param_specs, setup.grads_specs, REDUCED, self.dtype)
+
+    def scattered_varying(self, params):
+        """The last microbatch's parameters: the ZeRO-1 leaves varying over data already
+        (their hook scatters the gradient; a cast inside would sum it), the rest invariant
+        (their gradient is summed by the transpose of the cast to varying in `hook`)."""
+        return jax.tree.map(lambda p, dim: p if dim is None else mark_varying(p, (DATA,)),
+                            params, self.scatter_dims)
+
+    def hook(self, params, acc, dims):
+        """params as the model uses them in the last microbatch; acc the local gradient
+        sums of the microbatches before; dims: each leaf's ZeRO-1 dimension there."""
+        def one(p, a, dim):
+            if dim is not None:  # scattered over data once fsdp and pipe have summed it
+                p = _reduce_scatter_gradient(DATA, dim, self.dtype)(p)
+            # summed over the axes p is cast over (the transpose of the cast), acc first
+            return _add_to_gradient(mark_varying(p, REDUCED), a)
+        return jax.tree.map(one, params, acc, dims)
+
+    def keep_parts(self, grads):
+        """After the hooks: each ZeRO-1 leaf's own part of its full-size gradient."""
+        def part(g, dim):
+            if dim is None:
+                return g
+            size = g.shape[dim] // self.setup.mesh.shape[DATA]
+            return lax.dynamic_slice_in_dim(g, lax.axis_index(DATA) * size, size, dim)
+        return jax.tree.map(part, grads, self.scatter_dims)
+
+
+def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
+    """Unpipelined gradients: a scan over the microbatches before the last, whose local sums
+    the last one's backward adds in and reduces layer by layer (_Reduction). Runs inside
+    the shard_map.
+
+    params: local shards, invariant over data; batch [rows, s + 1] local rows.
+    Returns (reduced gradients, local loss sum), both scaled to the global token mean.
     """
     config = setup.config
     micro = batch.reshape(config.parallel.microbatches, -1, batch.shape[-1])  # [m, b, s+1]
+    gather_ends, gather_layer = setup.gather()
+    reduction = _Reduction(setup)
 
-    def loss_fn(p, mb, k):
-        loss = models.loss_sum(p, mb, k, config.model, setup.local_layout,
-                               deterministic) * setup.loss_norm
+    def loss_fn(p, mb, k, hooks=None):
+        ends_fn = _compose(gather_ends, hooks and hooks[0])
+        layer_fn = _compose(gather_layer, hooks and hooks[1])
+        extra = hooks and hooks[2]
+        loss = models.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic,
+                               prepare_ends=ends_fn, prepare=layer_fn,
+                               extra=extra) * setup.loss_norm
         return loss * loss_scale, loss
+
+    varying = mark_varying(params, REDUCED)
 
     def one(carry, xs):
         grads_acc, loss_acc = carry
         mb, index = xs
-        grads, loss = jax.grad(loss_fn, has_aux=True)(params, mb, jax.random.fold_in(key, index))
+        grads, loss = jax.grad(loss_fn, has_aux=True)(varying, mb,
+                                                      jax.random.fold_in(key, index))
         return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    loss0 = mark_varying(jnp.float32(0), (DATA, PIPE))  # like the model's loss
-    (grads, loss), _ = lax.scan(one, (zeros, loss0), (micro, jnp.arange(micro.shape[0])))
-    return grads, loss
+    zeros = jax.tree.map(jnp.zeros_like, varying)
+    loss0 = mark_varying(jnp.float32(0), REDUCED)  # like the model's loss
+    m = micro.shape[0]
+    (acc, loss), _ = lax.scan(one, (zeros, loss0), (micro[:-1], jnp.arange(m - 1)))
+    dims = reduction.scatter_dims
+    layer_dims = jax.tree.map(lambda d: None if d is None else d - setup.stacked,
+                              dims["layers"])
+    hooks = (lambda ends: reduction.hook(ends, models.ends(acc), models.ends(dims)),
+             lambda layer, acc_layer: reduction.hook(layer, acc_layer, layer_dims),
+             acc["layers"])
+    grads, last = jax.grad(loss_fn, has_aux=True)(reduction.scattered_varying(params), micro[-1],
+                                                  jax.random.fold_in(key, m - 1), hooks)
+    return reduction.keep_parts(grads), loss + last
+
+
+def _compose(gather, hook):
+    """The parameter preparation of one use: the reduction hook, then FSDP's gather."""
+    if hook is None:
+        return None if gather is None else (lambda tree, *more: gather(tree))
+
+    def prepare(tree, *more):
+        tree = hook(tree, *more)
+        return tree if gather is None else gather(tree)
+    return prepare
 
 
 def build_grads(setup: Setup, deterministic: bool):
-    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss), reduced once."""
+    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss), reduced over data
+    (ZeRO-1: scattered into the optimizer's shards)."""
     config = setup.config
     if config.parallel.pipe > 1:
         from jaxptd.pipeline.executor import pipeline_grads
-        local_fn = partial(pipeline_grads, setup=setup, deterministic=deterministic)
+        reduction = _Reduction(setup)
+
+        def local_fn(params, batch, key, scale):
+            grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
+                                         setup=setup, deterministic=deterministic)
+            return reduction.after(grads), loss
     else:
         local_fn = partial(microbatch_grads, setup=setup, deterministic=deterministic)
 
     def local(params, batch, rng, step, scale):
         key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
-        key = jax.random.fold_in(key, lax.axis_index(DATA))
-        params = mark_varying(params, (DATA, PIPE))
+        key = jax.random.fold_in(key, lax.axis_index(BATCH))
         grads, loss = local_fn(params, batch, key, scale)
-        return reduce_to(grads, setup.param_specs, (DATA, PIPE)), lax.psum(loss, (DATA, PIPE))
+        return grads, lax.psum(loss, REDUCED)
 
     return jax.shard_map(
         local, mesh=setup.mesh,
-        in_specs=(setup.param_specs, P(DATA), P(), P(), P()),
-        out_specs=(setup.param_specs, P()))
+        in_specs=(setup.param_specs, P(BATCH), P(), P(), P()),
+        out_specs=(setup.grads_specs, P()))
 
 
 def build_train_step(setup: Setup):
@@ -200,19 +390,23 @@ def build_train_step(setup: Setup):
     config = setup.config
     dynamic = config.optimizer.loss_scale == "dynamic"
     grads_fn = build_grads(setup, deterministic=config.model.dropout == 0.0)
+    on_device = setup.device_state_shardings
 
     def step_fn(state, batch):
-        params, scale = state["params"], state["loss_scale"]
+        scale = state["loss_scale"]
+        # offload.optimizer: bring the masters and moments from host memory for the step
+        params = jax.device_put(state["params"], on_device["params"])
+        old_opt = jax.device_put(state["opt_state"], on_device["opt_state"])
         grads, loss = grads_fn(params, batch, state["rng"], state["step"], scale.scale)
         grads = jax.tree.map(lambda g: g / scale.scale, grads)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        updates, opt_state = setup.tx.update(grads, state["opt_state"], params)
+        updates, opt_state = setup.tx.update(grads, old_opt, params)
         new_params = optax.apply_updates(params, updates)
         loss_scale = scale
         if dynamic:  # skip the update on overflow and adjust the scale
             finite = optim.all_finite(grads)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            new_params, opt_state = keep(new_params, params), keep(opt_state, state["opt_state"])
+            new_params, opt_state = keep(new_params, params), keep(opt_state, old_opt)
             loss_scale = scale.update(finite)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                      "rng": state["rng"], "loss_scale": loss_scale}
@@ -228,21 +422,22 @@ def build_eval_step(setup: Setup):
     """The jitted validation loss: (params, batch) -> mean token loss (no dropout). With
     pipe > 1 the pipeline runs the schedule's forwards alone (no gradient program)."""
     config = setup.config
+    gather_ends, gather_layer = setup.gather()
     if config.parallel.pipe > 1:
         from jaxptd.pipeline.executor import pipeline_loss
 
         def local_loss(params, batch):
-            loss = pipeline_loss(mark_varying(params, (DATA, PIPE)), batch, setup=setup)
-            return lax.psum(loss, (DATA, PIPE))
+            loss = pipeline_loss(mark_varying(params, REDUCED), batch, setup=setup)
+            return lax.psum(loss, REDUCED)
     else:
-        tokens = config.train.global_batch * config.model.seq_len
-
         def local_loss(params, batch):
             loss = models.loss_sum(params, batch, jax.random.key(0), config.model,
-                                setup.local_layout, True)
-            return lax.psum(loss, DATA) / tokens
+                                   setup.local_layout, True, prepare_ends=gather_ends,
+                                   prepare=_compose(gather_layer, None))
+            return lax.psum(loss, REDUCED) * setup.loss_norm
 
     eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,
-                            in_specs=(setup.param_specs, P(DATA)), out_specs=P())
-    return jax.jit(eval_fn, in_shardings=(setup.state_shardings["params"],
-                                          setup.batch_sharding))
+                            in_specs=(setup.param_specs, P(BATCH)), out_specs=P())
+    return jax.jit(lambda params, batch: eval_fn(
+        jax.device_put(params, setup.device_state_shardings["params"]), batch),
+        in_shardings=(setup.state_shardings["params"], setup.batch_sharding))

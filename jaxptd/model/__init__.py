@@ -21,10 +21,18 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import DENSE, DENSE_INPUTS, PERTURBATIONS, Layout
 from jaxptd.sharding import mark_varying, varying_axes
+
+
+LAYER_INPUT = "layer_input"
+# offload.activations: a layer keeps only its input, in host memory; the rest is recomputed.
+OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names(
+    names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
+    offload_src="device", offload_dst="pinned_host")
 
 
 def get(cfg: ModelConfig):
@@ -39,21 +47,29 @@ def ends(params) -> dict:
 
 
 def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-                 perturbations=None):
+                 perturbations=None, prepare=None, extra=None):
     """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
 
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
     With model.remat == 'full' each layer's activations are recomputed in the backward pass
-    ('selective' recomputes only the attention core, inside layers.Attention).
+    ('selective' recomputes only the attention core, inside layers.Attention); with
+    layout.offload_activations too, and each layer's input waits for it in host memory.
     With `perturbations` (from `perturbations`: zeros added to every dense() output, so
     their gradient is the output gradient), returns (y, the input of every dense() matmul,
-    each [n, ...]) instead of y.
+    each [n, ...]) instead of y. `prepare(layer params, layer's slice of extra)` turns
+    what is stored into what a layer computes with, inside the scan (FSDP's all-gather, the
+    step's gradient reduction hooks): it depends on no activation, so XLA may run layer
+    i + 1's ahead of layer i's compute.
     """
     layer = get(cfg).block(cfg, layout)
     taped = perturbations is not None
 
     def one_layer(x, xs):
-        params, index, added = xs
+        params, index, added, more = xs
+        if prepare is not None:
+            params = prepare(params, more)
+        if layout.offload_activations:
+            x = checkpoint_name(x, LAYER_INPUT)
         rngs = {"dropout": jax.random.fold_in(key, index)}
         if not taped:
             return layer.apply({"params": params}, x, deterministic, rngs=rngs), None
@@ -61,19 +77,22 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
                                rngs=rngs, mutable=[DENSE_INPUTS])
         return y, state[DENSE_INPUTS]
 
-    if cfg.remat == "full":
+    if layout.offload_activations:
+        one_layer = jax.checkpoint(one_layer, policy=OFFLOAD_LAYER_INPUTS)
+    elif cfg.remat == "full":
         one_layer = jax.checkpoint(one_layer)
     n = jax.tree.leaves(layers)[0].shape[0]
-    x, inputs = lax.scan(one_layer, x, (layers, jnp.arange(n), perturbations))
+    x, inputs = lax.scan(one_layer, x, (layers, jnp.arange(n), perturbations, extra))
     return (x, inputs) if taped else x
 
 
-def perturbations(layers, x, cfg: ModelConfig, layout: Layout):
+def perturbations(layers, x, cfg: ModelConfig, layout: Layout, prepare=None):
     """Zeros shaped and typed (varying manual axes included) like every dense() output of
     the stack, [n, ...]: what `apply_layers` takes to tape a backward. Traces nothing."""
     layer = get(cfg).block(cfg, layout)
 
     def one_layer(x, params):
+        params = params if prepare is None else prepare(params, None)
         y, state = layer.apply({"params": params}, x, True, mutable=[PERTURBATIONS])
         return y, state[PERTURBATIONS]
 
@@ -99,10 +118,12 @@ def merge_dense(dense: dict, rest: dict) -> dict:
                                          **traverse_util.flatten_dict(rest)})
 
 
-def dense_weight_grads(dense, inputs, output_grads):
+def dense_weight_grads(dense, inputs, output_grads, prepare=None):
     """Gradients of a stack's dense() weights [n, ...] from the input and the output gradient
     of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
-    forward. Each is the transpose of its einsum in the weight (weights cast as in dense)."""
+    forward. Each is the transpose of its einsum in the weight (weights cast as in dense,
+    and prepared as apply_layers prepares them: FSDP's gather transposes to a reduce-
+    scatter of the gradient into the shard)."""
     flat_inputs = traverse_util.flatten_dict(inputs)
     flat_grads = traverse_util.flatten_dict(output_grads)
 
@@ -110,7 +131,11 @@ def dense_weight_grads(dense, inputs, output_grads):
         spec = DENSE[path[-1]]
 
         def layer_grad(x, g, w_layer):
-            matmul = lambda v: jnp.einsum(spec, x, v.astype(x.dtype))  # noqa: E731
+            def matmul(v):
+                if prepare is not None:
+                    v = traverse_util.flatten_dict(
+                        prepare(traverse_util.unflatten_dict({path: v}), None))[path]
+                return jnp.einsum(spec, x, v.astype(x.dtype))
             return jax.linear_transpose(matmul, w_layer)(g)[0]
         return jax.vmap(layer_grad)(flat_inputs[path], flat_grads[path], w)
 
@@ -118,12 +143,17 @@ def dense_weight_grads(dense, inputs, output_grads):
     return traverse_util.unflatten_dict({path: one(path, w) for path, w in flat.items()})
 
 
-def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
-    """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32)."""
+def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
+             prepare_ends=None, prepare=None, extra=None):
+    """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32).
+    prepare_ends (and prepare, extra: see apply_layers) turn the stored parameters into
+    what the model computes with."""
     arch = get(cfg)
-    x = arch.embed(ends(params), batch, cfg, layout)
-    x = apply_layers(params["layers"], x, key, cfg, layout, deterministic)
-    return arch.head_loss(ends(params), x, batch, cfg, layout)
+    the_ends = ends(params) if prepare_ends is None else prepare_ends(ends(params))
+    x = arch.embed(the_ends, batch, cfg, layout)
+    x = apply_layers(params["layers"], x, key, cfg, layout, deterministic,
+                     prepare=prepare, extra=extra)
+    return arch.head_loss(the_ends, x, batch, cfg, layout)
 
 
 def weight_decay_mask(params):

@@ -52,6 +52,7 @@ class Layout:
     tensor: int = 1  # parameter shapes are global / tensor
     tensor_axis: str | None = None  # collectives over this axis; None: a single device
     sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]
+    offload_activations: bool = False  # each layer's checkpointed input in host memory
 
     @property
     def split_sequence(self) -> bool:

@@ -64,7 +64,7 @@ from flax import traverse_util
 from jax import lax
 
 from jaxptd import model as models
-from jaxptd.mesh import DATA, PIPE, TENSOR
+from jaxptd.mesh import BATCH, PIPE, TENSOR
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import Rounds, lower
 from jaxptd.sharding import mark_varying
@@ -266,6 +266,9 @@ class _Stage:
         self.deterministic = deterministic
         self.last = config.parallel.pipe * config.parallel.chunks - 1
         self.norm = setup.loss_norm
+        gather_ends, gather_layer = setup.gather()  # FSDP: shards -> what is computed with
+        self.gather_ends = gather_ends or (lambda ends: ends)
+        self.prepare = None if gather_layer is None else (lambda p, _: gather_layer(p))
 
     def vstage(self, chunk):
         return chunk * self.config.parallel.pipe + self.rank
@@ -277,7 +280,7 @@ class _Stage:
         model, split = self.config.model, self.layout.split_sequence
         seq = model.seq_len // (self.layout.tensor if split else 1)
         shape = (slots, self.micro.shape[1], seq, model.hidden_size)
-        axes = (DATA, PIPE, TENSOR) if split else (DATA, PIPE)
+        axes = (*BATCH, PIPE, TENSOR) if split else (*BATCH, PIPE)
         return mark_varying(jnp.zeros(shape, jnp.dtype(model.dtype)), axes)
 
     def tokens(self, mb):
@@ -288,7 +291,8 @@ class _Stage:
         how: 'cond', 'inline' (every rank embeds, stage 0 keeps it) or 'off' (no rank's
         slot is stage 0)."""
         def embed():
-            return self.arch.embed(ends, self.tokens(mb), self.config.model, self.layout)
+            return self.arch.embed(self.gather_ends(ends), self.tokens(mb), self.config.model,
+                                   self.layout)
         if how == "cond":
             return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
         return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
@@ -296,17 +300,17 @@ class _Stage:
     def layers(self, layers, x, mb, chunk, perturbations=None):
         key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
         return models.apply_layers(layers, x, key, self.config.model, self.layout,
-                                   self.deterministic, perturbations)
+                                   self.deterministic, perturbations, self.prepare)
 
     def head(self, ends, y, mb, chunk, how: str):
         """The loss contribution (scaled to the global token mean) of the last stage; 0
         elsewhere. how: as for embed_or_input."""
         def loss():
-            return self.arch.head_loss(ends, y, self.tokens(mb), self.config.model,
-                                       self.layout) * self.norm
+            return self.arch.head_loss(self.gather_ends(ends), y, self.tokens(mb),
+                                       self.config.model, self.layout) * self.norm
 
         def zero():
-            return mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))
+            return mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))
         is_last = self.vstage(chunk) == self.last
         if how == "cond":
             return lax.cond(is_last, loss, zero)
@@ -450,7 +454,8 @@ class _Training:
             y, backward = jax.vjp(lambda w, x: self.stage.layers(w, x, mb, chunk), weights, x)
             return y, backward, None, jax.tree.leaves(weights)
         dense, rest = models.split_dense(weights)
-        added = models.perturbations(weights, x, self.model, self.layout)
+        added = models.perturbations(weights, x, self.model, self.layout,
+                                     self.stage.prepare)
 
         def layers(x, rest, added):
             return self.stage.layers(models.merge_dense(dense, rest), x, mb, chunk, added)
@@ -463,7 +468,8 @@ class _Training:
         x = self.stage.buffer(1)[0]
         y, backward, inputs, given = self.layer_vjp(x, index, index)
         kept = _Kept(backward, y, given) if self.keep_activations else None
-        added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout)
+        added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
+                                     self.stage.prepare)
         return kept, y, (inputs, added) if self.split else None
 
     def initial_carry(self):
@@ -477,7 +483,7 @@ class _Training:
                 "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
                 "wsaved": _slots(wkept, rounds.num_w_slots) if self.split else (),
                 "grads": jax.tree.map(jnp.zeros_like, self.params),
-                "loss": mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))}
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))}
 
     def forward(self, carry, row, valid, seg):
         """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
@@ -497,7 +503,7 @@ class _Training:
         x_in = _read(carry["stash"], row["b_slot"])
         is_last = self.stage.vstage(chunk) == self.stage.last
         g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
-                              (DATA, PIPE))
+                              (*BATCH, PIPE))
         g_out = jnp.where(is_last, 0.0, _read(carry["gbuf"], row["b_grad_slot"]))
         if self.keep_activations:
             loss, g_ends, g_layers, g_x, taps = self._backward_kept(
@@ -550,7 +556,8 @@ class _Training:
             (loss, _), backward, _ = jax.vjp(stage, self.ends, weights, x_in, has_aux=True)
             g_ends, g_layers, g_x = backward((g_loss, g_out))
             return loss, g_ends, g_layers, g_x, None
-        added = models.perturbations(weights, x_in, self.model, self.layout)
+        added = models.perturbations(weights, x_in, self.model, self.layout,
+                                     self.stage.prepare)
         rest = models.split_dense(weights)[1]
         (loss, _), backward, inputs = jax.vjp(stage, self.ends, rest, x_in, added, has_aux=True)
         g_ends, g_layers, g_x, g_taps = backward((g_loss, g_out))
@@ -560,7 +567,7 @@ class _Training:
         """W: the dense() weights' gradients from what the microbatch's B kept."""
         inputs, g_taps = _read_tree(carry["wsaved"], row["w_slot"])
         dense, _ = models.split_dense(_chunk(self.params["layers"], row["w_chunk"]))
-        g_dense = models.dense_weight_grads(dense, inputs, g_taps)
+        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.stage.prepare)
         grads = {**carry["grads"], "layers": _add_chunk(carry["grads"]["layers"],
                                                         row["w_chunk"], _masked(g_dense, valid))}
         return None, {**carry, "grads": grads}
@@ -580,7 +587,7 @@ class _Evaluation:
 
     def initial_carry(self):
         return {"stash": self.stage.buffer(self.rounds.num_stash_slots),
-                "loss": mark_varying(jnp.zeros((), jnp.float32), (DATA, PIPE))}
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))}
 
     def forward(self, carry, row, valid, seg):
         mb, chunk = row["f_mb"], row["f_chunk"]
