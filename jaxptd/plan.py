@@ -89,17 +89,6 @@ def _fail(message: str):
     sys.exit(2)
 
 
-def _with_axis(spec, shape, axis: str, size: int, skip: int):
-    """spec with `axis` on the first dimension past `skip` that is free and divisible by
-    `size` (the step's rule for FSDP and ZeRO-1 shards); unchanged when none is."""
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    for i in range(skip, len(shape)):
-        if size > 1 and entries[i] is None and shape[i] % size == 0:
-            entries[i] = axis
-            break
-    return tuple(entries)
-
-
 @lru_cache(maxsize=16)
 def _abstract_model(model, vocab: int) -> tuple:
     """((is a layer leaf, global shape, mesh-axis spec), ...) of the real model from
@@ -112,7 +101,7 @@ def _abstract_model(model, vocab: int) -> tuple:
     params = jax.eval_shape(partial(arch.init_params, model, vocab), jax.random.key(0))
     specs = jax.tree.leaves(specs_from_logical(arch.logical_axes(model, vocab)),
                             is_leaf=is_spec)
-    return tuple((getattr(path[0], "key", "") == "layers", tuple(x.shape), tuple(spec))
+    return tuple((getattr(path[0], "key", "") == "layers", tuple(x.shape), spec)
                  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs))
 
 
@@ -122,29 +111,36 @@ def real_counts(config: Config) -> dict:
     (Adam's mu and nu: also ZeRO-1's split over the data replicas), compute_params (what
     the forward reads: tensor and pipe shards), stage_params (the stage's layers of it),
     layer_params and ends_params (one layer, the embedding, positions and final norm:
-    what an FSDP gather materialises), largest_leaf. Layers are split over pipe whether or
+    what an FSDP gather materialises). Layers are split over pipe whether or
     not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a dimension past the layer
     one (sharding.py's rule)."""
+    from jaxptd.mesh import DATA, FSDP, TENSOR
+    from jaxptd.sharding import fsdp_spec, zero1_spec
+
     par, model = config.parallel, config.model
     vocab = model.padded_vocab(par.tensor)
     g = par.fsdp_size
     replicas = par.data // g
-    sizes = {"tensor": par.tensor, "fsdp": g, "data": replicas, "pipe": 1}
+    sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
-                            "stage_params", "layer_params", "ends_params", "largest_leaf"), 0.0)
+                            "stage_params", "layer_params", "ends_params"), 0.0)
     leaves = _abstract_model(model, vocab)
+
+    def split(spec) -> int:
+        return math.prod(sizes.get(a, 1) for e in spec if e
+                         for a in (e if isinstance(e, tuple) else (e,)))
+
     for is_layer, shape, spec in leaves:
         skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
-        sharded = _with_axis(spec, shape, "fsdp", g, skip)
-        moments = _with_axis(sharded, shape, "data", replicas, skip) \
-            if config.optimizer.zero1 else sharded
-        split = lambda s: math.prod(sizes.get(a, 1) for a in s if a)  # noqa: E731
-        tensor_local = math.prod(shape) / split(spec)
-        weights = math.prod(shape) / split(sharded) / per_pipe
+        sharded = fsdp_spec(spec, shape, g, skip)
+        moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 \
+            else sharded
+        size = math.prod(shape)
+        tensor_local = size / split(spec)
+        weights = size / split(sharded) / per_pipe
         totals["weight_params"] += weights
-        totals["moment_params"] += 2 * math.prod(shape) / split(moments) / per_pipe
+        totals["moment_params"] += 2 * size / split(moments) / per_pipe
         totals["compute_params"] += tensor_local / per_pipe
-        totals["largest_leaf"] = max(totals["largest_leaf"], weights)
         if is_layer:
             totals["stage_params"] += tensor_local / par.pipe
             totals["layer_params"] += tensor_local / model.num_layers
@@ -202,11 +198,14 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
         vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
         slots=slots, chunks=par.chunks, keep_activations=par.stash == "activations",
         sp=par.sequence_parallel and par.tensor > 1, flash=m_cfg.attention == "cudnn",
-        offload=config.offload.activations)
+        offload=config.offload.activations,
+        fsdp_layer_bytes=e * counts["layer_params"] if par.fsdp_size > 1 else 0.0)
     device, host = pm.device_memory(
-        counts=counts, activations=acts, microbatches=par.microbatches, e=e,
+        counts=counts, activations=acts, microbatches=par.microbatches,
         gather_bytes=pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype],
-        fsdp=par.fsdp_size > 1, offload_optimizer=config.offload.optimizer)
+        fsdp=par.fsdp_size > 1, offload_optimizer=config.offload.optimizer,
+        peeled=par.microbatches if par.pipe == 1 else 0,
+        zero1_hook=par.pipe == 1 and config.optimizer.zero1 and par.data > par.fsdp_size)
     return device, host, acts
 
 
@@ -327,10 +326,10 @@ def verify(config: Config, report: dict) -> dict:
     xla["total"] = sum(xla[k] + xla[f"host_{k}"] for k in ("argument", "output", "temp")) \
         - xla["alias"] - xla["host_alias"] + xla["generated_code"]
     device, host = report["memory_bytes_per_device"], report["host_memory_bytes_per_device"]
-    state = ("weights", "optimizer")
-    arguments = sum(host[k] for k in state) if config.offload.optimizer else \
-        sum(device[k] for k in state)
-    total = device["total"] + host["total"]  # one memory on CPU
+    arguments = device["weights"] + device["optimizer"]  # the state, wherever it lives
+    # on CPU the host and device memory kinds are one memory: the state's host copy is the
+    # argument, and offloaded layer inputs are temporaries like the rest
+    total = device["total"] + host["activations"]
     return {"xla_memory": xla, "xla_flops": float(cost.get("flops", 0.0)),
             "planned_arguments": arguments, "planned_temp": total - arguments,
             "planned_total": total, "memory_ratio": total / xla["total"],
@@ -341,13 +340,15 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     """What XLA's cost analysis counts: it counts a while loop's body once, so the
     microbatch scan and the layer scan contribute one microbatch through one layer
     (forward, backward and what model.remat recomputes; Appendix) plus the logit
-    layer (6 b s h V), per device."""
+    layer (6 b s h V), per device. Unpipelined with m > 1 the step runs the last
+    microbatch outside that scan: two microbatches."""
     m_cfg, par = config.model, config.parallel
     b, s, h, V = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, \
         m_cfg.padded_vocab(par.tensor)
     forward, core = 24 * b * s * h * h + 4 * b * s * s * h, 4 * b * s * s * h
-    layer = 3 * forward + {"none": 0, "selective": core, "full": forward}[m_cfg.remat]
-    return (layer + 6 * b * s * h * V) / par.tensor
+    layer = 3 * forward + {"none": 0, "selective": core, "full": forward}[recomputation(config)]
+    bodies = 2 if par.pipe == 1 and par.microbatches > 1 else 1
+    return bodies * (layer + 6 * b * s * h * V) / par.tensor
 
 
 def main(argv=None) -> int:

@@ -90,24 +90,28 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
 
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
-                      offload=False) -> dict:
-    """Activation bytes on the busiest device: one microbatch's working set, the pipeline's
-    buffers (stash) and, with offload.activations, what waits in host memory.
+                      offload=False, fsdp_layer_bytes=0.0) -> dict:
+    """Activation bytes on the busiest device, in the pieces device_memory puts together:
+    kept (what the layers keep from forward to backward), the transients of a layer's
+    backward and of the head's (they do not overlap: the head's backward ends before the
+    layers' begins), the pipeline's buffers (stash) and what offload.activations puts in
+    host memory.
 
     remat: "none", "selective" (each layer keeps all but its attention probabilities, which
-    the layer being differentiated recomputes) or "full" (each layer keeps its input).
-    pipe = 1: one microbatch through all layers (full remat: each layer's input, plus the
-    one layer being recomputed). offload (pipe = 1): each layer's input waits in host
-    memory and the layer is recomputed, whatever remat says. pipe > 1: the executor's
-    buffers, `slots` = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h]
-    ([b, s/t, h] with SP) in the compute dtype: a stash slot holds a stage input and, with
-    parallel.stash = activations, what the chunk's backward keeps (remat full: each layer's
-    input) and its output (zero-bubble kinds: the backward of everything but the dense()
-    weights keeps about as much, its dense() inputs included); a grad slot an
-    output gradient; a W slot (zero-bubble kinds) the chunk's dense_tap_bytes. The working
-    set is one microbatch through one chunk. The backward transient is half a layer (the
-    cotangents of the layer being differentiated), plus its recomputed probabilities with
-    selective remat; with full remat it fits inside the recomputed layer.
+    the layer being differentiated recomputes) or "full" (each layer keeps its input). The
+    backward transient of a layer is half a layer (the cotangents of the layer being
+    differentiated), plus its recomputed probabilities with selective remat; with full
+    remat the whole recomputed layer. pipe = 1: one microbatch through all layers.
+    offload (pipe = 1): each layer's input waits in host memory and the layer is
+    recomputed, whatever remat says. FSDP without full remat: each layer also keeps its
+    gathered weights (fsdp_layer_bytes, in the compute dtype), which its matmuls' backward
+    needs. pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
+    = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
+    in the compute dtype: a stash slot holds a stage input and, with parallel.stash =
+    activations, what the chunk's backward keeps and its output (zero-bubble kinds: the
+    backward of everything but the dense() weights keeps about as much, its dense() inputs
+    included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
+    dense_tap_bytes.
     """
     layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash)
     scores = scores_bytes(b, s, a, t, e, flash)
@@ -116,12 +120,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     if offload:
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
-    kept, transient = {"none": (layer, 0.5 * layer),
-                       "selective": (layer - scores, 0.5 * layer + scores),
+    kept, transient = {"none": (layer + fsdp_layer_bytes, 0.5 * layer),
+                       "selective": (layer - scores + fsdp_layer_bytes, 0.5 * layer + scores),
                        "full": (stage_input, layer)}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage
-    head = head_activation_bytes(b, s, h, vocab_local, e, t if sp else 1)
-    working = (0.0 if offload else span * kept) + transient + head
     stash = 0.0
     if pipe > 1:
         slots = slots or {}
@@ -129,49 +131,68 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
                                   if keep_activations else 0.0)
         stash = (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
                  + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, s, h, t, e))
-    return {"per_layer": layer, "working": working, "stash": stash,
-            "offloaded": span * stage_input if offload else 0.0}
+    return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
+            "layer_transient": transient,
+            "head_transient": head_activation_bytes(b, s, h, vocab_local, e, t if sp else 1),
+            "stash": stash, "offloaded": span * stage_input if offload else 0.0}
 
 
 # --------------------------------------------------------------------------- memory
 
 
-def device_memory(*, counts: dict, activations: dict, microbatches: int, e: int,
-                  gather_bytes: int = 4, fsdp: bool = False,
-                  offload_optimizer: bool = False) -> tuple[dict, dict]:
-    """(device bytes, host bytes) per device, by category.
+def device_memory(*, counts: dict, activations: dict, microbatches: int,
+                  gather_bytes: int = 4, fsdp: bool = False, offload_optimizer: bool = False,
+                  peeled: int = 0, zero1_hook: bool = False) -> tuple[dict, dict]:
+    """(device bytes, host bytes) per device, by category. The device total is its peak:
+    what stays for the whole step plus the larger of two phases.
 
     counts (local element counts, jaxptd.plan.real_counts): weight_params (the masters,
     after tensor, pipe and FSDP sharding), moment_params (Adam's two moments, also split by
-    ZeRO-1), layer_params and ends_params (one layer and the embedding, tensor-local, not
-    FSDP-split: what an FSDP gather materialises), largest_leaf.
-    weights: float32 masters, or with offload_optimizer the compute-dtype copy the
-    forward and backward read (the masters on the host). gradients: the float32
-    accumulator. gradient_workspace: a second gradient-sized buffer the compiled step
-    holds (each microbatch's gradient before it is added, m > 1, or the reduced copy the
-    update reads); it overlaps the activations when m = 1, so the peak takes the larger
-    phase. fsdp_gathered: FSDP's gathered parameters in optimizer.grad_reduce_dtype, two
-    layers at a time (one in use, the next prefetched) or the embedding and a layer.
-    offload_buffer: the leaf whose masters, moments and gradient the update streams in.
+    ZeRO-1), layer_params and ends_params (one layer, and the embedding, positions and
+    final norm, tensor-local, not FSDP-split: what an FSDP gather materialises).
+    For the whole step: weights (float32 masters), gradients (the float32 accumulator) and
+    optimizer (Adam's moments). Forward and backward phase: activations (kept, plus the
+    larger of a layer's and the head's transient), what FSDP has gathered for them in
+    optimizer.grad_reduce_dtype (one layer, or the ends), the stash, and with m > 1
+    gradient_workspace, each microbatch's gradient before it is added to the accumulator.
+    Update phase: the reduced gradient the update reads. offload.optimizer (jaxptd/step.py):
+    the masters and moments live in host memory between steps and come to the device for
+    the step; the moments, which only the update reads, count in the update phase (XLA
+    can bring them after the backward), and on the host always.
+    peeled (unpipelined, jaxptd/step.py: microbatches, or 0 when pipelined): the step runs
+    the last microbatch outside the scan over the others, and XLA gives the two their own
+    buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
+    stays a loop, also the gathered layer and the workspace.
+    (Measured on the compiled step, tests/test_plan.py; a step that ran every microbatch
+    in one loop would not pay it.) zero1_hook (unpipelined ZeRO-1): the reduce-scatter
+    hook places each rank's part in a zero gradient of the full shape, one more buffer.
     """
     W, M = counts["weight_params"], counts["moment_params"]
-    grads = 4.0 * W
-    second = grads if microbatches > 1 else 0.0
-    gathered = gather_bytes * max(2 * counts["layer_params"],
-                                  counts["layer_params"] + counts["ends_params"]) if fsdp else 0.0
-    acts = activations["working"] + activations["stash"] + gathered
-    transient = max(second + acts, grads)
-    device = {"weights": (e if offload_optimizer else 4.0) * W, "gradients": grads,
-              "optimizer": 0.0 if offload_optimizer else 4.0 * M,
-              "activations": activations["working"], "stash": activations["stash"],
-              "fsdp_gathered": gathered, "gradient_workspace": transient - acts,
-              "offload_buffer": 16.0 * counts["largest_leaf"] if offload_optimizer else 0.0}
-    device["total"] = sum(device.values())
+    grads, moments = 4.0 * W, 4.0 * M
+    gathered = {"layer": gather_bytes * counts["layer_params"] if fsdp else 0.0,
+                "head": gather_bytes * counts["ends_params"] if fsdp else 0.0}
+    phase = max(("layer", "head"), key=lambda k: activations[f"{k}_transient"] + gathered[k])
+    looped = 2 if peeled > 2 else 1  # the loop body's buffers and the peeled microbatch's
+    device = {"weights": 4.0 * W, "gradients": grads, "optimizer": moments,
+              "activations": activations["kept"] * (2 if peeled > 1 else 1)
+              + activations[f"{phase}_transient"],
+              "stash": activations["stash"], "fsdp_gathered": gathered[phase] * looped,
+              "gradient_workspace": (grads * looped if microbatches > 1 else 0.0)
+              + (grads if zero1_hook else 0.0)}
+    device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
+    device["update_phase"] = grads + (moments if offload_optimizer else 0.0)
+    device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
+        else "update"
+    device["total"] = device["weights"] + grads + (0.0 if offload_optimizer else moments) \
+        + device[f"{device['peak_phase']}_phase"]
     host = {"weights": 4.0 * W if offload_optimizer else 0.0,
-            "optimizer": 4.0 * M if offload_optimizer else 0.0,
+            "optimizer": moments if offload_optimizer else 0.0,
             "activations": activations["offloaded"]}
     host["total"] = sum(host.values())
     return device, host
+
+
+BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace")
 
 
 def slots_formula(kind: str, p: int, m: int, v: int) -> dict:

@@ -9,19 +9,19 @@ from __future__ import annotations
 import sys
 
 from jaxptd.config import ConfigError
+from jaxptd.plan_model import BACKWARD_PHASE
 
 GB = 1e9
 DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
-               "gradient_workspace", "offload_buffer")
+               "gradient_workspace")
 NOTES = {
-    "weights": "float32 masters (offload: the compute-dtype copy; masters on the host)",
+    "weights": "float32 masters (offload: between steps on the host)",
     "gradients": "float32 accumulator",
-    "optimizer": "Adam mu and nu, float32",
+    "optimizer": "Adam mu and nu, float32 (offload: on the device for the update only)",
     "activations": "one microbatch's working set (host: offloaded layer inputs)",
     "stash": "the pipeline's buffers: stage inputs, gradients, W taps",
-    "fsdp_gathered": "FSDP: gathered layers in optimizer.grad_reduce_dtype",
-    "gradient_workspace": "a second gradient-sized buffer",
-    "offload_buffer": "offload: the leaf the update streams in",
+    "fsdp_gathered": "FSDP: a gathered layer (or the ends), optimizer.grad_reduce_dtype",
+    "gradient_workspace": "m > 1: a microbatch's gradient before it is added",
 }
 
 
@@ -90,8 +90,13 @@ def _memory_lines(r: dict, args) -> list:
     for key in DEVICE_KEYS:
         lines.append(f"  {key:<19} {dev[key] / GB:10.3f} {host.get(key, 0.0) / GB:10.3f}   "
                      f"{NOTES[key]}")
-    lines.append(f"  {'total':<19} {dev['total'] / GB:10.3f} {host['total'] / GB:10.3f}")
-    lines.append("  where the bytes go: " + where_the_bytes_go(dev))
+    lines.append(f"  {'total':<19} {dev['total'] / GB:10.3f} {host['total'] / GB:10.3f}   "
+                 "peak: weights + gradients + optimizer (unless offloaded) + the larger phase")
+    lines.append(f"  phases: forward/backward {dev['backward_phase'] / GB:.3f} GB (activations, "
+                 f"stash, FSDP, workspace), update {dev['update_phase'] / GB:.3f} GB (the "
+                 "reduced gradient, offloaded moments)")
+    lines.append("  where the bytes go: " + where_the_bytes_go(
+        dev, r["options"]["offload_optimizer"]))
     lines.append(
         f"  activations/layer/microbatch {r['activation_bytes_per_layer'] / GB:.3f} GB without "
         f"recomputation (Megatron's fused 16-bit layer, Korthikanti et al. 2022, at this "
@@ -99,11 +104,19 @@ def _memory_lines(r: dict, args) -> list:
     return lines
 
 
-def where_the_bytes_go(memory: dict, top: int = 4) -> str:
-    """The largest categories of a memory dict with their shares of its total."""
-    parts = sorted(((memory[k], k) for k in DEVICE_KEYS if memory.get(k)), reverse=True)
+def where_the_bytes_go(memory: dict, offload_optimizer: bool = False, top: int = 4) -> str:
+    """The largest categories on the device at its peak, with their shares of it."""
+    at_peak = {k: memory[k] for k in ("weights", "gradients", "optimizer")}
+    if memory["peak_phase"] == "backward":
+        at_peak.update({k: memory[k] for k in BACKWARD_PHASE})
+        if offload_optimizer:
+            del at_peak["optimizer"]
+    else:
+        at_peak["reduced gradient"] = memory["gradients"]
+    parts = sorted(((v, k) for k, v in at_peak.items() if v), reverse=True)
     total = memory["total"] or 1.0
-    return ", ".join(f"{k} {v / GB:.1f} GB ({100 * v / total:.0f}%)" for v, k in parts[:top])
+    return f"(peak in the {memory['peak_phase']} phase) " + ", ".join(
+        f"{k} {v / GB:.1f} GB ({100 * v / total:.0f}%)" for v, k in parts[:top])
 
 
 def _format_verify(v: dict) -> list:

@@ -90,9 +90,11 @@ def test_json_schema(capsys):
                 "bubble_fraction"):
         assert isinstance(report[key], (int, float)), key
     memory = report["memory_bytes_per_device"]
-    parts = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
-             "gradient_workspace", "offload_buffer")
-    assert memory["total"] == pytest.approx(sum(memory[k] for k in parts))
+    assert memory["backward_phase"] == pytest.approx(sum(memory[k] for k in (
+        "activations", "stash", "fsdp_gathered", "gradient_workspace")))
+    assert memory["total"] == pytest.approx(sum(memory[k] for k in (
+        "weights", "gradients", "optimizer")) + max(memory["backward_phase"],
+                                                    memory["update_phase"]))
     host = report["host_memory_bytes_per_device"]
     assert host["total"] == 0 and report["fits"] and report["host_memory_fits"]
     assert "days_to_train" not in report
@@ -198,6 +200,87 @@ def test_1t_row_without_sequence_parallelism_does_not_fit(capsys):
     assert not report["fits"] and memory["total"] > 100e9
     assert report["pipeline_slots"]["stash"] == 192
     assert memory["stash"] == pytest.approx((192 * 3 + 1) * 2048 * 25600 * 2)
+
+
+FSDP_RUNS = os.path.join(ROOT, "configs", "pytorch_fsdp")
+A100_40GB = ["--memory-gb", "40", "--host-memory-gb", "1236", "--json"]  # p4d.24xlarge
+
+
+def test_seed003_gpt3_175b_fits_with_fsdp_and_offload(capsys):
+    """seeds/003's GPT-3 175B run: sequence 512, 20 sequences per GPU, 128 A100-40GB,
+    FSDP over all of them, per-layer checkpoints, optimizer state and layer inputs in host
+    memory. With Adam (the seed used SGD) it fits: the recomputed layer at b = 20 is the
+    largest part, the 16 bytes per parameter are 1/128 of 175B."""
+    report = json.loads(run_main(capsys, ["--config", os.path.join(
+        FSDP_RUNS, "gpt3_175b_seq512.yaml")] + A100_40GB))
+    device, host = report["memory_bytes_per_device"], report["host_memory_bytes_per_device"]
+    assert report["fits"] and device["total"] < 40e9
+    params = report["params_model"]
+    assert device["weights"] == pytest.approx(4 * params / 128, rel=0.01)
+    assert host["weights"] + host["optimizer"] == pytest.approx(12 * params / 128, rel=0.01)
+    # every layer's input [20, 512, 12288] in fp16 waits in host memory
+    assert host["activations"] == pytest.approx(96 * 20 * 512 * 12288 * 2)
+    assert device["fsdp_gathered"] == pytest.approx(2 * 12 * 12288 ** 2, rel=0.01)
+    assert max(device, key=lambda k: device[k] if k in (
+        "weights", "gradients", "activations", "fsdp_gathered") else 0) == "activations"
+    assert report["options"] == {"sequence_parallel": False, "zero1": False, "fsdp_group": 128,
+                                 "offload_optimizer": True, "offload_activations": True,
+                                 "stash": "", "remat": "full"}
+
+
+@pytest.mark.parametrize("gpus", [128, 256, 512])
+def test_seed003_1t_does_not_fit_in_40gb_without_tensor_parallelism(capsys, gpus):
+    """seeds/003's 1T run (sequence 2048, 4 per GPU) on 128 to 512 A100-40GB does not fit
+    jaxptd at t = 1: one recomputed layer keeps 33.7 GB ([b, a, s, s] probabilities 16 GB
+    of it) and FSDP gathers a whole layer, 12 h^2 = 7.9B parameters (15.7 GB in 16 bits),
+    where the seed gathered one linear (4 h^2) at a time, kept no float32 masters or Adam
+    moments and offloaded the parameters too. The search finds what does fit."""
+    argv = ["--config", os.path.join(FSDP_RUNS, "gpt_1t_seq2048.yaml"),
+            f"parallel.data={gpus}", f"train.global_batch={4 * gpus}"] + A100_40GB
+    report = json.loads(run_main(capsys, argv))
+    device = report["memory_bytes_per_device"]
+    assert not report["fits"] and device["total"] > 60e9
+    assert report["host_memory_fits"]
+    assert device["activations"] > 30e9
+    assert device["fsdp_gathered"] == pytest.approx(2 * 12 * 25600 ** 2, rel=0.01)
+    if gpus == 512:
+        rows = json.loads(run_main(capsys, argv + ["--search", "512", "--top", "1000"]))
+        assert rows and all(r["memory_gb"] <= 40 and r["tensor"] > 1 for r in rows)
+        assert all(r["options"]["sequence_parallel"] and r["options"]["fsdp_group"]
+                   for r in rows)
+
+
+def test_search_considers_the_memory_options(capsys):
+    """GPT-3 175B at sequence 512 on 128 A100-40GB: the search mixes layouts that need no
+    option with ones that need SP, FSDP or offloading (and, for GPT 1.7B on 64 GPUs of
+    8 GB, ZeRO-1 and HSDP), and zero-bubble
+    schedules; each row re-planned with its options fits, and is as fast as the search
+    said."""
+    config = os.path.join(FSDP_RUNS, "gpt3_175b_seq512.yaml")
+    rows = json.loads(run_main(capsys, ["--config", config, "--search", "128", "--top",
+                                        "100000"] + A100_40GB))
+    options = [r["options"] for r in rows]
+    for key in ("sequence_parallel", "fsdp_group", "offload_optimizer", "offload_activations"):
+        assert any(o[key] for o in options), key
+    assert any(not any(o[k] for k in ("sequence_parallel", "zero1", "fsdp_group")) for o in options)
+    assert {r["schedule"] for r in rows} >= {"1f1b", "zb-h1", "interleaved", "zb-interleaved"}
+    best = rows[0]
+    o = best["options"]
+    overrides = [f"parallel.{k}={best[k]}" for k in ("data", "pipe", "tensor", "chunks",
+                                                      "microbatches", "schedule")] + [
+        f"parallel.sequence_parallel={o['sequence_parallel']}",
+        f"parallel.fsdp={bool(o['fsdp_group'])}", f"parallel.fsdp_group={o['fsdp_group']}",
+        f"optimizer.zero1={o['zero1']}", f"offload.optimizer={o['offload_optimizer']}",
+        f"offload.activations={o['offload_activations']}"]
+    again = json.loads(run_main(capsys, ["--config", config] + overrides + A100_40GB))
+    assert again["fits"] and again["memory_bytes_per_device"]["total"] / 1e9 == pytest.approx(
+        best["memory_gb"])
+    # HSDP: FSDP over the data ranks of a node, replicated across nodes (GPT 1.7B, 8 GB)
+    small = json.loads(run_main(capsys, ["--config", os.path.join(MEGATRON, "gpt_1.7b.yaml"),
+                                         "--search", "64", "--memory-gb", "8", "--json",
+                                         "--top", "1000"]))
+    assert any(0 < r["options"]["fsdp_group"] < r["data"] for r in small)
+    assert any(r["options"]["zero1"] and not r["options"]["fsdp_group"] for r in small)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -318,3 +401,38 @@ def test_sequence_parallel_memory_matches_compiled_step():
     proxy = reports["table 1 proxy"]
     assert proxy["memory_bytes_per_device"]["stash"] == pytest.approx(
         sum(proxy["pipeline_slots"].values()) * 4 * 256 * 512 * 4 / 4)
+
+
+FSDP_LAYOUTS = {
+    # HSDP: groups of 4 data ranks, ZeRO-1 over the 2 replicas, per-layer checkpoints
+    "hsdp + zero1": ["parallel.data=8", "parallel.fsdp=true", "parallel.fsdp_group=4",
+                     "optimizer.zero1=true", "parallel.microbatches=2", "model.remat=full"],
+    "fsdp + sp": ["parallel.data=4", "parallel.tensor=2", "parallel.fsdp=true",
+                  "parallel.sequence_parallel=true", "parallel.microbatches=2",
+                  "model.remat=full"],
+    "fsdp pipelined": ["parallel.data=4", "parallel.pipe=2", "parallel.fsdp=true",
+                       "parallel.microbatches=4", "parallel.stash=inputs", "model.remat=full"],
+    # without recomputation every layer keeps its gathered weights for its backward
+    "fsdp, no recomputation": ["parallel.data=8", "parallel.fsdp=true",
+                               "parallel.microbatches=4"],
+}
+
+
+def test_fsdp_memory_matches_compiled_step():
+    """--verify on 8 simulated devices for FSDP, HSDP + ZeRO-1, FSDP with sequence
+    parallelism and FSDP in a pipeline: the state's shards (the step's own sharding rule)
+    to 2%, the whole compiled memory to 15%."""
+    reports = dict(zip(FSDP_LAYOUTS, verify_in_subprocess(list(FSDP_LAYOUTS.values()))))
+    assert len(reports) == len(FSDP_LAYOUTS)
+    for name, report in reports.items():
+        check = report["verify"]
+        assert check["memory_ratio"] == pytest.approx(1.0, abs=0.15), (name, check)
+        assert check["xla_memory"]["argument"] == pytest.approx(
+            check["planned_arguments"], rel=0.02), name
+        assert report["memory_bytes_per_device"]["fsdp_gathered"] > 0, name
+    # masters over 8 ranks (FSDP) or 4 (HSDP); ZeRO-1 splits the moments of the leaves
+    # with a free dimension over the 2 replicas (not the MLP's: its dimension is tensor's)
+    hsdp = reports["hsdp + zero1"]["memory_bytes_per_device"]
+    fsdp = reports["fsdp, no recomputation"]["memory_bytes_per_device"]
+    assert hsdp["weights"] == pytest.approx(2 * fsdp["weights"], rel=0.01)
+    assert hsdp["weights"] < hsdp["optimizer"] < 2 * hsdp["weights"]
