@@ -222,7 +222,6 @@ def plan(config: Config, args, counts: dict | None = None, simulate: bool = True
     l, h, a, s = m_cfg.num_layers, m_cfg.hidden_size, m_cfg.num_heads, m_cfg.seq_len
     V, n, B, b = counts["vocab_padded"], config.num_devices, config.train.global_batch, \
         config.microbatch_size
-    e = pm.DTYPE_BYTES[m_cfg.dtype]
     bubble, slots, stats = schedule_stats(config, simulate)
     device, host, acts = _memory(config, counts, slots)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),

@@ -369,6 +369,19 @@ def test_memory_matches_compiled_step_on_64_devices():
 
 
 
+def verified(layouts: dict) -> dict:
+    """{name: report} of --verify for named layouts (one subprocess), each within 15% of
+    XLA's compiled memory in all and its state (the arguments) within 2%."""
+    reports = dict(zip(layouts, verify_in_subprocess(list(layouts.values()))))
+    assert len(reports) == len(layouts)
+    for name, report in reports.items():
+        check = report["verify"]
+        assert check["memory_ratio"] == pytest.approx(1.0, abs=0.15), (name, check)
+        assert check["xla_memory"]["argument"] == pytest.approx(
+            check["planned_arguments"], rel=0.02), name
+    return reports
+
+
 SP = ["parallel.tensor=4", "parallel.sequence_parallel=true"]
 SP_LAYOUTS = {
     "layers": SP + ["parallel.data=2", "parallel.microbatches=2"],
@@ -386,13 +399,7 @@ def test_sequence_parallel_memory_matches_compiled_step():
     """--verify on 8 simulated devices for sequence-parallel layouts, unpipelined and
     pipelined; and the activations one layer adds, in XLA's temporary memory, against the
     plan's per-layer inventory with SP (each layer's gradients and workspace included)."""
-    reports = dict(zip(SP_LAYOUTS, verify_in_subprocess(list(SP_LAYOUTS.values()))))
-    assert len(reports) == len(SP_LAYOUTS)
-    for name, report in reports.items():
-        check = report["verify"]
-        assert check["memory_ratio"] == pytest.approx(1.0, abs=0.15), (name, check)
-        assert check["xla_memory"]["argument"] == pytest.approx(
-            check["planned_arguments"], rel=0.02), name
+    reports = verified(SP_LAYOUTS)
     full, half = reports["layers"]["verify"], reports["half the layers"]["verify"]
     xla_per_layer = (full["xla_memory"]["temp"] - half["xla_memory"]["temp"]) / 2
     plan_per_layer = (full["planned_temp"] - half["planned_temp"]) / 2
@@ -422,14 +429,8 @@ def test_fsdp_memory_matches_compiled_step():
     """--verify on 8 simulated devices for FSDP, HSDP + ZeRO-1, FSDP with sequence
     parallelism and FSDP in a pipeline: the state's shards (the step's own sharding rule)
     to 2%, the whole compiled memory to 15%."""
-    reports = dict(zip(FSDP_LAYOUTS, verify_in_subprocess(list(FSDP_LAYOUTS.values()))))
-    assert len(reports) == len(FSDP_LAYOUTS)
-    for name, report in reports.items():
-        check = report["verify"]
-        assert check["memory_ratio"] == pytest.approx(1.0, abs=0.15), (name, check)
-        assert check["xla_memory"]["argument"] == pytest.approx(
-            check["planned_arguments"], rel=0.02), name
-        assert report["memory_bytes_per_device"]["fsdp_gathered"] > 0, name
+    reports = verified(FSDP_LAYOUTS)
+    assert all(r["memory_bytes_per_device"]["fsdp_gathered"] > 0 for r in reports.values())
     # masters over 8 ranks (FSDP) or 4 (HSDP); ZeRO-1 splits the moments of the leaves
     # with a free dimension over the 2 replicas (not the MLP's: its dimension is tensor's)
     hsdp = reports["hsdp + zero1"]["memory_bytes_per_device"]
