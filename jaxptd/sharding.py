@@ -87,6 +87,21 @@ def fsdp_spec(spec: P, shape: tuple[int, ...], group: int, stacked: int) -> P:
     return _shard_free_dim(spec, shape, FSDP, group, stacked)
 
 
+GATHERED = "fsdp_gathered"  # the name of a parameter all-gathered for its layer
+
+
+def regather(prim, *_, **params) -> bool:
+    """The jax.checkpoint policy of a layer under FSDP: keep every value it computes except
+    the gathered parameters (the all-gather over fsdp and its GATHERED name), which the
+    backward gathers again (FSDP's memory: one layer's weights whole at a time)."""
+    if prim.name == "name":
+        return params["name"] != GATHERED
+    if prim.name == "all_gather":
+        names = params["axis_name"]
+        return FSDP not in (names if isinstance(names, tuple) else (names,))
+    return True
+
+
 def fsdp_dims(specs, stacked: int):
     """For each leaf (a tree of PartitionSpecs), the dimension sharded over fsdp as the
     layers see the leaf, with its `stacked` leading dimensions gone; None if unsharded."""

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxptd import model as models
@@ -42,8 +43,8 @@ from jaxptd import optim
 from jaxptd.config import Config
 from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
 from jaxptd.model.layers import Layout
-from jaxptd.sharding import (fsdp_dims, fsdp_spec, is_spec, mark_varying, named, reduce_to,
-                             specs_from_logical, zero1_spec)
+from jaxptd.sharding import (GATHERED, fsdp_dims, fsdp_spec, is_spec, mark_varying, named,
+                             reduce_to, regather, specs_from_logical, zero1_spec)
 
 REDUCED = (DATA, FSDP, PIPE)  # the axes gradients are reduced over
 
@@ -149,9 +150,9 @@ class Setup:
 
     def gather(self):
         """(gather the ends, gather a layer's subtree) for use inside the shard_map: FSDP's
-        all-gathers of parameter shards in optimizer.grad_reduce_dtype, recomputed in the
-        backward (jax.checkpoint) rather than kept; their transpose reduce-scatters the
-        gradients. (None, None) without FSDP."""
+        all-gathers of parameter shards in optimizer.grad_reduce_dtype, named GATHERED so
+        the layer's backward gathers them again rather than keeping them; their transpose
+        reduce-scatters the gradients. (None, None) without FSDP."""
         if self.config.parallel.fsdp_size == 1:
             return None, None
         dtype = jnp.dtype(self.config.optimizer.grad_reduce_dtype)
@@ -164,10 +165,10 @@ class Setup:
                 for path, x in flat.items():
                     dim = flat_dims[path]
                     if dim is not None:
-                        flat[path] = lax.all_gather(x.astype(dtype), FSDP, axis=dim,
-                                                    tiled=True).astype(x.dtype)
+                        whole = lax.all_gather(x.astype(dtype), FSDP, axis=dim, tiled=True)
+                        flat[path] = checkpoint_name(whole.astype(x.dtype), GATHERED)
                 return traverse_util.unflatten_dict(flat)
-            return jax.checkpoint(gather)
+            return gather
 
         return (gatherer(fsdp_dims(models.ends(self.param_specs), 0)),
                 gatherer(fsdp_dims(self.param_specs["layers"], self.stacked)))
@@ -319,8 +320,8 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
         layer_fn = _compose(gather_layer, hooks and hooks[1])
         extra = hooks and hooks[2]
         loss = models.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic,
-                               prepare_ends=ends_fn, prepare=layer_fn,
-                               extra=extra) * setup.loss_norm
+                               prepare_ends=ends_fn, prepare=layer_fn, extra=extra,
+                               keep=gather_layer and regather) * setup.loss_norm
         return loss * loss_scale, loss
 
     varying = mark_varying(params, REDUCED)
@@ -433,7 +434,7 @@ def build_eval_step(setup: Setup):
         def local_loss(params, batch):
             loss = models.loss_sum(params, batch, jax.random.key(0), config.model,
                                    setup.local_layout, True, prepare_ends=gather_ends,
-                                   prepare=_compose(gather_layer, None))
+                                   prepare=_compose(gather_layer, None))  # nothing kept
             return lax.psum(loss, REDUCED) * setup.loss_norm
 
     eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,

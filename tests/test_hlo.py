@@ -198,10 +198,77 @@ def test_step_collectives_carry_no_logits_and_no_unsharded_weights(zero1):
     bad = [(why, line[:240]) for _, shapes, line in found for s in shapes
            if (why := forbidden_shape(s, setup))]
     assert not bad, bad
-    # The parser really sees the step's collectives: the data-parallel gradient
-    # all-reduce of the local embedding shard [V/t, h] is among them.
+    # The parser really sees the step's collectives: the data-parallel gradient reduction
+    # of the local embedding shard [V/t, h] is among them: an all-reduce, or with ZeRO-1
+    # a reduce-scatter into its [V/t, h/d] part and an all-gather of the updated weight
+    # (and never an all-reduce of it).
     data_groups = mesh_groups(setup, "data")
-    wte_grad = [line for op, shapes, line in found
-                if op == "all-reduce" and (setup.vocab // 4, H) in shapes
+    local_wte, part = (setup.vocab // 4, H), (setup.vocab // 4, H // 2)
+
+    def over_data(op, shape):
+        return [line for o, shapes, line in found if o == op and shape in shapes
                 and replica_groups(line) == data_groups]
-    assert wte_grad, "no data-parallel all-reduce of the local wte gradient found"
+    if zero1:
+        assert over_data("reduce-scatter", part) and over_data("all-gather", local_wte)
+        assert not over_data("all-reduce", local_wte)
+    else:
+        assert over_data("all-reduce", local_wte), "no data-parallel wte all-reduce found"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def layer_grad_hlo(setup: Setup) -> str:
+    """Compiled forward and backward of the one-layer stack inside the manual shard_map
+    (x [b, s, h], or [b, s/t, h] with sequence parallelism)."""
+    config = setup.config
+    split = setup.local_layout.split_sequence
+    x_spec = P("data", "tensor") if split else P("data")
+
+    def local(layers, x):
+        def loss(layers, x):
+            y = models.apply_layers(layers, x, jax.random.key(0), config.model,
+                                    setup.local_layout, True)
+            return jnp.sum(y * y)
+        return jax.grad(loss, argnums=(0, 1))(layers, x)[1]
+
+    fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.param_specs["layers"], x_spec),
+                       out_specs=x_spec)
+    x = jax.ShapeDtypeStruct((BATCH, SEQ, H), jnp.float32)
+    return jax.jit(fn).lower(setup.abstract_params["layers"], x).compile().as_text()
+
+
+def test_sequence_parallel_layer_gathers_and_scatters_activations():
+    """SP: one layer's forward and backward move activations only by all-gathers and
+    reduce-scatters over tensor, [b, s/t, h] <-> [b, s, h]: two of each direction per pass
+    (before QKV / fc1, after the output / fc2), no all-reduce of an activation."""
+    data, tensor = 2, 4
+    setup = make_setup(data, tensor, layers=1, extra=["parallel.sequence_parallel=true"])
+    found = collectives(layer_grad_hlo(setup))
+    b, tensor_groups = BATCH // data, mesh_groups(setup, "tensor")
+    full, part = (b, SEQ, H), (b, SEQ // tensor, H)
+    gathers = [line for op, shapes, line in found if op == "all-gather" and full in shapes]
+    scatters = [line for op, shapes, line in found if op == "reduce-scatter" and part in shapes]
+    assert len(gathers) == 4 and len(scatters) == 4, (len(gathers), len(scatters))
+    assert all(replica_groups(line) == tensor_groups for line in gathers + scatters)
+    activations = [line for op, shapes, line in found if op == "all-reduce"
+                   and any(math.prod(s) >= b * (SEQ // tensor) * H for s in shapes)]
+    assert not activations, activations[:2]
+
+
+def test_fsdp_gathers_each_layer_and_scatters_its_gradient():
+    """FSDP over data = 2: inside the layer loop each weight is all-gathered from its half
+    (forward, and again in the backward) and its gradient reduce-scattered back."""
+    setup = make_setup(2, 4, extra=["parallel.fsdp=true"])
+    text = step_hlo(setup)
+    found = collectives(text)
+    fsdp_groups = mesh_groups(setup, "fsdp")
+    qkv_local = (H, 3, HEADS // 4, HEAD_DIM)
+    gathers = [line for op, shapes, line in found if op == "all-gather" and qkv_local in shapes
+               and replica_groups(line) == fsdp_groups]
+    scatters = [line for op, shapes, line in found if op == "reduce-scatter"
+                and (H // 2, 3, HEADS // 4, HEAD_DIM) in shapes
+                and replica_groups(line) == fsdp_groups]
+    assert len(gathers) >= 2 and scatters, (len(gathers), len(scatters))
+    # no weight ever travels whole over data: no all-reduce of a layer's full w_qkv
+    assert not [line for op, shapes, line in found if op == "all-reduce" and qkv_local in shapes]

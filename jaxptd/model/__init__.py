@@ -47,7 +47,7 @@ def ends(params) -> dict:
 
 
 def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-                 perturbations=None, prepare=None, extra=None):
+                 perturbations=None, prepare=None, extra=None, keep=None):
     """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan.
 
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
@@ -59,7 +59,8 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
     each [n, ...]) instead of y. `prepare(layer params, layer's slice of extra)` turns
     what is stored into what a layer computes with, inside the scan (FSDP's all-gather, the
     step's gradient reduction hooks): it depends on no activation, so XLA may run layer
-    i + 1's ahead of layer i's compute.
+    i + 1's ahead of layer i's compute. keep: the jax.checkpoint policy of a prepared layer
+    (which of its values the backward may keep; FSDP's says: not the gathered parameters).
     """
     layer = get(cfg).block(cfg, layout)
     taped = perturbations is not None
@@ -81,6 +82,8 @@ def apply_layers(layers, x, key, cfg: ModelConfig, layout: Layout, deterministic
         one_layer = jax.checkpoint(one_layer, policy=OFFLOAD_LAYER_INPUTS)
     elif cfg.remat == "full":
         one_layer = jax.checkpoint(one_layer)
+    elif keep is not None:  # e.g. parameters gathered for the layer are gathered again
+        one_layer = jax.checkpoint(one_layer, policy=keep)
     n = jax.tree.leaves(layers)[0].shape[0]
     x, inputs = lax.scan(one_layer, x, (layers, jnp.arange(n), perturbations, extra))
     return (x, inputs) if taped else x
@@ -144,15 +147,15 @@ def dense_weight_grads(dense, inputs, output_grads, prepare=None):
 
 
 def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-             prepare_ends=None, prepare=None, extra=None):
+             prepare_ends=None, prepare=None, extra=None, keep=None):
     """The whole model: batch [b, s + 1] int32 -> sum of the b*s token losses (float32).
-    prepare_ends (and prepare, extra: see apply_layers) turn the stored parameters into
-    what the model computes with."""
+    prepare_ends (and prepare, extra, keep: see apply_layers) turn the stored parameters
+    into what the model computes with."""
     arch = get(cfg)
     the_ends = ends(params) if prepare_ends is None else prepare_ends(ends(params))
     x = arch.embed(the_ends, batch, cfg, layout)
     x = apply_layers(params["layers"], x, key, cfg, layout, deterministic,
-                     prepare=prepare, extra=extra)
+                     prepare=prepare, extra=extra, keep=keep)
     return arch.head_loss(the_ends, x, batch, cfg, layout)
 
 

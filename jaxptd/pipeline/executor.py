@@ -67,7 +67,7 @@ from jaxptd import model as models
 from jaxptd.mesh import BATCH, PIPE, TENSOR
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import Rounds, lower
-from jaxptd.sharding import mark_varying
+from jaxptd.sharding import mark_varying, regather
 
 FORMS = ("cond", "steady", "masked")
 MIN_STEADY_ROUNDS = 2  # shorter runs of full rounds are not worth their own scan
@@ -269,6 +269,7 @@ class _Stage:
         gather_ends, gather_layer = setup.gather()  # FSDP: shards -> what is computed with
         self.gather_ends = gather_ends or (lambda ends: ends)
         self.prepare = None if gather_layer is None else (lambda p, _: gather_layer(p))
+        self.keep = gather_layer and regather
 
     def vstage(self, chunk):
         return chunk * self.config.parallel.pipe + self.rank
@@ -300,7 +301,8 @@ class _Stage:
     def layers(self, layers, x, mb, chunk, perturbations=None):
         key = jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
         return models.apply_layers(layers, x, key, self.config.model, self.layout,
-                                   self.deterministic, perturbations, self.prepare)
+                                   self.deterministic, perturbations, self.prepare,
+                                   keep=self.keep)
 
     def head(self, ends, y, mb, chunk, how: str):
         """The loss contribution (scaled to the global token mean) of the last stage; 0
