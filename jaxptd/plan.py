@@ -198,14 +198,14 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
         vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
         slots=slots, chunks=par.chunks, keep_activations=par.stash == "activations",
         sp=par.sequence_parallel and par.tensor > 1, flash=m_cfg.attention == "cudnn",
-        offload=config.offload.activations,
-        fsdp_layer_bytes=e * counts["layer_params"] if par.fsdp_size > 1 else 0.0)
+        offload=config.offload.activations)
     device, host = pm.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches,
         gather_bytes=pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype],
         fsdp=par.fsdp_size > 1, offload_optimizer=config.offload.optimizer,
         peeled=par.microbatches if par.pipe == 1 else 0,
-        zero1_hook=par.pipe == 1 and config.optimizer.zero1 and par.data > par.fsdp_size)
+        zero1_hook=par.pipe == 1 and config.optimizer.zero1 and par.fsdp_size == 1
+        and par.data > 1)
     return device, host, acts
 
 

@@ -11,8 +11,9 @@ Memory per device (the empirical study's model, seeds/002 §4.5: (alpha + 2) w +
 our specifics): float32 master weights (4 bytes), float32 gradients (4), Adam mu and nu in
 float32 (8): 16 bytes per local parameter (seeds/004's "N_d 16 Psi < GPU RAM" for ZeRO-3).
 ZeRO-1 splits the moments over the data replicas; FSDP (ZeRO-3) splits all 16 over g and
-adds the layers it gathers; offload.optimizer moves the masters and moments (12 bytes) to
-host memory and keeps a compute-dtype copy (e bytes) on the device.
+adds the layer it gathers; offload.optimizer keeps the masters and moments (12 bytes) in
+host memory between steps, and the step brings them to the device (the moments only matter
+for the update phase, after the activations are gone: see device_memory).
 
 Activations per layer per microbatch are the tensors JAX's autodiff of our layer keeps for
 the backward pass (checked against the compiled program by --verify):
@@ -90,7 +91,7 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
 
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
-                      offload=False, fsdp_layer_bytes=0.0) -> dict:
+                      offload=False) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -103,9 +104,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     differentiated), plus its recomputed probabilities with selective remat; with full
     remat the whole recomputed layer. pipe = 1: one microbatch through all layers.
     offload (pipe = 1): each layer's input waits in host memory and the layer is
-    recomputed, whatever remat says. FSDP without full remat: each layer also keeps its
-    gathered weights (fsdp_layer_bytes, in the compute dtype), which its matmuls' backward
-    needs. pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
+    recomputed, whatever remat says. (FSDP gathers a layer's weights again for its
+    backward: a layer keeps none.) pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
     = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
     in the compute dtype: a stash slot holds a stage input and, with parallel.stash =
     activations, what the chunk's backward keeps and its output (zero-bubble kinds: the
@@ -120,8 +120,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     if offload:
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
-    kept, transient = {"none": (layer + fsdp_layer_bytes, 0.5 * layer),
-                       "selective": (layer - scores + fsdp_layer_bytes, 0.5 * layer + scores),
+    kept, transient = {"none": (layer, 0.5 * layer),
+                       "selective": (layer - scores, 0.5 * layer + scores),
                        "full": (stage_input, layer)}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0
@@ -164,8 +164,9 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
     stays a loop, also the gathered layer and the workspace.
     (Measured on the compiled step, tests/test_plan.py; a step that ran every microbatch
-    in one loop would not pay it.) zero1_hook (unpipelined ZeRO-1): the reduce-scatter
-    hook places each rank's part in a zero gradient of the full shape, one more buffer.
+    in one loop would not pay it.) zero1_hook (unpipelined ZeRO-1 without FSDP): the
+    reduce-scatter hook places each rank's part in a zero gradient of the full shape, one
+    more gradient-sized buffer.
     """
     W, M = counts["weight_params"], counts["moment_params"]
     grads, moments = 4.0 * W, 4.0 * M
