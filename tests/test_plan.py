@@ -288,6 +288,7 @@ def test_search_considers_the_memory_options(capsys):
     (["parallel.tensor=3", "model.num_heads=4"], "parallel.tensor=3"),
     (["--tokens", "1e9"], "--tokens and --tflops"),
     (["--memory-gb", "-1"], "--memory-gb"),
+    (["--host-memory-gb", "0"], "--host-memory-gb"),
     (["--bogus"], "unrecognized"),
     (["--verify", "parallel.data=4096", "train.global_batch=4096"], "simulated CPU devices"),
 ])
