@@ -102,6 +102,10 @@ class OptimizerConfig:
     zero1: bool = False  # shard optimizer state over the data axis
     loss_scale: str = "none"  # none | dynamic (required for model.dtype float16)
     grad_reduce_dtype: str = "float32"  # data-parallel gradient reductions (and FSDP gathers)
+    # reduce each layer's gradient inside the last microbatch's backward (pipe = 1): auto =
+    # when it costs no memory (one microbatch); true also with several (a second copy of
+    # the layer stack's buffers: XLA keeps the accumulation loop's and the last one's apart)
+    overlap_grad_reduce: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,21 @@ class Config:
         """Sequences per microbatch on one data-parallel rank (b in the PTD-P paper)."""
         return self.train.global_batch // (self.parallel.data * self.parallel.microbatches)
 
+    @property
+    def peels_last_microbatch(self) -> bool:
+        """Whether the unpipelined step runs its last microbatch outside the accumulation
+        scan, to reduce each layer's gradient in its backward (optimizer.overlap_grad_reduce
+        with several microbatches)."""
+        return (self.parallel.pipe == 1 and self.parallel.microbatches > 1
+                and self.optimizer.overlap_grad_reduce == "true")
+
+    @property
+    def overlaps_grad_reduce(self) -> bool:
+        """Whether the unpipelined step reduces gradients inside the backward."""
+        setting = self.optimizer.overlap_grad_reduce
+        return self.parallel.pipe == 1 and (setting == "true" or (
+            setting == "auto" and self.parallel.microbatches == 1))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -176,6 +195,7 @@ class Config:
 CHOICES = {
     "model.arch": ("gpt", "llama", "bert"),
     "optimizer.grad_reduce_dtype": ("float32", "bfloat16"),
+    "optimizer.overlap_grad_reduce": ("auto", "true", "false"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
@@ -219,6 +239,8 @@ def _coerce(key: str, value: Any, annotation: str) -> Any:
             except ValueError:
                 pass
     elif annotation == "str":
+        if isinstance(value, bool):  # YAML reads true/false as booleans
+            return "true" if value else "false"
         if isinstance(value, str):
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -1,29 +1,40 @@
-"""The planner's analytical model: parameters, memory, communication and time. No JAX.
+"""The planner's analytical model: parameters, activations and memory. No JAX.
 
-Owns the formulas `python -m jaxptd.plan` reports; jaxptd/plan.py owns the CLI, the real
-model's counts (jax.eval_shape) and the check against XLA. Notation as in the PTD-P paper
-(seeds/000, §3.1): p pipeline, t tensor, d data, v chunks, m microbatches per pipeline,
-b microbatch size, s sequence, h hidden, a heads, l layers, V vocabulary, B global batch.
+Owns the formulas `python -m jaxptd.plan` reports (time and communication are in
+jaxptd/plan_time.py); jaxptd/plan.py owns the CLI, the real model's counts (jax.eval_shape)
+and the check against XLA. Notation as in the PTD-P paper (seeds/000, §3.1): p pipeline,
+t tensor, d data, v chunks, m microbatches per pipeline, b microbatch size, s sequence,
+h hidden, a heads, l layers, V vocabulary, B global batch; g the FSDP group (data ranks
+one parameter is sharded over), e the bytes of the compute dtype.
 
 Memory per device (the empirical study's model, seeds/002 §4.5: (alpha + 2) w + a, with
 our specifics): float32 master weights (4 bytes), float32 gradients (4), Adam mu and nu in
-float32 (8; ZeRO-1 splits them over d), and activations in model.dtype except LayerNorm and
-softmax, which run in float32. Activations per layer per microbatch are the tensors JAX's
-autodiff of our layer keeps for the backward pass (counted in the compiled program):
+float32 (8): 16 bytes per local parameter (seeds/004's "N_d 16 Psi < GPU RAM" for ZeRO-3).
+ZeRO-1 splits the moments over the data replicas; FSDP (ZeRO-3) splits all 16 over g and
+adds the layer it gathers; offload.optimizer keeps the masters and moments (12 bytes) in
+host memory between steps, and the step brings them to the device (the moments only matter
+for the update phase, after the activations are gone: see device_memory).
 
-    replicated [b, s, h]:   per LayerNorm its float32 input, centred and normalised values,
-                            and its output in the compute dtype (x 2 LayerNorms)
+Activations per layer per microbatch are the tensors JAX's autodiff of our layer keeps for
+the backward pass (checked against the compiled program by --verify):
+
+    [b, s, h] (SP: [b, s/t, h]): per LayerNorm its float32 input, centred and normalised
+                            values, and its output in the compute dtype (x 2 LayerNorms)
+    [b, s, h], SP only:     the all-gathered inputs of the two column-parallel matmuls (f),
+                            kept by autodiff for their weight gradients
     split [b, s, h/t]:      q, k, v and the attention context
     split [b, s, 4h/t]:     fc1 output and the tanh-GeLU's intermediates (6 tensors)
     split [b, a/t, s, s]:   softmax probabilities in float32 and in the compute dtype
+                            (model.attention=cudnn: flash attention keeps only its float32
+                            log-sum-exp [b, a/t, s] instead)
 
-Megatron's fused kernels keep fewer (10 sbh + 24 sbh/t + 5 a s^2 b/t bytes in 16 bits,
-Korthikanti et al. 2022); `megatron_layer_activation_bytes` gives that for comparison.
+Megatron's fused 16-bit kernels keep fewer (Korthikanti et al. 2022, eqs. 1-2:
+sbh (10 + 24/t + 5as/(ht)) without, sbh/t (34 + 5as/h) with sequence parallelism);
+`korthikanti_layer_bytes` gives those for comparison.
 """
 from __future__ import annotations
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DAY = 86400.0
 
 
 def params_formula(l: int, h: int, V: int, s: int) -> float:
@@ -31,133 +42,173 @@ def params_formula(l: int, h: int, V: int, s: int) -> float:
     return 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
 
 
-def scores_bytes(b, s, a, t, e) -> float:
-    """The attention probabilities one layer keeps, in float32 and the compute dtype: what
-    selective recomputation drops."""
-    return a * s * s * b / t * (4 + e)
+# --------------------------------------------------------------------------- activations
 
 
-def layer_activation_bytes(b, s, h, a, t, e) -> float:
+def scores_bytes(b, s, a, t, e, flash: bool = False) -> float:
+    """What one layer keeps of its attention core: the [b, a/t, s, s] probabilities in
+    float32 and the compute dtype (what selective recomputation drops), or with flash
+    attention only the float32 log-sum-exp [b, a/t, s]."""
+    return 4 * b * a / t * s if flash else a * s * s * b / t * (4 + e)
+
+
+def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False) -> float:
     """Bytes one layer keeps for its backward pass, one microbatch (module docstring)."""
     sbh = s * b * h
-    replicated = sbh * 2 * (3 * 4 + e)  # two LayerNorms: 3 float32 tensors + output
+    norms = sbh * 2 * (3 * 4 + e) / (t if sp else 1)  # two LayerNorms
+    gathered = 2 * sbh * e if sp and t > 1 else 0.0  # f's all-gathered matmul inputs
     split = sbh / t * (4 + 6 * 4) * e  # q, k, v, context; 6 x [b, s, 4h/t]
-    return replicated + split + scores_bytes(b, s, a, t, e)
+    return norms + gathered + split + scores_bytes(b, s, a, t, e, flash)
 
 
-def megatron_layer_activation_bytes(b, s, h, a, t) -> float:
-    """Megatron's fused 16-bit layer: sbh (10 + 24/t) + 5 a s^2 b / t bytes."""
-    return s * b * h * (10 + 24 / t) + 5 * a * s * s * b / t
+def korthikanti_layer_bytes(b, s, h, a, t, sp: bool = False, remat: str = "none") -> float:
+    """Megatron's fused 16-bit layer (Korthikanti et al. 2022, Table 2): no recomputation
+    sbh (10 + 24/t + 5as/(ht)), with SP sbh/t (34 + 5as/h); selective recomputation drops
+    the 5as/h term; full recomputation keeps the layer input, 2 sbh (2 sbh / t with SP)."""
+    sbh = s * b * h
+    if remat == "full":
+        return 2 * sbh / (t if sp else 1)
+    attention = 0 if remat == "selective" else 5 * a * s / h
+    if sp:
+        return sbh / t * (34 + attention)
+    return sbh * (10 + 24 / t + attention / t)
 
 
-def head_activation_bytes(b, s, h, vocab_local) -> float:
-    """Final LayerNorm (3 float32 [b, s, h]) and float32 logits and exponentials."""
-    return s * b * (3 * 4 * h + 2 * 4 * vocab_local)
+def dense_tap_bytes(b, s, h, t, e) -> float:
+    """What a zero-bubble B keeps per layer for its W: each dense() matmul's input (the
+    gathered [b, s, h] twice, the context [b, s, h/t], the GeLU output [b, s, 4h/t]) and its
+    output gradient (qkv [b, s, 3h/t], the two row-parallel partial sums [b, s, h], fc1
+    [b, s, 4h/t]), in the compute dtype: sbh (4 + 12/t) e."""
+    return s * b * h * (4 + 12 / t) * e
 
 
-def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
-                      pipe, peak_stash, chunks=1, keep_activations=True) -> dict:
-    """Activation bytes on the busiest device: the stash and one microbatch's working set.
+def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
+    """Final LayerNorm (3 float32 [b, s/t_sp, h]; with SP also its gathered output) and the
+    float32 logits and exponentials [b, s, V/t]; t_sp = t with SP, else 1."""
+    gathered = s * b * h * e if t_sp > 1 else 0.0
+    return s * b * (3 * 4 * h / t_sp + 2 * 4 * vocab_local) + gathered
 
-    remat: "none", "selective" (each layer keeps all but its attention probabilities,
-    which the layer being differentiated recomputes) or "full" (each layer keeps its input).
-    pipe = 1: one microbatch through all layers (with full remat: each layer's input, plus
-    the one layer being recomputed). pipe > 1, parallel.stash = inputs: the executor stashes
-    each in-flight (microbatch, chunk)'s stage input (peak_stash of the schedule
-    simulator) and recomputes the stage under jax.vjp, so the working set is one
-    microbatch through one chunk. parallel.stash = activations: each stash slot keeps the
-    chunk's backward residuals (with full remat: each layer's input), its input and its
-    output; the working set is the same (a forward materialises one chunk's residuals
-    before they are stored). The backward transient is half a layer (the cotangents of the
-    layer being differentiated), plus its recomputed probabilities with selective remat;
-    with full remat it fits inside the recomputed layer.
+
+def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
+                      slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
+                      offload=False) -> dict:
+    """Activation bytes on the busiest device, in the pieces device_memory puts together:
+    kept (what the layers keep from forward to backward), the transients of a layer's
+    backward and of the head's (they do not overlap: the head's backward ends before the
+    layers' begins), the pipeline's buffers (stash) and what offload.activations puts in
+    host memory.
+
+    remat: "none", "selective" (each layer keeps all but its attention probabilities, which
+    the layer being differentiated recomputes) or "full" (each layer keeps its input). The
+    backward transient of a layer is half a layer (the cotangents of the layer being
+    differentiated), plus its recomputed probabilities with selective remat; with full
+    remat the whole recomputed layer. pipe = 1: one microbatch through all layers.
+    offload (pipe = 1): each layer's input waits in host memory and the layer is
+    recomputed, whatever remat says. (FSDP gathers a layer's weights again for its
+    backward: a layer keeps none.) pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
+    = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
+    in the compute dtype: a stash slot holds a stage input and, with parallel.stash =
+    activations, what the chunk's backward keeps and its output (zero-bubble kinds: the
+    backward of everything but the dense() weights keeps about as much, its dense() inputs
+    included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
+    dense_tap_bytes.
     """
-    layer = layer_activation_bytes(b, s, h, a, t, e)
-    scores = scores_bytes(b, s, a, t, e)
-    stage_input = b * s * h * e
+    layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash)
+    scores = scores_bytes(b, s, a, t, e, flash)
+    stage_input = b * s * h * e / (t if sp else 1)
     chunk_layers = layers_per_stage // chunks
+    if offload:
+        remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept, transient = {"none": (layer, 0.5 * layer),
                        "selective": (layer - scores, 0.5 * layer + scores),
                        "full": (stage_input, layer)}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage
-    working = span * kept + transient + head_activation_bytes(b, s, h, vocab_local)
     stash = 0.0
     if pipe > 1:
-        stash = peak_stash * (chunk_layers * kept + 2 * stage_input if keep_activations
-                              else stage_input)
-    return {"per_layer": layer, "working": working, "stash": stash,
-            "total": working + stash}
+        slots = slots or {}
+        per_slot = stage_input + (chunk_layers * kept + stage_input
+                                  if keep_activations else 0.0)
+        stash = (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
+                 + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, s, h, t, e))
+    return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
+            "layer_transient": transient,
+            "head_transient": head_activation_bytes(b, s, h, vocab_local, e, t if sp else 1),
+            "stash": stash, "offloaded": span * stage_input if offload else 0.0}
 
 
-def device_memory(*, weight_params, moment_params, activations, microbatches) -> dict:
-    """Per-device bytes. weight_params, moment_params: local element counts (float32).
+# --------------------------------------------------------------------------- memory
 
-    gradients: the float32 accumulator. gradient_workspace: the compiled step holds a
-    second gradient-sized buffer: each microbatch's gradient before it is added to the
-    accumulator (m > 1), or the reduced copy the optimizer update reads. It overlaps the
-    activations when m = 1, so the peak takes the larger of the two phases.
+
+def device_memory(*, counts: dict, activations: dict, microbatches: int,
+                  gather_bytes: int = 4, fsdp: bool = False, offload_optimizer: bool = False,
+                  peeled: int = 0, zero1_hook: bool = False) -> tuple[dict, dict]:
+    """(device bytes, host bytes) per device, by category. The device total is its peak:
+    what stays for the whole step plus the larger of two phases.
+
+    counts (local element counts, jaxptd.plan.real_counts): weight_params (the masters,
+    after tensor, pipe and FSDP sharding), moment_params (Adam's two moments, also split by
+    ZeRO-1), layer_params and ends_params (one layer, and the embedding, positions and
+    final norm, tensor-local, not FSDP-split: what an FSDP gather materialises).
+    For the whole step: weights (float32 masters), gradients (the float32 accumulator) and
+    optimizer (Adam's moments). Forward and backward phase: activations (kept, plus the
+    larger of a layer's and the head's transient), what FSDP has gathered for them in
+    optimizer.grad_reduce_dtype (one layer, or the ends), the stash, and with m > 1
+    gradient_workspace, each microbatch's gradient before it is added to the accumulator.
+    Update phase: the reduced gradient the update reads. offload.optimizer (jaxptd/step.py):
+    the masters and moments live in host memory between steps and come to the device for
+    the step; the moments, which only the update reads, count in the update phase (XLA
+    can bring them after the backward), and on the host always.
+    peeled (unpipelined, jaxptd/step.py: microbatches, or 0 when pipelined): the step runs
+    the last microbatch outside the scan over the others, and XLA gives the two their own
+    buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
+    stays a loop, also the gathered layer and the workspace.
+    (Measured on the compiled step, tests/test_plan.py; a step that ran every microbatch
+    in one loop would not pay it.) zero1_hook (unpipelined ZeRO-1 without FSDP): the
+    reduce-scatter hook places each rank's part in a zero gradient of the full shape, one
+    more gradient-sized buffer.
     """
-    weights, grads = 4.0 * weight_params, 4.0 * weight_params
-    optimizer = 4.0 * moment_params
-    second = grads if microbatches > 1 else 0.0
-    transient = max(second + activations["total"], grads)
-    total = weights + grads + optimizer + transient
-    return {"weights": weights, "gradients": grads, "optimizer": optimizer,
-            "activations": activations["total"], "stash": activations["stash"],
-            "gradient_workspace": transient - activations["total"], "total": total}
+    W, M = counts["weight_params"], counts["moment_params"]
+    grads, moments = 4.0 * W, 4.0 * M
+    gathered = {"layer": gather_bytes * counts["layer_params"] if fsdp else 0.0,
+                "head": gather_bytes * counts["ends_params"] if fsdp else 0.0}
+    phase = max(("layer", "head"), key=lambda k: activations[f"{k}_transient"] + gathered[k])
+    looped = 2 if peeled > 2 else 1  # the loop body's buffers and the peeled microbatch's
+    device = {"weights": 4.0 * W, "gradients": grads, "optimizer": moments,
+              "activations": activations["kept"] * (2 if peeled > 1 else 1)
+              + activations[f"{phase}_transient"],
+              "stash": activations["stash"], "fsdp_gathered": gathered[phase] * looped,
+              "gradient_workspace": (grads * looped if microbatches > 1 else 0.0)
+              + (grads if zero1_hook else 0.0)}
+    device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
+    device["update_phase"] = grads + (moments if offload_optimizer else 0.0)
+    device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
+        else "update"
+    device["total"] = device["weights"] + grads + (0.0 if offload_optimizer else moments) \
+        + device[f"{device['peak_phase']}_phase"]
+    host = {"weights": 4.0 * W if offload_optimizer else 0.0,
+            "optimizer": moments if offload_optimizer else 0.0,
+            "activations": activations["offloaded"]}
+    host["total"] = sum(host.values())
+    return device, host
 
 
-def bubble_formula(p: int, v: int, m: int, zero_bubble: bool = False) -> float:
-    """§2.2: (p - 1) / (v m) for 1F1B and interleaved; GPipe has the same bubble. Zero-bubble
-    kinds (uniform t_f = t_b = t_w, lockstep): (p - 1 + max(0, 2p - 2 - m)) / (3 v m), the
-    ZB-H1 paper's (p-1)/(3vm) from m >= 2p - 2 (jaxptd/pipeline/schedules.py)."""
-    if zero_bubble:
-        return (p - 1 + max(0, 2 * p - 2 - m)) / (3 * v * m)
-    return (p - 1) / (v * m)
+BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace")
 
 
-def comm_volumes(*, b, s, h, t, d, e, layers_per_stage, grad_bytes) -> dict:
-    """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
-    stages (b s h / t with scatter/gather, §4.1); tensor 8 b s h (t - 1) / t per layer
-    per microbatch (forward + backward); data: ring all-reduce 2 (d - 1) / d of the
-    float32 gradients once per step (§3.3.1)."""
-    return {
-        "p2p_per_microbatch": b * s * h * e / t,
-        "tensor_per_microbatch": layers_per_stage * 8 * b * s * h * (t - 1) / t * e,
-        "data_per_step": 2 * (d - 1) / d * grad_bytes if d > 1 else 0.0,
-    }
-
-
-def step_time(*, flops_device, bubble, comm, m, v, p, t, d, gpus_per_node, device_flops,
-              hbm_bytes_per_s, weight_bytes_per_microbatch, intra_bw, inter_bw) -> dict:
-    """Seconds per iteration: compute (roofline per microbatch: its FLOPs at device_flops
-    or its weight reads from memory, whichever is slower) stretched by the bubble, plus
-    communication that is not overlapped: tensor (intra-node when t <= gpus_per_node),
-    point-to-point forward and backward (inter-node when a stage spans beyond a node),
-    and the data-parallel all-reduce (inter-node unless the whole job fits in one node).
-    """
-    per_microbatch = max(flops_device / m / device_flops,
-                         weight_bytes_per_microbatch / hbm_bytes_per_s)
-    compute = m * per_microbatch * (1 + bubble)
-    tensor_bw = intra_bw if t <= gpus_per_node else inter_bw
-    p2p_bw = intra_bw if t * p <= gpus_per_node else inter_bw
-    data_bw = intra_bw if t * p * d <= gpus_per_node else inter_bw
-    tensor = m * comm["tensor_per_microbatch"] / tensor_bw
-    p2p = 2 * m * v * comm["p2p_per_microbatch"] / p2p_bw if p > 1 else 0.0
-    data = comm["data_per_step"] / data_bw
-    return {"compute": compute, "tensor": tensor, "p2p": p2p, "data": data,
-            "total": compute + tensor + p2p + data}
-
-
-def days_to_train(tokens: float, flops_per_token: float, n: int, tflops: float) -> float:
-    """§5.1: iterations T / (B s) times F at n X FLOP/s; F / (B s) is per token."""
-    return tokens * flops_per_token / (n * tflops * 1e12) / DAY
-
-
-def days_eq4(tokens: float, params: float, n: int, tflops: float) -> float:
-    """Equation (4): end-to-end time ~ 8 T P / (n X)."""
-    return 8 * tokens * params / (n * tflops * 1e12) / DAY
+def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
+    """The executor's buffer slots per rank when lowering the schedule would take too long:
+    GPipe m stash slots; 1F1B and ZB-H1 min(m, 2p - 1); the interleaved kinds min(vm,
+    (v + 1) p); zero-bubble kinds as many W slots as stash slots; one grad slot. Exact for
+    m a multiple of p (tests/test_plan.py checks it against the lowering), which Megatron's
+    interleaved schedule requires; other m can need a few more (the planner lowers those)."""
+    if kind == "gpipe":
+        stash = m
+    elif kind in ("1f1b", "zb-h1"):
+        stash = min(m, 2 * p - 1)
+    else:
+        stash = min(v * m, (v + 1) * p)
+    return {"stash": stash, "grad": 1, "w": stash if kind.startswith("zb") else 0}
 
 
 def divisors(n: int) -> list:

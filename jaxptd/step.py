@@ -303,9 +303,9 @@ class _Reduction:
 
 
 def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
-    """Unpipelined gradients: a scan over the microbatches before the last, whose local sums
-    the last one's backward adds in and reduces layer by layer (_Reduction). Runs inside
-    the shard_map.
+    """Unpipelined gradients: a scan over the microbatches, reduced after it, or (config
+    .overlaps_grad_reduce) over those before the last, whose local sums the last one's
+    backward adds in and reduces layer by layer (_Reduction). Runs inside the shard_map.
 
     params: local shards, invariant over data; batch [rows, s + 1] local rows.
     Returns (reduced gradients, local loss sum), both scaled to the global token mean.
@@ -336,15 +336,20 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
     zeros = jax.tree.map(jnp.zeros_like, varying)
     loss0 = mark_varying(jnp.float32(0), REDUCED)  # like the model's loss
     m = micro.shape[0]
-    (acc, loss), _ = lax.scan(one, (zeros, loss0), (micro[:-1], jnp.arange(m - 1)))
+    if not config.overlaps_grad_reduce:  # every microbatch in the scan, reduced after
+        (grads, loss), _ = lax.scan(one, (zeros, loss0), (micro, jnp.arange(m)))
+        return reduction.after(grads), loss
+    acc, loss = zeros, loss0
+    if m > 1:  # (no loop at all for one microbatch: not even its buffers)
+        (acc, loss), _ = lax.scan(one, (zeros, loss0), (micro[:-1], jnp.arange(m - 1)))
     dims = reduction.scatter_dims
     layer_dims = jax.tree.map(lambda d: None if d is None else d - setup.stacked,
                               dims["layers"])
     hooks = (lambda ends: reduction.hook(ends, models.ends(acc), models.ends(dims)),
              lambda layer, acc_layer: reduction.hook(layer, acc_layer, layer_dims),
              acc["layers"])
-    grads, last = jax.grad(loss_fn, has_aux=True)(reduction.scattered_varying(params), micro[-1],
-                                                  jax.random.fold_in(key, m - 1), hooks)
+    grads, last = jax.grad(loss_fn, has_aux=True)(
+        reduction.scattered_varying(params), micro[-1], jax.random.fold_in(key, m - 1), hooks)
     return reduction.keep_parts(grads), loss + last
 
 

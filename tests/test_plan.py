@@ -1,6 +1,7 @@
 """The planner against independent references: equations (2) and (3) by hand, Table 1 of
-the PTD-P paper, its §5.1 training times, and XLA's compiled memory on 64 simulated devices
-(in a subprocess, since this session has 8)."""
+the PTD-P paper, its §5.1 training times, Korthikanti et al.'s activation formulas, the
+executor's lowered buffers, and XLA's compiled memory on up to 64 simulated devices (in a
+subprocess, since this session has 8)."""
 import json
 import os
 import subprocess
@@ -9,6 +10,8 @@ import sys
 import pytest
 
 from jaxptd import metrics, plan, plan_model
+from jaxptd.pipeline import schedules
+from jaxptd.pipeline.lowering import lower
 from jaxptd.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,8 +90,13 @@ def test_json_schema(capsys):
                 "bubble_fraction"):
         assert isinstance(report[key], (int, float)), key
     memory = report["memory_bytes_per_device"]
-    parts = ("weights", "gradients", "optimizer", "activations", "gradient_workspace")
-    assert memory["total"] == pytest.approx(sum(memory[k] for k in parts))
+    assert memory["backward_phase"] == pytest.approx(sum(memory[k] for k in (
+        "activations", "stash", "fsdp_gathered", "gradient_workspace")))
+    assert memory["total"] == pytest.approx(sum(memory[k] for k in (
+        "weights", "gradients", "optimizer")) + max(memory["backward_phase"],
+                                                    memory["update_phase"]))
+    host = report["host_memory_bytes_per_device"]
+    assert host["total"] == 0 and report["fits"] and report["host_memory_fits"]
     assert "days_to_train" not in report
     # interleaved p=16, v=2, m=192: the simulated bubble is the paper's (p-1)/(v m)
     assert report["bubble_fraction"] == pytest.approx(15 / (2 * 192), rel=0.05)
@@ -111,8 +119,168 @@ def test_search_ranks_layouts_that_fit(capsys):
     for r in rows:
         assert r["data"] * r["pipe"] * r["tensor"] == 16 and r["memory_gb"] <= 40
         assert r["tensor"] <= 8 and 64 % (r["data"] * r["microbatches"]) == 0
-    tiny = json.loads(run_main(capsys, argv[:-2] + ["--memory-gb", "1"]))
+    tiny = json.loads(run_main(capsys, argv[:-2] + ["--memory-gb", "0.2"]))
     assert tiny == []
+
+
+def test_korthikanti_formulas_by_hand():
+    """Korthikanti et al. 2022, Table 2, for GPT-3 175B at t = 8 (5as/(ht) = 10 here)."""
+    b, s, h, a, t = 1, 2048, 12288, 96, 8
+    sbh, layer = s * b * h, plan_model.korthikanti_layer_bytes
+    assert layer(b, s, h, a, t) == pytest.approx(sbh * (10 + 24 / 8 + 10))
+    assert layer(b, s, h, a, t, sp=True) == pytest.approx(sbh / 8 * (34 + 80))
+    assert layer(b, s, h, a, t, sp=True, remat="selective") == pytest.approx(sbh / 8 * 34)
+    assert layer(b, s, h, a, t, remat="full") == 2 * sbh
+    assert layer(b, s, h, a, t, sp=True, remat="full") == 2 * sbh / 8
+    # the paper's headline: SP + selective recomputation keep about 5x less than t alone
+    assert 5 <= layer(b, s, h, a, t) / layer(b, s, h, a, t, sp=True, remat="selective") < 6
+
+
+def test_our_layer_is_megatrons_plus_what_fusion_saves():
+    """Ours keeps what Megatron keeps plus float32 LayerNorm internals, two softmax copies
+    and the unfused GeLU's intermediates; SP divides the replicated part by t like
+    Megatron's 10 sbh, but keeps f's two gathered [b, s, h] inputs (autodiff's residuals
+    of the column-parallel matmuls; Megatron re-gathers them in the backward)."""
+    b, s, h, a, t, e = 1, 2048, 12288, 96, 8, 2
+    ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
+    for sp in (False, True):
+        assert 1.5 < ours(b, s, h, a, t, e, sp) / theirs(b, s, h, a, t, sp) < 2.5
+    saved_ours = ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, sp=True)
+    saved_theirs = theirs(b, s, h, a, t) - theirs(b, s, h, a, t, sp=True)
+    assert saved_theirs == pytest.approx(10 * s * b * h * (1 - 1 / t))
+    sbh = s * b * h
+    assert saved_ours == pytest.approx(2 * (12 + e) * sbh * (1 - 1 / t) - 2 * e * sbh)
+    # flash attention keeps no [s, s] probabilities, only a float32 [b, a/t, s]
+    flash = ours(b, s, h, a, t, e, flash=True)
+    assert ours(b, s, h, a, t, e) - flash == pytest.approx(a * s * s * b / t * 6 - 4 * b * a / t * s)
+
+
+@pytest.mark.parametrize("kind", schedules.KINDS)
+def test_buffer_slots_formula_is_the_lowering(kind):
+    """The formula the planner uses for long schedules against the executor's buffers."""
+    chunks = (2, 3) if "interleaved" in kind else (1,)
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 3 * p):
+            for v in chunks:
+                rounds = lower(schedules.make_schedule(kind, p, m, v))
+                got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
+                       "w": rounds.num_w_slots}
+                assert plan_model.slots_formula(kind, p, m, v) == got, (p, m, v)
+
+
+TABLE1_ROWS = sorted(TABLE1.values()) + ["gpt3_175b"]
+
+
+@pytest.mark.parametrize("name", TABLE1_ROWS)
+def test_table1_fits_in_80gb_at_the_papers_layout(capsys, name):
+    """The paper trained every row on 80 GB A100s at its (p, t, d, v, m) with full
+    recomputation; with sequence parallelism's [b, s/t, h] stage boundary and a stash of
+    stage inputs in the compute dtype each fits, with room for XLA's 15%."""
+    report = json.loads(run_main(capsys, ["--config", os.path.join(MEGATRON, name + ".yaml"),
+                                          "--json"]))
+    lay, memory = report["layout"], report["memory_bytes_per_device"]
+    assert report["fits"] and memory["total"] < 80e9 / 1.15, (name, memory["total"])
+    assert report["options"]["remat"] == "full"
+    assert report["options"]["sequence_parallel"] == (lay["tensor"] > 1)
+    if lay["pipe"] > 1:  # the stash holds [b, s/t, h] stage inputs in bfloat16
+        config = load_config(os.path.join(MEGATRON, name + ".yaml"))
+        m = config.model
+        stage_input = lay["microbatch_size"] * m.seq_len * m.hidden_size * 2 / lay["tensor"]
+        slots = report["pipeline_slots"]
+        assert memory["stash"] == pytest.approx((slots["stash"] + slots["grad"]) * stage_input)
+
+
+def test_1t_row_without_sequence_parallelism_does_not_fit(capsys):
+    """What the planner said before: the 1T row's stash of 192 in-flight microbatch-stages
+    of [s, b, h] inputs, each stored with the layer's input and output, 3 x 105 MB."""
+    report = json.loads(run_main(capsys, [
+        "--config", os.path.join(MEGATRON, "gpt_1008b.yaml"), "parallel.sequence_parallel=false",
+        "parallel.stash=activations", "--json"]))
+    memory = report["memory_bytes_per_device"]
+    assert not report["fits"] and memory["total"] > 100e9
+    assert report["pipeline_slots"]["stash"] == 192
+    assert memory["stash"] == pytest.approx((192 * 3 + 1) * 2048 * 25600 * 2)
+
+
+FSDP_RUNS = os.path.join(ROOT, "configs", "pytorch_fsdp")
+A100_40GB = ["--memory-gb", "40", "--host-memory-gb", "1236", "--json"]  # p4d.24xlarge
+
+
+def test_seed003_gpt3_175b_fits_with_fsdp_and_offload(capsys):
+    """seeds/003's GPT-3 175B run: sequence 512, 20 sequences per GPU, 128 A100-40GB,
+    FSDP over all of them, per-layer checkpoints, optimizer state and layer inputs in host
+    memory. With Adam (the seed used SGD) it fits: the recomputed layer at b = 20 is the
+    largest part, the 16 bytes per parameter are 1/128 of 175B."""
+    report = json.loads(run_main(capsys, ["--config", os.path.join(
+        FSDP_RUNS, "gpt3_175b_seq512.yaml")] + A100_40GB))
+    device, host = report["memory_bytes_per_device"], report["host_memory_bytes_per_device"]
+    assert report["fits"] and device["total"] < 40e9
+    params = report["params_model"]
+    assert device["weights"] == pytest.approx(4 * params / 128, rel=0.01)
+    assert host["weights"] + host["optimizer"] == pytest.approx(12 * params / 128, rel=0.01)
+    # every layer's input [20, 512, 12288] in fp16 waits in host memory
+    assert host["activations"] == pytest.approx(96 * 20 * 512 * 12288 * 2)
+    assert device["fsdp_gathered"] == pytest.approx(2 * 12 * 12288 ** 2, rel=0.01)
+    assert max(device, key=lambda k: device[k] if k in (
+        "weights", "gradients", "activations", "fsdp_gathered") else 0) == "activations"
+    assert report["options"] == {"sequence_parallel": False, "zero1": False, "fsdp_group": 128,
+                                 "offload_optimizer": True, "offload_activations": True,
+                                 "stash": "", "remat": "full"}
+
+
+@pytest.mark.parametrize("gpus", [128, 256, 512])
+def test_seed003_1t_does_not_fit_in_40gb_without_tensor_parallelism(capsys, gpus):
+    """seeds/003's 1T run (sequence 2048, 4 per GPU) on 128 to 512 A100-40GB does not fit
+    jaxptd at t = 1: one recomputed layer keeps 33.7 GB ([b, a, s, s] probabilities 16 GB
+    of it) and FSDP gathers a whole layer, 12 h^2 = 7.9B parameters (15.7 GB in 16 bits),
+    where the seed gathered one linear (4 h^2) at a time, kept no float32 masters or Adam
+    moments and offloaded the parameters too. The search finds what does fit."""
+    argv = ["--config", os.path.join(FSDP_RUNS, "gpt_1t_seq2048.yaml"),
+            f"parallel.data={gpus}", f"train.global_batch={4 * gpus}"] + A100_40GB
+    report = json.loads(run_main(capsys, argv))
+    device = report["memory_bytes_per_device"]
+    assert not report["fits"] and device["total"] > 60e9
+    assert report["host_memory_fits"]
+    assert device["activations"] > 30e9
+    assert device["fsdp_gathered"] == pytest.approx(2 * 12 * 25600 ** 2, rel=0.01)
+    if gpus == 512:
+        rows = json.loads(run_main(capsys, argv + ["--search", "512", "--top", "1000"]))
+        assert rows and all(r["memory_gb"] <= 40 and r["tensor"] > 1 for r in rows)
+        assert all(r["options"]["sequence_parallel"] and r["options"]["fsdp_group"]
+                   for r in rows)
+
+
+def test_search_considers_the_memory_options(capsys):
+    """GPT-3 175B at sequence 512 on 128 A100-40GB: the search mixes layouts that need no
+    option with ones that need SP, FSDP or offloading (and, for GPT 1.7B on 64 GPUs of
+    8 GB, ZeRO-1 and HSDP), and zero-bubble
+    schedules; each row re-planned with its options fits, and is as fast as the search
+    said."""
+    config = os.path.join(FSDP_RUNS, "gpt3_175b_seq512.yaml")
+    rows = json.loads(run_main(capsys, ["--config", config, "--search", "128", "--top",
+                                        "100000"] + A100_40GB))
+    options = [r["options"] for r in rows]
+    for key in ("sequence_parallel", "fsdp_group", "offload_optimizer", "offload_activations"):
+        assert any(o[key] for o in options), key
+    assert any(not any(o[k] for k in ("sequence_parallel", "zero1", "fsdp_group")) for o in options)
+    assert {r["schedule"] for r in rows} >= {"1f1b", "zb-h1", "interleaved", "zb-interleaved"}
+    best = rows[0]
+    o = best["options"]
+    overrides = [f"parallel.{k}={best[k]}" for k in ("data", "pipe", "tensor", "chunks",
+                                                      "microbatches", "schedule")] + [
+        f"parallel.sequence_parallel={o['sequence_parallel']}",
+        f"parallel.fsdp={bool(o['fsdp_group'])}", f"parallel.fsdp_group={o['fsdp_group']}",
+        f"optimizer.zero1={o['zero1']}", f"offload.optimizer={o['offload_optimizer']}",
+        f"offload.activations={o['offload_activations']}"]
+    again = json.loads(run_main(capsys, ["--config", config] + overrides + A100_40GB))
+    assert again["fits"] and again["memory_bytes_per_device"]["total"] / 1e9 == pytest.approx(
+        best["memory_gb"])
+    # HSDP: FSDP over the data ranks of a node, replicated across nodes (GPT 1.7B, 8 GB)
+    small = json.loads(run_main(capsys, ["--config", os.path.join(MEGATRON, "gpt_1.7b.yaml"),
+                                         "--search", "64", "--memory-gb", "8", "--json",
+                                         "--top", "1000"]))
+    assert any(0 < r["options"]["fsdp_group"] < r["data"] for r in small)
+    assert any(r["options"]["zero1"] and not r["options"]["fsdp_group"] for r in small)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -120,6 +288,7 @@ def test_search_ranks_layouts_that_fit(capsys):
     (["parallel.tensor=3", "model.num_heads=4"], "parallel.tensor=3"),
     (["--tokens", "1e9"], "--tokens and --tflops"),
     (["--memory-gb", "-1"], "--memory-gb"),
+    (["--host-memory-gb", "0"], "--host-memory-gb"),
     (["--bogus"], "unrecognized"),
     (["--verify", "parallel.data=4096", "train.global_batch=4096"], "simulated CPU devices"),
 ])
@@ -164,8 +333,8 @@ for overrides in json.loads(sys.argv[1]):
 """
 
 
-def verify_in_subprocess(layouts):
-    runs = [SMALL + layout for layout in layouts]
+def verify_in_subprocess(layouts, base=SMALL):
+    runs = [base + layout for layout in layouts]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", VERIFY_SCRIPT, json.dumps(runs)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
@@ -199,3 +368,73 @@ def test_memory_matches_compiled_step_on_64_devices():
             assert check["planned_flops_loop_bodies"] <= check["xla_flops"] * 1.05, layout
             assert check["planned_flops_loop_bodies"] >= check["xla_flops"] * 0.5, layout
 
+
+
+def verified(layouts: dict) -> dict:
+    """{name: report} of --verify for named layouts (one subprocess), each within 15% of
+    XLA's compiled memory in all and its state (the arguments) within 2%."""
+    reports = dict(zip(layouts, verify_in_subprocess(list(layouts.values()))))
+    assert len(reports) == len(layouts)
+    for name, report in reports.items():
+        check = report["verify"]
+        assert check["memory_ratio"] == pytest.approx(1.0, abs=0.15), (name, check)
+        assert check["xla_memory"]["argument"] == pytest.approx(
+            check["planned_arguments"], rel=0.02), name
+    return reports
+
+
+SP = ["parallel.tensor=4", "parallel.sequence_parallel=true"]
+SP_LAYOUTS = {
+    "layers": SP + ["parallel.data=2", "parallel.microbatches=2"],
+    "half the layers": SP + ["parallel.data=2", "parallel.microbatches=2",
+                             "model.num_layers=2"],
+    # Table 1's big rows scaled down: interleaved, stage inputs stashed, full recomputation
+    "table 1 proxy": SP + ["parallel.pipe=2", "parallel.microbatches=4", "parallel.chunks=2",
+                           "parallel.schedule=interleaved", "parallel.stash=inputs",
+                           "model.remat=full", "model.seq_len=256", "train.global_batch=16"],
+    "zb-h1": SP + ["parallel.pipe=2", "parallel.microbatches=4", "parallel.schedule=zb-h1"],
+}
+
+
+def test_sequence_parallel_memory_matches_compiled_step():
+    """--verify on 8 simulated devices for sequence-parallel layouts, unpipelined and
+    pipelined; and the activations one layer adds, in XLA's temporary memory, against the
+    plan's per-layer inventory with SP (each layer's gradients and workspace included)."""
+    reports = verified(SP_LAYOUTS)
+    full, half = reports["layers"]["verify"], reports["half the layers"]["verify"]
+    xla_per_layer = (full["xla_memory"]["temp"] - half["xla_memory"]["temp"]) / 2
+    plan_per_layer = (full["planned_temp"] - half["planned_temp"]) / 2
+    assert plan_per_layer == pytest.approx(xla_per_layer, rel=0.1)
+    # the stash of the pipelined proxy is [b, s/t, h] per slot
+    proxy = reports["table 1 proxy"]
+    assert proxy["memory_bytes_per_device"]["stash"] == pytest.approx(
+        sum(proxy["pipeline_slots"].values()) * 4 * 256 * 512 * 4 / 4)
+
+
+FSDP_LAYOUTS = {
+    # HSDP: groups of 4 data ranks, ZeRO-1 over the 2 replicas, per-layer checkpoints
+    "hsdp + zero1": ["parallel.data=8", "parallel.fsdp=true", "parallel.fsdp_group=4",
+                     "optimizer.zero1=true", "parallel.microbatches=2", "model.remat=full"],
+    "fsdp + sp": ["parallel.data=4", "parallel.tensor=2", "parallel.fsdp=true",
+                  "parallel.sequence_parallel=true", "parallel.microbatches=2",
+                  "model.remat=full"],
+    "fsdp pipelined": ["parallel.data=4", "parallel.pipe=2", "parallel.fsdp=true",
+                       "parallel.microbatches=4", "parallel.stash=inputs", "model.remat=full"],
+    # without recomputation every layer keeps its gathered weights for its backward
+    "fsdp, no recomputation": ["parallel.data=8", "parallel.fsdp=true",
+                               "parallel.microbatches=4"],
+}
+
+
+def test_fsdp_memory_matches_compiled_step():
+    """--verify on 8 simulated devices for FSDP, HSDP + ZeRO-1, FSDP with sequence
+    parallelism and FSDP in a pipeline: the state's shards (the step's own sharding rule)
+    to 2%, the whole compiled memory to 15%."""
+    reports = verified(FSDP_LAYOUTS)
+    assert all(r["memory_bytes_per_device"]["fsdp_gathered"] > 0 for r in reports.values())
+    # masters over 8 ranks (FSDP) or 4 (HSDP); ZeRO-1 splits the moments of the leaves
+    # with a free dimension over the 2 replicas (not the MLP's: its dimension is tensor's)
+    hsdp = reports["hsdp + zero1"]["memory_bytes_per_device"]
+    fsdp = reports["fsdp, no recomputation"]["memory_bytes_per_device"]
+    assert hsdp["weights"] == pytest.approx(2 * fsdp["weights"], rel=0.01)
+    assert hsdp["weights"] < hsdp["optimizer"] < 2 * hsdp["weights"]

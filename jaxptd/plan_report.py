@@ -1,0 +1,205 @@
+"""The planner's output: the text report, the search table and the memory picture.
+
+Owns how `python -m jaxptd.plan` shows a plan (jaxptd/plan.py makes it): one section per
+question, bytes in GB (1e9), device and host memory by category side by side, and where
+the bytes go.
+"""
+from __future__ import annotations
+
+import sys
+
+from jaxptd.config import ConfigError
+from jaxptd.plan_model import BACKWARD_PHASE
+
+GB = 1e9
+DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
+               "gradient_workspace")
+NOTES = {
+    "weights": "float32 masters (offload: between steps on the host)",
+    "gradients": "float32 accumulator",
+    "optimizer": "Adam mu and nu, float32 (offload: on the device for the update only)",
+    "activations": "one microbatch's working set (host: offloaded layer inputs)",
+    "stash": "the pipeline's buffers: stage inputs, gradients, W taps",
+    "fsdp_gathered": "FSDP: a gathered layer (or the ends), optimizer.grad_reduce_dtype",
+    "gradient_workspace": "m > 1: a microbatch's gradient before it is added",
+}
+
+
+def format_report(r: dict, args) -> str:
+    """The human-readable plan."""
+    lay, comm, t = r["layout"], r["comm_bytes"], r["step_time_s"]
+    lines = [
+        f"layout      (p, t, d) = ({lay['pipe']}, {lay['tensor']}, {lay['data']}) on "
+        f"{r['num_devices']} devices; v={lay['chunks']} m={lay['microbatches']} "
+        f"b={lay['microbatch_size']} schedule={lay['schedule']}",
+        f"options     {_options(r['options'])}",
+        f"parameters  model {r['params_model'] / 1e9:.4f} B   eq. (2) "
+        f"{r['params_formula'] / 1e9:.4f} B   difference {r['params_difference']:+,.0f} "
+        "(ours adds the final LayerNorm 2h and pads V to 128 x tensor; eq. (2) already "
+        "counts tied embeddings, learned positions and biases)",
+        f"FLOPs/iter  {r['flops_per_iteration']:.4g} executed   eq. (3) with recompute "
+        f"{r['flops_recompute']:.4g}, without {r['flops_no_recompute']:.4g}",
+    ] + _memory_lines(r, args) + [
+        f"pipeline    bubble {r['bubble_fraction']:.4f}   peak stash {r['peak_stash']} "
+        f"microbatch-stages   buffers {r['pipeline_slots']['stash']} stash, "
+        f"{r['pipeline_slots']['grad']} grad, {r['pipeline_slots']['w']} W slots",
+        f"comm/dev    p2p {comm['p2p_per_microbatch'] / 1e6:.2f} MB/microbatch, "
+        f"tensor {comm['tensor_per_microbatch'] / 1e6:.2f} MB/microbatch, "
+        f"FSDP {comm['fsdp_per_microbatch'] / GB:.3f} GB/microbatch, "
+        f"data {comm['data_per_step'] / GB:.3f} GB/step, host "
+        f"{(comm['host_per_step'] + lay['microbatches'] * comm['host_per_microbatch']) / GB:.3f}"
+        " GB/step",
+        f"step time   {t['total']:.3f} s = compute {t['compute']:.3f} (bubble incl.) + tensor "
+        f"{t['tensor']:.3f} + p2p {t['p2p']:.3f} + FSDP {t['fsdp']:.3f} + data "
+        f"{t['data']:.3f} + host {t['host']:.3f}   ~ "
+        f"{r['tflops_per_device_estimate']:.1f} TFLOP/s per device",
+    ]
+    if "days_to_train" in r:
+        lines.append(f"train time  {r['days_to_train']:.1f} days (eq. 3)   "
+                     f"{r['days_to_train_eq4']:.1f} days (eq. 4: 8 T P / (n X))")
+    if "verify" in r:
+        lines += _format_verify(r["verify"])
+    return "\n".join(lines)
+
+
+def _options(o: dict) -> str:
+    fsdp = "off" if not o["fsdp_group"] else f"over {o['fsdp_group']} data ranks"
+    return ", ".join([
+        f"sequence parallel {'on' if o['sequence_parallel'] else 'off'}",
+        f"ZeRO-1 {'on' if o['zero1'] else 'off'}", f"FSDP {fsdp}",
+        f"offload optimizer {'on' if o['offload_optimizer'] else 'off'}",
+        f"offload activations {'on' if o['offload_activations'] else 'off'}",
+        f"recomputation {o['remat']}" + (f" (stash {o['stash']})" if o["stash"] else "")])
+
+
+def _fits(ok: bool) -> str:
+    return "fits" if ok else "DOES NOT FIT"
+
+
+def _memory_lines(r: dict, args) -> list:
+    """Device and host bytes per category, whether each fits, and the largest parts."""
+    dev, host = r["memory_bytes_per_device"], r["host_memory_bytes_per_device"]
+    per_node = min(r["num_devices"], args.gpus_per_node)
+    lines = [
+        f"memory/dev  device {dev['total'] / GB:.3f} GB of {args.memory_gb:g} GB: "
+        f"{_fits(r['memory_fits'])}   host {host['total'] / GB:.3f} GB per device x "
+        f"{per_node} = {host['total'] * per_node / GB:.1f} GB of {args.host_memory_gb:g} GB "
+        f"per node: {_fits(r['host_memory_fits'])}",
+        f"  {'':<19} {'device GB':>10} {'host GB':>10}",
+    ]
+    for key in DEVICE_KEYS:
+        lines.append(f"  {key:<19} {dev[key] / GB:10.3f} {host.get(key, 0.0) / GB:10.3f}   "
+                     f"{NOTES[key]}")
+    lines.append(f"  {'total':<19} {dev['total'] / GB:10.3f} {host['total'] / GB:10.3f}   "
+                 "peak: weights + gradients + optimizer (unless offloaded) + the larger phase")
+    lines.append(f"  phases: forward/backward {dev['backward_phase'] / GB:.3f} GB (activations, "
+                 f"stash, FSDP, workspace), update {dev['update_phase'] / GB:.3f} GB (the "
+                 "reduced gradient, offloaded moments)")
+    lines.append("  where the bytes go: " + where_the_bytes_go(
+        dev, r["options"]["offload_optimizer"]))
+    lines.append(
+        f"  activations/layer/microbatch {r['activation_bytes_per_layer'] / GB:.3f} GB without "
+        f"recomputation (Megatron's fused 16-bit layer, Korthikanti et al. 2022, at this "
+        f"recomputation: {r['korthikanti_activation_bytes_per_layer'] / GB:.3f} GB)")
+    return lines
+
+
+def where_the_bytes_go(memory: dict, offload_optimizer: bool = False, top: int = 4) -> str:
+    """The largest categories on the device at its peak, with their shares of it."""
+    at_peak = {k: memory[k] for k in ("weights", "gradients", "optimizer")}
+    if memory["peak_phase"] == "backward":
+        at_peak.update({k: memory[k] for k in BACKWARD_PHASE})
+        if offload_optimizer:
+            del at_peak["optimizer"]
+    else:
+        at_peak["reduced gradient"] = memory["gradients"]
+    parts = sorted(((v, k) for k, v in at_peak.items() if v), reverse=True)
+    total = memory["total"] or 1.0
+    return f"(peak in the {memory['peak_phase']} phase) " + ", ".join(
+        f"{k} {v / GB:.1f} GB ({100 * v / total:.0f}%)" for v, k in parts[:top])
+
+
+def _format_verify(v: dict) -> list:
+    x = v["xla_memory"]
+    return [
+        "verify      XLA compiled step (CPU, simulated devices), per device:",
+        f"  arguments  XLA {x['argument'] / 1e6:10.2f} MB   plan {v['planned_arguments'] / 1e6:10.2f}"
+        " MB (masters + optimizer, host ones included; outputs alias the donated state)",
+        f"  temp       XLA {x['temp'] / 1e6:10.2f} MB   plan {v['planned_temp'] / 1e6:10.2f}"
+        " MB (the rest)",
+        f"  total      XLA {x['total'] / 1e6:10.2f} MB   plan {v['planned_total'] / 1e6:10.2f} MB"
+        f"   plan / XLA = {v['memory_ratio']:.3f} (on CPU host and device memory are one)",
+        f"  FLOPs      XLA {v['xla_flops']:.4g}   plan {v['planned_flops_loop_bodies']:.4g}"
+        " (XLA counts each loop body once: one microbatch, one layer, plus the logit layer"
+        "; its count also includes elementwise ops, eq. (3) only matmuls)",
+        "  why they differ: XLA CPU computes bfloat16 matmuls in float32 and may keep both "
+        "copies; its buffer reuse is exact where the plan adds phases; the plan's tensor "
+        "inventory is our layer's autodiff residuals, Megatron's fused kernels keep fewer",
+    ]
+
+
+def format_search(rows: list, args) -> str:
+    """The --search table: the layouts that fit, best estimated throughput first."""
+    if not rows:
+        return (f"no layout fits {args.search} GPUs with {args.memory_gb:g} GB each "
+                f"(and {args.host_memory_gb:g} GB of host memory per node)")
+    head = f"{'p':>4} {'t':>3} {'d':>5} {'v':>3} {'m':>5} {'b':>4} {'schedule':>14} " \
+           f"{'options':<22} {'GB':>6} {'host GB':>8} {'bubble':>7} {'step s':>8} {'TFLOP/s':>8}"
+    body = [f"{r['pipe']:>4} {r['tensor']:>3} {r['data']:>5} {r['chunks']:>3} "
+            f"{r['microbatches']:>5} {r['microbatch_size']:>4} {r['schedule']:>14} "
+            f"{short_options(r['options']):<22} {r['memory_gb']:>6.1f} "
+            f"{r['host_memory_gb']:>8.1f} {r['bubble_fraction']:>7.4f} "
+            f"{r['step_time_s']:>8.3f} {r['tflops_per_device_estimate']:>8.1f}"
+            for r in rows[: args.top]]
+    legend = ("options: sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
+              "offopt/offact offload of the optimizer state / layer inputs, "
+              "inputs: stash stage inputs only")
+    return "\n".join([f"{len(rows)} layouts fit; best {min(args.top, len(rows))} by "
+                      "estimated throughput:", head] + body + [legend])
+
+
+def short_options(o: dict) -> str:
+    """A search row's options in a few letters (format_search's legend)."""
+    words = ["sp"] if o["sequence_parallel"] else []
+    words += ["z1"] if o["zero1"] else []
+    words += [f"fsdp{o['fsdp_group']}"] if o["fsdp_group"] else []
+    words += ["offopt"] if o["offload_optimizer"] else []
+    words += ["offact"] if o["offload_activations"] else []
+    words += ["inputs"] if o["stash"] == "inputs" else []
+    return "+".join(words) or "-"
+
+
+def draw(report: dict, path: str, timeline_stats=None) -> None:
+    """Memory bars (device and host) and, when given (Stats, Schedule), the schedule's
+    timeline (path-timeline.png); says on stderr which files it wrote."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError(f"--png {path}: matplotlib is not installed "
+                          "(pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(7, 3))
+    for row, name in ((1, "memory_bytes_per_device"), (0, "host_memory_bytes_per_device")):
+        left = 0.0
+        for i, key in enumerate(DEVICE_KEYS):
+            value = report[name].get(key, 0.0) / GB
+            ax.barh(row, value, left=left, color=f"C{i}", label=key if row else None)
+            left += value
+    ax.axvline(report["memory_limit_gb"], color="red", linestyle="--", label="device memory")
+    ax.set_yticks([0, 1], ["host", "device"])
+    ax.set_xlabel("GB per device")
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+        print(f"wrote {path} (memory per device)", file=sys.stderr)
+        if timeline_stats:
+            from jaxptd.pipeline.draw import draw_timeline
+            timeline = path.rsplit(".", 1)[0] + "-timeline.png"
+            draw_timeline(timeline_stats[0], timeline_stats[1], timeline)
+            print(f"wrote {timeline} (the pipeline schedule)", file=sys.stderr)
+    except OSError as e:
+        raise ConfigError(f"--png {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,124 @@
+"""`python -m jaxptd.plan --search N`: the layouts and memory options that fit, ranked.
+
+Owns the search space. A base layout is (p, t, d, v, b, schedule), chosen as the PTD-P
+paper's takeaways say: t a power of two up to the GPUs per node (#1), p dividing the
+layers, the rest data (#2), every microbatch size b dividing B / d (#3); the schedules are
+1F1B and ZB-H1 (v = 1) or interleaved and zero-bubble interleaved (v in 2, 4; m a multiple
+of p, as Megatron requires). Each base layout is planned with each memory option set of
+OPTION_SETS (sequence parallelism, ZeRO-1, FSDP over a node's data ranks (HSDP) or all of
+them, offloading the optimizer state and, with p = 1, the layer inputs) and keeps the
+fastest set that fits device and host memory: the first in the list when times tie (SP and
+ZeRO-1 move the same bytes as the collectives they replace, so they cost nothing here).
+model.remat and parallel.stash stay as the config says. Plans use the formulas only (no
+schedule simulation) and reuse the parameter counts, so the search stays fast.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxptd import plan_model as pm
+from jaxptd.config import Config, ConfigError, validate
+
+GB = 1e9
+# (name, sequence parallel, ZeRO-1, FSDP group: 0 none / "node" / "all", offload optimizer,
+#  offload activations), cheapest first
+OPTION_SETS = (
+    ("-", False, False, 0, False, False),
+    ("sp", True, False, 0, False, False),
+    ("sp+z1", True, True, 0, False, False),
+    ("sp+z1+hsdp", True, True, "node", False, False),
+    ("sp+fsdp", True, False, "all", False, False),
+    ("sp+z1+offopt", True, True, 0, True, False),
+    ("sp+fsdp+offopt", True, False, "all", True, False),
+    ("sp+fsdp+offopt+offact", True, False, "all", True, True),
+)
+
+
+def search(config: Config, args, plan_fn, counts_fn) -> list:
+    """Rows (layout, schedule, options, memory, time) that fit on args.search GPUs, best
+    estimated throughput first. plan_fn(config, args, counts, simulate) and
+    counts_fn(config) are jaxptd.plan's plan and real_counts."""
+    n, model, B = args.search, config.model, config.train.global_batch
+    cache, rows = {}, []
+    tensors = [t for t in pm.divisors(args.gpus_per_node) if t & (t - 1) == 0
+               and model.num_heads % t == 0 and n % t == 0]
+    for t in tensors:
+        for p in (p for p in pm.divisors(model.num_layers) if n % (t * p) == 0):
+            d = n // (t * p)
+            if B % d:
+                continue
+            chunks = [1] if p == 1 else [v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
+            for v in chunks:
+                for b in pm.divisors(B // d):
+                    m = B // (d * b)
+                    if v > 1 and m % p:
+                        continue
+                    for kind in _schedules(p, v):
+                        row = _best_options(config, args, plan_fn, counts_fn, cache,
+                                            p, t, d, v, m, kind)
+                        if row:
+                            rows.append(row)
+    return sorted(rows, key=lambda r: -r["tflops_per_device_estimate"])
+
+
+def _schedules(p: int, v: int) -> tuple:
+    if p == 1:
+        return ("1f1b",)
+    return ("1f1b", "zb-h1") if v == 1 else ("interleaved", "zb-interleaved")
+
+
+def _best_options(config, args, plan_fn, counts_fn, cache, p, t, d, v, m, kind):
+    """The fastest option set of one base layout that fits, as a search row (or None)."""
+    parallel = dataclasses.replace(config.parallel, data=d, pipe=p, tensor=t, chunks=v,
+                                   microbatches=m, schedule=kind, sequence_parallel=False,
+                                   fsdp=False, fsdp_group=0)
+    base = dataclasses.replace(config, parallel=parallel,
+                               runtime=dataclasses.replace(config.runtime, cpu_devices=0),
+                               optimizer=dataclasses.replace(config.optimizer, zero1=False),
+                               offload=dataclasses.replace(config.offload, optimizer=False,
+                                                           activations=False))
+    try:  # every rule but building the schedule, which accepts any m and is slow
+        validate(dataclasses.replace(base, parallel=dataclasses.replace(
+            parallel, pipe=1, chunks=1, schedule="1f1b")))
+    except ConfigError:
+        return None
+    best = None
+    for candidate in _with_options(base, args.gpus_per_node):
+        key = (p, t, d, candidate.parallel.fsdp_size, candidate.optimizer.zero1)
+        if key not in cache:
+            cache[key] = counts_fn(candidate)
+        report = plan_fn(candidate, args, cache[key], simulate=False)
+        if report["fits"] and (best is None or report["tflops_per_device_estimate"]
+                               > best["tflops_per_device_estimate"] * (1 + 1e-9)):
+            best = report
+    if best is None:
+        return None
+    return {**best["layout"], "options": best["options"],
+            "memory_gb": best["memory_bytes_per_device"]["total"] / GB,
+            "host_memory_gb": best["host_memory_bytes_per_device"]["total"] / GB,
+            "bubble_fraction": best["bubble_fraction"],
+            "step_time_s": best["step_time_s"]["total"],
+            "tflops_per_device_estimate": best["tflops_per_device_estimate"]}
+
+
+def _with_options(base: Config, gpus_per_node: int):
+    """base with each applicable option set of OPTION_SETS, cheapest first."""
+    par = base.parallel
+    node_group = gpus_per_node // (par.tensor * par.pipe)
+    seen = set()
+    for _, sp, zero1, group, offload_opt, offload_act in OPTION_SETS:
+        g = {0: 0, "node": node_group, "all": par.data}[group]
+        if (sp and (par.tensor == 1 or base.model.seq_len % par.tensor)) or (offload_act and par.pipe > 1) or \
+                (group and (g < 2 or par.data % g)) or (group == "node" and g == par.data):
+            continue
+        zero1 = zero1 and par.data // max(g, 1) > 1
+        key = (sp, zero1, g, offload_opt, offload_act)
+        if key in seen:
+            continue
+        seen.add(key)
+        yield dataclasses.replace(
+            base,
+            parallel=dataclasses.replace(par, sequence_parallel=sp, fsdp=g > 0, fsdp_group=g),
+            optimizer=dataclasses.replace(base.optimizer, zero1=zero1),
+            offload=dataclasses.replace(base.offload, optimizer=offload_opt,
+                                        activations=offload_act))
