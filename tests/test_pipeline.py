@@ -16,7 +16,7 @@ import pytest
 from jax.extend.core import Literal
 
 from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
-                     fixed_batches, make_setup, reference_loss)
+                     assert_trees_close, fixed_batches, make_setup, reference_loss)
 from jaxptd.config import ConfigError, load_config
 from jaxptd.pipeline.executor import rounds_for, segments
 from jaxptd.pipeline.schedules import make_schedule
@@ -95,6 +95,29 @@ def test_pipelined_training_steps_match_single_device(schedule, chunks):
     """Three optimizer steps (zero1) give the single-device losses."""
     setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 4, ["optimizer.zero1=true"])
     assert_steps_match_single_device(setup)
+
+
+@pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("zb-interleaved", 2)])
+def test_kept_backward_uses_each_microbatchs_dropout_masks(schedule, chunks):
+    """With dropout, the kept backward (stash=activations) reads each microbatch's own
+    boolean dropout masks: its gradients equal the stage recomputation's (stash=inputs),
+    which draws them again from the microbatch's key. A backward that kept one trace's
+    masks for every microbatch (what jax.closure_convert does to boolean values) fails
+    this by far (measured: elements off by 20x and more)."""
+    from jaxptd.step import build_grads
+
+    def grads(stash):
+        setup = pipelined_setup(1, 2, 1, schedule, chunks, 3, 4, [
+            "model.dropout=0.2", f"parallel.stash={stash}"])
+        state = setup.init_state(0)
+        batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)
+        out = jax.jit(build_grads(setup, deterministic=False))(
+            state["params"], batch, state["rng"], state["step"], jnp.float32(1))
+        return jax.device_get(setup.to_logical(out[0])), float(out[1])
+
+    (kept, kept_loss), (recomputed, loss) = grads("activations"), grads("inputs")
+    np.testing.assert_allclose(kept_loss, loss, rtol=1e-6)
+    assert_trees_close(kept, recomputed)
 
 
 def random_params(setup, seed=0):

@@ -27,8 +27,8 @@ Round forms (parallel.round_form; `segments`):
 The backward is driven by the schedule, not by autodiff through the loop. parallel.stash
 chooses what a stash slot keeps between a stage's F and B slot:
 - activations (default): the F slot takes `jax.vjp` of its layer chunk and keeps what the
-  backward closes over, as arrays (`_Kept`: public `jax.closure_convert`; the chunk's own
-  weights, which the backward closes over too, are passed again instead of kept);
+  backward reads, as arrays (`_Kept`: the leaves of the vjp function's pytree; the chunk's
+  own weights, which the backward reads too, are passed again instead of kept);
 - inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
   stage on it, recomputing the forward (per-stage activation recomputation).
 Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
@@ -316,35 +316,47 @@ class _Stage:
 class _Kept:
     """A `jax.vjp` backward kept from one slot for a later one, as arrays.
 
-    `jax.closure_convert` (public) turns the backward into a function of its cotangent and
-    of the values it closes over. Those that are values the later slot has anyway (`given`:
-    the chunk's weights, passed in again) are not stored. The first trace (the probe) fixes
-    the order; every later trace must close over values of the same shapes in it.
+    The function `jax.vjp` returns is a pytree whose leaves are its residuals: every value
+    the backward reads, boolean and integer ones (attention and dropout masks) included.
+    `jax.closure_convert` is not used for this: it bakes the values it deems
+    non-differentiable (those masks) into the converted function as the first trace's
+    constants. Leaves that are values the later slot has anyway (`given`: the chunk's
+    weights, passed in again) are not stored, nor are leaves that are not arrays (markers of
+    unused inputs), taken from the probe. The probe (the first trace) fixes the order; every
+    later trace must have leaves of the same shapes in it.
     """
 
-    def __init__(self, vjp_fn, cotangent, given):
-        self.backward, consts = jax.closure_convert(vjp_fn, cotangent)
-        self.sources = self._sources(consts, given)
-        self.templates = [jnp.zeros_like(c) for c, s in zip(consts, self.sources) if s is None]
+    def __init__(self, vjp_fn, given):
+        leaves, self.treedef = jax.tree.flatten(vjp_fn)
+        self.sources = self._sources(leaves, given)
+        self.markers = {i: x for i, x in enumerate(leaves) if self.sources[i] == "marker"}
+        self.templates = [jnp.zeros_like(x) for x, s in zip(leaves, self.sources) if s is None]
 
     @staticmethod
-    def _sources(consts, given):
-        return tuple(next((i for i, g in enumerate(given) if c is g), None) for c in consts)
+    def _sources(leaves, given):
+        """Per leaf: the index in `given`, "marker" (not an array) or None (stored)."""
+        def source(x):
+            if not isinstance(x, jax.Array):
+                return "marker"
+            return next((i for i, g in enumerate(given) if x is g), None)
+        return tuple(source(x) for x in leaves)
 
-    def keep(self, vjp_fn, cotangent, given) -> list:
-        """The closed-over values to store (in buffer order)."""
-        _, consts = jax.closure_convert(vjp_fn, cotangent)
-        kept = [c for c, s in zip(consts, self._sources(consts, given)) if s is None]
-        assert self._sources(consts, given) == self.sources and [
-            (x.shape, x.dtype) for x in kept] == [(t.shape, t.dtype) for t in self.templates], \
-            "the backward closes over different values than the probe's"
+    def keep(self, vjp_fn, given) -> list:
+        """The residuals to store (in buffer order)."""
+        leaves = jax.tree.leaves(vjp_fn)
+        sources = self._sources(leaves, given)
+        kept = [x for x, s in zip(leaves, sources) if s is None]
+        assert sources == self.sources and [(x.shape, x.dtype) for x in kept] == [
+            (t.shape, t.dtype) for t in self.templates], \
+            "the backward reads different values than the probe's"
         return kept
 
     def run(self, cotangent, stored, given):
         """The backward from stored values and the given ones."""
         stored = iter(stored)
-        consts = [next(stored) if s is None else given[s] for s in self.sources]
-        return self.backward(cotangent, *consts)
+        leaves = [self.markers[i] if s == "marker" else next(stored) if s is None else given[s]
+                  for i, s in enumerate(self.sources)]
+        return jax.tree.unflatten(self.treedef, leaves)(cotangent)
 
 
 # --------------------------------------------------------------------------- rounds
@@ -463,7 +475,7 @@ class _Training:
         index = self.stage.rank * 0  # traced, like the slots' microbatch and chunk
         x = self.stage.buffer(1)[0]
         y, backward, inputs, given = self.layer_vjp(x, index, index)
-        kept = _Kept(backward, y, given) if self.keep_activations else None
+        kept = _Kept(backward, given) if self.keep_activations else None
         added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
                                      self.stage.prepare)
         return kept, y, (inputs, added) if self.split else None
@@ -489,7 +501,7 @@ class _Training:
         if not self.keep_activations:
             return self.stage.layers(self.chunk_weights(chunk), x, mb, chunk), carry
         y, backward, inputs, given = self.layer_vjp(x, mb, chunk)
-        kept = (self.probe[0].keep(backward, y, given), y, inputs if self.split else ())
+        kept = (self.probe[0].keep(backward, given), y, inputs if self.split else ())
         return y, {**carry, "saved": _write_tree(carry["saved"], slot, kept, valid)}
 
     def backward(self, carry, row, valid, seg):
