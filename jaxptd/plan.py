@@ -204,8 +204,8 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
         gather_bytes=pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype],
         fsdp=par.fsdp_size > 1, offload_optimizer=config.offload.optimizer,
         peeled=par.microbatches if config.peels_last_microbatch else 0,
-        zero1_hook=par.pipe == 1 and config.optimizer.zero1 and par.fsdp_size == 1
-        and par.data > 1)
+        zero1_hook=config.overlaps_grad_reduce and config.optimizer.zero1
+        and par.fsdp_size == 1 and par.data > 1)
     return device, host, acts
 
 

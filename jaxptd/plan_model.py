@@ -164,8 +164,8 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
     stays a loop, also the gathered layer and the workspace.
     (Measured on the compiled step, tests/test_plan.py; a step that ran every microbatch
-    in one loop would not pay it.) zero1_hook (unpipelined ZeRO-1 without FSDP): the
-    reduce-scatter hook places each rank's part in a zero gradient of the full shape, one
+    in one loop would not pay it.) zero1_hook (ZeRO-1 without FSDP, reduced inside the
+    backward: Config.overlaps_grad_reduce): the reduce-scatter hook places each rank's part in a zero gradient of the full shape, one
     more gradient-sized buffer.
     """
     W, M = counts["weight_params"], counts["moment_params"]

@@ -27,8 +27,8 @@ Round forms (parallel.round_form; `segments`):
 The backward is driven by the schedule, not by autodiff through the loop. parallel.stash
 chooses what a stash slot keeps between a stage's F and B slot:
 - activations (default): the F slot takes `jax.vjp` of its layer chunk and keeps what the
-  backward reads, as arrays (`_Kept`: the leaves of the vjp function's pytree; the chunk's
-  own weights, which the backward reads too, are passed again instead of kept);
+  backward closes over, as arrays (`_Kept`: `jax.make_jaxpr` of the backward; the chunk's
+  own weights, which the backward closes over too, are passed again instead of kept);
 - inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
   stage on it, recomputing the forward (per-stage activation recomputation).
 Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
@@ -58,6 +58,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 from flax import traverse_util
 from jax import lax
@@ -316,47 +317,53 @@ class _Stage:
 class _Kept:
     """A `jax.vjp` backward kept from one slot for a later one, as arrays.
 
-    The function `jax.vjp` returns is a pytree whose leaves are its residuals: every value
-    the backward reads, boolean and integer ones (attention and dropout masks) included.
-    `jax.closure_convert` is not used for this: it bakes the values it deems
-    non-differentiable (those masks) into the converted function as the first trace's
-    constants. Leaves that are values the later slot has anyway (`given`: the chunk's
-    weights, passed in again) are not stored, nor are leaves that are not arrays (markers of
-    unused inputs), taken from the probe. The probe (the first trace) fixes the order; every
-    later trace must have leaves of the same shapes in it.
+    `jax.make_jaxpr` traces the backward (a function of its cotangent) into a jaxpr and the
+    values it closes over: every value it reads, boolean and integer ones (attention and
+    dropout masks) included. (`jax.closure_convert` would not do: it bakes the values it
+    deems non-differentiable, those masks, into the converted function as the first
+    trace's.) Closed-over values the later slot has anyway (`given`: the chunk's weights,
+    passed in again) are not stored, nor are the program's constants (not traced), taken
+    from the probe. The probe (the first trace) fixes the jaxpr and the order; every later
+    trace must close over values of the same shapes in it. Public APIs only:
+    `jax.make_jaxpr` and `jax.extend.core`.
     """
 
-    def __init__(self, vjp_fn, given):
-        leaves, self.treedef = jax.tree.flatten(vjp_fn)
-        self.sources = self._sources(leaves, given)
-        self.markers = {i: x for i, x in enumerate(leaves) if self.sources[i] == "marker"}
-        self.templates = [jnp.zeros_like(x) for x, s in zip(leaves, self.sources) if s is None]
+    def __init__(self, vjp_fn, cotangent, given):
+        closed, outputs = jax.make_jaxpr(vjp_fn, return_shape=True)(cotangent)
+        self.jaxpr, self.outputs = closed.jaxpr, jax.tree.structure(outputs)
+        self.sources = self._sources(closed.consts, given)
+        self.constants = {i: c for i, (c, s) in enumerate(zip(closed.consts, self.sources))
+                          if s == "constant"}
+        self.templates = [jnp.zeros_like(c) for c, s in zip(closed.consts, self.sources)
+                          if s is None]
 
     @staticmethod
-    def _sources(leaves, given):
-        """Per leaf: the index in `given`, "marker" (not an array) or None (stored)."""
-        def source(x):
-            if not isinstance(x, jax.Array):
-                return "marker"
-            return next((i for i, g in enumerate(given) if x is g), None)
-        return tuple(source(x) for x in leaves)
+    def _sources(consts, given):
+        """Per closed-over value: its index in `given`, "constant" (not traced) or None
+        (stored)."""
+        def source(c):
+            if not isinstance(c, jax.core.Tracer):
+                return "constant"
+            return next((i for i, g in enumerate(given) if c is g), None)
+        return tuple(source(c) for c in consts)
 
-    def keep(self, vjp_fn, given) -> list:
-        """The residuals to store (in buffer order)."""
-        leaves = jax.tree.leaves(vjp_fn)
-        sources = self._sources(leaves, given)
-        kept = [x for x, s in zip(leaves, sources) if s is None]
+    def keep(self, vjp_fn, cotangent, given) -> list:
+        """The closed-over values to store (in buffer order)."""
+        consts = jax.make_jaxpr(vjp_fn)(cotangent).consts
+        sources = self._sources(consts, given)
+        kept = [c for c, s in zip(consts, sources) if s is None]
         assert sources == self.sources and [(x.shape, x.dtype) for x in kept] == [
             (t.shape, t.dtype) for t in self.templates], \
-            "the backward reads different values than the probe's"
+            "the backward closes over different values than the probe's"
         return kept
 
     def run(self, cotangent, stored, given):
         """The backward from stored values and the given ones."""
         stored = iter(stored)
-        leaves = [self.markers[i] if s == "marker" else next(stored) if s is None else given[s]
-                  for i, s in enumerate(self.sources)]
-        return jax.tree.unflatten(self.treedef, leaves)(cotangent)
+        consts = [self.constants[i] if s == "constant" else next(stored) if s is None
+                  else given[s] for i, s in enumerate(self.sources)]
+        backward = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(self.jaxpr, consts))
+        return jax.tree.unflatten(self.outputs, backward(*jax.tree.leaves(cotangent)))
 
 
 # --------------------------------------------------------------------------- rounds
@@ -475,7 +482,7 @@ class _Training:
         index = self.stage.rank * 0  # traced, like the slots' microbatch and chunk
         x = self.stage.buffer(1)[0]
         y, backward, inputs, given = self.layer_vjp(x, index, index)
-        kept = _Kept(backward, given) if self.keep_activations else None
+        kept = _Kept(backward, y, given) if self.keep_activations else None
         added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
                                      self.stage.prepare)
         return kept, y, (inputs, added) if self.split else None
@@ -501,7 +508,7 @@ class _Training:
         if not self.keep_activations:
             return self.stage.layers(self.chunk_weights(chunk), x, mb, chunk), carry
         y, backward, inputs, given = self.layer_vjp(x, mb, chunk)
-        kept = (self.probe[0].keep(backward, given), y, inputs if self.split else ())
+        kept = (self.probe[0].keep(backward, y, given), y, inputs if self.split else ())
         return y, {**carry, "saved": _write_tree(carry["saved"], slot, kept, valid)}
 
     def backward(self, carry, row, valid, seg):
