@@ -1,6 +1,7 @@
 """Shared test set-up: tiny configs, meshes on the simulated devices, fixed batches, the
 single-device reference (plain jax.grad of the unsharded model, no shard_map), and the
 checkpoint fault-injection walk."""
+import functools
 import shutil
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxptd import optim
-from jaxptd.config import load_config
+from jaxptd.config import Config, load_config
 from jaxptd.mesh import make_mesh
 from jaxptd import model as models
 from jaxptd.model.layers import Layout
@@ -45,9 +46,17 @@ def reference_loss(config, vocab, params, batch):
                            Layout(vocab), True) / tokens
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_value_and_grad(model_config, vocab):
+    """One jitted program per model (the layouts of a parity grid share it: compiled once,
+    where op-by-op dispatch took three times as long for each)."""
+    config = Config(model=model_config)
+    return jax.jit(jax.value_and_grad(lambda p, b: reference_loss(config, vocab, p, b)))
+
+
 def reference_loss_and_grads(config, vocab, params, batch):
     """Mean token loss and its gradients on one device, global parameters."""
-    return jax.value_and_grad(lambda p: reference_loss(config, vocab, p, batch))(params)
+    return _reference_value_and_grad(config.model, vocab)(params, jnp.asarray(batch))
 
 
 def reference_losses(config, vocab, params, batches):

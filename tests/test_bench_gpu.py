@@ -244,7 +244,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8, files  # what a device command hands back
     assert {"gpu_all.log", "env.txt", "kernels_cpu.json", "gpu_train_cpu.json",
-            "gpu_train_runs.log", "profile_gpt-toy_cpu.json"} <= set(files)
+            "gpu_train_runs.log", "profile_gpt-toy_cpu.json", "pipeline_rounds.json"} <= set(files)
     doc = json.loads((out / "gpu_train_cpu.json").read_text())
     runs = {r["variant"]: r for r in doc["runs"] if r["model"] == "gpt-toy"}
     assert set(runs) == {"base", "attention=xla,b=2", "attention=xla,kernels=pallas,b=2",
@@ -259,6 +259,10 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     assert [m["model"] for m in doc["models"]] == ["gpt-toy", "llama-toy"]
     kernels = json.loads((out / "kernels_cpu.json").read_text())
     assert len(kernels["rows"]) == 16 and all(r.get("err", 0) < 0.02 for r in kernels["rows"])
+    rounds = json.loads((out / "pipeline_rounds.json").read_text())["rows"]
+    assert [r["variant"] for r in rounds] == [
+        "cond, all valid", "steady, all valid", "cond, half idle", "masked, half idle"]
+    assert all(r["ms_per_round"] > 0 and r["dtoh_copies_per_round"] >= 0 for r in rounds)
     profile = json.loads((out / "profile_gpt-toy_cpu.json").read_text())
     assert profile["ops"] and profile["categories"] and profile["op_time_ms"] > 0
     log = (out / "gpu_all.log").read_text()

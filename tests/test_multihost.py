@@ -238,7 +238,7 @@ def _restore_step(directory, step):
 
 
 def test_sigterm_saves_agreed_step_and_resume_continues(tmp_path):
-    steps = 40
+    steps = 20
     args = overrides(LAUNCH_LAYOUTS["pipe1"], extra=["checkpoint.every=100"], steps=steps)
     expected = reference_losses(overrides(LAUNCH_LAYOUTS["pipe1"], steps=steps))
     run_dir = tmp_path / "run"

@@ -9,9 +9,9 @@ from helpers import (assert_trees_close, fixed_batches, make_setup, reference_lo
                      reference_losses)
 from jaxptd.step import build_grads, build_train_step
 
-MESHES = [(1, 1, 1), (8, 1, 1), (2, 1, 4), (1, 1, 8)]
-# ZeRO-1 shards the optimizer state over data: with data = 1 it is the same program.
-CASES = [(*mesh, zero1) for mesh in MESHES for zero1 in (False, True) if mesh[0] > 1 or not zero1]
+# ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
+# leaves the gradients of the layout unchanged, so (2, 1, 4) is run with it only.
+CASES = [(1, 1, 1, False), (8, 1, 1, False), (2, 1, 4, True), (1, 1, 8, False)]
 
 
 @pytest.mark.parametrize("data, pipe, tensor, zero1", CASES)

@@ -25,41 +25,28 @@ from jaxptd.step import build_eval_step, build_train_step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# (data, pipe, tensor, schedule, chunks, microbatches, layers): m = 1, m < p, m not a
-# multiple of p, v from 1 to 4, with data and tensor parallelism inside the stages.
+# (data, pipe, tensor, schedule, chunks, microbatches, layers): m = 1, m < p, m = p, m not a
+# multiple of p, p up to 8, v from 1 to 4, with data and tensor parallelism inside the
+# stages. (Each case compiles its own step: the grid is what the suite's time allows.)
 CASES = [
     (1, 2, 1, "1f1b", 1, 1, 4),
-    (1, 4, 1, "1f1b", 1, 2, 4),
-    (1, 4, 2, "1f1b", 1, 8, 4),
     (2, 2, 2, "1f1b", 1, 4, 4),
-    (2, 2, 2, "gpipe", 1, 2, 4),
     (1, 8, 1, "gpipe", 1, 3, 8),
-    (1, 2, 4, "interleaved", 2, 4, 4),
+    (2, 2, 2, "gpipe", 1, 2, 4),
     (1, 4, 2, "interleaved", 2, 5, 8),
-    (1, 4, 1, "interleaved", 2, 1, 8),
     (1, 2, 1, "interleaved", 3, 3, 6),
     (2, 2, 2, "interleaved", 4, 2, 8),
 ]
-# Zero-bubble: m = p, m < p, m not a multiple of p, data and tensor inside the stages.
 ZB_CASES = [
-    (1, 2, 1, "zb-h1", 1, 2, 4),
     (1, 4, 1, "zb-h1", 1, 4, 4),
     (1, 4, 2, "zb-h1", 1, 5, 4),
     (2, 2, 2, "zb-h1", 1, 3, 4),
-    (1, 2, 4, "zb-h1", 1, 6, 4),
-    (1, 8, 1, "zb-h1", 1, 8, 8),
-    (2, 4, 1, "zb-h1", 1, 2, 4),
     (1, 4, 1, "zb-h1", 1, 1, 4),
-    (1, 2, 4, "zb-interleaved", 2, 4, 4),
     (1, 4, 2, "zb-interleaved", 2, 5, 8),
-    (1, 4, 1, "zb-interleaved", 2, 4, 8),
-    (1, 2, 1, "zb-interleaved", 3, 3, 6),
     (2, 2, 2, "zb-interleaved", 4, 2, 8),
-    (1, 2, 2, "zb-interleaved", 2, 2, 4),
-    (2, 2, 1, "zb-interleaved", 2, 5, 4),
     (1, 4, 1, "zb-interleaved", 2, 1, 8),
 ]
-FAST = {CASES[3], CASES[7], ZB_CASES[2], ZB_CASES[9]}  # the rest: -m slow
+FAST = {CASES[1], CASES[4], ZB_CASES[1], ZB_CASES[4]}  # the rest: -m slow
 
 
 def _param(stash, case, form="auto"):
@@ -69,11 +56,10 @@ def _param(stash, case, form="auto"):
 
 
 PARITY = ([_param("activations", c) for c in CASES + ZB_CASES]
-          + [_param("inputs", c) for c in CASES[2::4] + ZB_CASES[1::4]]
-          + [_param("activations", c, "steady") for c in (CASES[3], CASES[7], ZB_CASES[3],
-                                                           ZB_CASES[9])]
-          + [_param("inputs", ZB_CASES[4], "steady"), _param("activations", CASES[4], "masked"),
-             _param("activations", ZB_CASES[12], "masked")])
+          + [_param("inputs", c) for c in (CASES[4], ZB_CASES[0], ZB_CASES[4])]
+          + [_param("activations", c, "steady") for c in (CASES[1], ZB_CASES[2])]
+          + [_param("inputs", ZB_CASES[1], "steady"), _param("activations", CASES[3], "masked"),
+             _param("activations", ZB_CASES[5], "masked")])
 
 
 def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=()):

@@ -155,12 +155,17 @@ def dense_weight_grads(dense, inputs, output_grads, prepare=None):
         spec = DENSE[path[-1]]
 
         def layer_grad(x, g, w_layer):
-            def matmul(v):
-                if prepare is not None:
-                    v = traverse_util.flatten_dict(
-                        prepare(traverse_util.unflatten_dict({path: v}), None))[path]
-                return jnp.einsum(spec, x, v.astype(x.dtype))
-            return jax.linear_transpose(matmul, w_layer)(g)[0]
+            # the einsum's transpose (needs the prepared weight's shape, not its value),
+            # then prepare's vjp (its all-gather's transpose: a reduce-scatter; XLA drops
+            # the unused forward gather). prepare has no linear_transpose: its
+            # checkpoint_name has no transpose rule, only a jvp.
+            def prepared(v):
+                return traverse_util.flatten_dict(
+                    prepare(traverse_util.unflatten_dict({path: v}), None))[path]
+            v, pull = jax.vjp(prepared, w_layer) if prepare else (w_layer, None)
+            grad = jax.linear_transpose(
+                lambda v: jnp.einsum(spec, x, v.astype(x.dtype)), v)(g)[0]
+            return pull(grad)[0] if pull else grad
         return jax.vmap(layer_grad)(flat_inputs[path], flat_grads[path], w)
 
     flat = traverse_util.flatten_dict(dense)

@@ -1,0 +1,238 @@
+"""The memory side (issue 14) against independent references: sequence parallelism, FSDP,
+HSDP, ZeRO-1's reduce-scatter and host offload give the single-device program's loss and
+gradients (and optimizer steps); FSDP's state really is sharded (XLA's compiled argument
+bytes); offloaded state really lives in host memory (the compiled module's entry layout);
+the data-parallel reduction of a layer's gradient waits for no layer below it (the traced
+step); and checkpoints restore across FSDP, ZeRO-1 and plain layouts at other data sizes.
+HLO-level collectives are in test_hlo.py, the planner's model of all this in test_plan.py.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
+                     make_setup)
+from jaxptd.checkpoint import Checkpointer
+from jaxptd.step import build_train_step
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
+
+
+def _case(data, pipe, tensor, *extra, slow=True):
+    marks = (pytest.mark.slow,) if slow else ()
+    return pytest.param(data, pipe, tensor, extra, marks=marks,
+                        id="-".join([f"{data}{pipe}{tensor}", *(e.split(".")[-1] for e in extra)]))
+
+
+PIPE = ["parallel.microbatches=3", "train.global_batch=6"]
+GRADS = [
+    _case(2, 1, 4, SP, slow=False),
+    _case(1, 1, 4, SP, "parallel.microbatches=2"),
+    *[_case(1, 2, 4, SP, *PIPE, f"parallel.schedule={kind}", f"parallel.chunks={v}")
+      for kind, v in (("1f1b", 1), ("zb-interleaved", 2))],
+    _case(8, 1, 1, FSDP, slow=False),
+    _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
+    _case(2, 2, 2, FSDP, *PIPE),
+    _case(4, 1, 2, FSDP, SP, slow=False),
+    _case(2, 2, 2, FSDP, SP, *PIPE, "parallel.schedule=zb-h1"),
+    _case(4, 1, 2, FSDP, "parallel.fsdp_group=2", "optimizer.zero1=true", slow=False),
+    _case(8, 1, 1, "optimizer.zero1=true", "parallel.microbatches=2",
+          "optimizer.overlap_grad_reduce=true", slow=False),
+    _case(2, 1, 4, "optimizer.zero1=true", "optimizer.overlap_grad_reduce=false"),
+]
+
+
+@pytest.mark.parametrize("data, pipe, tensor, extra", GRADS)
+def test_gradients_match_single_device(data, pipe, tensor, extra):
+    assert_grads_match_single_device(make_setup(data, pipe, tensor, list(extra)))
+
+
+@pytest.mark.parametrize("data, pipe, tensor, extra", [
+    _case(2, 1, 4, "offload.optimizer=true", "offload.activations=true", SP, slow=False),
+    _case(4, 1, 2, "offload.optimizer=true", FSDP, "parallel.fsdp_group=2"),
+])
+def test_offloaded_steps_match_single_device(data, pipe, tensor, extra):
+    """Three AdamW steps with the masters, moments (and layer inputs) in host memory."""
+    assert_steps_match_single_device(make_setup(data, pipe, tensor, list(extra)))
+
+
+def _compiled(setup):
+    config = setup.config
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+                                 jnp.int32, sharding=setup.batch_sharding)
+    return build_train_step(setup).lower(setup.abstract_state(), batch).compile()
+
+
+MODEL = ["model.hidden_size=64", "model.num_heads=8", "model.num_layers=2",
+         "model.vocab_size=1000", "train.global_batch=8"]
+
+
+def test_fsdp_shards_the_state_over_data():
+    """Compiled per-device argument bytes (the state) with FSDP at data = 8: at most 1/6
+    of the data = 1 program's parameter and optimizer bytes (1/8 but for tiny leaves)."""
+    whole = _compiled(make_setup(1, 1, 1, MODEL)).memory_analysis().argument_size_in_bytes
+    sharded = _compiled(make_setup(8, 1, 1, [*MODEL, FSDP])).memory_analysis()
+    assert sharded.argument_size_in_bytes <= whole / 6, (sharded.argument_size_in_bytes, whole)
+
+
+def _entry_parameters(text: str) -> list:
+    """[(bytes, in host memory)] of the compiled module's parameters, in order."""
+    layout = re.search(r"entry_computation_layout=\{\((.*?)\)->", text).group(1)
+    found = []
+    # (a scalar in device memory has no layout braces: f32[])
+    for dtype, dims, space in re.findall(r"(\w+)\[([\d,]*)\](?:\{[^}]*?(:S\(\d\))?\})?",
+                                         layout):
+        size = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2}[dtype]
+        found.append((size * int(np.prod([int(d) for d in dims.split(",") if d])),
+                      space == ":S(5)"))
+    return found
+
+
+def test_offloaded_optimizer_lives_in_host_memory():
+    """offload.optimizer: in the compiled step's entry layout every state leaf under params
+    (the fp32 masters) and opt_state (Adam's moments and counters) is in host memory (XLA's
+    memory space 5) and nothing else is: 12 bytes per local parameter on the host. Without
+    offload no parameter of the step is on the host."""
+    def entry(extra):
+        setup = make_setup(2, 1, 4, [*MODEL, *extra])
+        leaves = jax.tree_util.tree_leaves_with_path(setup.abstract_state())
+        found = _entry_parameters(_compiled(setup).as_text())
+        assert len(found) == len(leaves) + 1  # the state's leaves, then the batch
+        return leaves, found
+
+    leaves, found = entry(["offload.optimizer=true"])
+    host = local = 0
+    for (path, leaf), (size, in_host) in zip(leaves, found):
+        assert size == leaf.dtype.itemsize * np.prod(leaf.sharding.shard_shape(leaf.shape))
+        assert in_host == (path[0].key in ("params", "opt_state")), jax.tree_util.keystr(path)
+        host += size * in_host * (leaf.ndim > 0)
+        local += size * (path[0].key == "params")
+    assert host == 3 * local, (host, local)
+    assert not any(h for _, h in entry([])[1])
+
+
+REDUCTIONS = ("psum", "psum_invariant", "psum_scatter", "reduce_scatter")
+
+
+def _data_reductions(jaxpr, in_reversed_scan=False):
+    """[(equation, inside a reversed scan)] for the psum / reduce-scatter equations over
+    the data axis of a traced program, at any depth."""
+    found = []
+    for eqn in jaxpr.eqns:
+        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        axes = axes if isinstance(axes, tuple) else (axes,)
+        if eqn.primitive.name in REDUCTIONS and "data" in axes:
+            found.append((eqn, in_reversed_scan))
+        inner = in_reversed_scan or (eqn.primitive.name == "scan" and eqn.params["reverse"])
+        for param in eqn.params.values():
+            for item in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(item, "jaxpr", item)
+                if hasattr(sub, "eqns"):
+                    found += _data_reductions(sub, inner)
+    return found
+
+
+@pytest.mark.parametrize("extra", [[], ["optimizer.zero1=true"]], ids=["all-reduce", "zero1"])
+def test_layer_gradient_reduction_waits_for_no_layer_below(extra):
+    """overlap_grad_reduce: the data-parallel reduction of each layer's gradient is in the
+    body of the backward's reversed layer scan, so layer l's is issued when its own
+    backward ends, before the layers below run theirs; no reduction of a stacked [L, ...]
+    gradient is left outside it (only the ends': embedding, final norm). With it off,
+    every reduction is after the scan, on the stacked gradients."""
+    def reductions(overlap):
+        setup = make_setup(2, 1, 4, [*extra, f"optimizer.overlap_grad_reduce={overlap}"])
+        config = setup.config
+        batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+                                     jnp.int32, sharding=setup.batch_sharding)
+        jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.abstract_state(), batch)
+        layers = setup.config.model.num_layers
+        return [(inside, any(getattr(v.aval, "shape", ())[:1] == (layers,) for v in e.invars))
+                for e, inside in _data_reductions(jaxpr.jaxpr)]
+
+    overlapped = reductions("true")
+    assert any(inside for inside, _ in overlapped)
+    assert not any(stacked for inside, stacked in overlapped if not inside)
+    after = reductions("false")
+    assert not any(inside for inside, _ in after) and any(stacked for _, stacked in after)
+
+
+RESTORES = [  # (writer, reader): (data, pipe, tensor, extra)
+    ((4, 1, 2, (FSDP,)), (2, 1, 4, ())),
+    ((2, 1, 4, ()), (8, 1, 1, (FSDP, "parallel.fsdp_group=4"))),
+    ((8, 1, 1, ("optimizer.zero1=true",)), (2, 2, 2, (FSDP,))),
+]
+
+
+@pytest.mark.parametrize("writer, reader", RESTORES, ids=lambda x: "-".join(
+    [f"{x[0]}{x[1]}{x[2]}", *(e.split(".")[-1] for e in x[3])]))
+def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reader):
+    """A state saved at one of FSDP / HSDP / ZeRO-1 / plain and one data size restores at
+    another with every value equal (the checkpoint holds the logical layout; the padded
+    vocabulary rows, 128 x tensor, differ in number and are compared up to the smaller)."""
+    source = make_setup(writer[0], writer[1], writer[2], list(writer[3]))
+    state = build_train_step(source)(source.init_state(0), jax.device_put(
+        np.zeros((16, 17), np.int32), source.batch_sharding))[0]  # moments nonzero
+    ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
+    ckpt.save(1, source.state_to_logical(state))
+    ckpt.close()
+    target = make_setup(reader[0], reader[1], reader[2], list(reader[3]))
+    restored, step = Checkpointer(str(tmp_path), every=1, keep=1).restore_latest(
+        target.abstract_state(logical=True), target.config.model.vocab_size)
+    assert step == 1
+    expected = jax.device_get(source.state_to_logical(state))
+    got = jax.device_get(restored)
+    vocab = target.config.model.vocab_size
+    for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(got),
+                            jax.tree.leaves(expected)):
+        a, e = np.asarray(a), np.asarray(e)
+        assert all(x == y or min(x, y) >= vocab for x, y in zip(a.shape, e.shape))
+        common = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, e.shape))
+        np.testing.assert_array_equal(a[common], e[common], err_msg=jax.tree_util.keystr(path))
+    step_fn = build_train_step(target)  # and it trains from there
+    in_memory = target.state_from_logical(restored)
+    assert np.isfinite(float(step_fn(in_memory, jax.device_put(
+        np.zeros((16, 17), np.int32), target.batch_sharding))[1]["loss"]))
+
+
+def _train(tmp_path, name, overrides):
+    run_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "jaxptd.train", "model.num_layers=4", "model.hidden_size=32",
+           "model.num_heads=4", "model.seq_len=32", "train.global_batch=8", "train.steps=3",
+           "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+           f"train.run_dir={run_dir}", *overrides]
+    env = dict(os.environ, JAXPTD_CACHE=str(tmp_path.parent / "jaxptd-cache"))
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600, capture_output=True)
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+@pytest.mark.slow
+def test_train_cli_memory_options_equal_the_plain_run(tmp_path):
+    """`python -m jaxptd.train` for three steps: SP, HSDP with ZeRO-1, ZeRO-1 alone and
+    offload give the plain (2, 1, 4) run's losses."""
+    plain = _train(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4"])
+    variants = {
+        "sp": ["parallel.data=2", "parallel.tensor=4", SP],
+        "hsdp": ["parallel.data=8", FSDP, "parallel.fsdp_group=4", "optimizer.zero1=true"],
+        "zero1": ["parallel.data=8", "optimizer.zero1=true"],
+        "offload": ["parallel.data=2", "parallel.tensor=4", "offload.optimizer=true",
+                    "offload.activations=true"],
+    }
+    for name, overrides in variants.items():
+        np.testing.assert_allclose(_train(tmp_path, name, overrides), plain, rtol=1e-5,
+                                   err_msg=name)
+
+
+def test_offloaded_activations_refused_with_a_pipeline():
+    from jaxptd.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match="offload.activations=true: needs parallel.pipe=1"):
+        load_config(None, ["parallel.pipe=2", "model.num_layers=4",
+                           "offload.activations=true"])
