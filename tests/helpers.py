@@ -2,7 +2,11 @@
 single-device reference (plain jax.grad of the unsharded model, no shard_map), and the
 checkpoint fault-injection walk."""
 import functools
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -112,6 +116,22 @@ def assert_trees_close(actual, expected, rtol=1e-5):
         assert a.shape == e.shape, (jax.tree_util.keystr(path), a.shape, e.shape)
         np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max() + 1e-12,
                                    err_msg=jax.tree_util.keystr(path))
+
+
+# --------------------------------------------------------------------------- the CLI
+
+def train_cli_records(tmp_path, name, overrides):
+    """Three steps of `python -m jaxptd.train` on a small model (plus `overrides`): its
+    metrics.jsonl records, (those with a loss, the events)."""
+    run_dir = tmp_path / name
+    cmd = [sys.executable, "-m", "jaxptd.train", "model.num_layers=4", "model.hidden_size=32",
+           "model.num_heads=4", "model.seq_len=32", "train.global_batch=8", "train.steps=3",
+           "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+           f"train.run_dir={run_dir}", *overrides]
+    env = dict(os.environ, JAXPTD_CACHE=str(tmp_path.parent / "jaxptd-cache"))
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, timeout=600, capture_output=True)
+    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return [r for r in records if "loss" in r], [r for r in records if "event" in r]
 
 
 # --------------------------------------------------------------------------- checkpoint faults

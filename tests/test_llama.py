@@ -28,13 +28,10 @@ LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.rope_theta=500.0"]
 # (data, pipe, tensor, kv heads, extra): 8 query heads, 4 layers.
 SLOW = pytest.mark.slow  # the fast subset keeps one layout of each kind
 CASES = [
-    pytest.param(8, 1, 1, 2, ["optimizer.zero1=true"], marks=SLOW),
     (2, 1, 4, 2, []),  # kv heads < t: replicated, 2 ranks share each
     (2, 1, 4, 4, ["optimizer.zero1=true"]),  # kv heads = t: one per rank
     pytest.param(1, 1, 8, 8, ["model.remat=selective", "model.kernels=pallas"], marks=SLOW),
     (1, 2, 4, 2, ["parallel.schedule=interleaved", "parallel.chunks=2"]),
-    pytest.param(2, 2, 2, 4, ["parallel.schedule=interleaved", "parallel.chunks=2",
-                              "optimizer.zero1=true"], marks=SLOW),
     pytest.param(1, 4, 2, 1, ["parallel.schedule=gpipe", "model.remat=full"], marks=SLOW),
     pytest.param(1, 2, 2, 8, ["parallel.stash=inputs"], marks=SLOW),
 ]

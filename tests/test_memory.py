@@ -6,11 +6,7 @@ the data-parallel reduction of a layer's gradient waits for no layer below it (t
 step); and checkpoints restore across FSDP, ZeRO-1 and plain layouts at other data sizes.
 HLO-level collectives are in test_hlo.py, the planner's model of all this in test_plan.py.
 """
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +14,10 @@ import numpy as np
 import pytest
 
 from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
-                     make_setup)
+                     make_setup, train_cli_records)
 from jaxptd.checkpoint import Checkpointer
 from jaxptd.step import build_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
 
 
@@ -37,7 +32,8 @@ GRADS = [
     _case(2, 1, 4, SP, slow=False),
     _case(1, 1, 4, SP, "parallel.microbatches=2"),
     *[_case(1, 2, 4, SP, *PIPE, f"parallel.schedule={kind}", f"parallel.chunks={v}")
-      for kind, v in (("1f1b", 1), ("zb-interleaved", 2))],
+      for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
+                      ("zb-interleaved", 2))],
     _case(8, 1, 1, FSDP, slow=False),
     _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
     _case(2, 2, 2, FSDP, *PIPE),
@@ -203,15 +199,7 @@ def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reade
 
 
 def _train(tmp_path, name, overrides):
-    run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "jaxptd.train", "model.num_layers=4", "model.hidden_size=32",
-           "model.num_heads=4", "model.seq_len=32", "train.global_batch=8", "train.steps=3",
-           "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
-           f"train.run_dir={run_dir}", *overrides]
-    env = dict(os.environ, JAXPTD_CACHE=str(tmp_path.parent / "jaxptd-cache"))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600, capture_output=True)
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return [r["loss"] for r in records if "loss" in r]
+    return [r["loss"] for r in train_cli_records(tmp_path, name, overrides)[0]]
 
 
 @pytest.mark.slow

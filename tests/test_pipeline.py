@@ -3,11 +3,7 @@ and round form (training and the forward-only eval), bounded memory for 1f1b, in
 and zero-bubble, the point-to-point traffic the schedule implies, no conditional in the
 steady-state rounds of the CUDA-lowered step, and no matmul that waits for a message of
 its own round."""
-import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,14 +12,14 @@ import pytest
 from jax.extend.core import Literal
 
 from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
-                     assert_trees_close, fixed_batches, make_setup, reference_loss)
+                     assert_trees_close, fixed_batches, make_setup, reference_loss,
+                     train_cli_records)
 from jaxptd.config import ConfigError, load_config
 from jaxptd.pipeline.executor import rounds_for, segments
 from jaxptd.pipeline.schedules import make_schedule
 from jaxptd.pipeline.simulate import simulate
 from jaxptd.step import build_eval_step, build_train_step
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (data, pipe, tensor, schedule, chunks, microbatches, layers): m = 1, m < p, m = p, m not a
 # multiple of p, p up to 8, v from 1 to 4, with data and tensor parallelism inside the
@@ -37,16 +33,27 @@ CASES = [
     (1, 2, 1, "interleaved", 3, 3, 6),
     (2, 2, 2, "interleaved", 4, 2, 8),
 ]
+# Zero-bubble, 8 layouts of each: m = p, m < p, m not a multiple of p, data and tensor
+# inside the stages.
 ZB_CASES = [
+    (1, 2, 1, "zb-h1", 1, 2, 4),
     (1, 4, 1, "zb-h1", 1, 4, 4),
     (1, 4, 2, "zb-h1", 1, 5, 4),
     (2, 2, 2, "zb-h1", 1, 3, 4),
+    (1, 2, 4, "zb-h1", 1, 6, 4),
+    (1, 8, 1, "zb-h1", 1, 8, 8),
+    (2, 4, 1, "zb-h1", 1, 2, 4),
     (1, 4, 1, "zb-h1", 1, 1, 4),
+    (1, 2, 4, "zb-interleaved", 2, 4, 4),
     (1, 4, 2, "zb-interleaved", 2, 5, 8),
+    (1, 4, 1, "zb-interleaved", 2, 4, 8),
+    (1, 2, 1, "zb-interleaved", 3, 3, 6),
     (2, 2, 2, "zb-interleaved", 4, 2, 8),
+    (1, 2, 2, "zb-interleaved", 2, 2, 4),
+    (2, 2, 1, "zb-interleaved", 2, 5, 4),
     (1, 4, 1, "zb-interleaved", 2, 1, 8),
 ]
-FAST = {CASES[1], CASES[4], ZB_CASES[1], ZB_CASES[4]}  # the rest: -m slow
+FAST = {CASES[1], CASES[4], ZB_CASES[2], ZB_CASES[9]}  # the rest: -m slow
 
 
 def _param(stash, case, form="auto"):
@@ -56,10 +63,10 @@ def _param(stash, case, form="auto"):
 
 
 PARITY = ([_param("activations", c) for c in CASES + ZB_CASES]
-          + [_param("inputs", c) for c in (CASES[4], ZB_CASES[0], ZB_CASES[4])]
-          + [_param("activations", c, "steady") for c in (CASES[1], ZB_CASES[2])]
-          + [_param("inputs", ZB_CASES[1], "steady"), _param("activations", CASES[3], "masked"),
-             _param("activations", ZB_CASES[5], "masked")])
+          + [_param("inputs", c) for c in (CASES[4], ZB_CASES[1], ZB_CASES[9])]
+          + [_param("activations", c, "steady") for c in (CASES[1], ZB_CASES[3])]
+          + [_param("inputs", ZB_CASES[2], "steady"), _param("activations", CASES[3], "masked"),
+             _param("activations", ZB_CASES[12], "masked")])
 
 
 def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=()):
@@ -221,28 +228,16 @@ def test_bad_pipeline_configs_are_refused():
         load_config(None, ["parallel.pipe=2", "parallel.chunks=2", "model.num_layers=4"])
 
 
-def train_losses(tmp_path, name, overrides):
-    run_dir = tmp_path / name
-    cmd = [sys.executable, "-m", "jaxptd.train", "model.num_layers=4", "model.hidden_size=32",
-           "model.num_heads=4", "model.seq_len=32", "train.global_batch=8", "train.steps=3",
-           "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
-           f"train.run_dir={run_dir}", *overrides]
-    env = dict(os.environ, JAXPTD_CACHE=str(tmp_path.parent / "jaxptd-cache"))
-    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=300, capture_output=True)
-    records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
-    return [r for r in records if "loss" in r], [r for r in records if "event" in r]
-
-
 def test_train_cli_pipelined_equals_unpipelined(tmp_path):
-    plain, _ = train_losses(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4",
+    plain, _ = train_cli_records(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4",
                                                 "parallel.microbatches=2"])
-    piped, compiled = train_losses(tmp_path, "piped", [
+    piped, compiled = train_cli_records(tmp_path, "piped", [
         "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2",
         "parallel.schedule=interleaved", "parallel.chunks=2"])
     np.testing.assert_allclose([r["loss"] for r in piped], [r["loss"] for r in plain],
                                rtol=1e-5)
     assert compiled[0]["bubble_fraction"] == pytest.approx(1 / 4)  # (p-1)/(v m)
-    zero, compiled = train_losses(tmp_path, "zb", [
+    zero, compiled = train_cli_records(tmp_path, "zb", [
         "parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=2",
         "parallel.schedule=zb-h1"])
     np.testing.assert_allclose([r["loss"] for r in zero], [r["loss"] for r in plain],
