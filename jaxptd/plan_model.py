@@ -165,8 +165,8 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     stays a loop, also the gathered layer and the workspace.
     (Measured on the compiled step, tests/test_plan.py; a step that ran every microbatch
     in one loop would not pay it.) zero1_hook (ZeRO-1 without FSDP, reduced inside the
-    backward: Config.overlaps_grad_reduce): the reduce-scatter hook places each rank's part in a zero gradient of the full shape, one
-    more gradient-sized buffer.
+    backward: Config.overlaps_grad_reduce): the reduce-scatter hook places each rank's
+    part in a zero gradient of the full shape, one more gradient-sized buffer.
     """
     W, M = counts["weight_params"], counts["moment_params"]
     grads, moments = 4.0 * W, 4.0 * M

@@ -20,6 +20,7 @@ from jaxptd import model as models
 from jaxptd.model.layers import Layout
 from jaxptd.step import Setup
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=8", "model.seq_len=16",
         "model.vocab_size=300", "train.global_batch=16", "optimizer.warmup_steps=1",
         "train.steps=10"]
@@ -136,7 +137,6 @@ def train_cli_records(tmp_path, name, overrides):
 
 # --------------------------------------------------------------------------- checkpoint faults
 
-REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("truncate", "empty", "delete", "flip")
 
 
