@@ -28,7 +28,7 @@ The state is a dict {params, opt_state, step, rng, loss_scale} passed in and ret
 """
 from __future__ import annotations
 
-from functools import partial
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -213,16 +213,45 @@ class Setup:
                             shapes, shardings)
 
     def state_to_logical(self, state):
-        """The train state in the checkpoint layout (a resharding copy when pipelined)."""
+        """The train state in the checkpoint layout. Pipelined, its layer leaves are
+        re-laid into host memory (pinned_host) one at a time, where Orbax would copy them
+        anyway: a save holds one leaf twice on the device at most, never a second train
+        state. Unpipelined, the state itself (same layout)."""
         if not self.pipelined:
             return state
-        return jax.jit(self.to_logical, out_shardings=self.logical_state_shardings)(state)
+        host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"),
+                            self.logical_state_shardings)
+        return _relayout(state, host, self.abstract_state(logical=True), consume=False)
 
     def state_from_logical(self, state):
-        """A restored logical state -> the in-memory layout and shardings."""
+        """A restored logical state -> the in-memory layout and shardings, leaf by leaf,
+        each restored array freed once converted (one leaf twice at most, not two states).
+        The restored arrays are consumed."""
         if not self.pipelined and not self.config.offload.optimizer:
             return state
-        return jax.jit(self.to_stacked, out_shardings=self.state_shardings)(state)
+        return _relayout(state, self.state_shardings, self.abstract_state(), consume=True)
+
+
+def _relayout(state, shardings, targets, consume: bool):
+    """Every leaf of `state` reshaped to its target's shape and placed by its sharding, one
+    leaf at a time (a leaf already there is kept as it is); with `consume` each source
+    leaf is deleted as soon as its copy exists."""
+    def one(x, sharding, target):
+        if x.shape == target.shape and x.sharding == sharding:
+            return x
+        y = _reshaper(target.shape, sharding)(x)
+        if consume:
+            y.block_until_ready()
+            x.delete()
+        return y
+    return jax.tree.map(one, state, shardings, targets)
+
+
+@lru_cache(maxsize=None)
+def _reshaper(shape: tuple, sharding):
+    """A jitted reshape into `shape` with its output placed by `sharding` (one compile per
+    leaf shape and placement, reused by every save)."""
+    return jax.jit(lambda x: x.reshape(shape), out_shardings=sharding)
 
 
 @jax.custom_vjp

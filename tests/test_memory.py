@@ -3,7 +3,8 @@ HSDP, ZeRO-1's reduce-scatter and host offload give the single-device program's 
 gradients (and optimizer steps); FSDP's state really is sharded (XLA's compiled argument
 bytes); offloaded state really lives in host memory (the compiled module's entry layout);
 the data-parallel reduction of a layer's gradient waits for no layer below it (the traced
-step); and checkpoints restore across FSDP, ZeRO-1 and plain layouts at other data sizes.
+step); checkpoints restore across FSDP, ZeRO-1 and plain layouts at other data sizes, and
+a pipelined state is saved without a second copy on the device.
 HLO-level collectives are in test_hlo.py, the planner's model of all this in test_plan.py.
 """
 import re
@@ -13,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
-                     make_setup, train_cli_records)
+from helpers import (assert_grads_match_single_device, assert_same_state,
+                     assert_steps_match_single_device, make_setup, train_cli_records)
 from jaxptd.checkpoint import Checkpointer
 from jaxptd.step import build_train_step
 
@@ -162,7 +163,8 @@ def test_layer_gradient_reduction_waits_for_no_layer_below(extra):
 
 RESTORES = [  # (writer, reader): (data, pipe, tensor, extra)
     ((4, 1, 2, (FSDP,)), (2, 1, 4, ())),
-    ((2, 1, 4, ()), (8, 1, 1, (FSDP, "parallel.fsdp_group=4"))),
+    ((2, 2, 2, ("parallel.schedule=interleaved", "parallel.chunks=2")),
+     (8, 1, 1, (FSDP, "parallel.fsdp_group=4"))),
     ((8, 1, 1, ("optimizer.zero1=true",)), (2, 2, 2, (FSDP,))),
 ]
 
@@ -196,6 +198,26 @@ def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reade
     in_memory = target.state_from_logical(restored)
     assert np.isfinite(float(step_fn(in_memory, jax.device_put(
         np.zeros((16, 17), np.int32), target.batch_sharding))[1]["loss"]))
+
+
+def test_pipelined_save_layout_holds_no_second_state_on_the_device():
+    """What a save writes of a pipelined (v = 2) state, state_to_logical, adds no device
+    bytes: its re-laid leaves live in host memory, equal to the logical reshape done in
+    numpy; state_from_logical brings them back equal, freeing each as it goes."""
+    setup = make_setup(2, 2, 2, ["parallel.schedule=interleaved", "parallel.chunks=2",
+                                 "parallel.microbatches=2", "train.global_batch=8"])
+    state = setup.init_state(0)
+    jax.block_until_ready(state)
+    device_bytes = lambda: sum(a.nbytes for a in jax.live_arrays()
+                               if a.sharding.memory_kind == "device")
+    before = device_bytes()
+    logical = jax.block_until_ready(setup.state_to_logical(state))
+    assert device_bytes() <= before
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(logical)} == {"pinned_host"}
+    assert_same_state(logical, setup.to_logical(jax.device_get(state)))
+    back = setup.state_from_logical(logical)
+    assert_same_state(back, state)
+    assert all(x.is_deleted() for x in jax.tree.leaves(logical))
 
 
 def _train(tmp_path, name, overrides):
