@@ -34,6 +34,23 @@ def make_setup(data=1, pipe=1, tensor=1, extra=()):
     return Setup(config, mesh)
 
 
+_HOST_STATES = {}
+
+
+def placed_state(setup, seed=0):
+    """setup.init_state(seed)'s values placed in the layout's shardings, without compiling
+    an initialiser per layout (that costs seconds for each on 2 cores): the logical state
+    is initialised once per model, vocabulary and optimizer (jitted on one device, the
+    values sharding-independent: test_parity), kept on the host, reshaped and placed."""
+    config = setup.config
+    key = (config.model, config.optimizer, setup.vocab, seed)
+    if key not in _HOST_STATES:
+        dynamic = config.optimizer.loss_scale == "dynamic"
+        _HOST_STATES[key] = jax.device_get(jax.jit(
+            lambda: setup.to_logical(setup._fresh_state(seed, dynamic)))())
+    return jax.device_put(setup.to_stacked(_HOST_STATES[key]), setup.state_shardings)
+
+
 def fixed_batches(config, n, seed=0):
     """n random global batches in the architecture's rows (token rows for decoders)."""
     rng = np.random.default_rng(seed)
@@ -64,14 +81,27 @@ def reference_loss_and_grads(config, vocab, params, batch):
     return _reference_value_and_grad(config.model, vocab)(params, jnp.asarray(batch))
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_update(model_config, optimizer_config, train_config, vocab):
+    """(optimizer, one jitted optimizer step) of the plain program, per model and
+    optimizer (op by op, the optimizer's first update compiled each primitive alone: 10 s)."""
+    config = Config(model=model_config, optimizer=optimizer_config, train=train_config)
+    tx, value_and_grad = optim.make_optimizer(config), _reference_value_and_grad(
+        model_config, vocab)
+
+    def step(params, opt_state, batch):
+        loss, grads = value_and_grad(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return jax.tree.map(lambda p, u: p + u, params, updates), opt_state, loss
+    return tx, jax.jit(step)
+
+
 def reference_losses(config, vocab, params, batches):
     """Losses of len(batches) optimizer steps of the plain single-device program."""
-    tx = optim.make_optimizer(config)
+    tx, step = _reference_update(config.model, config.optimizer, config.train, vocab)
     opt_state, losses = tx.init(params), []
     for batch in batches:
-        loss, grads = reference_loss_and_grads(config, vocab, params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: p + u, params, updates)
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(batch))
         losses.append(float(loss))
     return losses
 
@@ -80,7 +110,7 @@ def assert_grads_match_single_device(setup):
     """build_grads at the setup's layout gives the single-device loss and gradients."""
     from jaxptd.step import build_grads
 
-    state = setup.init_state(0)
+    state = placed_state(setup)
     batch = fixed_batches(setup.config, 1)[0]
     grads, loss = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
@@ -96,7 +126,7 @@ def assert_steps_match_single_device(setup, steps=3):
     """`steps` optimizer steps at the setup's layout give the single-device losses."""
     from jaxptd.step import build_train_step
 
-    state = setup.init_state(0)
+    state = placed_state(setup)
     params0 = jax.device_get(setup.to_logical(state["params"]))
     batches = fixed_batches(setup.config, steps)
     step, losses = build_train_step(setup), []

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from helpers import (assert_grads_match_single_device, assert_same_state,
-                     assert_steps_match_single_device, make_setup, train_cli_records)
+                     assert_steps_match_single_device, make_setup, placed_state,
+                     train_cli_records)
 from jaxptd.checkpoint import Checkpointer
 from jaxptd.step import build_train_step
 
@@ -176,7 +177,7 @@ def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reade
     another with every value equal (the checkpoint holds the logical layout; the padded
     vocabulary rows, 128 x tensor, differ in number and are compared up to the smaller)."""
     source = make_setup(writer[0], writer[1], writer[2], list(writer[3]))
-    state = build_train_step(source)(source.init_state(0), jax.device_put(
+    state = build_train_step(source)(placed_state(source), jax.device_put(
         np.zeros((16, 17), np.int32), source.batch_sharding))[0]  # moments nonzero
     ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
     ckpt.save(1, source.state_to_logical(state))
@@ -206,7 +207,7 @@ def test_pipelined_save_layout_holds_no_second_state_on_the_device():
     numpy; state_from_logical brings them back equal, freeing each as it goes."""
     setup = make_setup(2, 2, 2, ["parallel.schedule=interleaved", "parallel.chunks=2",
                                  "parallel.microbatches=2", "train.global_batch=8"])
-    state = setup.init_state(0)
+    state = placed_state(setup)
     jax.block_until_ready(state)
     device_bytes = lambda: sum(a.nbytes for a in jax.live_arrays()
                                if a.sharding.memory_kind == "device")

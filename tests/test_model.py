@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads
+from helpers import (assert_trees_close, fixed_batches, make_setup, placed_state,
+                     reference_loss_and_grads)
 from jaxptd.config import ConfigError, load_config
 from jaxptd import model as models
 from jaxptd.model import gpt
@@ -20,7 +21,7 @@ SMALL = ["model.num_layers=2", "model.seq_len=8", "train.global_batch=4"]
 
 
 def sharded_loss_and_grads(setup, batch):
-    state = setup.init_state(seed=0)
+    state = placed_state(setup)
     grads, loss = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
@@ -153,7 +154,7 @@ def test_recomputation_keeps_gradients_and_saves_memory():
     for remat in ("none", "selective", "full"):
         setup = make_setup(2, 1, 4, ["model.num_layers=2", "model.seq_len=64",
                                      "model.dropout=0.1", f"model.remat={remat}"])
-        state = setup.init_state(seed=0)
+        state = placed_state(setup)
         args = (state["params"], jax.device_put(fixed_batches(setup.config, 1)[0],
                                                 setup.batch_sharding),
                 state["rng"], state["step"], jnp.float32(1))

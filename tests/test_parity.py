@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (assert_trees_close, fixed_batches, make_setup, reference_loss_and_grads,
-                     reference_losses)
+from helpers import (assert_trees_close, fixed_batches, make_setup, placed_state,
+                     reference_loss_and_grads, reference_losses)
 from jaxptd.step import build_grads, build_train_step
 
 # ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
@@ -19,7 +19,7 @@ def test_losses_and_gradients_match_single_device(data, pipe, tensor, zero1):
     setup = make_setup(data, pipe, tensor, [f"optimizer.zero1={zero1}",
                                             "parallel.microbatches=2"])
     config = setup.config
-    state = setup.init_state(seed=0)
+    state = placed_state(setup)
     params0 = jax.device_get(state["params"])
     batches = fixed_batches(config, 3)
 
@@ -48,7 +48,7 @@ def test_initialisation_is_layout_independent():
 
 def test_zero1_shards_optimizer_state_over_data():
     setup = make_setup(8, 1, 1, ["optimizer.zero1=true"])
-    state = setup.init_state(0)
+    state = placed_state(setup)
     adam = state["opt_state"][1][0]  # ScaleByAdamState of the adamw chain
     wte = adam.mu["embed"]["wte"]
     assert "data" in str(wte.sharding.spec)
@@ -61,7 +61,7 @@ def test_bfloat16_compute_tracks_float32():
     losses = {}
     for dtype in ("float32", "bfloat16"):
         setup = make_setup(2, 1, 4, [f"model.dtype={dtype}"])
-        state = setup.init_state(0)
+        state = placed_state(setup)
         assert state["params"]["layers"]["mlp"]["w_fc1"].dtype == jnp.float32
         step = build_train_step(setup)
         batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)
@@ -71,7 +71,7 @@ def test_bfloat16_compute_tracks_float32():
 
 def test_float16_dynamic_loss_scale_skips_overflow():
     setup = make_setup(1, 1, 1, ["model.dtype=float16", "optimizer.loss_scale=dynamic"])
-    state = setup.init_state(0)
+    state = placed_state(setup)
     step = build_train_step(setup)
     batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)
     state = jax.tree.map(lambda x: x, state)

@@ -12,8 +12,8 @@ import pytest
 from jax.extend.core import Literal
 
 from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
-                     assert_trees_close, fixed_batches, make_setup, reference_loss,
-                     train_cli_records)
+                     assert_trees_close, fixed_batches, make_setup, placed_state,
+                     reference_loss, train_cli_records)
 from jaxptd.config import ConfigError, load_config
 from jaxptd.pipeline.executor import rounds_for, segments
 from jaxptd.pipeline.schedules import make_schedule
@@ -102,7 +102,7 @@ def test_kept_backward_uses_each_microbatchs_dropout_masks(schedule, chunks):
     def grads(stash):
         setup = pipelined_setup(1, 2, 1, schedule, chunks, 3, 4, [
             "model.dropout=0.2", f"parallel.stash={stash}"])
-        state = setup.init_state(0)
+        state = placed_state(setup)
         batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)
         out = jax.jit(build_grads(setup, deterministic=False))(
             state["params"], batch, state["rng"], state["step"], jnp.float32(1))
