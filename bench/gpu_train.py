@@ -54,7 +54,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIZES = {"125M": "gpt_125m.yaml", "350M": "gpt_350m.yaml", "1.3B": "gpt_1.3b.yaml",
          "toy": "gpt_125m.yaml"}
 TOY = ("model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
-       "model.seq_len=64", "model.vocab_size=500")
+       "model.seq_len=32", "model.vocab_size=500")
 ARCHS = {"gpt": (), "llama": ("model.arch=llama",)}
 VARIANT_KEYS = {"attention": "model.attention", "kernels": "model.kernels",
                 "remat": "model.remat"}

@@ -8,7 +8,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite is compile-bound (a new program for every layout, tiny arrays): unoptimised
 # LLVM code generation halves a pipelined step's compile (measured 11.3 s -> 6.0 s, same
 # losses). HLO passes, buffer assignment and so the memory tests are unaffected. The
-# subprocesses the tests start inherit it.
+# subprocesses the tests start inherit it, but for those that run many steps
+# (helpers.optimised_env).
+os.environ.setdefault("JAXPTD_TEST_OPTIMISED_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
 os.environ["XLA_FLAGS"] = " ".join(
     [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 

@@ -26,6 +26,7 @@ def toy_blocks(monkeypatch):
                         "_MAX_BLOCK", 16)
 
 
+@pytest.mark.slow
 def test_every_case_runs_and_matches_xla(toy_blocks, capsys):
     bandwidth, rows = kernels.measure(TOY, reps=1, cudnn=False)
     cases = {(r["op"], r["impl"], r["pass_"]) for r in rows}

@@ -45,6 +45,7 @@ def restore_latest(setup, directory):
         ckpt.close()
 
 
+@pytest.mark.slow
 def test_every_fault_in_every_file_resumes_from_a_good_step(saved, tmp_path, capfd):
     directory, setup, states = saved
     outcomes = walk_faults(directory, 2, tmp_path, lambda d: restore_latest(setup, d),

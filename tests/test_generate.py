@@ -28,7 +28,8 @@ def generate_ids(model_cfg, params, vocab, tensor, prompt, new, **sampling):
     return np.asarray(run(params, jnp.asarray([prompt], jnp.int32), jax.random.key(0)))[0]
 
 
-@pytest.mark.parametrize("kind, tensor", [("gpt", 1), ("llama", 2)])
+@pytest.mark.parametrize("kind, tensor", [pytest.param("gpt", 1, marks=pytest.mark.slow),
+                                          ("llama", 2)])
 def test_greedy_ids_equal_transformers_generate(kind, tensor, tmp_path):
     """Llama tensor parallel: its 2 kv heads over 2 ranks (its ffn 70 splits in 2)."""
     torch = pytest.importorskip("torch")
@@ -44,7 +45,8 @@ def test_greedy_ids_equal_transformers_generate(kind, tensor, tmp_path):
     assert ids.tolist() == expected[0, len(PROMPT):].tolist()
 
 
-@pytest.mark.parametrize("arch, tensor", [("gpt", 4), ("llama", 4)])
+@pytest.mark.parametrize("arch, tensor", [("gpt", 4),
+                                          pytest.param("llama", 4, marks=pytest.mark.slow)])
 def test_kv_cache_decode_equals_decoding_without_cache(arch, tensor):
     """Greedy ids through the cache (tensor 4; Llama's 2 kv heads replicated) equal a loop
     that reruns the training forward on the whole sequence for every token."""
@@ -83,6 +85,7 @@ def test_sampling_draws_only_what_is_allowed():
     assert frequencies(temperature=0.01, top_k=0, top_p=1.0).tolist() == [1, 0, 0, 0]
 
 
+@pytest.mark.slow
 def test_cli_prints_text_and_ids_from_a_checkpoint(tmp_path):
     """A text prompt through the byte tokenizer of the checkpoint's data (pystdlib), and
     one-line errors."""

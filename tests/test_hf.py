@@ -78,6 +78,7 @@ def test_export_round_trips_every_value(imported, tmp_path):
     assert_trees_close(hf.load_params(tmp_path / "again")[1], hf.load_params(out)[1], rtol=0)
 
 
+@pytest.mark.slow
 def test_training_resumes_from_an_import_at_another_layout(imported, tmp_path):
     """The Llama import (kv heads 2, tensor 2, pipe 3) fine-tunes: the first step's loss is
     transformers' loss on the same batch."""

@@ -190,6 +190,7 @@ def test_forbidden_shape_detector_flags_what_it_should():
         assert any(forbidden_shape(s, setup) for s in shapes), line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero1", [False, True])
 def test_step_collectives_carry_no_logits_and_no_unsharded_weights(zero1):
     setup = make_setup(2, 4, extra=[f"optimizer.zero1={zero1}"])

@@ -39,11 +39,11 @@ GRADS = [
     _case(8, 1, 1, FSDP, slow=False),
     _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
     _case(2, 2, 2, FSDP, *PIPE),
-    _case(4, 1, 2, FSDP, SP, slow=False),
+    _case(4, 1, 2, FSDP, SP),
     _case(2, 2, 2, FSDP, SP, *PIPE, "parallel.schedule=zb-h1"),
-    _case(4, 1, 2, FSDP, "parallel.fsdp_group=2", "optimizer.zero1=true", slow=False),
+    _case(4, 1, 2, FSDP, "parallel.fsdp_group=2", "optimizer.zero1=true"),
     _case(8, 1, 1, "optimizer.zero1=true", "parallel.microbatches=2",
-          "optimizer.overlap_grad_reduce=true", slow=False),
+          "optimizer.overlap_grad_reduce=true"),
     _case(2, 1, 4, "optimizer.zero1=true", "optimizer.overlap_grad_reduce=false"),
 ]
 
@@ -54,7 +54,7 @@ def test_gradients_match_single_device(data, pipe, tensor, extra):
 
 
 @pytest.mark.parametrize("data, pipe, tensor, extra", [
-    _case(2, 1, 4, "offload.optimizer=true", "offload.activations=true", SP, slow=False),
+    _case(2, 1, 4, "offload.optimizer=true", "offload.activations=true", SP),
     _case(4, 1, 2, "offload.optimizer=true", FSDP, "parallel.fsdp_group=2"),
 ])
 def test_offloaded_steps_match_single_device(data, pipe, tensor, extra):
@@ -73,6 +73,7 @@ MODEL = ["model.hidden_size=64", "model.num_heads=8", "model.num_layers=2",
          "model.vocab_size=1000", "train.global_batch=8"]
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_state_over_data():
     """Compiled per-device argument bytes (the state) with FSDP at data = 8: at most 1/6
     of the data = 1 program's parameter and optimizer bytes (1/8 but for tiny leaves)."""
@@ -94,6 +95,7 @@ def _entry_parameters(text: str) -> list:
     return found
 
 
+@pytest.mark.slow
 def test_offloaded_optimizer_lives_in_host_memory():
     """offload.optimizer: in the compiled step's entry layout every state leaf under params
     (the fp32 masters) and opt_state (Adam's moments and counters) is in host memory (XLA's
@@ -170,6 +172,7 @@ RESTORES = [  # (writer, reader): (data, pipe, tensor, extra)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("writer, reader", RESTORES, ids=lambda x: "-".join(
     [f"{x[0]}{x[1]}{x[2]}", *(e.split(".")[-1] for e in x[3])]))
 def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reader):

@@ -57,6 +57,7 @@ def sharded():
 # --------------------------------------------------------------------------- kernels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["single_device", "sharded"])
 def test_pallas_kernels_match_xla(where, request):
     """model.kernels=pallas (interpret mode on CPU) computes the plain-XLA loss and
@@ -146,6 +147,7 @@ def test_cudnn_attention_falls_back_to_xla_off_gpu():
 # --------------------------------------------------------------------------- recomputation
 
 
+@pytest.mark.slow
 def test_recomputation_keeps_gradients_and_saves_memory():
     """model.remat=selective (the attention core) and full (each layer) recompute with the
     same dropout masks, so loss and gradients equal remat=none's; the compiled step keeps
@@ -170,6 +172,7 @@ def test_recomputation_keeps_gradients_and_saves_memory():
         remat: r[2] for remat, r in results.items()}
 
 
+@pytest.mark.slow
 def test_embedding_sum_gets_dropout():
     """GPT-2 and Megatron drop out the embedding sum (token + position) in training."""
     config = load_config(None, SMALL + ["model.dropout=0.5", "model.hidden_size=64"]).model

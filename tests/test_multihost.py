@@ -144,6 +144,7 @@ def launched(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAUNCH_LAYOUTS))
 def test_local_launch_matches_single_process(launched, name):
     zero1 = SOURCE[1] if name == SOURCE[0] else False
@@ -168,6 +169,7 @@ RESTORE_TARGETS = [((1, 2, 4, 1), False), ((4, 1, 2, 1), True), ((2, 4, 1, 2), T
                    ((1, 1, 8, 1), False), ((1, 1, 1, 1), False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target,zero1", RESTORE_TARGETS, ids=lambda v: str(v))
 def test_restore_into_another_layout(launched, target, zero1):
     expected = reference_losses(overrides(LAUNCH_LAYOUTS[SOURCE[0]], SOURCE[1]))
@@ -191,6 +193,7 @@ def _restore_latest(directory):
         ckpt.close()
 
 
+@pytest.mark.slow
 def test_half_written_and_corrupt_steps_are_skipped(launched, tmp_path, capfd):
     directory = tmp_path / "checkpoints"
     shutil.copytree(launched(*SOURCE) / "checkpoints", directory)
@@ -237,6 +240,7 @@ def _restore_step(directory, step):
         ckpt.close()
 
 
+@pytest.mark.slow
 def test_sigterm_saves_agreed_step_and_resume_continues(tmp_path):
     steps = 20
     args = overrides(LAUNCH_LAYOUTS["pipe1"], extra=["checkpoint.every=100"], steps=steps)
@@ -258,6 +262,7 @@ def test_sigterm_saves_agreed_step_and_resume_continues(tmp_path):
     assert_close([losses[s] for s in range(saved + 1, steps + 1)], expected[saved:])
 
 
+@pytest.mark.slow
 def test_killed_process_ends_the_job(tmp_path):
     args = overrides(LAUNCH_LAYOUTS["pipe1"], steps=400, extra=["checkpoint.every=1"])
     run_dir = tmp_path / "run"
@@ -285,6 +290,7 @@ def slurm_cluster(tmp_path):
     return result.stdout.strip().split("=", 1)[1]
 
 
+@pytest.mark.slow
 def test_slurm_job_matches_single_process(tmp_path):
     resolve_corpus("pystdlib")
     layout = LAUNCH_LAYOUTS["pipe1"]

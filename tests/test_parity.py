@@ -11,7 +11,8 @@ from jaxptd.step import build_grads, build_train_step
 
 # ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
 # leaves the gradients of the layout unchanged, so (2, 1, 4) is run with it only.
-CASES = [(1, 1, 1, False), (8, 1, 1, False), (2, 1, 4, True), (1, 1, 8, False)]
+CASES = [pytest.param(*case, marks=pytest.mark.slow) for case in (
+    (1, 1, 1, False), (8, 1, 1, False), (1, 1, 8, False))] + [(2, 1, 4, True)]
 
 
 @pytest.mark.parametrize("data, pipe, tensor, zero1", CASES)
@@ -56,6 +57,7 @@ def test_zero1_shards_optimizer_state_over_data():
     assert state["params"]["embed"]["wte"].addressable_shards[0].data.size == wte.size
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_tracks_float32():
     """Mixed precision: bf16 compute with f32 masters lands near the f32 loss."""
     losses = {}
@@ -69,6 +71,7 @@ def test_bfloat16_compute_tracks_float32():
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2)
 
 
+@pytest.mark.slow
 def test_float16_dynamic_loss_scale_skips_overflow():
     setup = make_setup(1, 1, 1, ["model.dtype=float16", "optimizer.loss_scale=dynamic"])
     state = placed_state(setup)

@@ -53,11 +53,12 @@ ZB_CASES = [
     (2, 2, 1, "zb-interleaved", 2, 5, 4),
     (1, 4, 1, "zb-interleaved", 2, 1, 8),
 ]
-FAST = {CASES[1], CASES[4], ZB_CASES[2], ZB_CASES[9]}  # the rest: -m slow
+FAST = {CASES[1], ZB_CASES[9]}  # kept activations, auto form; the rest: -m slow
 
 
 def _param(stash, case, form="auto"):
-    marks = () if case in FAST and form == "auto" else (pytest.mark.slow,)
+    fast = case in FAST and form == "auto" and stash == "activations"
+    marks = () if fast else (pytest.mark.slow,)
     return pytest.param(stash, case, form, marks=marks,
                         id="-".join(map(str, (stash, form) + case)))
 
@@ -83,6 +84,7 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
     assert_grads_match_single_device(setup)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, chunks", [("interleaved", 2), ("zb-h1", 1)])
 def test_pipelined_training_steps_match_single_device(schedule, chunks):
     """Three optimizer steps (zero1) give the single-device losses."""
@@ -90,6 +92,7 @@ def test_pipelined_training_steps_match_single_device(schedule, chunks):
     assert_steps_match_single_device(setup)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule, chunks", [("1f1b", 1), ("zb-interleaved", 2)])
 def test_kept_backward_uses_each_microbatchs_dropout_masks(schedule, chunks):
     """With dropout, the kept backward (stash=activations) reads each microbatch's own
@@ -123,8 +126,10 @@ def random_params(setup, seed=0):
 
 
 @pytest.mark.parametrize("case, form", [
-    ((1, 4, 1, "1f1b", 1, 8, 4), "auto"), ((1, 4, 1, "interleaved", 2, 5, 8), "auto"),
-    ((2, 2, 2, "gpipe", 1, 2, 4), "auto"), ((1, 4, 1, "zb-h1", 1, 8, 4), "steady")],
+    pytest.param((1, 4, 1, "1f1b", 1, 8, 4), "auto", marks=pytest.mark.slow),
+    ((1, 4, 1, "interleaved", 2, 5, 8), "auto"),
+    pytest.param((2, 2, 2, "gpipe", 1, 2, 4), "auto", marks=pytest.mark.slow),
+    pytest.param((1, 4, 1, "zb-h1", 1, 8, 4), "steady", marks=pytest.mark.slow)],
     ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x)))
 def test_pipelined_eval_loss_matches_single_device(case, form):
     """The forward-only pipeline's loss: 1f1b, interleaved with m not a multiple of p,
@@ -175,14 +180,16 @@ def compiled_temp_bytes(schedule, micro, chunks=1, stash="activations"):
 
 
 @pytest.mark.parametrize("schedule, chunks, stash", [
-    ("1f1b", 1, "activations"), ("interleaved", 2, "activations"), ("1f1b", 1, "inputs"),
-    ("zb-h1", 1, "activations"), pytest.param("zb-h1", 1, "inputs", marks=pytest.mark.slow)])
+    *[pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("1f1b", 1, "activations"), ("interleaved", 2, "activations"),
+        ("zb-h1", 1, "activations"), ("zb-h1", 1, "inputs"), ("1f1b", 1, "inputs"))]])
 def test_stash_memory_does_not_grow_with_microbatches(schedule, chunks, stash):
     small = compiled_temp_bytes(schedule, 8, chunks, stash)
     large = compiled_temp_bytes(schedule, 32, chunks, stash)
     assert large < 1.25 * small, (small, large)
 
 
+@pytest.mark.slow
 def test_gpipe_memory_grows_with_microbatches():
     """GPipe keeps every microbatch's activations until its backward: about linear in m."""
     small, large = compiled_temp_bytes("gpipe", 8), compiled_temp_bytes("gpipe", 32)
@@ -194,7 +201,9 @@ PERMUTE = re.compile(r"= (\w+)\[([\d,]*)\]\S* collective-permute(?:-start)?\(.*?
                      r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
-@pytest.mark.parametrize("chunks, schedule", [(1, "1f1b"), (2, "interleaved"), (1, "zb-h1")])
+@pytest.mark.parametrize("chunks, schedule", [
+    pytest.param(1, "1f1b", marks=pytest.mark.slow),
+    pytest.param(2, "interleaved", marks=pytest.mark.slow), (1, "zb-h1")])
 def test_point_to_point_traffic_matches_schedule(chunks, schedule):
     """Two collective-permutes per round, each [b, s, h/t] (scatter/gather), along the chain
     (ring when interleaved); rounds x ranks sends cover the schedule's m (p v - 1) messages."""
@@ -228,6 +237,7 @@ def test_bad_pipeline_configs_are_refused():
         load_config(None, ["parallel.pipe=2", "parallel.chunks=2", "model.num_layers=4"])
 
 
+@pytest.mark.slow
 def test_train_cli_pipelined_equals_unpipelined(tmp_path):
     plain, _ = train_cli_records(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4",
                                                 "parallel.microbatches=2"])
@@ -286,7 +296,7 @@ def steady_loops(setup):
     return loops
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_cuda_lowered_steady_rounds_have_no_conditional(schedule):
     """round_form=steady lowered for CUDA: the loop over the rounds in which every rank has
     F, B (and W) work holds no stablehlo.case, while the warm-up loop does (the test sees
@@ -330,7 +340,8 @@ def _contains_matmul(eqn) -> bool:
         _contains_matmul(e) for sub in _subjaxprs(eqn) for e in sub.eqns)
 
 
-@pytest.mark.parametrize("schedule, form", [("1f1b", "cond"), ("zb-h1", "steady")])
+@pytest.mark.parametrize("schedule, form", [
+    ("1f1b", "cond"), pytest.param("zb-h1", "steady", marks=pytest.mark.slow)])
 def test_no_matmul_waits_for_its_rounds_messages(schedule, form):
     """In every round body of the traced step, nothing that computes a matmul (directly or
     inside a cond, scan or call) consumes a value derived from that round's ppermutes:

@@ -300,6 +300,7 @@ def test_user_errors_are_one_line(capsys, argv, words):
     assert err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_png_draws_memory_and_timeline_and_says_so(capsys, tmp_path):
     pytest.importorskip("matplotlib")
     from PIL import Image
@@ -347,6 +348,7 @@ PIPE_LAYOUTS = [["parallel.data=8", "parallel.pipe=2", "parallel.tensor=4",
                 for stash in ("activations", "inputs")]
 
 
+@pytest.mark.slow
 def test_memory_matches_compiled_step_on_64_devices():
     """One subprocess for every layout (start-up dominates)."""
     layouts = [["parallel.data=8", "parallel.tensor=8", "parallel.microbatches=2"],
@@ -396,6 +398,7 @@ SP_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 def test_sequence_parallel_memory_matches_compiled_step():
     """--verify on 8 simulated devices for sequence-parallel layouts, unpipelined and
     pipelined; and the activations one layer adds, in XLA's temporary memory, against the
@@ -426,6 +429,7 @@ FSDP_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 def test_fsdp_memory_matches_compiled_step():
     """--verify on 8 simulated devices for FSDP, HSDP + ZeRO-1, FSDP with sequence
     parallelism and FSDP in a pipeline: the state's shards (the step's own sharding rule)
