@@ -188,6 +188,17 @@ class Config:
         return self.parallel.pipe == 1 and (setting == "true" or (
             setting == "auto" and self.parallel.microbatches == 1))
 
+    @property
+    def reduces_chunks_early(self) -> bool:
+        """Whether the pipelined step reduces each chunk's layer gradients as soon as every
+        rank has run the chunk's last backward slot, beside the rounds after it
+        (optimizer.overlap_grad_reduce true, or auto with ZeRO-1, where the reduced chunk
+        held beside the accumulator is 1/data of it). It matters with chunks > 1: chunk 0
+        ends last."""
+        setting = self.optimizer.overlap_grad_reduce
+        return self.parallel.pipe > 1 and (setting == "true" or (
+            setting == "auto" and self.optimizer.zero1 and self.parallel.data > 1))
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -111,7 +111,8 @@ def real_counts(config: Config) -> dict:
     (Adam's mu and nu: also ZeRO-1's split over the data replicas), compute_params (what
     the forward reads: tensor and pipe shards), stage_params (the stage's layers of it),
     layer_params and ends_params (one layer, the embedding, positions and final norm:
-    what an FSDP gather materialises). Layers are split over pipe whether or
+    what an FSDP gather materialises), layer_grad_params (the stage's reduced layer
+    gradients, split like a moment). Layers are split over pipe whether or
     not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a dimension past the layer
     one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
@@ -123,7 +124,8 @@ def real_counts(config: Config) -> dict:
     replicas = par.data // g
     sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
-                            "stage_params", "layer_params", "ends_params"), 0.0)
+                            "stage_params", "layer_params", "ends_params",
+                            "layer_grad_params"), 0.0)
     leaves = _abstract_model(model, vocab, par.tensor)
 
     def split(spec) -> int:
@@ -139,9 +141,11 @@ def real_counts(config: Config) -> dict:
         tensor_local = size / split(spec)
         weights = size / split(sharded) / per_pipe
         totals["weight_params"] += weights
-        totals["moment_params"] += 2 * size / split(moments) / per_pipe
+        moments_size = 2 * size / split(moments) / per_pipe
+        totals["moment_params"] += moments_size
         totals["compute_params"] += tensor_local / per_pipe
         if is_layer:
+            totals["layer_grad_params"] += moments_size / 2
             totals["stage_params"] += tensor_local / par.pipe
             totals["layer_params"] += tensor_local / model.num_layers
         else:
@@ -205,7 +209,9 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
         fsdp=par.fsdp_size > 1, offload_optimizer=config.offload.optimizer,
         peeled=par.microbatches if config.peels_last_microbatch else 0,
         zero1_hook=config.overlaps_grad_reduce and config.optimizer.zero1
-        and par.fsdp_size == 1 and par.data > 1)
+        and par.fsdp_size == 1 and par.data > 1,
+        early_reduced=4.0 * counts["layer_grad_params"] * (par.chunks - 1) / par.chunks
+        if config.reduces_chunks_early else 0.0)
     return device, host, acts
 
 

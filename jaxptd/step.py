@@ -9,10 +9,11 @@ Owns the train state, its shardings, and the step. The step has two parts:
    the schedule. Gradients accumulate over the microbatches locally and are reduced over
    data (and over pipe for the parameters every stage holds) once per step:
    all-reduced, or with ZeRO-1 reduce-scattered into the optimizer state's shards
-   (`optimizer.grad_reduce_dtype`). With FSDP (`parallel.fsdp`, ZeRO-3) every parameter is
-   sharded over the fsdp axis and all-gathered where it is used, one layer at a time,
-   inside a `jax.checkpoint` so the backward gathers it again instead of keeping it; the
-   gather's transpose reduce-scatters each microbatch's gradient into the shards (per
+   (`optimizer.grad_reduce_dtype`); pipelined, each chunk's layers as soon as the
+   schedule is done with them (Config.reduces_chunks_early). With FSDP (`parallel.fsdp`,
+   ZeRO-3) every parameter is sharded over the fsdp axis and all-gathered where it is
+   used, one layer at a time, inside a `jax.checkpoint` so the backward gathers it again
+   instead of keeping it; the gather's transpose reduce-scatters each microbatch's gradient into the shards (per
    microbatch: the memory of unsharded gradients is what FSDP exists to avoid).
    Why fully manual: every collective is explicit and countable, the Pallas kernels see
    local shapes, and the pipeline's per-rank control flow needs manual axes anyway.
@@ -299,10 +300,12 @@ class _Reduction:
                 len(have) <= i or have[i] != DATA)), None) if zero1 else None,
             setup.param_specs, setup.grads_specs, is_leaf=is_spec)
 
-    def after(self, grads):
-        """Local gradient sums -> reduced (and ZeRO-1 scattered), at the end of the step."""
+    def after(self, grads, part=lambda tree: tree):
+        """Local gradient sums -> reduced (and ZeRO-1 scattered), at the end of the step;
+        `part`: which subtree of the gradients `grads` is (e.g. models.ends)."""
         setup = self.setup
-        return reduce_to(grads, setup.param_specs, setup.grads_specs, REDUCED, self.dtype)
+        return reduce_to(grads, part(setup.param_specs), part(setup.grads_specs), REDUCED,
+                         self.dtype)
 
     def scattered_varying(self, params):
         """The last microbatch's parameters: the ZeRO-1 leaves varying over data already
@@ -401,10 +404,18 @@ def build_grads(setup: Setup, deterministic: bool):
         from jaxptd.pipeline.executor import pipeline_grads
         reduction = _Reduction(setup)
 
+        by_chunk = partial(reduction.after, part=lambda tree: tree["layers"])
+
         def local_fn(params, batch, key, scale):
+            if not config.reduces_chunks_early:
+                grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
+                                             setup=setup, deterministic=deterministic)
+                return reduction.after(grads), loss
             grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
-                                         setup=setup, deterministic=deterministic)
-            return reduction.after(grads), loss
+                                         setup=setup, deterministic=deterministic,
+                                         reduce_chunk=by_chunk)  # (layers reduced already)
+            return {**reduction.after(models.ends(grads), models.ends),
+                    "layers": grads["layers"]}, loss
     else:
         local_fn = partial(microbatch_grads, setup=setup, deterministic=deterministic)
 

@@ -13,12 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Literal
 
 from helpers import (assert_grads_match_single_device, assert_same_state,
                      assert_steps_match_single_device, make_setup, placed_state,
                      train_cli_records)
 from jaxptd.checkpoint import Checkpointer
-from jaxptd.step import build_train_step
+from jaxptd.step import build_grads, build_train_step
 
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
 
@@ -122,14 +123,18 @@ def test_offloaded_optimizer_lives_in_host_memory():
 REDUCTIONS = ("psum", "psum_invariant", "psum_scatter", "reduce_scatter")
 
 
+def _reduces_over_data(eqn) -> bool:
+    axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+    return eqn.primitive.name in REDUCTIONS and "data" in (
+        axes if isinstance(axes, tuple) else (axes,))
+
+
 def _data_reductions(jaxpr, in_reversed_scan=False):
     """[(equation, inside a reversed scan)] for the psum / reduce-scatter equations over
     the data axis of a traced program, at any depth."""
     found = []
     for eqn in jaxpr.eqns:
-        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
-        axes = axes if isinstance(axes, tuple) else (axes,)
-        if eqn.primitive.name in REDUCTIONS and "data" in axes:
+        if _reduces_over_data(eqn):
             found.append((eqn, in_reversed_scan))
         inner = in_reversed_scan or (eqn.primitive.name == "scan" and eqn.params["reverse"])
         for param in eqn.params.values():
@@ -162,6 +167,44 @@ def test_layer_gradient_reduction_waits_for_no_layer_below(extra):
     assert not any(stacked for inside, stacked in overlapped if not inside)
     after = reductions("false")
     assert not any(inside for inside, _ in after) and any(stacked for _, stacked in after)
+
+
+def _reductions_after_scans(jaxpr):
+    """For the shard_map body of a traced grads program: (number of its scans, [the
+    scans each of its data-parallel reductions depends on])."""
+    body = next(e.params["jaxpr"] for e in jaxpr.eqns if e.primitive.name == "shard_map")
+    deps, scans, found = {}, 0, []
+    for eqn in body.eqns:
+        d = set().union(*(deps.get(v, set()) for v in eqn.invars if not isinstance(v, Literal)))
+        if eqn.primitive.name == "scan":
+            d, scans = d | {scans}, scans + 1
+        for v in eqn.outvars:
+            deps[v] = d
+        if _reduces_over_data(eqn):
+            found.append(d)
+    return scans, found
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "zb-interleaved"])
+def test_pipelined_chunk_reduction_waits_for_no_later_round(kind):
+    """Pipelined, v = 2, ZeRO-1 (overlap_grad_reduce auto): chunk 1's layer gradients are
+    reduce-scattered over data between the scans, as soon as every rank has run their last
+    backward, before the rounds of chunk 0's last backwards: that reduction depends on no
+    later scan. With overlap_grad_reduce=false every reduction waits for the last scan."""
+    def reductions(overlap):
+        setup = make_setup(2, 2, 2, [f"parallel.schedule={kind}", "parallel.chunks=2",
+                                     "parallel.microbatches=4", "optimizer.zero1=true",
+                                     f"optimizer.overlap_grad_reduce={overlap}"])
+        state = setup.abstract_state()
+        batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=setup.batch_sharding)
+        return _reductions_after_scans(jax.make_jaxpr(build_grads(setup, True))(
+            state["params"], batch, state["rng"], state["step"], jnp.float32(1)).jaxpr)
+
+    scans, early = reductions("auto")
+    assert any(scans - 1 not in d for d in early), early
+    assert all(d for d in early)  # (each after the scan that ends its chunk)
+    scans, late = reductions("false")
+    assert late and all(scans - 1 in d for d in late), late
 
 
 RESTORES = [  # (writer, reader): (data, pipe, tensor, extra)

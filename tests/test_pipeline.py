@@ -84,11 +84,15 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
     assert_grads_match_single_device(setup)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("schedule, chunks", [("interleaved", 2), ("zb-h1", 1)])
-def test_pipelined_training_steps_match_single_device(schedule, chunks):
-    """Three optimizer steps (zero1) give the single-device losses."""
-    setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 4, ["optimizer.zero1=true"])
+@pytest.mark.parametrize("schedule, chunks, extra", [
+    *[pytest.param(kind, v, "optimizer.zero1=true", marks=pytest.mark.slow)
+      for kind, v in (("interleaved", 2), ("zb-h1", 1))],
+    ("zb-interleaved", 2, "optimizer.overlap_grad_reduce=true")])
+def test_pipelined_training_steps_match_single_device(schedule, chunks, extra):
+    """Three optimizer steps (ZeRO-1, or all-reduced) give the single-device losses; with
+    v = 2 each chunk's gradients reduced as soon as its backwards are done."""
+    setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 4, [extra])
+    assert setup.config.reduces_chunks_early
     assert_steps_match_single_device(setup)
 
 

@@ -54,6 +54,7 @@ stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -359,12 +360,35 @@ def _round(program, seg: Segment):
     return one_round
 
 
-def _run(program, rounds: Rounds, form: str, kinds: str):
-    """Runs every segment's scan over the program's carry; returns the final carry."""
+def chunks_done(rounds: Rounds) -> tuple:
+    """For each chunk, the round by which every rank has run its last B and W slot: from
+    then on nothing adds to the chunk's gradients."""
+    done = [0] * rounds.chunks
+    for t in range(rounds.num_rounds):
+        for kind in "bw":
+            valid, chunk = getattr(rounds, f"{kind}_valid")[t], getattr(rounds, f"{kind}_chunk")[t]
+            for r in range(rounds.stages):
+                if valid[r]:
+                    done[chunk[r]] = t + 1
+    return tuple(done)
+
+
+def _run(program, rounds: Rounds, form: str, kinds: str, after=None):
+    """Runs every segment's scan over the program's carry; returns the final carry.
+    after: {round: fn(carry)}, called between the scans once that many rounds have run
+    (segments are cut there)."""
+    after = after or {}
     carry = program.initial_carry()
     for seg in segments(rounds, form):
-        carry, _ = lax.scan(_round(program, seg), carry,
-                            _tables(rounds, program.stage.rank, kinds, seg))
+        cuts = [t for t in sorted(after) if seg.start < t < seg.stop] + [seg.stop]
+        start = seg.start
+        for stop in cuts:
+            part = dataclasses.replace(seg, start=start, stop=stop)
+            carry, _ = lax.scan(_round(program, part), carry,
+                                _tables(rounds, program.stage.rank, kinds, part))
+            if stop in after:
+                after[stop](carry)
+            start = stop
     return carry
 
 
@@ -561,16 +585,35 @@ class _Evaluation:
         return y, {**carry, "loss": carry["loss"] + _masked(loss, valid)}
 
 
-def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool):
+def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool,
+                   reduce_chunk=None):
     """Pipelined local gradients; runs inside the step's shard_map.
 
     params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
     batch: this data rank's rows [m * b, s + 1]. Returns (gradient sums, loss sum) on this
     device, scaled to the global token mean (the loss is nonzero on the last stage's rank).
+    reduce_chunk: given, each chunk's layer gradients [1, 1, Lc, ...] go to it between the
+    scans as soon as the chunk is done (`chunks_done`), so its data-parallel reduction
+    depends on no later round and runs beside them (Megatron's --overlap-grad-reduce);
+    the layers' gradients returned are its results, concatenated over the chunks.
     """
     program = _Training(params, batch, key, loss_scale, setup, deterministic)
-    carry = _run(program, program.rounds, round_form(setup.config), "FBW")
-    return carry["grads"], carry["loss"]
+    reduced, after = {}, {}
+    if reduce_chunk is not None:
+        def reduce(chunks):
+            def fn(carry):
+                for c in chunks:
+                    reduced[c] = reduce_chunk(jax.tree.map(lambda g: g[c:c + 1],
+                                                           carry["grads"]["layers"]))
+            return fn
+        done = chunks_done(program.rounds)
+        after = {t: reduce([c for c, d in enumerate(done) if d == t]) for t in set(done)}
+    carry = _run(program, program.rounds, round_form(setup.config), "FBW", after)
+    grads = carry["grads"]
+    if reduce_chunk is not None:
+        grads = {**grads, "layers": jax.tree.map(lambda *parts: jnp.concatenate(parts),
+                                                 *(reduced[c] for c in range(program.v)))}
+    return grads, carry["loss"]
 
 
 def pipeline_loss(params, batch, *, setup):
