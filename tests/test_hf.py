@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = HF_VOCAB
 
 
-@pytest.fixture(scope="module", params=["gpt", "llama"])
+@pytest.fixture(scope="module", params=["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def imported(request, tmp_path_factory):
     """(kind, transformers model, its directory, the import's directory)."""
     model = tiny_hf_model(request.param)
