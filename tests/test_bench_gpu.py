@@ -63,7 +63,7 @@ def test_gpu_train_measures_a_toy_model_and_its_baseline(tmp_path):
         "gpt-toy", 8, 2)
     tokens = run_row["global_batch"] * run_row["seq"]
     assert run_row["tokens_per_s"] == pytest.approx(tokens / run_row["step_time_s"])
-    B, s, l, h, V = 16, 64, 2, 64, 512  # the toy: vocabulary 500 padded to 512
+    B, s, l, h, V = 16, 32, 2, 64, 512  # the toy: vocabulary 500 padded to 512
     eq3 = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))  # nothing recomputed
     assert run_row["flops_per_iteration"] == pytest.approx(eq3)
     assert run_row["tflops_per_device"] == pytest.approx(eq3 / run_row["step_time_s"] / 1e12)
