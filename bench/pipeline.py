@@ -31,7 +31,8 @@ import numpy as np  # noqa: E402
 
 from jaxptd.config import load_config  # noqa: E402
 from jaxptd.mesh import make_mesh  # noqa: E402
-from jaxptd.pipeline.executor import round_form, rounds_for, segments  # noqa: E402
+from jaxptd.pipeline.executor import round_form, rounds_for  # noqa: E402
+from jaxptd.pipeline.lowering import segments  # noqa: E402
 from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
 from jaxptd.pipeline.simulate import simulate  # noqa: E402
 from jaxptd.step import Setup, build_train_step  # noqa: E402

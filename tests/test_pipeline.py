@@ -15,7 +15,8 @@ from helpers import (assert_grads_match_single_device, assert_steps_match_single
                      assert_trees_close, fixed_batches, make_setup, placed_state,
                      reference_loss, train_cli_records)
 from jaxptd.config import ConfigError, load_config
-from jaxptd.pipeline.executor import rounds_for, segments
+from jaxptd.pipeline.executor import rounds_for
+from jaxptd.pipeline.lowering import segments
 from jaxptd.pipeline.schedules import make_schedule
 from jaxptd.pipeline.simulate import simulate
 from jaxptd.step import build_eval_step, build_train_step

@@ -55,7 +55,6 @@ stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from functools import lru_cache
 
 import jax
@@ -67,12 +66,11 @@ from jaxptd import model as models
 from jaxptd.mesh import BATCH, PIPE, TENSOR
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.kept import Kept
-from jaxptd.pipeline.lowering import Rounds, lower
+from jaxptd.pipeline.lowering import Rounds, Segment, chunks_done, lower, segments
 from jaxptd.model.layers import gather_invariant
 from jaxptd.sharding import mark_varying, regather
 
 FORMS = ("cond", "steady", "masked")
-MIN_STEADY_ROUNDS = 2  # shorter runs of full rounds are not worth their own scan
 SLOT_FIELDS = {
     "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "recv_f_valid", "recv_f_slot"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "recv_b_valid",
@@ -95,70 +93,6 @@ def round_form(config) -> str:
     if form == "auto":
         return "cond" if jax.default_backend() == "cpu" else "steady"
     return form
-
-
-# --------------------------------------------------------------------------- segments
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Rounds [start, stop) run by one scan. modes[k] for slot kind k in 'FBW': 'off' (no
-    rank uses it: not traced, nothing sent), 'run' (every rank, every round), 'cond' or
-    'mask' (some ranks). inline: the embedding and head are computed by every rank and
-    selected, where `ends` says a slot needs them: ('embed', 'F') when some rank's F is
-    virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise."""
-    start: int
-    stop: int
-    modes: tuple
-    inline: bool
-    ends: frozenset = frozenset()
-
-    def piece(self, name: str, slot: str) -> str:
-        """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""
-        return "cond" if not self.inline else "inline" if (name, slot) in self.ends else "off"
-
-
-def _slot_state(valid_row) -> str:
-    return "run" if all(valid_row) else "some" if any(valid_row) else "off"
-
-
-def segments(rounds: Rounds, form: str) -> list:
-    """Splits the rounds into scans for a round form (see the module docstring)."""
-    tables = {k: getattr(rounds, f"{k.lower()}_valid") for k in "FBW"}
-    used = tuple("off" if not any(map(any, tables[k])) else None for k in "FBW")
-    if form != "steady":
-        modes = tuple(u or ("cond" if form == "cond" else "mask") for u in used)
-        everywhere = frozenset((n, k) for n in ("embed", "head") for k in "FB")
-        return [Segment(0, rounds.num_rounds, modes, inline=form == "masked",
-                        ends=everywhere)]
-    p, last = rounds.stages, rounds.stages * rounds.chunks - 1
-
-    def signature(t):
-        states = tuple(_slot_state(tables[k][t]) for k in "FBW")
-        ends = frozenset((name, k) for name, stage in (("embed", 0), ("head", last))
-                         for k in "FB" if any(
-                             tables[k][t][r] and getattr(rounds, f"{k.lower()}_chunk")[t][r]
-                             * p + r == stage for r in range(p)))
-        return states, ends
-
-    runs = []  # [start, stop, slot states, pieces needed] of equal slot states
-    for t in range(rounds.num_rounds):
-        states, ends = signature(t)
-        if runs and runs[-1][2] == states:
-            runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
-        else:
-            runs.append([t, t + 1, states, ends])
-    out = []
-    for start, stop, states, ends in runs:
-        if "run" in states and stop - start >= MIN_STEADY_ROUNDS:
-            modes = tuple("cond" if s == "some" else s for s in states)
-            out.append(Segment(start, stop, modes, inline=True, ends=ends))
-        elif out and not out[-1].inline:  # merge with the conditional segment before
-            out[-1] = Segment(out[-1].start, stop, out[-1].modes, inline=False)
-        else:
-            modes = tuple(u or "cond" for u in used)
-            out.append(Segment(start, stop, modes, inline=False))
-    return out
 
 
 # --------------------------------------------------------------------------- buffers
@@ -358,19 +292,6 @@ def _round(program, seg: Segment):
                                     row["recv_b_slot"], tensor)
         return carry, None
     return one_round
-
-
-def chunks_done(rounds: Rounds) -> tuple:
-    """For each chunk, the round by which every rank has run its last B and W slot: from
-    then on nothing adds to the chunk's gradients."""
-    done = [0] * rounds.chunks
-    for t in range(rounds.num_rounds):
-        for kind in "bw":
-            valid, chunk = getattr(rounds, f"{kind}_valid")[t], getattr(rounds, f"{kind}_chunk")[t]
-            for r in range(rounds.stages):
-                if valid[r]:
-                    done[chunk[r]] = t + 1
-    return tuple(done)
 
 
 def _run(program, rounds: Rounds, form: str, kinds: str, after=None):

@@ -18,6 +18,9 @@ unless said otherwise):
   gradient) from the B until the W.
 The stash the schedule reports (`peak_stash`) counts, per rank, the microbatch-stages held
 at once: stash slots plus W slots, i.e. from arrival until the last backward piece.
+
+Also how the rounds run as scans (`segments`: per round form, see jaxptd/pipeline/
+executor.py) and the round by which each chunk's gradients are complete (`chunks_done`).
 """
 from __future__ import annotations
 
@@ -164,3 +167,82 @@ def _put(tab, prefix, t, r, action, **slots) -> None:
     tab[f"{prefix}_chunk"][t][r] = action.chunk
     for name, value in slots.items():
         tab[name][t][r] = value
+
+
+# --------------------------------------------------------------------------- scans
+
+MIN_STEADY_ROUNDS = 2  # shorter runs of full rounds are not worth their own scan
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rounds [start, stop) run by one scan. modes[k] for slot kind k in 'FBW': 'off' (no
+    rank uses it: not traced, nothing sent), 'run' (every rank, every round), 'cond' or
+    'mask' (some ranks). inline: the embedding and head are computed by every rank and
+    selected, where `ends` says a slot needs them: ('embed', 'F') when some rank's F is
+    virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise."""
+    start: int
+    stop: int
+    modes: tuple
+    inline: bool
+    ends: frozenset = frozenset()
+
+    def piece(self, name: str, slot: str) -> str:
+        """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""
+        return "cond" if not self.inline else "inline" if (name, slot) in self.ends else "off"
+
+
+def _slot_state(valid_row) -> str:
+    return "run" if all(valid_row) else "some" if any(valid_row) else "off"
+
+
+def segments(rounds: Rounds, form: str) -> list:
+    """Splits the rounds into scans for a round form (see the module docstring)."""
+    tables = {k: getattr(rounds, f"{k.lower()}_valid") for k in "FBW"}
+    used = tuple("off" if not any(map(any, tables[k])) else None for k in "FBW")
+    if form != "steady":
+        modes = tuple(u or ("cond" if form == "cond" else "mask") for u in used)
+        everywhere = frozenset((n, k) for n in ("embed", "head") for k in "FB")
+        return [Segment(0, rounds.num_rounds, modes, inline=form == "masked",
+                        ends=everywhere)]
+    p, last = rounds.stages, rounds.stages * rounds.chunks - 1
+
+    def signature(t):
+        states = tuple(_slot_state(tables[k][t]) for k in "FBW")
+        ends = frozenset((name, k) for name, stage in (("embed", 0), ("head", last))
+                         for k in "FB" if any(
+                             tables[k][t][r] and getattr(rounds, f"{k.lower()}_chunk")[t][r]
+                             * p + r == stage for r in range(p)))
+        return states, ends
+
+    runs = []  # [start, stop, slot states, pieces needed] of equal slot states
+    for t in range(rounds.num_rounds):
+        states, ends = signature(t)
+        if runs and runs[-1][2] == states:
+            runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
+        else:
+            runs.append([t, t + 1, states, ends])
+    out = []
+    for start, stop, states, ends in runs:
+        if "run" in states and stop - start >= MIN_STEADY_ROUNDS:
+            modes = tuple("cond" if s == "some" else s for s in states)
+            out.append(Segment(start, stop, modes, inline=True, ends=ends))
+        elif out and not out[-1].inline:  # merge with the conditional segment before
+            out[-1] = Segment(out[-1].start, stop, out[-1].modes, inline=False)
+        else:
+            modes = tuple(u or "cond" for u in used)
+            out.append(Segment(start, stop, modes, inline=False))
+    return out
+
+
+def chunks_done(rounds: Rounds) -> tuple:
+    """For each chunk, the round by which every rank has run its last B and W slot: from
+    then on nothing adds to the chunk's gradients."""
+    done = [0] * rounds.chunks
+    for t in range(rounds.num_rounds):
+        for kind in "bw":
+            valid, chunk = getattr(rounds, f"{kind}_valid")[t], getattr(rounds, f"{kind}_chunk")[t]
+            for r in range(rounds.stages):
+                if valid[r]:
+                    done[chunk[r]] = t + 1
+    return tuple(done)
