@@ -13,8 +13,9 @@ Owns the train state, its shardings, and the step. The step has two parts:
    schedule is done with them (Config.reduces_chunks_early). With FSDP (`parallel.fsdp`,
    ZeRO-3) every parameter is sharded over the fsdp axis and all-gathered where it is
    used, one layer at a time, inside a `jax.checkpoint` so the backward gathers it again
-   instead of keeping it; the gather's transpose reduce-scatters each microbatch's gradient into the shards (per
-   microbatch: the memory of unsharded gradients is what FSDP exists to avoid).
+   instead of keeping it; the gather's transpose reduce-scatters each microbatch's
+   gradient into the shards (per microbatch: the memory of unsharded gradients is what
+   FSDP exists to avoid).
    Why fully manual: every collective is explicit and countable, the Pallas kernels see
    local shapes, and the pipeline's per-rank control flow needs manual axes anyway.
 2. The update, outside it (GSPMD): clipping, AdamW on float32 masters, ZeRO-1 optimizer
@@ -222,7 +223,7 @@ class Setup:
             return state
         host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"),
                             self.logical_state_shardings)
-        return _relayout(state, host, self.abstract_state(logical=True), consume=False)
+        return _relayout(state, host, jax.eval_shape(self.to_logical, state), consume=False)
 
     def state_from_logical(self, state):
         """A restored logical state -> the in-memory layout and shardings, leaf by leaf,
@@ -230,11 +231,13 @@ class Setup:
         The restored arrays are consumed."""
         if not self.pipelined and not self.config.offload.optimizer:
             return state
-        return _relayout(state, self.state_shardings, self.abstract_state(), consume=True)
+        return _relayout(state, self.state_shardings, jax.eval_shape(self.to_stacked, state),
+                         consume=True)
 
 
 def _relayout(state, shardings, targets, consume: bool):
-    """Every leaf of `state` reshaped to its target's shape and placed by its sharding, one
+    """Every leaf of `state` reshaped to its target's shape (`targets`: the layout change's
+    shapes, traced, not computed) and placed by its sharding, one
     leaf at a time (a leaf already there is kept as it is); with `consume` each source
     leaf is deleted as soon as its copy exists."""
     def one(x, sharding, target):
@@ -404,17 +407,16 @@ def build_grads(setup: Setup, deterministic: bool):
         from jaxptd.pipeline.executor import pipeline_grads
         reduction = _Reduction(setup)
 
+        early = config.reduces_chunks_early
         by_chunk = partial(reduction.after, part=lambda tree: tree["layers"])
 
         def local_fn(params, batch, key, scale):
-            if not config.reduces_chunks_early:
-                grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
-                                             setup=setup, deterministic=deterministic)
-                return reduction.after(grads), loss
             grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
                                          setup=setup, deterministic=deterministic,
-                                         reduce_chunk=by_chunk)  # (layers reduced already)
-            return {**reduction.after(models.ends(grads), models.ends),
+                                         reduce_chunk=by_chunk if early else None)
+            if not early:
+                return reduction.after(grads), loss
+            return {**reduction.after(models.ends(grads), models.ends),  # layers: reduced
                     "layers": grads["layers"]}, loss
     else:
         local_fn = partial(microbatch_grads, setup=setup, deterministic=deterministic)

@@ -294,21 +294,18 @@ def _round(program, seg: Segment):
     return one_round
 
 
-def _run(program, rounds: Rounds, form: str, kinds: str, after=None):
+def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     """Runs every segment's scan over the program's carry; returns the final carry.
-    after: {round: fn(carry)}, called between the scans once that many rounds have run
-    (segments are cut there)."""
-    after = after or {}
+    cuts: rounds after which the scans are cut and at_cut(round, carry) is called."""
     carry = program.initial_carry()
     for seg in segments(rounds, form):
-        cuts = [t for t in sorted(after) if seg.start < t < seg.stop] + [seg.stop]
         start = seg.start
-        for stop in cuts:
+        for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
             part = dataclasses.replace(seg, start=start, stop=stop)
             carry, _ = lax.scan(_round(program, part), carry,
                                 _tables(rounds, program.stage.rank, kinds, part))
-            if stop in after:
-                after[stop](carry)
+            if stop in cuts:
+                at_cut(stop, carry)
             start = stop
     return carry
 
@@ -519,17 +516,14 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
     the layers' gradients returned are its results, concatenated over the chunks.
     """
     program = _Training(params, batch, key, loss_scale, setup, deterministic)
-    reduced, after = {}, {}
-    if reduce_chunk is not None:
-        def reduce(chunks):
-            def fn(carry):
-                for c in chunks:
-                    reduced[c] = reduce_chunk(jax.tree.map(lambda g: g[c:c + 1],
-                                                           carry["grads"]["layers"]))
-            return fn
-        done = chunks_done(program.rounds)
-        after = {t: reduce([c for c, d in enumerate(done) if d == t]) for t in set(done)}
-    carry = _run(program, program.rounds, round_form(setup.config), "FBW", after)
+    done = chunks_done(program.rounds) if reduce_chunk is not None else ()
+    reduced = {}
+
+    def reduce_done(t, carry):  # the chunks done after round t
+        for c in (c for c, d in enumerate(done) if d == t):
+            reduced[c] = reduce_chunk(jax.tree.map(lambda g: g[c:c + 1],
+                                                   carry["grads"]["layers"]))
+    carry = _run(program, program.rounds, round_form(setup.config), "FBW", done, reduce_done)
     grads = carry["grads"]
     if reduce_chunk is not None:
         grads = {**grads, "layers": jax.tree.map(lambda *parts: jnp.concatenate(parts),

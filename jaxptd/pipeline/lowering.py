@@ -239,10 +239,10 @@ def chunks_done(rounds: Rounds) -> tuple:
     """For each chunk, the round by which every rank has run its last B and W slot: from
     then on nothing adds to the chunk's gradients."""
     done = [0] * rounds.chunks
-    for t in range(rounds.num_rounds):
-        for kind in "bw":
-            valid, chunk = getattr(rounds, f"{kind}_valid")[t], getattr(rounds, f"{kind}_chunk")[t]
+    for kind in "bw":
+        valid, chunk = getattr(rounds, f"{kind}_valid"), getattr(rounds, f"{kind}_chunk")
+        for t in range(rounds.num_rounds):
             for r in range(rounds.stages):
-                if valid[r]:
-                    done[chunk[r]] = t + 1
+                if valid[t][r]:
+                    done[chunk[t][r]] = max(done[chunk[t][r]], t + 1)
     return tuple(done)
