@@ -29,14 +29,24 @@ def lr_schedule(config: Config) -> optax.Schedule:
         decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.min_lr)
 
 
-def make_optimizer(config: Config) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW (no decay on biases and LayerNorm)."""
+def make_optimizer(config: Config, norm=optax.tree.norm) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW (no decay on biases and LayerNorm). `norm`: the
+    gradient tree's global norm (the pipelined layout's counts a tied embedding once)."""
     opt = config.optimizer
     return optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm) if opt.clip_norm else optax.identity(),
+        clip_by_global_norm(opt.clip_norm, norm) if opt.clip_norm else optax.identity(),
         optax.adamw(lr_schedule(config), b1=opt.beta1, b2=opt.beta2, eps=opt.eps,
                     weight_decay=opt.weight_decay, mask=weight_decay_mask),
     )
+
+
+def clip_by_global_norm(max_norm: float, norm) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm (the same arithmetic) with the norm a function of the tree."""
+    def update(updates, state, params=None):
+        g_norm = norm(updates)
+        return jax.tree.map(lambda t: jnp.where(g_norm < max_norm, t, (
+            t / g_norm.astype(t.dtype)) * max_norm), updates), state
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def optimizer_specs(tx, abstract_params, moment_specs):

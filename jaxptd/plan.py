@@ -91,8 +91,9 @@ def _fail(message: str):
 
 @lru_cache(maxsize=16)
 def _abstract_model(model, vocab: int, tensor: int) -> tuple:
-    """((is a layer leaf, global shape, mesh-axis spec), ...) of the real model from
-    jax.eval_shape of its initialiser: nothing allocated."""
+    """((kind, global shape, mesh-axis spec), ...) of the real model from jax.eval_shape
+    of its initialiser, nothing allocated; kind: "layers", or which end reads the leaf
+    ("first", "last", "both": a tied embedding, model.ends_readers)."""
     import jax
     from jaxptd import model as models
     from jaxptd.sharding import is_spec, specs_from_logical
@@ -101,7 +102,9 @@ def _abstract_model(model, vocab: int, tensor: int) -> tuple:
     params = jax.eval_shape(partial(arch.init_params, model, vocab), jax.random.key(0))
     specs = jax.tree.leaves(specs_from_logical(arch.logical_axes(model, vocab, tensor)),
                             is_leaf=is_spec)
-    return tuple((getattr(path[0], "key", "") == "layers", tuple(x.shape), spec)
+    readers = models.ends_readers(model, vocab)
+    return tuple(("layers" if path[0].key == "layers" else
+                  readers[tuple(e.key for e in path)], tuple(x.shape), spec)
                  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs))
 
 
@@ -112,7 +115,8 @@ def real_counts(config: Config) -> dict:
     the forward reads: tensor and pipe shards), stage_params (the stage's layers of it),
     layer_params and ends_params (one layer, the embedding, positions and final norm:
     what an FSDP gather materialises), layer_grad_params (the stage's reduced layer
-    gradients, split like a moment). Layers are split over pipe whether or
+    gradients, split like a moment), tied_params (pipelined: the ends both the first and
+    the last stage read, a tied embedding, whose gradients those two exchange). Layers are split over pipe whether or
     not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a dimension past the layer
     one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
@@ -125,14 +129,15 @@ def real_counts(config: Config) -> dict:
     sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
                             "stage_params", "layer_params", "ends_params",
-                            "layer_grad_params"), 0.0)
+                            "layer_grad_params", "tied_params"), 0.0)
     leaves = _abstract_model(model, vocab, par.tensor)
 
     def split(spec) -> int:
         return math.prod(sizes.get(a, 1) for e in spec if e
                          for a in (e if isinstance(e, tuple) else (e,)))
 
-    for is_layer, shape, spec in leaves:
+    for kind, shape, spec in leaves:
+        is_layer = kind == "layers"
         skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
         sharded = fsdp_spec(spec, shape, g, skip)
         moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 \
@@ -150,6 +155,7 @@ def real_counts(config: Config) -> dict:
             totals["layer_params"] += tensor_local / model.num_layers
         else:
             totals["ends_params"] += tensor_local
+            totals["tied_params"] += tensor_local if kind == "both" and par.pipe > 1 else 0
     return {**totals, "params_model": sum(math.prod(shape) for _, shape, _ in leaves),
             "vocab_padded": vocab}
 
@@ -287,6 +293,7 @@ def _time(config: Config, args, counts: dict, device: dict, host: dict, executed
         layers_per_stage=m_cfg.num_layers // par.pipe, grad_bytes=device["gradients"],
         replicas=par.data // par.fsdp_size, fsdp_group=par.fsdp_size,
         stage_params=counts["stage_params"], gather_bytes=gather,
+        tied_grad_bytes=counts["tied_params"] * gather,
         host_per_step=2 * (host["weights"] + host["optimizer"]),
         host_per_microbatch=2 * host["activations"])
     time = pt.step_time(

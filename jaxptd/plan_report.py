@@ -46,7 +46,8 @@ def format_report(r: dict, args) -> str:
         f"comm/dev    p2p {comm['p2p_per_microbatch'] / 1e6:.2f} MB/microbatch, "
         f"tensor {comm['tensor_per_microbatch'] / 1e6:.2f} MB/microbatch, "
         f"FSDP {comm['fsdp_per_microbatch'] / GB:.3f} GB/microbatch, "
-        f"data {comm['data_per_step'] / GB:.3f} GB/step, host "
+        f"data {comm['data_per_step'] / GB:.3f} GB/step, tied embedding "
+        f"{comm['tied_per_step'] / GB:.3f} GB/step (first <-> last stage), host "
         f"{(comm['host_per_step'] + lay['microbatches'] * comm['host_per_microbatch']) / GB:.3f}"
         " GB/step",
         f"step time   {t['total']:.3f} s = compute {t['compute']:.3f} (bubble incl.) + tensor "

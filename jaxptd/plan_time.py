@@ -16,7 +16,7 @@ def bubble_formula(p: int, v: int, m: int, zero_bubble: bool = False) -> float:
 
 
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
-                 stage_params=0.0, gather_bytes=4, host_per_step=0.0,
+                 stage_params=0.0, gather_bytes=4, tied_grad_bytes=0.0, host_per_step=0.0,
                  host_per_microbatch=0.0) -> dict:
     """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
     stages (b s h / t with scatter/gather, §4.1, or sequence parallelism); tensor
@@ -25,7 +25,9 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     all-reduce 2 (r - 1) / r of the float32 gradients over the r data replicas once per
     step (§3.3.1; ZeRO-1's reduce-scatter and all-gather move the same). FSDP over g ranks:
     per microbatch each layer is gathered for the forward and again for the backward and
-    its gradient reduce-scattered, 3 (g - 1) / g of the stage's parameters. Host: what
+    its gradient reduce-scattered, 3 (g - 1) / g of the stage's parameters. Embedding
+    (pipelined, tied): the first and last stage send each other their gradient of it
+    once per step (§3.3.1's embedding group of two; jaxptd/step.py). Host: what
     offloading moves over PCIe (the optimizer state per step, layer inputs per microbatch).
     """
     return {
@@ -33,6 +35,7 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
         "tensor_per_microbatch": layers_per_stage * 8 * b * s * h * (t - 1) / t * e,
         "fsdp_per_microbatch": 3 * (fsdp_group - 1) / fsdp_group * stage_params * gather_bytes,
         "data_per_step": 2 * (replicas - 1) / replicas * grad_bytes if replicas > 1 else 0.0,
+        "tied_per_step": tied_grad_bytes,
         "host_per_step": host_per_step, "host_per_microbatch": host_per_microbatch,
     }
 
@@ -43,7 +46,8 @@ def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_p
     """Seconds per iteration: compute (roofline per microbatch: its FLOPs at device_flops
     or its weight reads from memory, whichever is slower) stretched by the bubble, plus
     communication that is not overlapped: tensor (intra-node when t <= gpus_per_node),
-    point-to-point forward and backward (inter-node when a stage spans beyond a node),
+    point-to-point forward and backward (inter-node when a stage spans beyond a node)
+    and the tied embedding's exchange between the first and last stage,
     FSDP's gathers (intra-node when a group's g p t devices fit in a node), the data-
     parallel reduction (inter-node unless the whole job fits in one node) and host
     transfers at host_bw.
@@ -58,7 +62,8 @@ def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_p
     parts = {
         "compute": compute,
         "tensor": m * comm["tensor_per_microbatch"] / tensor_bw,
-        "p2p": 2 * m * v * comm["p2p_per_microbatch"] / p2p_bw if p > 1 else 0.0,
+        "p2p": (2 * m * v * comm["p2p_per_microbatch"] + comm["tied_per_step"]) / p2p_bw
+        if p > 1 else 0.0,
         "fsdp": m * comm["fsdp_per_microbatch"] / fsdp_bw,
         "data": comm["data_per_step"] / data_bw,
         "host": (comm["host_per_step"] + m * comm["host_per_microbatch"]) / host_bw,

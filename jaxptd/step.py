@@ -7,7 +7,8 @@ Owns the train state, its shardings, and the step. The step has two parts:
    out in the model (Megatron's f and g, or sequence parallelism's gathers and scatters).
    With pipe = 1 a scan runs the microbatches; with pipe > 1 the pipeline executor runs
    the schedule. Gradients accumulate over the microbatches locally and are reduced over
-   data (and over pipe for the parameters every stage holds) once per step:
+   data once per step (pipelined, a tied embedding's first over the first and last
+   stage, Megatron's embedding group):
    all-reduced, or with ZeRO-1 reduce-scattered into the optimizer state's shards
    (`optimizer.grad_reduce_dtype`); pipelined, each chunk's layers as soon as the
    schedule is done with them (Config.reduces_chunks_early). With FSDP (`parallel.fsdp`,
@@ -68,8 +69,13 @@ class Setup:
     Two layouts of the state. Logical (checkpoints, initialisation): each layer leaf has a
     leading [num_layers] axis in model order. In memory with pipe > 1: [v, p, L/(p v), ...]
     (chunks, stages, layers of a chunk), a free reshape of the logical order in which
-    rank r's dimension-1 slice holds virtual stages r, r + p, ... With pipe = 1 the two are
-    the same. FSDP shards both layouts over the fsdp axis the same way (fsdp_spec).
+    rank r's dimension-1 slice holds virtual stages r, r + p, ...; each ends leaf [p, ...]
+    over pipe, held in the slot of the stage that reads it (the embedding's stage 0, the
+    head's stage p - 1, a tied embedding in both, equal) and zeros in the others, which
+    stay zero (no gradient, no decay of a zero). So a tied embedding's gradient is summed
+    over the two stages that read it, not all p, and every replica's update is the same.
+    With pipe = 1 the two layouts are the same. FSDP shards both layouts over the fsdp
+    axis the same way (fsdp_spec).
     """
 
     def __init__(self, config: Config, mesh):
@@ -81,6 +87,7 @@ class Setup:
         self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
                                    config.offload.activations)
         logical = self.arch.logical_axes(model, self.vocab, par.tensor)
+        self.ends_readers = models.ends_readers(model, self.vocab) if self.pipelined else {}
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
         logical_params = jax.eval_shape(
             lambda: self.arch.init_params(model, self.vocab, jax.random.key(0)))
@@ -90,9 +97,10 @@ class Setup:
         self.abstract_params = jax.eval_shape(self.to_stacked, logical_params)
         self.stacked = 3 if self.pipelined else 1  # leading dims of a layer leaf in memory
         self.param_specs = self._fsdp(specs_from_logical(_map_layers(
-            lambda names: P("chunks", "stages", *names), logical)), self.abstract_params,
+            lambda names: P("chunks", "stages", *names), logical,
+            lambda names: P("stages", *names))), self.abstract_params,
             self.stacked) if self.pipelined else self.logical_param_specs
-        self.tx = optim.make_optimizer(config)
+        self.tx = optim.make_optimizer(config, self.grad_norm)
         self.schedule = optim.lr_schedule(config)
         self.state_specs = self._state_specs(self.param_specs, self.abstract_params)
         self.state_shardings = self._shardings(self.state_specs, config.offload.optimizer)
@@ -175,18 +183,39 @@ class Setup:
         return (gatherer(fsdp_dims(models.ends(self.param_specs), 0)),
                 gatherer(fsdp_dims(self.param_specs["layers"], self.stacked)))
 
-    def to_stacked(self, tree):
-        """Logical [L, ...] layer leaves -> the in-memory [v, p, L/(p v), ...] (a reshape)."""
-        if not self.pipelined:
-            return tree
+    def kind(self, path) -> str | None:
+        """How a leaf of the state (or of its parameters, moments, gradients), by its path,
+        is laid out in memory: 'layer', where its ends leaf is held ('first', 'last',
+        'both': models.ends_readers; pipelined only) or None (as logical)."""
+        keys = tuple(e.key for e in path if isinstance(e, jax.tree_util.DictKey))
+        if "layers" in keys:
+            return "layer"
+        # the path's tail from an ends name: ("params", "embed", "wte") -> ("embed", "wte")
+        return next((self.ends_readers[keys[i:]] for i in range(len(keys))
+                     if keys[i:] in self.ends_readers), None)
+
+    def _converters(self, tree, to_memory: bool):
+        """For each leaf of `tree`, the function that changes its layout (_converter)."""
         par = self.config.parallel
-        return _map_layers(lambda x: x.reshape(par.chunks, par.pipe, -1, *x.shape[1:]), tree)
+        return jax.tree_util.tree_map_with_path(lambda path, _: _converter(
+            self.kind(path) if self.pipelined else None, to_memory, par.chunks, par.pipe),
+            tree)
+
+    def to_stacked(self, tree):
+        """Logical -> in memory: [L, ...] layer leaves -> [v, p, L/(p v), ...], ends leaves
+        -> [p, ...] slots (see the class docstring)."""
+        return jax.tree.map(lambda f, x: f(x), self._converters(tree, True), tree)
 
     def to_logical(self, tree):
-        """The in-memory layer layout -> logical [L, ...] (a reshape)."""
-        if not self.pipelined:
-            return tree
-        return _map_layers(lambda x: x.reshape(-1, *x.shape[3:]), tree)
+        """In memory -> logical (layer leaves [L, ...], each ends leaf from its slot)."""
+        return jax.tree.map(lambda f, x: f(x), self._converters(tree, False), tree)
+
+    def grad_norm(self, grads):
+        """The global norm of a gradient tree (in memory), each parameter counted once: a
+        tied embedding's two slots hold the same gradient."""
+        def square(path, g):
+            return jnp.sum(jnp.square(g[0] if self.kind(path) == "both" else g))
+        return jnp.sqrt(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(square, grads))))
 
     def _fresh_state(self, seed: int, dynamic: bool):
         params = self.to_stacked(self.arch.init_params(self.config.model, self.vocab,
@@ -223,7 +252,7 @@ class Setup:
             return state
         host = jax.tree.map(lambda s: s.with_memory_kind("pinned_host"),
                             self.logical_state_shardings)
-        return _relayout(state, host, jax.eval_shape(self.to_logical, state), consume=False)
+        return _relayout(state, host, self._converters(state, False), consume=False)
 
     def state_from_logical(self, state):
         """A restored logical state -> the in-memory layout and shardings, leaf by leaf,
@@ -231,31 +260,57 @@ class Setup:
         The restored arrays are consumed."""
         if not self.pipelined and not self.config.offload.optimizer:
             return state
-        return _relayout(state, self.state_shardings, jax.eval_shape(self.to_stacked, state),
+        return _relayout(state, self.state_shardings, self._converters(state, True),
                          consume=True)
 
 
-def _relayout(state, shardings, targets, consume: bool):
-    """Every leaf of `state` reshaped to its target's shape (`targets`: the layout change's
-    shapes, traced, not computed) and placed by its sharding, one
-    leaf at a time (a leaf already there is kept as it is); with `consume` each source
-    leaf is deleted as soon as its copy exists."""
-    def one(x, sharding, target):
-        if x.shape == target.shape and x.sharding == sharding:
+def _relayout(state, shardings, converters, consume: bool):
+    """Every leaf of `state` through its converter (Setup._converters) and placed by its
+    sharding, one leaf at a time (a leaf already there is kept as it is); with `consume`
+    each source leaf is deleted as soon as its copy exists. Each leaf's program finishes
+    before the next starts: dispatched together, their collectives deadlocked XLA CPU's
+    in-process rendezvous (2 of 15 saves of a pipelined state on a busy 2-core machine)."""
+    def one(x, sharding, convert):
+        if convert is _same and x.sharding == sharding:
             return x
-        y = _reshaper(target.shape, sharding)(x)
+        y = _placed(convert, sharding, x.sharding.memory_kind != "device")(x)
+        y.block_until_ready()
         if consume:
-            y.block_until_ready()
             x.delete()
         return y
-    return jax.tree.map(one, state, shardings, targets)
+    return jax.tree.map(one, state, shardings, converters)
+
+
+def _same(x):
+    return x
 
 
 @lru_cache(maxsize=None)
-def _reshaper(shape: tuple, sharding):
-    """A jitted reshape into `shape` with its output placed by `sharding` (one compile per
-    leaf shape and placement, reused by every save)."""
-    return jax.jit(lambda x: x.reshape(shape), out_shardings=sharding)
+def _converter(kind: str | None, to_memory: bool, chunks: int, pipe: int):
+    """One leaf's change of layout, logical -> in memory or back (Setup's docstring)."""
+    if kind is None:
+        return _same
+    if kind == "layer":
+        if to_memory:
+            return lambda x: x.reshape(chunks, pipe, -1, *x.shape[1:])
+        return lambda x: x.reshape(-1, *x.shape[3:])
+    held = [(i == 0 and kind != "last") or (i == pipe - 1 and kind != "first")
+            for i in range(pipe)]
+    if to_memory:
+        return lambda x: jnp.stack([x if h else jnp.zeros_like(x) for h in held])
+    at = 0 if kind != "last" else pipe - 1
+    return lambda x: x[at]
+
+
+@lru_cache(maxsize=None)
+def _placed(convert, sharding, from_host: bool):
+    """convert jitted with its output placed by `sharding` (one compile per leaf shape and
+    placement, reused by every save); a leaf in host memory is brought to the device for
+    it (an ends leaf's slots are built there)."""
+    if from_host:
+        return jax.jit(lambda x: convert(jax.device_put(x, jax.memory.Space.Device)),
+                       out_shardings=sharding)
+    return jax.jit(convert, out_shardings=sharding)
 
 
 @jax.custom_vjp
@@ -305,8 +360,18 @@ class _Reduction:
 
     def after(self, grads, part=lambda tree: tree):
         """Local gradient sums -> reduced (and ZeRO-1 scattered), at the end of the step;
-        `part`: which subtree of the gradients `grads` is (e.g. models.ends)."""
+        `part`: which subtree of the gradients `grads` is (e.g. models.ends). An ends
+        leaf, pipelined, is held over pipe (Setup): not reduced over it, but a tied
+        one summed over the first and last stage (the others hold zeros)."""
         setup = self.setup
+        pipe = setup.config.parallel.pipe
+        pair = [(0, pipe - 1), (pipe - 1, 0)]
+
+        def tied_sum(path, g):  # [1, ...] this stage's slot
+            if setup.kind(path) != "both":
+                return g
+            return g + lax.ppermute(g.astype(self.dtype), PIPE, pair).astype(g.dtype)
+        grads = jax.tree_util.tree_map_with_path(tied_sum, grads)
         return reduce_to(grads, part(setup.param_specs), part(setup.grads_specs), REDUCED,
                          self.dtype)
 
@@ -447,7 +512,7 @@ def build_train_step(setup: Setup):
         old_opt = jax.device_put(state["opt_state"], on_device["opt_state"])
         grads, loss = grads_fn(params, batch, state["rng"], state["step"], scale.scale)
         grads = jax.tree.map(lambda g: g / scale.scale, grads)
-        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        grad_norm = setup.grad_norm(grads)
         updates, opt_state = setup.tx.update(grads, old_opt, params)
         new_params = optax.apply_updates(params, updates)
         loss_scale = scale

@@ -13,8 +13,9 @@ from jax.extend.core import Literal
 
 from helpers import (assert_grads_match_single_device, assert_steps_match_single_device,
                      assert_trees_close, fixed_batches, make_setup, placed_state,
-                     reference_loss, train_cli_records)
+                     reference_loss, reference_loss_and_grads, train_cli_records)
 from jaxptd.config import ConfigError, load_config
+from jaxptd.mesh import PIPE
 from jaxptd.pipeline.executor import rounds_for
 from jaxptd.pipeline.lowering import segments
 from jaxptd.pipeline.schedules import make_schedule
@@ -78,6 +79,36 @@ def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=(
         f"train.global_batch={2 * data * micro}", *extra])
 
 
+def test_ends_live_where_they_are_read_and_stay_there():
+    """Pipelined, each ends leaf is held in the slot of the stage that reads it: after two
+    optimizer steps (weight decay on, gradients clipped) GPT's tied embedding is equal in
+    the first and last stage's slots, positions in the first only, the final norm in the
+    last only, every other slot still exactly zero, and the step's gradient norm is the
+    single-device one (the tied gradient counted once)."""
+    from jaxptd.step import build_grads
+    import optax
+
+    p = 4
+    setup = pipelined_setup(1, p, 1, "1f1b", 1, 4, 4, ["optimizer.clip_norm=0.5"])
+    state, step = placed_state(setup), build_train_step(setup)
+    batches = fixed_batches(setup.config, 2)
+    grads, _ = jax.jit(build_grads(setup, deterministic=True))(
+        state["params"], jax.device_put(batches[0], setup.batch_sharding), state["rng"],
+        state["step"], jnp.float32(1))
+    _, ref_grads = reference_loss_and_grads(
+        setup.config, setup.vocab, jax.device_get(setup.to_logical(state["params"])),
+        batches[0])
+    np.testing.assert_allclose(float(setup.grad_norm(grads)),
+                               float(optax.tree.norm(ref_grads)), rtol=1e-5)
+    for batch in batches:
+        state, _ = step(state, jax.device_put(batch, setup.batch_sharding))
+    params = jax.device_get(state["params"])
+    wte, wpe = params["embed"]["wte"], params["embed"]["wpe"]  # [p, ...]
+    np.testing.assert_array_equal(wte[0], wte[p - 1])
+    for leaf, held in [(wte, {0, p - 1}), (wpe, {0}), (params["final_norm"]["scale"], {p - 1})]:
+        assert all(np.any(leaf[r]) == (r in held) for r in range(p)), leaf.reshape(p, -1)[:, :3]
+
+
 @pytest.mark.parametrize("stash, case, form", PARITY)
 def test_pipelined_gradients_match_single_device(stash, case, form):
     setup = pipelined_setup(*case, extra=[f"parallel.stash={stash}",
@@ -125,9 +156,9 @@ def random_params(setup, seed=0):
     """Every leaf drawn N(0, 0.1) on the host, norms included (a stage that ran another
     stage's weights would show) -> (in-memory params in their shardings, logical params)."""
     rng = np.random.default_rng(seed)
-    host = jax.tree.map(lambda x: rng.normal(0.0, 0.1, x.shape).astype(x.dtype),
-                        setup.abstract_params)
-    return jax.device_put(host, setup.state_shardings["params"]), setup.to_logical(host)
+    logical = jax.tree.map(lambda x: rng.normal(0.0, 0.1, x.shape).astype(x.dtype),
+                           jax.eval_shape(setup.to_logical, setup.abstract_params))
+    return jax.device_put(setup.to_stacked(logical), setup.state_shardings["params"]), logical
 
 
 @pytest.mark.parametrize("case, form", [
@@ -211,14 +242,25 @@ PERMUTE = re.compile(r"= (\w+)\[([\d,]*)\]\S* collective-permute(?:-start)?\(.*?
     pytest.param(2, "interleaved", marks=pytest.mark.slow), (1, "zb-h1")])
 def test_point_to_point_traffic_matches_schedule(chunks, schedule):
     """Two collective-permutes per round, each [b, s, h/t] (scatter/gather), along the chain
-    (ring when interleaved); rounds x ranks sends cover the schedule's m (p v - 1) messages."""
+    (ring when interleaved); rounds x ranks sends cover the schedule's m (p v - 1) messages.
+    Once per step the tied embedding's gradient [1, V/t, h] goes between the first and
+    the last stage only, both ways (Megatron's embedding group), no reduction over pipe."""
     p, t, m = 4, 2, 4
     setup = pipelined_setup(1, p, t, schedule, chunks, m, 8)
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                  jnp.int32, sharding=setup.batch_sharding)
     text = build_train_step(setup).lower(setup.abstract_state(), batch).compile().as_text()
-    permutes = PERMUTE.findall(text)
+    tied = f"1,{setup.vocab // t},{config.model.hidden_size}"
+    permutes = [x for x in PERMUTE.findall(text) if x[1] != tied]
+    [(_, _, ends_pairs)] = [x for x in PERMUTE.findall(text) if x[1] == tied]
+    pipe_axis = setup.mesh.axis_names.index(PIPE)
+    first, last = (sorted(d.id for d in np.take(setup.mesh.devices, [r], pipe_axis).flat)
+                   for r in (0, p - 1))
+    pairs = {tuple(map(int, pair.split(","))) for pair in re.findall(r"\d+,\d+", ends_pairs)}
+    assert pairs == {*zip(first, last), *zip(last, first)}, ends_pairs
+    reduced = re.findall(r"= \w+\[([\d,]*)\]\S* all-reduce(?:-start)?\(", text)  # data = 1:
+    assert not {tied, tied[2:]} & set(reduced), reduced  # the embedding's is a pipe reduction
     assert len(permutes) == 2, permutes
     b = config.train.global_batch // m
     for dtype, dims, pairs in permutes:

@@ -63,6 +63,22 @@ def test_6n_plus_attention_is_equation_3_for_the_matmul_weights():
     assert metrics.flops_6n(matmul + 1000, m, B) - eq3 == pytest.approx(6 * B * m.seq_len * 1000)
 
 
+@pytest.mark.parametrize("arch, pipe, tied", [("gpt", 4, True), ("gpt", 1, False),
+                                               ("bert", 2, True), ("llama", 4, False)])
+def test_tied_embedding_exchanged_between_first_and_last_stage(capsys, arch, pipe, tied):
+    """Pipelined, GPT's and BERT's tied embedding [V/t, h] crosses from the first to the last
+    stage and back once per step in optimizer.grad_reduce_dtype (2 bytes here); Llama
+    (untied) and pipe = 1 exchange nothing."""
+    t, h = 2, 512
+    overrides = SMALL + [f"model.arch={arch}", f"parallel.pipe={pipe}", f"parallel.tensor={t}",
+                         "parallel.microbatches=4", "optimizer.grad_reduce_dtype=bfloat16"]
+    counts = plan.real_counts(load_config(None, overrides))
+    expected = counts["vocab_padded"] // t * h if tied else 0
+    assert counts["tied_params"] == expected
+    report = json.loads(run_main(capsys, ["--json", *overrides]))
+    assert report["comm_bytes"]["tied_per_step"] == 2 * expected
+
+
 @pytest.mark.parametrize("billions", sorted(TABLE1))
 def test_table1_parameter_counts(billions):
     config = load_config(os.path.join(MEGATRON, TABLE1[billions] + ".yaml"))

@@ -64,6 +64,32 @@ def ends(params) -> dict:
     return {k: v for k, v in params.items() if k != "layers"}
 
 
+def ends_readers(cfg: ModelConfig, vocab: int) -> dict:
+    """{key path of an ends leaf (a tuple of dict keys): 'first', 'last' or 'both'}: which
+    end of the model reads it, the embedding, the head and loss, or both (a tied
+    embedding: GPT's, BERT's), read off the two traced programs, nothing computed."""
+    arch = get(cfg)
+    the_ends = ends(jax.eval_shape(lambda: arch.init_params(cfg, vocab, jax.random.key(0))))
+    layout = Layout(vocab)
+    batch = jax.ShapeDtypeStruct((1, batch_width(cfg)), jnp.int32)
+    x = jax.ShapeDtypeStruct((1, cfg.seq_len, cfg.hidden_size), jnp.dtype(cfg.dtype))
+    first = _read_leaves(lambda e, b: arch.embed(e, b, jax.random.key(0), cfg, layout, True),
+                         the_ends, batch)
+    last = _read_leaves(lambda e, y, b: arch.head_loss(e, y, b, cfg, layout),
+                        the_ends, x, batch)
+    paths = [tuple(entry.key for entry in path)
+             for path, _ in jax.tree_util.tree_leaves_with_path(the_ends)]
+    return {path: "both" if f and l else "last" if l else "first"  # (unread: first)
+            for path, f, l in zip(paths, first, last)}
+
+
+def _read_leaves(fn, tree, *rest) -> list[bool]:
+    """For each leaf of tree (fn's first argument), whether fn's traced program reads it."""
+    jaxpr = jax.make_jaxpr(fn)(tree, *rest).jaxpr
+    read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    return [id(v) in read for v in jaxpr.invars[:len(jax.tree.leaves(tree))]]
+
+
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
                  deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None):
     """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan; batch: the

@@ -39,7 +39,7 @@ everything but the dense() weights, keeping each dense() matmul's input and outp
 The first virtual stage also runs the embedding, the last the head and the loss (in the B
 slot, from the kept stage output: the loss is the head's primal there), so a microbatch's
 backward can start in the round its forward ends; the tied embedding's two gradient
-contributions meet in the step's reduction over 'pipe'.
+contributions (first and last stage) meet in the step's exchange between those two ranks.
 
 Evaluation (`pipeline_loss`) runs the schedule's forwards alone (`schedules.forward_only`):
 rounds of one F slot and one ppermute, no vjp, and a stash slot freed as soon as its forward
@@ -180,8 +180,8 @@ def _message_split(setup) -> int:
 class _Stage:
     """One virtual stage in three pieces: [embedding] -> a chunk of layers -> [head + loss].
 
-    `ends` holds the parameters of the pieces at the two ends (model.ends); `layers` one
-    chunk's stack [Lc, ...]. The embedding runs on virtual stage 0 only and the head on the
+    `ends` holds the parameters of the pieces at the two ends (model.ends), each leaf
+    [1, ...] this rank's slot (jaxptd/step.py's Setup); `layers` one chunk's stack [Lc, ...]. The embedding runs on virtual stage 0 only and the head on the
     last only: a `lax.cond` on the rank, or (inline) computed by every rank and selected.
     """
 
@@ -194,7 +194,9 @@ class _Stage:
         self.last = config.parallel.pipe * config.parallel.chunks - 1
         self.norm = setup.loss_norm
         gather_ends, gather_layer = setup.gather()  # FSDP: shards -> what is computed with
-        self.gather_ends = gather_ends or (lambda ends: ends)
+        gather_ends = gather_ends or (lambda ends: ends)
+        # ends leaves [1, ...]: this stage's slot (zeros where the stage does not read it)
+        self.gather_ends = lambda ends: jax.tree.map(lambda x: x[0], gather_ends(ends))
         self.prepare = None if gather_layer is None else (lambda p, _: gather_layer(p))
         self.keep = gather_layer and regather
 
