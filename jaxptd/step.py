@@ -214,7 +214,9 @@ class Setup:
         """The global norm of a gradient tree (in memory), each parameter counted once: a
         tied embedding's two slots hold the same gradient."""
         def square(path, g):
-            return jnp.sum(jnp.square(g[0] if self.kind(path) == "both" else g))
+            if self.kind(path) == "both":  # summed per slot first: a [p] vector crosses
+                return jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))[0]  # pipe
+            return jnp.sum(jnp.square(g))
         return jnp.sqrt(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(square, grads))))
 
     def _fresh_state(self, seed: int, dynamic: bool):
