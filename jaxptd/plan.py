@@ -116,9 +116,9 @@ def real_counts(config: Config) -> dict:
     layer_params and ends_params (one layer, the embedding, positions and final norm:
     what an FSDP gather materialises), layer_grad_params (the stage's reduced layer
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
-    the last stage read, a tied embedding, whose gradients those two exchange). Layers are split over pipe whether or
-    not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a dimension past the layer
-    one (sharding.py's rule)."""
+    the last stage read, a tied embedding, whose gradients those two exchange). Layers
+    are split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1
+    pick a dimension past the layer one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
     from jaxptd.sharding import fsdp_spec, zero1_spec
 

@@ -181,8 +181,9 @@ class _Stage:
     """One virtual stage in three pieces: [embedding] -> a chunk of layers -> [head + loss].
 
     `ends` holds the parameters of the pieces at the two ends (model.ends), each leaf
-    [1, ...] this rank's slot (jaxptd/step.py's Setup); `layers` one chunk's stack [Lc, ...]. The embedding runs on virtual stage 0 only and the head on the
-    last only: a `lax.cond` on the rank, or (inline) computed by every rank and selected.
+    [1, ...] this rank's slot (jaxptd/step.py's Setup); `layers` one chunk's stack
+    [Lc, ...]. The embedding runs on virtual stage 0 only and the head on the last only:
+    a `lax.cond` on the rank, or (inline) computed by every rank and selected.
     """
 
     def __init__(self, setup, batch, key, deterministic):
