@@ -187,9 +187,9 @@ class Setup:
         """How a leaf of the state (or of its parameters, moments, gradients), by its path,
         is laid out in memory: 'layer', where its ends leaf is held ('first', 'last',
         'both': models.ends_readers; pipelined only) or None (as logical)."""
-        keys = tuple(e.key for e in path if isinstance(e, jax.tree_util.DictKey))
-        if "layers" in keys:
+        if _is_layer_leaf(path):
             return "layer"
+        keys = tuple(e.key for e in path if isinstance(e, jax.tree_util.DictKey))
         # the path's tail from an ends name: ("params", "embed", "wte") -> ("embed", "wte")
         return next((self.ends_readers[keys[i:]] for i in range(len(keys))
                      if keys[i:] in self.ends_readers), None)
