@@ -180,7 +180,7 @@ def measure(config, steps: int, warmup: int) -> dict:
     step_s = statistics.median(times[warmup:])
     B, s = config.train.global_batch, config.model.seq_len
     params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    peak = metrics.peak_flops(device.device_kind)
+    peak = metrics.peak_flops(device)
     model_flops = metrics.throughput(metrics.flops_6n(params, config.model, B), B * s,
                                      step_s, 1, peak)
     stats = device.memory_stats() or {}

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import attention_core
+from jaxptd.model.layers import Layout, attention_core
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
 from report import cell, result_path
 
@@ -116,7 +116,7 @@ def attention_cases(shapes, cudnn=True):
     q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3, 6))
     scale = shapes.head_dim ** -0.5
     impls = [(kernels, functools.partial(
-        attention_core, key=None, scale=scale,
+        attention_core, key=None, scale=scale, layout=Layout(128, platform=jax.devices()[0].platform),
         cfg=ModelConfig(dtype="bfloat16", kernels=kernels))) for kernels in ("xla", "pallas")]
     if cudnn:
         impls.append(("cudnn", lambda q, k, v: jax.nn.dot_product_attention(

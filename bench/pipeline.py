@@ -68,7 +68,7 @@ def sent_messages(config) -> tuple:
     rounds = rounds_for(par.schedule, p, m, v)
     links = p if v > 1 else p - 1  # per direction
     sent = sum((seg.stop - seg.start) * sum(mode != "off" for mode in seg.modes[:2])
-               for seg in segments(rounds, round_form(config)))
+               for seg in segments(rounds, round_form(config, jax.devices()[0].platform)))
     return sent * links / p, 2 * m * (p * v - 1) / p
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from jaxptd.target import NAMES as TARGET_NAMES
+
 
 class ConfigError(ValueError):
     """A user-caused configuration error; its message is one line."""
@@ -137,7 +139,9 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     cpu_devices: int = 0  # simulated CPU devices per process; 0: data x pipe x tensor / processes
-    platform: str = "auto"  # auto | cpu | gpu
+    # the hardware (jaxptd/target.py): auto = what the process sees; a named target must be
+    # of the devices' platform (cpu, or a GPU: gpu = any, h100, h200, a100, a100-40)
+    target: str = "auto"
     # Multi-process start (jaxptd/distributed.py). Unset keys fall back to JAXPTD_COORDINATOR,
     # JAXPTD_NUM_PROCESSES, JAXPTD_PROCESS_ID, then to SLURM's environment under srun, then
     # to a single process.
@@ -215,7 +219,7 @@ CHOICES = {
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
     "optimizer.loss_scale": ("none", "dynamic"),
-    "runtime.platform": ("auto", "cpu", "gpu"),
+    "runtime.target": TARGET_NAMES,
 }
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
@@ -273,6 +277,10 @@ def _build(tree: dict[str, Any]) -> Config:
             raise ConfigError(f"{name}={values!r}: a section must be a mapping of keys")
         section_cls = sections[name]
         types = _section_types(section_cls)
+        if name == "runtime" and "platform" in values and "target" not in values:
+            # runtime.platform (auto | cpu | gpu) was renamed runtime.target: configs and
+            # checkpoints written before still load
+            values = {("target" if k == "platform" else k): v for k, v in values.items()}
         kwargs = {}
         for key, value in values.items():
             dotted = f"{name}.{key}"

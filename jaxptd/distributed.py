@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from jaxptd.config import Config, ConfigError
+from jaxptd.target import TARGETS
 
 # gloo's line, written in pieces that threads interleave: "[Gloo] Rank 1 is connected to 3
 # peer ranks. Expected number of connected peer ranks is : 3"
@@ -167,8 +168,9 @@ def start(config: Config):
 
     spec = process_spec(config)
     rt = config.runtime
-    if rt.platform != "auto":
-        jax.config.update("jax_platforms", rt.platform.replace("gpu", "cuda"))
+    if rt.target != "auto":
+        jax.config.update("jax_platforms",
+                          "cpu" if TARGETS[rt.target].platform == "cpu" else "cuda")
     jax.config.update("jax_num_cpu_devices",
                       rt.cpu_devices or max(config.num_devices // spec.num_processes, 1))
     if spec.num_processes == 1:

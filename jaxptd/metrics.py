@@ -18,13 +18,7 @@ from __future__ import annotations
 import time
 
 from jaxptd.config import ModelConfig
-
-# Dense bf16 tensor-core peak FLOP/s by device kind (datasheet values).
-PEAK_FLOPS = {
-    "H100": 989e12,
-    "H200": 989e12,
-    "A100": 312e12,
-}
+from jaxptd.target import by_kind
 
 
 def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
@@ -56,12 +50,9 @@ def flops_6n(params: float, model: ModelConfig, batch: int) -> float:
     return batch * s * (6 * params + 12 * l * h * s)
 
 
-def peak_flops(device_kind: str) -> float | None:
-    """Peak dense bf16 FLOP/s of a device, or None when unknown (e.g. CPU)."""
-    for name, flops in PEAK_FLOPS.items():
-        if name in device_kind.upper():
-            return flops
-    return None
+def peak_flops(device) -> float | None:
+    """Peak dense bf16 FLOP/s of a device (its target record), None when unknown (CPU)."""
+    return by_kind(device.device_kind, device.platform).peak_bf16
 
 
 def throughput(flops: float, tokens: int, step_time: float, devices: int, peak: float | None):

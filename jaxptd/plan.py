@@ -18,6 +18,7 @@ the per-device total from.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -31,6 +32,7 @@ from jaxptd.metrics import flops_per_iteration
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import lower
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
+from jaxptd.target import TARGETS, Target
 
 GB = 1e9
 MAX_VERIFY_DEVICES = 1024
@@ -46,28 +48,35 @@ def _parse_args(argv):
     parser.add_argument("--png", metavar="FILE", help="memory bars and schedule timeline")
     parser.add_argument("--tokens", type=float, help="tokens to train on (e.g. 300e9)")
     parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per device (Table 1)")
-    parser.add_argument("--memory-gb", type=float, default=80.0,
-                        help="device memory per device (A100: 40 or 80)")
-    parser.add_argument("--host-memory-gb", type=float, default=1024.0,
+    parser.add_argument("--target", choices=[n for n, t in TARGETS.items() if t.memory],
+                        help="the hardware (jaxptd/target.py): the defaults of the numbers "
+                             "below, and what --verify compiles for (a GPU: XLA's GPU "
+                             "compiler, no GPU needed). Default: runtime.target, or a100 "
+                             "(the PTD-P paper's) when that is auto")
+    parser.add_argument("--memory-gb", type=float,
+                        help="usable device memory per device (default: the target's)")
+    parser.add_argument("--host-memory-gb", type=float,
                         help="host memory per node, shared by its --gpus-per-node devices "
-                             "(DGX A100: 1024; AWS p4d.24xlarge: 1152)")
-    parser.add_argument("--device-tflops", type=float, default=156.0,
+                             "(default: the target's node; DGX A100: 1024)")
+    parser.add_argument("--device-tflops", type=float,
                         help="sustained matmul TFLOP/s per device for the time model "
-                             "(default: half an A100's 312 bf16 peak)")
-    parser.add_argument("--hbm-gbs", type=float, default=2000.0, help="device memory GB/s")
-    parser.add_argument("--intra-gbs", type=float, default=300.0,
+                             "(default: half the target's dense bf16 peak)")
+    parser.add_argument("--hbm-gbs", type=float, help="device memory GB/s")
+    parser.add_argument("--intra-gbs", type=float,
                         help="intra-node GB/s per direction (NVLink)")
-    parser.add_argument("--inter-gbs", type=float, default=25.0,
-                        help="inter-node GB/s per GPU (InfiniBand HDR)")
-    parser.add_argument("--host-gbs", type=float, default=25.0,
-                        help="host <-> device GB/s per device (PCIe 4.0 x16)")
-    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--inter-gbs", type=float,
+                        help="inter-node GB/s per GPU (InfiniBand)")
+    parser.add_argument("--host-gbs", type=float,
+                        help="host <-> device GB/s per device (PCIe)")
+    parser.add_argument("--gpus-per-node", type=int)
     parser.add_argument("--search", type=int, metavar="N_GPUS",
                         help="rank the layouts (p, t, d, v, m, b, schedule) and memory options "
                              "(SP, ZeRO-1, FSDP/HSDP, offload) that fit on N_GPUS")
     parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
     parser.add_argument("--verify", action="store_true",
-                        help="compile the real step on simulated CPU devices, compare")
+                        help="compile the real step, compare: for the GPU --target without a "
+                             "GPU (memory, buffers, overlap, cost), else on simulated CPU "
+                             "devices")
     parser.error = _fail
     args = parser.parse_args(argv)
     positive = {"--memory-gb": args.memory_gb, "--host-memory-gb": args.host_memory_gb,
@@ -77,11 +86,28 @@ def _parse_args(argv):
                 "--top": args.top, "--tokens": args.tokens, "--tflops": args.tflops,
                 "--search": args.search}
     for flag, value in positive.items():
-        if value is not None and value <= 0:
-            _fail(f"{flag}={value}: must be positive")
+        if value is not None and not 0 < value < math.inf:  # nan fails too
+            _fail(f"{flag}={value}: must be a positive finite number")
     if (args.tokens is None) != (args.tflops is None):
         _fail("--tokens and --tflops go together (time to train needs both)")
     return args
+
+
+def _hardware(args, config: Config) -> Target:
+    """The target the plan is for, and every hardware number the flags left unset filled
+    in from its record (one hardware description: jaxptd/target.py)."""
+    name = args.target or (config.runtime.target if config.runtime.target in TARGETS
+                           and TARGETS[config.runtime.target].memory else "a100")
+    t = TARGETS[name]
+    defaults = {"memory_gb": t.usable / GB, "host_memory_gb": t.host_memory / GB,
+                "device_tflops": 0.5 * t.peak_bf16 / 1e12, "hbm_gbs": t.hbm / GB,
+                "intra_gbs": t.intra / GB, "inter_gbs": t.inter / GB,
+                "host_gbs": t.host_link / GB, "gpus_per_node": t.gpus_per_node}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.target = name
+    return t
 
 
 def _fail(message: str):
@@ -370,6 +396,10 @@ def main(argv=None) -> int:
     args = _parse_args(argv)
     try:
         config = load_config(args.config, args.overrides)
+        named = args.target or config.runtime.target != "auto"
+        target = _hardware(args, config)
+        if args.verify and named and target.chip is not None:
+            return _verify_gpu(config, args, target)
         if args.verify:  # before anything starts the JAX backend
             if config.num_devices > MAX_VERIFY_DEVICES:
                 raise ConfigError(f"--verify: {config.num_devices} devices is more than "
@@ -381,7 +411,7 @@ def main(argv=None) -> int:
             rows = plan_search.search(config, args, plan, real_counts)
             print(json.dumps(rows[: args.top]) if args.json
                   else plan_report.format_search(rows, args))
-            return 0
+            return 0 if rows else 1
         report = plan(config, args)
         report["memory_limit_gb"] = args.memory_gb
         if args.verify:
@@ -391,7 +421,31 @@ def main(argv=None) -> int:
     except ConfigError as e:
         _fail(str(e))
     print(json.dumps(report) if args.json else plan_report.format_report(report, args))
-    return 0
+    return 0 if report["fits"] else 1  # scripts: 1 = the plan does not fit
+
+
+def _verify_gpu(config: Config, args, target: Target) -> int:
+    """--verify for a GPU target: the step compiled for it without one (compile_check)."""
+    import os
+    import tempfile
+    from jaxptd import compile_check
+
+    if "jax" in sys.modules:
+        dump = os.environ.get(compile_check.DUMP_ENV)  # set by whoever started JAX
+    else:  # XLA dumps the step's memory report where the process tells it, at start
+        dump = tempfile.mkdtemp(prefix="jaxptd-xla-")
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                            compile_check.dump_flags(dump)])
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
+                                                                     target=target.name))
+    planned = plan(config, args)
+    compiled, seconds = compile_check.compile_step(config, target, args.gpus_per_node)
+    report = compile_check.analyse(config, compiled, target, seconds,
+                                   planned["memory_bytes_per_device"]["total"], dump)
+    report["plan"] = planned
+    print(json.dumps(report) if args.json else compile_check.format_report(report))
+    return 0 if report["fits"] else 1
 
 
 if __name__ == "__main__":

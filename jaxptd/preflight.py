@@ -53,12 +53,12 @@ def devices(jax, config: Config) -> list:
     try:
         return jax.devices()
     except Exception as e:  # noqa: BLE001 - a user error only for an explicit platform
-        if config.runtime.platform == "auto":
+        if config.runtime.target == "auto":
             raise
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else \
             "no backend could start"
-        raise ConfigError(f"runtime.platform={config.runtime.platform}: no such devices on "
-                          f"this machine ({reason}); use runtime.platform=auto") from None
+        raise ConfigError(f"runtime.target={config.runtime.target}: no such devices on "
+                          f"this machine ({reason}); use runtime.target=auto") from None
 
 
 def device_memory(device, local_devices: int) -> tuple[float, str] | None:

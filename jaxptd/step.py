@@ -42,8 +42,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxptd import model as models
-from jaxptd import optim
-from jaxptd.config import Config
+from jaxptd import optim, target
+from jaxptd.config import Config, ConfigError
 from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
 from jaxptd.model.layers import Layout
 from jaxptd.sharding import (GATHERED, fsdp_dims, fsdp_spec, is_spec, mark_varying, named,
@@ -84,8 +84,12 @@ class Setup:
         self.pipelined = par.pipe > 1
         self.vocab = model.padded_vocab(par.tensor)
         self.arch = models.get(model)
+        try:  # the hardware the step is for: its GPU code paths and its numbers
+            self.target = target.resolve(config.runtime.target, mesh.devices.flat)
+        except target.TargetError as e:
+            raise ConfigError(str(e)) from None
         self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
-                                   config.offload.activations)
+                                   config.offload.activations, self.target.platform)
         logical = self.arch.logical_axes(model, self.vocab, par.tensor)
         self.ends_readers = models.ends_readers(model, self.vocab) if self.pipelined else {}
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).

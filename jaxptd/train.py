@@ -149,7 +149,7 @@ class Run:
         self.start_step = self.last = int(self.state["step"])
         self.tokens = config.train.global_batch * config.model.seq_len
         self.timer = metrics.StepTimer()
-        self.peak = metrics.peak_flops(self.jax.devices()[0].device_kind)
+        self.peak = self.setup.target.peak_bf16
         self.eval_step = build_eval_step(self.setup)
         self.metrics_log = None
 

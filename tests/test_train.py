@@ -353,7 +353,7 @@ BAD_INPUTS = {
     "unwritable checkpoint dir": ["checkpoint.dir={tmp}/file.txt/ckpt"],
     "run_dir is a file": ["train.run_dir={tmp}/file.txt"],
     "unwritable run_dir": ["train.run_dir={tmp}/file.txt/run"],
-    "gpu platform without a gpu": ["runtime.platform=gpu"],
+    "gpu target without a gpu": ["runtime.target=h100"],
     "val split shorter than seq_len": ["data.path={tmp}/one_file_corpus"],
     "out of memory before compiling": ["model.seq_len=300000", "train.eval_every=0",
                                        "parallel.data=2", "parallel.tensor=4"],
@@ -402,7 +402,7 @@ def test_bad_input_gives_one_error_line(bad_input_results, name):
 
 
 def test_bad_input_errors_name_what_to_change(bad_input_results):
-    assert "runtime.platform=gpu" in bad_input_results["gpu platform without a gpu"][2]
+    assert "runtime.target=h100" in bad_input_results["gpu target without a gpu"][2]
     assert "train.run_dir=" in bad_input_results["run_dir is a file"][2]
     assert "split 'val'" in bad_input_results["val split shorter than seq_len"][2]
     memory = bad_input_results["out of memory before compiling"][2]

@@ -55,6 +55,7 @@ class Layout:
     tensor_axis: str | None = None  # collectives over this axis; None: a single device
     sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]
     offload_activations: bool = False  # each layer's checkpointed input in host memory
+    platform: str = "cpu"  # the target's (jaxptd/target.py): "gpu" takes cuDNN and Triton
 
     @property
     def split_sequence(self) -> bool:
@@ -209,9 +210,9 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         cache = (k, v)
         positions = start + jnp.arange(q.shape[1])
         mask, causal = jnp.arange(k.shape[1])[None, :] > positions[:, None], False
-    if (cfg.attention == "cudnn" and jax.default_backend() == "gpu" and mask is None
-            and k.shape[2] == q.shape[2]):
-        # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout).
+    if cfg.attention == "cudnn" and layout.platform == "gpu" and mask is None:
+        # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout); it
+        # takes grouped-query key/value heads as they are.
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                             implementation="cudnn"), cache
     key = None
@@ -219,7 +220,8 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         # Each tensor rank holds different heads: its dropout mask must differ.
         rank = 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis)
         key = jax.random.fold_in(module.make_rng("dropout"), rank)
-    core = functools.partial(attention_core, cfg=cfg, scale=scale, causal=causal)
+    core = functools.partial(attention_core, cfg=cfg, layout=layout, scale=scale,
+                             causal=causal)
     if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
         core = jax.checkpoint(core)
     return core(q, k, v, key, mask=mask), cache
@@ -257,8 +259,8 @@ def residual_std(cfg: ModelConfig) -> float:
     return cfg.init_std / math.sqrt(2 * cfg.num_layers)
 
 
-def attention_core(q, k, v, key, *, cfg: ModelConfig, scale: float, causal: bool = True,
-                   mask=None):
+def attention_core(q, k, v, key, *, cfg: ModelConfig, layout: Layout, scale: float,
+                   causal: bool = True, mask=None):
     """softmax(scale q k^T) v with the causal mask and/or `mask` (True = masked, broadcastable
     to [b, heads/t, sq, sk]) and, when `key` is given, dropout on the probabilities.
     q: [b, sq, heads/t, d]; k, v: [b, sk, kv_heads/t, d], each key/value head shared by
@@ -275,7 +277,8 @@ def attention_core(q, k, v, key, *, cfg: ModelConfig, scale: float, causal: bool
     if cfg.kernels == "pallas":
         from pallas_kernels import fused_softmax
 
-        probs = fused_softmax(scores, scale=scale, causal=causal, mask=mask)
+        probs = fused_softmax(scores, scale=scale, causal=causal, mask=mask,
+                              interpret=layout.platform != "gpu")
     else:
         probs = softmax_reference(scores, scale, causal, mask)
     probs = probs.astype(cfg.dtype)
@@ -305,7 +308,7 @@ class MLP(nn.Module):
         if cfg.kernels == "pallas":
             from pallas_kernels import bias_gelu
 
-            hidden = bias_gelu(hidden, b_fc1.astype(dt))
+            hidden = bias_gelu(hidden, b_fc1.astype(dt), interpret=layout.platform != "gpu")
         else:
             hidden = gelu(hidden + b_fc1.astype(dt))
         out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's ffn/t

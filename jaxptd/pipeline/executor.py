@@ -68,7 +68,7 @@ from jaxptd.pipeline import schedules
 from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds, Segment, chunks_done, lower, segments
 from jaxptd.model.layers import gather_invariant
-from jaxptd.sharding import mark_varying, regather
+from jaxptd.sharding import mark_varying, regather, varying_axes
 
 FORMS = ("cond", "steady", "masked")
 SLOT_FIELDS = {
@@ -87,11 +87,12 @@ def rounds_for(kind: str, stages: int, microbatches: int, chunks: int,
     return lower(schedules.forward_only(schedule) if forward_only else schedule)
 
 
-def round_form(config) -> str:
-    """parallel.round_form, with 'auto' resolved: cond on CPU, steady on a GPU."""
+def round_form(config, platform: str) -> str:
+    """parallel.round_form, with 'auto' resolved for the target's platform: cond on CPU,
+    steady on a GPU."""
     form = config.parallel.round_form
     if form == "auto":
-        return "cond" if jax.default_backend() == "cpu" else "steady"
+        return "steady" if platform == "gpu" else "cond"
     return form
 
 
@@ -317,9 +318,14 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
 
 
 def _slots(template, slots: int):
-    """[slots, ...] zeros like every leaf of `template` (its varying axes kept)."""
-    return jax.tree.map(lambda t: jnp.broadcast_to(jnp.zeros_like(t), (slots, *t.shape)),
-                        template)
+    """[slots, ...] zeros like every leaf of `template`, varying over the axes the leaf
+    varies over and over pipe: a slot is written at an index that varies over pipe (the
+    rank's table), which makes even an invariant leaf (an empty cuDNN attention residual,
+    shape [0]) varying, and a buffer written in one branch of a conditional only must
+    not change type."""
+    return jax.tree.map(lambda t: mark_varying(
+        jnp.broadcast_to(jnp.zeros_like(t), (slots, *t.shape)),
+        (*sorted(varying_axes(t)), PIPE)), template)
 
 
 def _write_tree(buffers, slot, values, valid):
@@ -526,7 +532,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, setup, deterministic: bool
         for c in (c for c, d in enumerate(done) if d == t):
             reduced[c] = reduce_chunk(jax.tree.map(lambda g: g[c:c + 1],
                                                    carry["grads"]["layers"]))
-    carry = _run(program, program.rounds, round_form(setup.config), "FBW", done, reduce_done)
+    carry = _run(program, program.rounds, round_form(setup.config, setup.target.platform), "FBW", done, reduce_done)
     grads = carry["grads"]
     if reduce_chunk is not None:
         grads = {**grads, "layers": jax.tree.map(lambda *parts: jnp.concatenate(parts),
@@ -543,4 +549,4 @@ def pipeline_loss(params, batch, *, setup):
     the global token mean (nonzero on the last stage's rank), as pipeline_grads does.
     """
     program = _Evaluation(params, batch, setup)
-    return _run(program, program.rounds, round_form(setup.config), "F")["loss"]
+    return _run(program, program.rounds, round_form(setup.config, setup.target.platform), "F")["loss"]

@@ -1,0 +1,111 @@
+"""The H100 issue's table: GPT-1.3B (and Llama, BERT of its size) compiled for 8 H100s
+without a GPU, one layout a row: memory a device, the planner's ratio to it, overlap of the
+collectives, conditionals in loops and the static cost report's MFU ceiling.
+
+    python bench/h100_compile.py [--out FILE.json] [--only NAME ...]
+
+Each row is `python -m jaxptd.plan --config configs/gpu/gpt_1.3b.yaml --verify --target
+h100 --json KEY=VALUE ...` in its own process (XLA dumps each step's memory report at
+start-up), microbatches of 4 sequences. Needs the CUDA compile extra (`pip install -e
+'.[h100]'`); no GPU. The figures are static (nothing autotuned, nothing run): structure
+and memory, and a roofline ceiling, not speed.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml")
+B = 4  # sequences a microbatch
+# name -> overrides of configs/gpu/gpt_1.3b.yaml (data x pipe x tensor, microbatches m)
+
+
+def layout(d: int, p: int, t: int, m: int, *more: str) -> list:
+    return [f"parallel.data={d}", f"parallel.pipe={p}", f"parallel.tensor={t}",
+            f"parallel.microbatches={m}", f"train.global_batch={d * m * B}", *more]
+
+
+LLAMA = ["model.arch=llama", "model.num_kv_heads=4", "model.ffn_size=5632"]
+BERT = ["model.arch=bert", "model.vocab_size=30528"]
+ROWS = {
+    "1 device": layout(1, 1, 1, 1),
+    "(2,1,4) SP": layout(2, 1, 4, 1, "parallel.sequence_parallel=true"),
+    "FSDP 8": layout(8, 1, 1, 1, "parallel.fsdp=true"),
+    "(2,2,2) 1f1b cudnn act": layout(2, 2, 2, 4),
+    "(2,2,2) 1f1b cudnn inputs": layout(2, 2, 2, 4, "parallel.stash=inputs"),
+    "(2,2,2) 1f1b xla act": layout(2, 2, 2, 4, "model.attention=xla"),
+    "(2,2,2) 1f1b xla inputs": layout(2, 2, 2, 4, "model.attention=xla",
+                                      "parallel.stash=inputs"),
+    "(2,2,2) 1f1b m8": layout(2, 2, 2, 8),
+    "(1,4,2) interleaved": layout(1, 4, 2, 8, "parallel.schedule=interleaved",
+                                  "parallel.chunks=2"),
+    "(2,2,2) zb-h1": layout(2, 2, 2, 4, "parallel.schedule=zb-h1"),
+    "(2,2,2) zb-h1 m8": layout(2, 2, 2, 8, "parallel.schedule=zb-h1"),
+    "(2,2,2) zb-interleaved": layout(2, 2, 2, 4, "parallel.schedule=zb-interleaved",
+                                     "parallel.chunks=2"),
+    "offload (8,1,1)": layout(8, 1, 1, 1, "offload.optimizer=true",
+                              "offload.activations=true"),
+    "llama (2,1,4)": layout(2, 1, 4, 1, *LLAMA),
+    "bert (2,1,4)": layout(2, 1, 4, 1, *BERT),
+}
+
+
+def run(name: str) -> dict:
+    cmd = [sys.executable, "-m", "jaxptd.plan", "--config", CONFIG, "--verify", "--target",
+           "h100", "--json", *ROWS[name]]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        error = [ln for ln in done.stderr.splitlines() if ln.startswith("error:")]
+        return {"name": name, "error": (error or done.stderr.splitlines()[-1:] or ["?"])[0]}
+    report = json.loads(lines[-1])
+    report.pop("plan", None)
+    return {"name": name, "overrides": ROWS[name], **report}
+
+
+def row_text(r: dict) -> str:
+    if "error" in r:
+        return f"{r['name']:<28} {r['error'][:100]}"
+    gib, cost = 2**30, r["cost"]
+    kinds = r["collectives"]["by_kind"]
+    overlap = sum(k.get("overlapped", 0) for k in kinds.values())
+    launches = sum(k.get("launches", 0) for k in kinds.values())
+    conds = max((lp["conditionals"] for lp in r["loops"]), default=0)
+    return (f"{r['name']:<28} {r['memory']['total'] / gib:7.1f} "
+            f"{'yes' if r['fits'] else 'NO':>4} {r['planned_ratio'] or 0:6.2f} "
+            f"{overlap:5.0f}/{launches:<5.0f} {conds:5d} {cost['seconds'] * 1e3:8.1f} "
+            f"{cost['mfu_ceiling']:6.3f} {r['compile_s']:6.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", help="write every row's full report as JSON")
+    parser.add_argument("--only", nargs="*", choices=list(ROWS), help="these rows only")
+    args = parser.parse_args()
+    names = args.only or list(ROWS)
+    print(f"{'layout':<28} {'GiB':>7} {'fits':>4} {'plan/x':>6} {'overlap':>11} "
+          f"{'conds':>5} {'ms':>8} {'MFU<=':>6} {'comp s':>6}")
+    rows = []
+    for name in names:
+        rows.append(run(name))
+        print(row_text(rows[-1]), flush=True)
+    print("\nGiB: compiled memory a device; plan/x: the planner's bytes over it; overlap: "
+          "collective launches a step with a GEMM, attention or loop in flight / all; conds: "
+          "most conditionals in one loop body; ms and MFU<=: the static cost report "
+          "(jaxptd/hlo.py).")
+    print("reproduce: python bench/h100_compile.py" + (" --only " + " ".join(
+        repr(n) for n in args.only) if args.only else ""))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": str(datetime.date.today()), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

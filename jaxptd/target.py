@@ -1,0 +1,196 @@
+"""The hardware a run is for: one record per device kind, the one place its numbers live.
+
+Owns `runtime.target` (auto | cpu | gpu | h100 | h200 | a100 | a100-40): what a device can
+hold and do (usable memory, dense bf16/fp8 peak, HBM bandwidth, links), the XLA flags a GPU
+run uses (the SLURM launcher prints them with `python -m jaxptd.target --xla-flags`), and
+the description XLA's GPU compiler needs to compile for that device on a machine without
+one (`topology_devices`). The planner's defaults, the step's GPU code paths (cuDNN
+attention, the pipeline's round form, the Pallas backend) and the deviceless H100 check
+read these records; nothing else writes a device number down.
+
+`auto` is what the process sees: the record whose name appears in the first device's kind
+(an unknown GPU gets `gpu`, with no peak or bandwidth), `cpu` on CPU devices. A named
+target must match the devices the step runs on (`resolve` says so in one line), except that
+`topology_devices` makes devices of any GPU target on any machine, to compile (never run).
+
+Numbers are datasheet values for the SXM parts; `memory` is what XLA reports as the
+device's size and `usable` the share a run may take (XLA_PYTHON_CLIENT_MEM_FRACTION, set by
+the launcher: CUDA's context, cuDNN/cuBLAS workspaces and NCCL's buffers need the rest).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+GiB = 2**30
+MEM_FRACTION = 0.90  # of a GPU's memory that XLA may allocate (the launcher exports it)
+
+# XLA flags of a GPU training run (the SLURM launcher and the deviceless check use these;
+# every flag parses on jaxlib 0.10.2, tests/test_launch.py). From NVIDIA's JAX-Toolbox
+# "Tips for High-Performance LLMs with JAX and XLA" and JAX's GPU performance tips.
+GPU_XLA_FLAGS = (
+    # The latency-hiding scheduler moves collectives' start and done apart so compute runs
+    # between them: the pipeline's collective-permutes, tensor all-reduces, data-parallel
+    # reductions.
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    # Pipeline parallelism: send/recv of the stage-to-stage messages overlap computation
+    # (collective-permutes decomposed into send/recv above 1 KiB, pipelined across loop
+    # iterations).
+    "--xla_gpu_enable_pipelined_p2p=true",
+    "--xla_gpu_collective_permute_decomposer_threshold=1024",
+    # Data parallelism: gradient reductions and parameter gathers pipelined across loop
+    # iterations, and large enough to use the links' bandwidth (at least one layer's
+    # gradients or weights per collective).
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
+    "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
+    "--xla_gpu_reduce_scatter_combine_threshold_bytes=134217728",
+    # Unroll loops by two so the next iteration's collectives overlap this one's compute
+    # (the round scans and the layer scan).
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+
+
+@dataclass(frozen=True)
+class Chip:
+    """What XLA's GPU compiler needs to know of a device it cannot see (GpuTargetConfig)."""
+    cores: int  # streaming multiprocessors
+    clock_ghz: float
+    l2_bytes: int
+    shared_per_core: int
+    shared_per_block_optin: int
+    compute_capability: tuple[int, int]
+    description: str  # the device kind the driver reports
+
+
+@dataclass(frozen=True)
+class Target:
+    """One kind of device and the node it sits in. None: not known (CPU, an unknown GPU)."""
+    name: str
+    platform: str  # "cpu" | "gpu": which code paths the step takes
+    memory: float | None = None  # bytes a device has (what XLA reports)
+    peak_bf16: float | None = None  # dense FLOP/s
+    peak_fp8: float | None = None
+    hbm: float | None = None  # bytes/s
+    intra: float | None = None  # bytes/s per direction per GPU inside a node (NVLink)
+    inter: float | None = None  # bytes/s per GPU between nodes (InfiniBand)
+    host_link: float | None = None  # bytes/s per direction host <-> device (PCIe)
+    gpus_per_node: int = 8
+    host_memory: float | None = None  # bytes per node
+    chip: Chip | None = None  # None: no deviceless compile
+
+    @property
+    def usable(self) -> float | None:
+        """Bytes of a device a run may allocate (MEM_FRACTION of it on a GPU)."""
+        if self.memory is None:
+            return None
+        return self.memory * (MEM_FRACTION if self.platform == "gpu" else 1.0)
+
+
+_H100_CHIP = Chip(132, 1.98, 50 * 2**20, 233472, 232448, (9, 0), "NVIDIA H100 80GB HBM3")
+TARGETS = {
+    "cpu": Target("cpu", "cpu"),
+    "gpu": Target("gpu", "gpu"),  # a GPU of no known kind: code paths only
+    "h100": Target("h100", "gpu", memory=84_929_347_584, peak_bf16=989e12, peak_fp8=1979e12,
+                   hbm=3.35e12, intra=450e9, inter=50e9, host_link=64e9,
+                   host_memory=2048e9, chip=_H100_CHIP),
+    "h200": Target("h200", "gpu", memory=150_754_820_096, peak_bf16=989e12, peak_fp8=1979e12,
+                   hbm=4.8e12, intra=450e9, inter=50e9, host_link=64e9, host_memory=2048e9,
+                   chip=Chip(132, 1.98, 60 * 2**20, 233472, 232448, (9, 0), "NVIDIA H200")),
+    "a100": Target("a100", "gpu", memory=85_198_045_184, peak_bf16=312e12, hbm=2.039e12,
+                   intra=300e9, inter=25e9, host_link=25e9, host_memory=1024e9,
+                   chip=Chip(108, 1.41, 40 * 2**20, 167936, 166912, (8, 0),
+                             "NVIDIA A100-SXM4-80GB")),
+    "a100-40": Target("a100-40", "gpu", memory=42_505_273_344, peak_bf16=312e12, hbm=1.555e12,
+                      intra=300e9, inter=25e9, host_link=25e9, host_memory=1024e9,
+                      chip=Chip(108, 1.41, 40 * 2**20, 167936, 166912, (8, 0),
+                                "NVIDIA A100-SXM4-40GB")),
+}
+NAMES = ("auto", *TARGETS)
+# device-kind substrings -> record, most specific first
+_KINDS = (("H200", "h200"), ("H100", "h100"), ("A100-SXM4-40GB", "a100-40"),
+          ("A100-PCIE-40GB", "a100-40"), ("A100", "a100"))
+
+
+class TargetError(ValueError):
+    """A target that does not match the devices; one line."""
+
+
+def by_kind(device_kind: str, platform: str) -> Target:
+    """The record of a device the process sees (auto)."""
+    if platform == "cpu":
+        return TARGETS["cpu"]
+    kind = device_kind.upper()
+    return TARGETS[next((name for key, name in _KINDS if key in kind), "gpu")]
+
+
+def resolve(name: str, devices) -> Target:
+    """runtime.target for the devices a step runs on: auto -> what they are; a named one
+    must be of their platform (a GPU record on GPUs of another kind is allowed: its numbers
+    are then what the planner uses, the devices' own memory still rules)."""
+    seen = by_kind(devices[0].device_kind, devices[0].platform)
+    if name == "auto":
+        return seen
+    target = TARGETS[name]
+    if target.platform != seen.platform:
+        raise TargetError(f"runtime.target={name}: this process's devices are "
+                          f"{devices[0].platform} ({devices[0].device_kind}); use "
+                          f"runtime.target=auto, or `python -m jaxptd.plan --verify "
+                          f"--target {name}` to compile for it without one")
+    return target
+
+
+def gpu_target_config(target: Target) -> str:
+    """The GpuTargetConfig text proto XLA compiles for when the device is absent."""
+    chip = target.chip
+    major, minor = chip.compute_capability
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32
+  shared_memory_per_block: 49152 shared_memory_per_core: {chip.shared_per_core}
+  threads_per_core_limit: 2048 core_count: {chip.cores} fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(target.hbm)} l2_cache_size: {chip.l2_bytes}
+  clock_rate_ghz: {chip.clock_ghz} device_memory_size: {int(target.memory)}
+  shared_memory_per_block_optin: {chip.shared_per_block_optin}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 7 }}
+device_description_str: "{chip.description}"
+"""
+
+
+def topology_devices(target: Target, hosts: int, per_host: int) -> list:
+    """hosts x per_host devices of `target` for XLA's GPU compiler, on any machine (the
+    CUDA plugin must be installed: `pip install -e .[h100]`). They compile, never run."""
+    if target.chip is None:
+        raise TargetError(f"--target {target.name}: no device description to compile for "
+                          f"(known: {', '.join(n for n, t in TARGETS.items() if t.chip)})")
+    from jax.experimental import topologies
+    try:
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=gpu_target_config(target),
+            topology=f"1x{hosts}x{per_host}")
+    except Exception as e:  # noqa: BLE001 -- no CUDA plugin, most likely
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise TargetError(f"--target {target.name}: XLA's CUDA compiler is not installed "
+                          f"here ({first}); `pip install -e '.[h100]'` adds it") from None
+    return list(topology.devices)
+
+
+def compiler_options() -> dict:
+    """GPU_XLA_FLAGS as per-compile options (name -> value), for a compile in a process
+    whose XLA_FLAGS did not set them."""
+    def value(text: str):
+        return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
+    return {name: value(text) for name, text in (f[2:].split("=", 1) for f in GPU_XLA_FLAGS)}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--xla-flags"]:
+        print("usage: python -m jaxptd.target --xla-flags", file=sys.stderr)
+        sys.exit(2)
+    print(" ".join(GPU_XLA_FLAGS))
