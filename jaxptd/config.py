@@ -38,7 +38,12 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; master weights are always float32
     kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
     attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
-    remat: str = "none"  # activation recomputation: none | selective (attention core) | full
+    # activation recomputation: none | minimal (keep matmul outputs and flash attention's
+    # own residuals, recompute norms and activations) | selective (attention core) | full
+    remat: str = "none"
+    # layers as one scan (true: one layer's program, per-layer stacks of kept values) or
+    # unrolled (false: no stacks to fill and copy, longer compiles); auto: unrolled on a GPU
+    scan_layers: str = "auto"
     init_std: float = 0.02
     layernorm_eps: float = 1e-5  # LayerNorm's (RMSNorm's for llama) epsilon
     ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
@@ -214,7 +219,8 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
-    "model.remat": ("none", "selective", "full"),
+    "model.remat": ("none", "minimal", "selective", "full"),
+    "model.scan_layers": ("auto", "true", "false"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
@@ -354,7 +360,8 @@ def describe_keys() -> str:
 # to log, save and evaluate, and how long to train.
 RESUME_FREE = ("parallel.", "runtime.", "checkpoint.", "train.steps", "train.run_dir",
                "train.log_every", "train.eval_every", "train.eval_batches",
-               "train.wandb_project", "model.kernels", "model.attention", "model.remat")
+               "train.wandb_project", "model.kernels", "model.attention", "model.remat",
+               "model.scan_layers")
 
 
 def changed_keys(saved: dict, config: Config) -> list[str]:

@@ -26,13 +26,17 @@ def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
     """Matmul FLOPs of one training iteration over `batch` sequences (eq. 3 of PTD-P for
     the GPT; the architecture's `forward_flops` per token for any).
 
-    recompute: "none", "selective" (the attention core again) or "full" (every layer's
-    forward again: equation (3) itself).
+    recompute: "none", "minimal" (with XLA attention its core again), "selective" (the
+    attention core again) or "full" (every layer's forward again: equation (3) itself).
     """
     from jaxptd.model import get
     per_token = get(model).forward_flops(model, vocab)
     layers = model.num_layers * per_token["layer"]
-    extra = {"none": 0, "selective": model.num_layers * per_token["core"], "full": layers}
+    core = model.num_layers * per_token["core"]
+    extra = {"none": 0, "selective": core, "full": layers,
+             # keeps the matmul outputs: with flash attention nothing recomputed is a
+             # matmul; the XLA attention core's two matmuls are recomputed
+             "minimal": 0 if model.attention == "cudnn" else core}
     return batch * model.seq_len * (3 * (layers + per_token["head"]) + extra[recompute])
 
 

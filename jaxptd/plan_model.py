@@ -120,7 +120,7 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     if offload:
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
-    kept, transient = {"none": (layer, 0.5 * layer),
+    kept, transient = {"none": (layer, 0.5 * layer), "minimal": (layer, 0.5 * layer),
                        "selective": (layer - scores, 0.5 * layer + scores),
                        "full": (stage_input, layer)}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage

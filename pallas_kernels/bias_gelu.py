@@ -68,8 +68,9 @@ def _bias_gelu_bwd(interpret, residuals, dy):
 _bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 
-def _gelu_and_grad(u):
-    """gelu_tanh(u) and its derivative; u f32."""
+def gelu_and_grad(u):
+    """gelu_tanh(u) and its derivative; u f32 (the kernels' math, and jaxptd.model.fused's
+    XLA-fused op's)."""
     t = jnp.tanh(_SQRT_2_OVER_PI * (u + _CUBIC * u * u * u))
     gelu = 0.5 * u * (1.0 + t)
     grad = 0.5 * (1.0 + t) + 0.5 * u * (1.0 - t * t) * _SQRT_2_OVER_PI * (
@@ -91,7 +92,7 @@ def _forward_kernel(x_ref, bias_ref, y_ref, *, rows, n, block_rows, block_n):
     at, ok, col_ok = _tile(pl.program_id(0) * block_rows, c0, rows, n, block_rows, block_n)
     x = backend.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
     bias = backend.load(bias_ref.at[pl.ds(c0, block_n)], mask=col_ok, other=0.0)
-    y, _ = _gelu_and_grad(x + bias.astype(jnp.float32)[None, :])  # [block_rows, block_n]
+    y, _ = gelu_and_grad(x + bias.astype(jnp.float32)[None, :])  # [block_rows, block_n]
     backend.store(y_ref.at[at], y.astype(y_ref.dtype), mask=ok)
 
 
@@ -107,7 +108,7 @@ def _backward_kernel(x_ref, bias_ref, dy_ref, dx_ref, dbias_ref, *, rows, n,
         at, ok, _ = _tile(r0, c0, rows, n, block_rows, block_n)
         x = backend.load(x_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
         dy = backend.load(dy_ref.at[at], mask=ok, other=0.0).astype(jnp.float32)
-        _, grad = _gelu_and_grad(x + bias[None, :])
+        _, grad = gelu_and_grad(x + bias[None, :])
         dx = jnp.where(ok, dy * grad, 0.0)                         # [block_rows, block_n]
         backend.store(dx_ref.at[at], dx.astype(dx_ref.dtype), mask=ok)
         return dbias + jnp.sum(dx, axis=0)

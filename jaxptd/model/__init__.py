@@ -43,7 +43,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import DENSE, DENSE_INPUTS, PERTURBATIONS, Layout
+from jaxptd.model.layers import DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, Layout
 from jaxptd.sharding import mark_varying, varying_axes
 
 
@@ -52,6 +52,15 @@ LAYER_INPUT = "layer_input"
 OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names(
     names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
     offload_src="device", offload_dst="pinned_host")
+# model.remat=minimal: a layer keeps its matmul outputs (named DENSE_OUTPUT by
+# layers.dense) and cuDNN flash attention's own outputs (its context and softmax
+# statistics: the backward never re-runs attention); norms, activations, bias adds and an
+# XLA attention core are recomputed from them. (The cuDNN forward is recognised by its
+# primitive's name, the one thing here not covered by a public constant: the H100 compile
+# test counts one cuDNN forward per layer, so a renamed primitive fails there.)
+MINIMAL = jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT),
+    lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper")
 
 
 def get(cfg: ModelConfig):
@@ -92,12 +101,14 @@ def _read_leaves(fn, tree, *rest) -> list[bool]:
 
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
                  deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None):
-    """Applies a stack of layers (leading axis n) to x [b, s, h] with a scan; batch: the
-    microbatch's rows, from which an architecture may take an attention mask (BERT).
+    """Applies a stack of layers (leading axis n) to x [b, s, h], as a scan or unrolled
+    (`scans_layers`); batch: the microbatch's rows, from which an architecture may take an
+    attention mask (BERT).
 
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
     With model.remat == 'full' each layer's activations are recomputed in the backward pass
-    ('selective' recomputes only the attention core, inside layers.Attention); with
+    ('minimal' keeps the matmul outputs and flash attention's residuals: MINIMAL;
+    'selective' recomputes only the attention core, inside layers.Attention); with
     layout.offload_activations too, and each layer's input waits for it in host memory.
     With `perturbations` (from `perturbations`: zeros added to every dense() output, so
     their gradient is the output gradient), returns (y, the input of every dense() matmul,
@@ -129,11 +140,27 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         one_layer = jax.checkpoint(one_layer, policy=OFFLOAD_LAYER_INPUTS)
     elif cfg.remat == "full":
         one_layer = jax.checkpoint(one_layer)
+    elif cfg.remat == "minimal":  # (FSDP's gathered weights are no matmul output: regathered)
+        one_layer = jax.checkpoint(one_layer, policy=MINIMAL)
     elif keep is not None:  # e.g. parameters gathered for the layer are gathered again
         one_layer = jax.checkpoint(one_layer, policy=keep)
     n = jax.tree.leaves(layers)[0].shape[0]
-    x, inputs = lax.scan(one_layer, x, (layers, jnp.arange(n), perturbations, extra))
+    xs = (layers, jnp.arange(n), perturbations, extra)
+    if scans_layers(cfg, layout):
+        x, inputs = lax.scan(one_layer, x, xs)
+    else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
+        inputs = []
+        for i in range(n):
+            x, tapes = one_layer(x, jax.tree.map(lambda a: a[i], xs))
+            inputs.append(tapes)
+        inputs = jax.tree.map(lambda *t: jnp.stack(t), *inputs) if taped else None
     return (x, inputs) if taped else x
+
+
+def scans_layers(cfg: ModelConfig, layout: Layout) -> bool:
+    """model.scan_layers resolved: auto scans on CPU (compile time) and unrolls on a GPU
+    (no per-layer stacks of kept values: each layer's are buffers of their own)."""
+    return cfg.scan_layers == "true" or (cfg.scan_layers == "auto" and layout.platform != "gpu")
 
 
 def perturbations(layers, x, cfg: ModelConfig, layout: Layout, prepare=None):

@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxptd.config import ModelConfig
-from jaxptd.model import stack
+from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, dense, embedding_dropout,
-                                 enter_tensor, gather_invariant, gelu, layer_norm, normal,
+                                 enter_tensor, gather_invariant, layer_norm, normal,
                                  sequence_slice, vocab_parallel_xent, zeros)
 
 SPECIALS = 4  # [PAD], [CLS], [SEP], [MASK] at vocab_size - 4 ..
@@ -111,8 +111,8 @@ class Heads(nn.Module):
         return jnp.take(self.wtt, types, axis=0).astype(self.cfg.dtype)
 
     def mlm(self, x):  # [b, s, h] -> the transform before the tied output layer [b, s, h]
-        y = gelu(dense(self, "w_mlm", x, self.w_mlm) + self.b_mlm.astype(x.dtype))
-        return self.mlm_norm(y.astype(jnp.float32)).astype(self.cfg.dtype)
+        y = fused.bias_gelu(dense(self, "w_mlm", x, self.w_mlm), self.b_mlm)
+        return self.mlm_norm(y)
 
     def sop(self, x):  # [b, s, h] -> SOP logits [b, 2] float32 from the [CLS] position
         pooled = jnp.tanh(dense(self, "w_pool", x[:, 0], self.w_pool) + self.b_pool.astype(x.dtype))
@@ -159,8 +159,7 @@ def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
     """seq_len x (mean masked-LM loss + SOP loss), summed over the rows (module docstring)."""
     _, _, labels, sop = _columns(batch, cfg)
     heads = Heads(cfg, layout)
-    x = layer_norm(cfg).apply({"params": ends["final_norm"]}, x.astype(jnp.float32))
-    x = x.astype(cfg.dtype)
+    x = layer_norm(cfg).apply({"params": ends["final_norm"]}, x)
     # SP: the whole sequence, gathered for the vocab-parallel MLM head (a reduce-scatter
     # backward) and, typed the same on every rank, for the replicated SOP head
     pooled = x if not layout.split_sequence else gather_invariant(

@@ -41,8 +41,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.config import ModelConfig
+from jaxptd.model import fused
 
 
 @dataclass(frozen=True)
@@ -77,13 +79,15 @@ def psum(x, axis: str | None):
 
 # name -> einsum of (input, weight) for every weight-bearing matmul of the layers.
 DENSE = {
-    "w_qkv": "bsh,hcnd->cbsnd",  # column-parallel (by heads)
+    # q, k and v side by side: the GEMM's own output layout [b s, 3 n d] (a leading c made
+    # XLA transpose it, and transpose the gradient back: two copies a layer)
+    "w_qkv": "bsh,hcnd->bscnd",  # column-parallel (by heads)
     "w_out": "bqnd,ndh->bqh",  # row-parallel: a partial sum over this rank's heads
     "w_fc1": "bsh,hf->bsf",  # column-parallel
     "w_fc2": "bsf,fh->bsh",  # row-parallel: a partial sum over this rank's ffn/t
     # Llama (llama.py)
     "w_q": "bsh,hnd->bsnd",  # column-parallel (by heads)
-    "w_kv": "bsh,hcnd->cbsnd",  # column-parallel by key/value heads (or replicated)
+    "w_kv": "bsh,hcnd->bscnd",  # column-parallel by key/value heads (or replicated)
     "w_o": "bqnd,ndh->bqh",  # row-parallel
     "w_gate": "bsh,hf->bsf",  # column-parallel
     "w_up": "bsh,hf->bsf",  # column-parallel
@@ -95,6 +99,7 @@ DENSE = {
     "w_sop": "bh,hc->bc",
 }
 DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
+DENSE_OUTPUT = "dense_output"  # checkpoint name of every `dense` output (remat=minimal)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
 
 
@@ -105,7 +110,7 @@ def dense(module: nn.Module, name: str, x, w):
     otherwise exactly the einsum.
     """
     module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    y = jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+    y = checkpoint_name(jnp.einsum(DENSE[name], x, w.astype(x.dtype)), DENSE_OUTPUT)
     return module.perturb(name, y, collection=PERTURBATIONS)
 
 
@@ -150,11 +155,6 @@ def gather_invariant(x, axis_name: str, axis: int, size: int):
     return lax.psum(placed, axis_name)
 
 
-def gelu(x):
-    """tanh-approximation GeLU, as GPT-2 and Megatron use."""
-    return jax.nn.gelu(x, approximate=True)
-
-
 def softmax_reference(scores, scale: float, causal: bool = True, mask=None):
     """softmax(scale * scores) over the last axis in float32, keys masked out where the
     bottom-right aligned causal mask or `mask` (True = masked, broadcastable) says.
@@ -168,25 +168,39 @@ def softmax_reference(scores, scale: float, causal: bool = True, mask=None):
     return jax.nn.softmax(logits, axis=-1)
 
 
-def layer_norm(cfg: ModelConfig, name: str | None = None) -> nn.LayerNorm:
-    """Pre-LayerNorm with replicated float32 scale and bias; callers pass float32 input."""
-    return nn.LayerNorm(
-        epsilon=cfg.layernorm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
-        bias_init=zeros(("norm",)),
-    )
+class LayerNorm(nn.Module):
+    """LayerNorm over the last axis with replicated float32 scale and bias: math in float32
+    on x as given, output in the compute dtype; its backward keeps x and the row
+    statistics only (fused.layer_norm)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+        scale = self.param("scale", ones, (x.shape[-1],), jnp.float32)
+        bias = self.param("bias", zeros(("norm",)), (x.shape[-1],), jnp.float32)
+        return fused.layer_norm(x, scale, bias, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype))
 
 
-def rms_norm(cfg: ModelConfig, name: str | None = None) -> nn.RMSNorm:
-    """RMSNorm (Llama) with a replicated float32 scale; callers pass float32 input."""
-    return nn.RMSNorm(
-        epsilon=cfg.layernorm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name,
-        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))
+class RMSNorm(nn.Module):
+    """RMSNorm (Llama) with a replicated float32 scale, as LayerNorm (fused.rms_norm)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
+        scale = self.param("scale", ones, (x.shape[-1],), jnp.float32)
+        return fused.rms_norm(x, scale, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype))
 
 
-def normed(norm, cfg: ModelConfig, name: str, x):
-    """norm(cfg, name) (layer_norm or rms_norm) of x in float32, in the compute dtype."""
-    return norm(cfg, name)(x.astype(jnp.float32)).astype(cfg.dtype)
+def layer_norm(cfg: ModelConfig, name: str | None = None) -> LayerNorm:
+    return LayerNorm(cfg, name=name)
+
+
+def rms_norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
+    return RMSNorm(cfg, name=name)
 
 
 def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mask=None,
@@ -246,8 +260,8 @@ class Attention(nn.Module):
                            (heads, cfg.head_dim, cfg.hidden_size))
         b_out = self.param("b_out", zeros(("embed",)), (cfg.hidden_size,))
 
-        qkv = dense(self, "w_qkv", enter_tensor(x, layout), w_qkv) + b_qkv.astype(dt)[:, None, None]
-        q, k, v = qkv  # each [b, s, heads/t, d]
+        qkv = dense(self, "w_qkv", enter_tensor(x, layout), w_qkv) + b_qkv.astype(dt)
+        q, k, v = (qkv[:, :, i] for i in range(3))  # each [b, s, heads/t, d]
         context, cache = attend(self, q, k, v, deterministic, causal=self.causal, mask=mask,
                                 cache=cache)
         out = dense(self, "w_out", context, w_out)  # partial sum over this rank's heads
@@ -310,7 +324,7 @@ class MLP(nn.Module):
 
             hidden = bias_gelu(hidden, b_fc1.astype(dt), interpret=layout.platform != "gpu")
         else:
-            hidden = gelu(hidden + b_fc1.astype(dt))
+            hidden = fused.bias_gelu(hidden, b_fc1)
         out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's ffn/t
         return exit_tensor(out, layout) + b_fc2.astype(dt)  # g: all-reduce #2
 
@@ -335,9 +349,9 @@ class Block(nn.Module):
     def __call__(self, x, deterministic: bool = True, mask=None, cache=None):
         cfg, layout = self.cfg, self.layout
         h, new_cache = self.attention(cfg, layout, self.causal, name="attn")(
-            normed(self.norm, cfg, "ln1", x), deterministic, mask, cache)
+            self.norm(cfg, "ln1")(x), deterministic, mask, cache)
         x = x + self._dropout(h, deterministic)
-        h = self.mlp(cfg, layout, name="mlp")(normed(self.norm, cfg, "ln2", x))
+        h = self.mlp(cfg, layout, name="mlp")(self.norm(cfg, "ln2")(x))
         x = x + self._dropout(h, deterministic)
         return x if cache is None else (x, new_cache)
 

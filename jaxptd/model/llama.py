@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import ModelConfig
-from jaxptd.model import stack
+from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, enter_tensor,
                                  exit_tensor, normal, residual_std, rms_norm)
 
@@ -70,7 +70,8 @@ class Attention(nn.Module):
 
         x_in = enter_tensor(x, layout)
         q = dense(self, "w_q", x_in, w_q)  # [b, s, n/t, d]
-        k, v = dense(self, "w_kv", x_in, w_kv)  # each [b, s, k/t (or k), d]
+        kv = dense(self, "w_kv", x_in, w_kv)  # [b, s, 2, k/t (or k), d]
+        k, v = kv[:, :, 0], kv[:, :, 1]
         if not sharded and layout.tensor_axis is not None:
             # t / k consecutive ranks share key/value head r // (t / k); the gradient of
             # the replicated weight sums over the ranks (JAX's varying-axes transpose).
@@ -101,7 +102,7 @@ class MLP(nn.Module):
         w_down = self.param("w_down", normal(residual_std(cfg), ("mlp", "embed")),
                             (ffn, cfg.hidden_size))
         x_in = enter_tensor(x, layout)
-        hidden = jax.nn.silu(dense(self, "w_gate", x_in, w_gate)) * dense(self, "w_up", x_in, w_up)
+        hidden = fused.swiglu(dense(self, "w_gate", x_in, w_gate), dense(self, "w_up", x_in, w_up))
         return exit_tensor(dense(self, "w_down", hidden, w_down), layout)  # g: all-reduce #2
 
 
@@ -150,8 +151,8 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
 def logits(ends, x, cfg: ModelConfig, layout: Layout):
     """Final RMSNorm and the output layer: x [b, s, h] ([b, s/t, h] with sequence
     parallelism, gathered by the column-parallel Head) -> [b, s, V/t] float32."""
-    x = rms_norm(cfg).apply({"params": ends["final_norm"]}, x.astype(jnp.float32))
-    return Head(cfg, layout).apply({"params": ends["head"]}, x.astype(cfg.dtype))
+    x = rms_norm(cfg).apply({"params": ends["final_norm"]}, x)
+    return Head(cfg, layout).apply({"params": ends["head"]}, x)
 
 
 embed, head_loss, decode = stack.decoder(Embed, block, logits)

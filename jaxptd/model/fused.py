@@ -1,0 +1,147 @@
+"""Elementwise and norm ops with hand-written backwards that keep only what they need.
+
+Owns the layer's memory-bound ops: LayerNorm, RMSNorm, bias + tanh-GeLU and SwiGLU's gate.
+Autodiff of the plain formulas keeps every intermediate for the backward: a float32
+LayerNorm keeps its float32 input, centred and normalised values (12 bytes an element), a
+tanh-GeLU six [b, s, ffn] pieces. Each op here is a `jax.custom_vjp` whose residuals are
+its inputs as given (the compute dtype) and, for the norms, the float32 per-row statistics
+[..., 1]; the backward recomputes the rest in registers of one fused kernel. Math in
+float32, outputs in the input's dtype. Korthikanti et al. (2022) count a layer's kept
+activations exactly this way (34 s b h bytes: norm and GeLU inputs, not their insides).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.bias_gelu import gelu_and_grad  # the GeLU's math, kernels' and ours
+
+
+def _recompute(residuals):
+    """The residuals behind an optimization barrier: XLA would otherwise see that the
+    backward recomputes what the forward computed (the GeLU's tanh, a norm's centred
+    values) and keep the forward's [b, s, ffn] float32 values for it instead (seen in the
+    compiled H100 program): the memory these ops exist to save. jax.checkpoint does the
+    same (its prevent_cse)."""
+    return jax.lax.optimization_barrier(residuals)
+
+
+def _row_sum(x, like):
+    """x summed over every axis but the last, shaped and typed like `like` ([n])."""
+    return jnp.sum(x, axis=tuple(range(x.ndim - 1))).astype(like.dtype)
+
+
+# --------------------------------------------------------------------------- norms
+
+
+def _norm_stats(x, eps: float, center: bool):
+    """(mean or 0, 1 / sqrt(var + eps)) over the last axis, float32 [..., 1], from one
+    pass over x (E[x] and E[x^2], as Flax's fast variance; a second pass for the centred
+    variance read x again)."""
+    x = x.astype(jnp.float32)
+    mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    if not center:
+        return jnp.zeros((), jnp.float32), jax.lax.rsqrt(mean_square + eps)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.maximum(mean_square - jnp.square(mean), 0.0)
+    return mean, jax.lax.rsqrt(var + eps)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def layer_norm(x, scale, bias, eps: float, dtype):
+    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis -> dtype."""
+    mean, rstd = _norm_stats(x, eps, True)
+    return ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(dtype)
+
+
+def _layer_norm_fwd(x, scale, bias, eps, dtype):
+    mean, rstd = _norm_stats(x, eps, True)
+    y = ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(dtype)
+    return y, (x, scale, bias, mean, rstd)
+
+
+def _layer_norm_bwd(eps, dtype, residuals, dy):
+    x, scale, bias, mean, rstd = _recompute(residuals)
+    xhat = (x.astype(jnp.float32) - mean) * rstd
+    dy = dy.astype(jnp.float32)
+    g = dy * scale  # d xhat
+    dx = rstd * (g - jnp.mean(g, axis=-1, keepdims=True)
+                 - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), _row_sum(dy * xhat, scale), _row_sum(dy, bias)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def rms_norm(x, scale, eps: float, dtype):
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis -> dtype."""
+    _, rstd = _norm_stats(x, eps, False)
+    return (x.astype(jnp.float32) * rstd * scale).astype(dtype)
+
+
+def _rms_norm_fwd(x, scale, eps, dtype):
+    _, rstd = _norm_stats(x, eps, False)
+    return (x.astype(jnp.float32) * rstd * scale).astype(dtype), (x, scale, rstd)
+
+
+def _rms_norm_bwd(eps, dtype, residuals, dy):
+    x, scale, rstd = _recompute(residuals)
+    xhat = x.astype(jnp.float32) * rstd
+    dy = dy.astype(jnp.float32)
+    g = dy * scale
+    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), _row_sum(dy * xhat, scale)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+@jax.custom_vjp
+def bias_gelu(x, bias):
+    """gelu_tanh(x + bias) -> x's dtype; keeps x and bias, nothing of the GeLU."""
+    return gelu_and_grad(x.astype(jnp.float32) + bias.astype(jnp.float32))[0].astype(x.dtype)
+
+
+def _bias_gelu_fwd(x, bias):
+    return bias_gelu(x, bias), (x, bias)
+
+
+def _bias_gelu_bwd(residuals, dy):
+    x, bias = _recompute(residuals)
+    _, grad = gelu_and_grad(x.astype(jnp.float32) + bias.astype(jnp.float32))
+    dx = (dy.astype(jnp.float32) * grad).astype(x.dtype)
+    # the bias sum reads dx as stored: summing the float32 values made XLA write them out
+    # ([b, s, ffn] float32) for a second kernel
+    return dx, _row_sum(dx.astype(jnp.float32), bias)
+
+
+bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+
+
+@jax.custom_vjp
+def swiglu(gate, up):
+    """silu(gate) * up -> gate's dtype; keeps gate and up (the two matmul outputs)."""
+    g = gate.astype(jnp.float32)
+    return (g * jax.nn.sigmoid(g) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
+def _swiglu_fwd(gate, up):
+    return swiglu(gate, up), (gate, up)
+
+
+def _swiglu_bwd(residuals, dy):
+    gate, up = _recompute(residuals)
+    g, u, dy = gate.astype(jnp.float32), up.astype(jnp.float32), dy.astype(jnp.float32)
+    sig = jax.nn.sigmoid(g)
+    silu = g * sig
+    d_gate = dy * u * sig * (1.0 + g * (1.0 - sig))
+    return d_gate.astype(gate.dtype), (dy * silu).astype(up.dtype)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
