@@ -20,8 +20,9 @@ Invariants:
 - Restore reads into the shardings of the abstract (logical) state it is given: each device
   reads only its shards, so a checkpoint restores at any (data, pipe, tensor, chunks) and
   process count. Leaves whose shape differs only in padded vocabulary rows (128 x tensor
-  padding) are read at their saved shape and padded with zeros or sliced: padding rows
-  never take part in the loss. A whole step whose arrays differ otherwise is a
+  padding) are read at their saved shape and padded with zeros or sliced: the padding is
+  zeros from initialisation on (jaxptd/model/stack.py), so this gives what a run
+  initialised at the new size would hold. A whole step whose arrays differ otherwise is a
   CheckpointError ("a different model").
 - Training never starts from garbage: a step that fails the cheap checks, fails to read,
   or whose arrays do not match their checksums, on any process, is reported in one line

@@ -6,7 +6,8 @@ training run resumes with. Each fault must end in a bitwise-exact state of a goo
 (the damaged one when the damage cannot matter, else the previous one, with one warning
 line), or in one CheckpointError line when no good step is left; never an exception
 of another kind, never a good step lost. The multi-process checkpoint's walk is in
-tests/test_multihost.py (it reuses the 4-process runs there).
+tests/test_multihost.py (it reuses the 4-process runs there), with the restores into
+other layouts; here, a restore at another tensor size (another padded vocabulary).
 """
 import shutil
 import subprocess
@@ -79,6 +80,22 @@ def test_whole_checkpoint_of_another_model_is_a_different_model(saved):
     with pytest.raises(CheckpointError, match="different model"):
         restore_latest(other, directory)
     assert (directory / "2").is_dir() and (directory / "1").is_dir()
+
+
+@pytest.mark.parametrize("tensor", [1, 8])
+def test_restore_at_another_tensor_size_is_the_state_initialised_there(tmp_path, tensor):
+    """A fresh Llama state saved at tensor 2 (vocabulary 257 padded to 512; its untied head
+    padded by columns) restores at tensor 1 (384: the padding cut) and 8 (1024: padded with
+    zeros) bitwise as the state a run initialises there: the padding is zeros either way."""
+    extra = (*EXTRA, "model.arch=llama", "model.vocab_size=257")
+    source = make_setup(1, 1, 2, extra)
+    ckpt = Checkpointer(str(tmp_path), 1, 10, metadata=layout_metadata(source.config, 1))
+    ckpt.save(1, source.init_state(0))
+    ckpt.close()
+    target = make_setup(1, 1, tensor, extra)
+    state, step = restore_latest(target, tmp_path)
+    assert step == 1 and state["params"]["head"]["w_head"].shape[1] == target.vocab
+    assert_same_state(state, target.init_state(0))
 
 
 def test_inspect_reports_damage_and_the_step_a_run_resumes_from(saved, tmp_path):

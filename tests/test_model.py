@@ -73,7 +73,7 @@ def test_pallas_kernels_match_xla(where, request):
 
 def test_megatron_initialisation():
     """N(0, 0.02) weights; residual output projections N(0, 0.02 / sqrt(2L)); biases zero;
-    LayerNorm scale one; every layer drawn independently."""
+    LayerNorm scale one; padded vocabulary rows zero; every layer drawn independently."""
     layers = 4
     config = load_config(None, [f"model.num_layers={layers}", "model.hidden_size=256",
                                 "model.num_heads=4", "model.seq_len=64"])
@@ -83,7 +83,8 @@ def test_megatron_initialisation():
     std, out_std = 0.02, 0.02 / math.sqrt(2 * layers)
     attn, mlp = params["layers"]["attn"], params["layers"]["mlp"]
     expected_std = {
-        "wte": (params["embed"]["wte"], std), "wpe": (params["embed"]["wpe"], std),
+        "wte": (params["embed"]["wte"][:config.model.vocab_size], std),
+        "wpe": (params["embed"]["wpe"], std),
         "w_qkv": (attn["w_qkv"], std), "w_fc1": (mlp["w_fc1"], std),
         "w_out": (attn["w_out"], out_std), "w_fc2": (mlp["w_fc2"], out_std),
     }
@@ -94,6 +95,8 @@ def test_megatron_initialisation():
     for name, bias in [("b_qkv", attn["b_qkv"]), ("b_out", attn["b_out"]),
                        ("b_fc1", mlp["b_fc1"]), ("b_fc2", mlp["b_fc2"])]:
         assert np.all(np.asarray(bias) == 0), name
+    assert vocab > config.model.vocab_size
+    assert np.all(np.asarray(params["embed"]["wte"][config.model.vocab_size:]) == 0)
     norms = [params["layers"]["ln1"], params["layers"]["ln2"], params["final_norm"]]
     for norm in norms:
         assert np.all(np.asarray(norm["scale"]) == 1) and np.all(np.asarray(norm["bias"]) == 0)

@@ -1,12 +1,18 @@
 """fp32 parity: every (data, pipe=1, tensor) layout, with ZeRO-1 too where data > 1,
-computes the losses and gradients of the single-device program (rtol 1e-5)."""
+computes the losses and gradients of the single-device program (rtol 1e-5); and every
+layout, each architecture's, starts from the same model: the initialiser run at the layout
+gives the single device's logical parameters bitwise, zero padding, and its first loss."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (assert_trees_close, fixed_batches, make_setup, placed_state,
-                     reference_loss_and_grads, reference_losses)
+from helpers import (assert_same_state, assert_trees_close, fixed_batches, make_setup,
+                     placed_state, reference_loss, reference_loss_and_grads, reference_losses)
+from jax.sharding import PartitionSpec as P
+
 from jaxptd.step import build_grads, build_train_step
 
 # ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
@@ -38,13 +44,6 @@ def test_losses_and_gradients_match_single_device(data, pipe, tensor, zero1):
         losses.append(float(metrics["loss"]))
     np.testing.assert_allclose(losses, reference_losses(config, setup.vocab, params0, batches),
                                rtol=1e-5)
-
-
-def test_initialisation_is_layout_independent():
-    """Parameters initialised into (2,1,4) shardings equal the single-device ones."""
-    sharded = make_setup(2, 1, 4)
-    single = make_setup(1, 1, 1, [f"model.vocab_size={sharded.vocab}"])
-    assert_trees_close(sharded.init_state(0)["params"], single.init_state(0)["params"], rtol=0)
 
 
 def test_zero1_shards_optimizer_state_over_data():
@@ -85,3 +84,88 @@ def test_float16_dynamic_loss_scale_skips_overflow():
     assert_trees_close(state["params"], before, rtol=0)  # and the update skipped
     state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"]))
+
+
+# --------------------------------------------------------------------------- the starting point
+
+# 257 pads to 384 at tensor 1, 512 at 2 and 4, 1024 at 8 (a multiple of 128 x tensor).
+START = ["model.vocab_size=257", "train.seed=3"]
+ARCHS = {"gpt": [], "llama": ["model.arch=llama", "model.ffn_size=24", "model.num_kv_heads=4"],
+         "bert": ["model.arch=bert"]}
+FSDP, SP = "parallel.fsdp=true", "parallel.sequence_parallel=true"
+
+
+def _schedule(name, chunks=1):
+    return [f"parallel.schedule={name}", f"parallel.chunks={chunks}", "parallel.microbatches=4"]
+
+
+# (data, pipe, tensor, extra): every architecture at each tensor size (its padding), data,
+# FSDP, SP and a pipeline; the other schedules shared out (the ends are laid out on the
+# pipe the same way by each). The fast subset keeps one layout of each architecture.
+LAYOUTS = [(1, 1, 2, []), (8, 1, 1, []), (2, 1, 4, ["optimizer.zero1=true", SP]),
+           (1, 1, 8, []), (4, 1, 2, [FSDP]), (2, 2, 2, [FSDP, SP, *_schedule("1f1b")])]
+SCHEDULES = {"gpt": [(1, 2, 2, _schedule("gpipe")), (1, 2, 4, _schedule("zb-interleaved", 2))],
+             "llama": [(1, 2, 2, _schedule("zb-h1")), (1, 2, 2, _schedule("interleaved", 2))],
+             "bert": [(1, 2, 2, _schedule("gpipe")), (1, 2, 2, _schedule("zb-h1"))]}
+FAST = {("llama", 1, 1, 2), ("gpt", 2, 2, 2), ("bert", 2, 1, 4)}
+START_CASES = [pytest.param(arch, *layout, marks=() if (arch, *layout[:3]) in FAST
+                            else pytest.mark.slow)
+               for arch in ARCHS for layout in LAYOUTS + SCHEDULES[arch]]
+
+
+def vocab_split(tree, axes, vocab_size: int):
+    """(each leaf's real vocabulary part, the list of its padding parts): leaves cut at
+    vocab_size along their axes named 'vocab' in `axes` (logical names, like the tree)."""
+    def cut(x, names, part):
+        return np.asarray(x)[tuple(part if n == "vocab" else slice(None) for n in names)]
+    tree = jax.device_get(tree)
+    names = jax.tree.leaves(axes, is_leaf=lambda n: isinstance(n, P))
+    real = jax.tree.map(lambda x, n: cut(x, n, slice(0, vocab_size)), tree, axes)
+    padding = [cut(x, n, slice(vocab_size, None))
+               for x, n in zip(jax.tree.leaves(tree), names) if "vocab" in n]
+    return real, padding
+
+
+@functools.lru_cache(maxsize=None)
+def single_device_start(arch):
+    """The single device's logical parameters (padding cut off) and first loss, the plain
+    program's (helpers.reference_loss), for the architecture's model."""
+    setup = make_setup(1, 1, 1, ARCHS[arch] + START)
+    config, vocab = setup.config, setup.vocab
+    params = jax.device_get(jax.jit(setup.arch.init_params, static_argnums=(0, 1))(
+        config.model, vocab, jax.random.key(config.train.seed)))
+    loss = float(jax.jit(lambda p: reference_loss(config, vocab, p, fixed_batches(
+        config, 1)[0]))(params))
+    axes = setup.arch.logical_axes(config.model, vocab)
+    return vocab_split(params, axes, config.model.vocab_size)[0], loss
+
+
+@pytest.mark.parametrize("arch, data, pipe, tensor, extra", START_CASES,
+                         ids=lambda x: x if not isinstance(x, list) else "+".join(x) or "plain")
+def test_every_layout_starts_from_the_same_model(arch, data, pipe, tensor, extra):
+    """The initialiser at the layout (its own padded vocabulary and shardings) gives the
+    single device's logical parameters bitwise and zeros in the padding; its first loss
+    is the single device's to fp32 rounding; two training steps leave the padding of the
+    parameters and of the Adam moments zero (their gradients are zero: padded ids never
+    take probability nor are looked up)."""
+    setup = make_setup(data, pipe, tensor, ARCHS[arch] + START + list(extra))
+    config = setup.config
+    vocab_size = config.model.vocab_size
+    axes = setup.arch.logical_axes(config.model, setup.vocab, tensor)
+    state = setup.init_state(config.train.seed)
+    params, padding = vocab_split(setup.to_logical(state["params"]), axes, vocab_size)
+    expected, expected_loss = single_device_start(arch)
+    assert_same_state(params, expected)
+    assert padding and all(np.all(p == 0) for p in padding), setup.vocab
+
+    step, losses = build_train_step(setup), []
+    for batch in fixed_batches(config, 2):
+        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses[0], expected_loss, rtol=1e-6)
+    adam = state["opt_state"][1][0]  # ScaleByAdamState of the adamw chain
+    for tree in (state["params"], adam.mu, adam.nu):
+        _, padding = vocab_split(setup.to_logical(tree), axes, vocab_size)
+        assert all(np.all(p == 0) for p in padding)
+    trained = vocab_split(setup.to_logical(state["params"]), axes, vocab_size)[0]
+    assert not np.array_equal(trained["embed"]["wte"], params["embed"]["wte"])  # it trains

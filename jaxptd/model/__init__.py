@@ -5,7 +5,9 @@ nothing else branches on the architecture.
 An architecture module defines, over a parameter tree {'layers': [L, ...] stacked layer
 leaves, plus the "ends" (every other top-level key: embedding, final norm, output layer)}:
 
-    init_params(cfg, vocab, key)                  global float32 parameters
+    init_params(cfg, vocab, key)                  global float32 parameters, drawn at
+                                                  model.vocab_size and zero-padded to the
+                                                  padded vocabulary `vocab` (stack.py)
     logical_axes(cfg, vocab, tensor)              their logical axis names (PartitionSpecs;
                                                   a few depend on the tensor size)
     embed(ends, batch, key, cfg, layout, deterministic)   batch [b, W] -> x [b, s, h]

@@ -123,11 +123,13 @@ def block(cfg: ModelConfig, layout: Layout) -> Block:
     return Block(cfg, layout, causal=False)
 
 
+def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
+    return Embed(cfg, layout, cfg.seq_len)
+
+
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
-    layout = Layout(vocab)
-    return stack.boxed_init(cfg, key, block(cfg, layout),
-                            {"embed": (Embed(cfg, layout, cfg.seq_len), True),
-                             "heads": (Heads(cfg, layout), False)},
+    return stack.boxed_init(cfg, vocab, key, block,
+                            {"embed": (_embed, True), "heads": (Heads, False)},
                             {"final_norm": layer_norm(cfg)})
 
 
@@ -142,7 +144,7 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
 def embed(ends, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
     """BERT rows [b, 3 s + 1] -> token + position + type embeddings [b, s, h], dropout."""
     ids, types, _, _ = _columns(batch, cfg)
-    x = Embed(cfg, layout, cfg.seq_len).apply({"params": ends["embed"]}, ids)
+    x = _embed(cfg, layout).apply({"params": ends["embed"]}, ids)
     types = Heads(cfg, layout).apply({"params": ends["heads"]}, types, method=Heads.types)
     x = x + sequence_slice(types, layout, axis=1)  # [b, s/t, h] with sequence parallelism
     return embedding_dropout(x, key, cfg, layout, deterministic)
@@ -166,8 +168,7 @@ def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
         x, layout.tensor_axis, 1, layout.tensor)
     x = enter_tensor(x, layout)
     y = heads.apply({"params": ends["heads"]}, x, method=Heads.mlm)
-    logits = Embed(cfg, layout, cfg.seq_len).apply({"params": ends["embed"]}, y,
-                                                   method=Embed.logits)
+    logits = _embed(cfg, layout).apply({"params": ends["embed"]}, y, method=Embed.logits)
     logits = logits + ends["heads"]["b_vocab"]  # [b, s, V/t]
     token_loss = vocab_parallel_xent(logits, jnp.maximum(labels, 0), cfg, layout,
                                      classes=cfg.vocab_size - SPECIALS)  # never a special

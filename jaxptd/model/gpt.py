@@ -33,8 +33,7 @@ def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
     """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
-    layout = Layout(vocab)
-    return stack.boxed_init(cfg, key, block(cfg, layout), {"embed": (_embed(cfg, layout), True)},
+    return stack.boxed_init(cfg, vocab, key, block, {"embed": (_embed, True)},
                             {"final_norm": layer_norm(cfg)})
 
 

@@ -52,7 +52,7 @@ class Layout:
     """How the model functions see the parameters: global (tensor=1, no collectives) for the
     single-device reference and initialisation, or one tensor rank's shards inside the
     manual shard_map (tensor=t, collectives over `tensor_axis`)."""
-    vocab: int  # padded vocabulary (global)
+    vocab: int  # padded vocabulary (global); the real one to draw parameters (stack.boxed_init)
     tensor: int = 1  # parameter shapes are global / tensor
     tensor_axis: str | None = None  # collectives over this axis; None: a single device
     sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]

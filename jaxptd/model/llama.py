@@ -125,9 +125,7 @@ def block(cfg: ModelConfig, layout: Layout) -> Block:
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
     """Global parameters as Flax `Partitioned` boxes (values plus logical names)."""
-    layout = Layout(vocab)
-    return stack.boxed_init(cfg, key, block(cfg, layout),
-                            {"embed": (Embed(cfg, layout), True), "head": (Head(cfg, layout), False)},
+    return stack.boxed_init(cfg, vocab, key, block, {"embed": (Embed, True), "head": (Head, False)},
                             {"final_norm": rms_norm(cfg)})
 
 

@@ -1,9 +1,16 @@
-"""What the decoders share: stacked initialisation with logical names, the scan over layers
-with a KV cache (decoding; training's layer scan is jaxptd.model.apply_layers), and their
-interface functions.
+"""What the architectures share: stacked initialisation with logical names (every
+architecture's), and for the decoders the scan over layers with a KV cache (decoding;
+training's layer scan is jaxptd.model.apply_layers) and their interface functions.
 
 Layers are `layers.Block`s whose parameters are stacked on a leading [L] axis named
 'layers'; layer i of a stack draws dropout from fold_in(key, i).
+
+Initialisation does not depend on the layout: every parameter is drawn at the real
+vocabulary (model.vocab_size), and its axes named 'vocab' are then padded with zeros to the
+layout's padded vocabulary (128 x tensor), so one seed gives bitwise the same logical
+parameters at every tensor size. The padding stays zero in training: padded ids are never
+looked up and never take probability (layers.vocab_parallel_xent), so their gradients and
+Adam moments are zero, and AdamW's decay of a zero is zero.
 """
 from __future__ import annotations
 
@@ -13,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
+from jaxptd.model.layers import Layout
 
 
 def init_layers(block: nn.Module, cfg: ModelConfig, key, x):
@@ -43,22 +51,33 @@ def decode_layers(block: nn.Module, layers, x, cache, start):
     return lax.scan(one_layer, x, (layers, *cache))
 
 
-def boxed_init(cfg: ModelConfig, key, block: nn.Module, keyed: dict, norms: dict):
-    """Global parameters as Flax boxes: {'layers': cfg.num_layers blocks} plus the ends.
+def boxed_init(cfg: ModelConfig, vocab: int, key, block, keyed: dict, norms: dict):
+    """Global parameters as Flax boxes: {'layers': cfg.num_layers blocks} plus the ends,
+    padded to the vocabulary `vocab` (module docstring).
 
-    keyed: {name: (module, takes_tokens)} drawn with their own keys (in this order, the
-    layers' key last); norms: {name: module} (ones and zeros: no key). Example inputs are
-    [1, s] tokens or [1, s, h] activations.
+    block: the layer's factory of (cfg, layout); keyed: {name: (factory of (cfg, layout),
+    takes_tokens)} drawn with their own keys (in this order, the layers' key last); norms:
+    {name: module} (ones and zeros: no key). The factories get the global layout of the
+    real vocabulary. Example inputs are [1, s] tokens or [1, s, h] activations.
     """
+    drawn = Layout(cfg.vocab_size)
     tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
     x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
     *keys, k_layers = jax.random.split(key, len(keyed) + 1)
-    tree = {name: module.init(k, tokens if takes_tokens else x)["params"]
-            for (name, (module, takes_tokens)), k in zip(keyed.items(), keys)}
+    tree = {name: make(cfg, drawn).init(k, tokens if takes_tokens else x)["params"]
+            for (name, (make, takes_tokens)), k in zip(keyed.items(), keys)}
     tree.update({name: norm.init(jax.random.key(0), x.astype(jnp.float32))["params"]
                  for name, norm in norms.items()})
-    tree["layers"] = init_layers(block, cfg, k_layers, x)
-    return tree
+    tree["layers"] = init_layers(block(cfg, drawn), cfg, k_layers, x)
+    return jax.tree.map(lambda box: _pad_vocab(box, vocab), tree,
+                        is_leaf=lambda b: isinstance(b, nn.Partitioned))
+
+
+def _pad_vocab(box: nn.Partitioned, vocab: int) -> nn.Partitioned:
+    """A box drawn at the real vocabulary with zeros appended along its 'vocab' axes."""
+    widths = [(0, vocab - size if name == "vocab" else 0)
+              for name, size in zip(box.names, box.value.shape)]
+    return box.replace_boxed(jnp.pad(box.value, widths))
 
 
 def decoder(embed_module, block, logits):
