@@ -16,7 +16,16 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxptd.sharding import mark_varying, varying_axes
 from pallas_kernels.bias_gelu import gelu_and_grad  # the GeLU's math, kernels' and ours
+
+
+def _varying_like(x, *params):
+    """params cast to vary over the manual mesh axes x varies over (inside shard_map): a
+    custom backward must return each cotangent typed like its input, so the sum over
+    those axes (a norm's scale with sequence parallelism: each tensor rank holds other
+    tokens) is left to autodiff of this cast, which is that psum."""
+    return mark_varying(params, tuple(sorted(varying_axes(x))))
 
 
 def _recompute(residuals):
@@ -49,9 +58,13 @@ def _norm_stats(x, eps: float, center: bool):
     return mean, jax.lax.rsqrt(var + eps)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def layer_norm(x, scale, bias, eps: float, dtype):
     """(x - mean) / sqrt(var + eps) * scale + bias over the last axis -> dtype."""
+    return _layer_norm(x, *_varying_like(x, scale, bias), eps, dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _layer_norm(x, scale, bias, eps: float, dtype):
     mean, rstd = _norm_stats(x, eps, True)
     return ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(dtype)
 
@@ -72,12 +85,16 @@ def _layer_norm_bwd(eps, dtype, residuals, dy):
     return dx.astype(x.dtype), _row_sum(dy * xhat, scale), _row_sum(dy, bias)
 
 
-layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+_layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
+def rms_norm(x, scale, eps: float, dtype):
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis -> dtype."""
+    return _rms_norm(x, *_varying_like(x, scale), eps, dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def rms_norm(x, scale, eps: float, dtype):
-    """x / sqrt(mean(x^2) + eps) * scale over the last axis -> dtype."""
+def _rms_norm(x, scale, eps: float, dtype):
     _, rstd = _norm_stats(x, eps, False)
     return (x.astype(jnp.float32) * rstd * scale).astype(dtype)
 
@@ -96,20 +113,24 @@ def _rms_norm_bwd(eps, dtype, residuals, dy):
     return dx.astype(x.dtype), _row_sum(dy * xhat, scale)
 
 
-rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 # --------------------------------------------------------------------------- activations
 
 
-@jax.custom_vjp
 def bias_gelu(x, bias):
     """gelu_tanh(x + bias) -> x's dtype; keeps x and bias, nothing of the GeLU."""
+    return _bias_gelu(x, *_varying_like(x, bias))
+
+
+@jax.custom_vjp
+def _bias_gelu(x, bias):
     return gelu_and_grad(x.astype(jnp.float32) + bias.astype(jnp.float32))[0].astype(x.dtype)
 
 
 def _bias_gelu_fwd(x, bias):
-    return bias_gelu(x, bias), (x, bias)
+    return _bias_gelu(x, bias), (x, bias)
 
 
 def _bias_gelu_bwd(residuals, dy):
@@ -121,7 +142,7 @@ def _bias_gelu_bwd(residuals, dy):
     return dx, _row_sum(dx.astype(jnp.float32), bias)
 
 
-bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+_bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
 
 
 @jax.custom_vjp
