@@ -87,6 +87,10 @@ def test_bubble_interleaved_below_p_microbatches(p, v, m):
 
 def test_interleaved_with_one_chunk_is_1f1b():
     assert make_schedule("interleaved", 4, 8, 1).actions == make_schedule("1f1b", 4, 8).actions
+    for m in (4, 5, 8):  # one action a round (m < 2p - 2) and W's in the slots
+        zb = make_schedule("zb-interleaved", 4, m, 1)
+        assert zb.actions == make_schedule("zb-h1", 4, m).actions, m
+        assert simulate(zb).bubble_fraction == pytest.approx(1 / m), m  # (p-1)/(3m)
 
 
 def test_interleaved_matches_megatron_order_when_m_is_multiple_of_p():
@@ -304,14 +308,14 @@ def test_cli_png_draws(tmp_path):
 
 
 @pytest.mark.parametrize("p", range(1, 9))
-def test_zb_h1_bubble_is_paper_formula_from_2p_minus_2(p):
-    """Uniform costs: (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) = (p-1)/(3m) for m >= 2p-2; below,
-    the lockstep warm-up costs (2p-2-m) more slots (schedules.py docstring)."""
-    for m in range(p, 8 * p + 1):
+def test_zb_h1_bubble_is_paper_formula_for_every_m_from_p(p):
+    """Uniform costs: (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) = (p-1)/(3m) for every m >= p, at
+    a peak stash of min(m, 2p-1) (counted from a stage input's arrival to its W)."""
+    for m in range(p, 4 * p + 1):
         stats = simulate(make_schedule("zb-h1", p, m), UNIFORM)
         assert stats.paper_bubble == pytest.approx((p - 1) / (3 * m))
-        expected = (p - 1 + max(0, 2 * p - 2 - m)) / (3 * m)
-        assert stats.bubble_fraction == pytest.approx(expected), m
+        assert stats.bubble_fraction == pytest.approx((p - 1) / (3 * m)), m
+        assert max(stats.peak_stash) == min(m, 2 * p - 1), m
         assert stats.async_total_time <= stats.total_time + 1e-9
 
 
