@@ -304,7 +304,7 @@ def test_train_cli_pipelined_equals_unpipelined(tmp_path):
         "parallel.schedule=zb-h1"])
     np.testing.assert_allclose([r["loss"] for r in zero], [r["loss"] for r in plain],
                                rtol=1e-5)
-    # p = m = 2: (p - 1 + max(0, 2p - 2 - m)) / (3 m), the paper's (p-1)/(3m)
+    # p = m = 2: the paper's (p-1)/(3m)
     assert compiled[0]["bubble_fraction"] == pytest.approx(1 / 6)
 
 
