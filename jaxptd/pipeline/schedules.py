@@ -52,6 +52,7 @@ to its W, as the lowering counts it) is min(m, 2p - 1) on the busiest rank at ev
 from __future__ import annotations
 
 import sys
+from collections import deque
 from dataclasses import dataclass, replace
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved")
@@ -183,24 +184,24 @@ def _zero_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> Schedule:
     cost least under costs; on a tie, the one with fewer rounds."""
     makings = [_weight_grads_in_slots(kind, p, m, v, costs)]
     if v == 1:  # zb-h1, and zb-interleaved with one chunk (the same schedule)
-        makings.append(_one_per_round(kind, p, m))
+        one = _one_per_round(kind, p, m)
+        makings.append((one, pack_rounds(one)))
 
-    def price(schedule: Schedule) -> tuple:
-        packed = pack_rounds(schedule, costs)
-        return round(packed_time(packed, costs, True, v), 9), len(packed)
-    return min(makings, key=price)
+    def price(making: tuple) -> tuple:
+        return round(packed_time(making[1], costs, True, v), 9), len(making[1])
+    return min(makings, key=price)[0]
 
 
-def _weight_grads_in_slots(kind: str, p: int, m: int, v: int, costs: Costs) -> Schedule:
-    """The base kind's F/B order with each rank's W's placed by `_place_weight_grads`: the
-    per-rank order as packed."""
+def _weight_grads_in_slots(kind: str, p: int, m: int, v: int, costs: Costs) -> tuple:
+    """(the base kind's F/B order with each rank's W's placed by `_place_weight_grads`,
+    the per-rank order as packed; its packed rounds)."""
     base = make_schedule(ZERO_BUBBLE[kind], p, m, v)
     draft = replace(base, kind=kind, actions=tuple(
         acts + tuple(Action("W", a.microbatch, a.chunk) for a in acts if a.kind == "B")
         for acts in base.actions))
     packed = pack_rounds(draft, costs)
     return replace(draft, actions=tuple(
-        tuple(a for row in packed for a in row[r] if a) for r in range(p)))
+        tuple(a for row in packed for a in row[r] if a) for r in range(p))), packed
 
 
 def _one_per_round(kind: str, p: int, m: int) -> Schedule:
@@ -336,7 +337,7 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
             live[r] += arrived[r]
             cap = max(cap, live[r])
             live[r] -= ba is not None
-    queues = [[a for a in acts if a.kind == "W"] for acts in schedule.actions]
+    queues = [deque(a for a in acts if a.kind == "W") for acts in schedule.actions]
     backward_done, held, out, t = set(), [0] * p, [], 0  # held: arrived, W not done
     while t < len(packed) or any(queues):
         row = packed[t] if t < len(packed) else [(None, None, None)] * p
@@ -350,14 +351,14 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
                 backward_done
             coming = arrivals[t + 1][r] if t + 1 < len(packed) else 0
             if ready and (held[r] + coming > cap or t >= len(packed)):
-                chosen[r] = queues[r].pop(0)
+                chosen[r] = queues[r].popleft()
                 work[r] += costs.wgt / v
         round_cost = max(work)
         for r in range(p):
             ready = queues[r] and (r, queues[r][0].microbatch, queues[r][0].chunk) in \
                 backward_done
             if chosen[r] is None and ready and work[r] + costs.wgt / v <= round_cost + 1e-12:
-                chosen[r] = queues[r].pop(0)
+                chosen[r] = queues[r].popleft()
             held[r] -= chosen[r] is not None
         assert t < len(packed) or any(chosen), "a W that no B precedes (validate's rule)"
         out.append([(fa, ba, wa) for (fa, ba, _), wa in zip(row, chosen)])
