@@ -287,6 +287,19 @@ def test_cli_bad_arguments(args):
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+def test_cli_refuses_a_schedule_too_large_to_simulate_at_once():
+    """p = 64, m = 100000 is 12.8 million actions (over a minute of silence before): one
+    error line, within seconds, naming the limit, the paper's bubble and what to do."""
+    out = subprocess.run([sys.executable, "-m", "jaxptd.pipeline.schedules", "--kind",
+                          "1f1b", "--stages", "64", "--microbatches", "100000"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    [line] = out.stderr.splitlines()
+    assert line.startswith("error: --stages 64 x --microbatches 100000 is 12,800,000 actions")
+    assert f"{sim.MAX_ACTIONS:,}" in line and "--microbatches" in line
+    assert "0.00063" in line  # (p-1)/m, the paper's bubble
+
+
 def test_cli_png_without_matplotlib(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     with pytest.raises(SystemExit) as e:
