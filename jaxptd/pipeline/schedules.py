@@ -45,9 +45,10 @@ less under its costs (on a tie, the one with fewer rounds):
   slot, the paper's bubble for every m >= p (a limit of p - r doubles it), but it has
   about three times the rounds (messages, loop steps, conditionals) of the other.
 So with uniform costs zb-h1 reaches (p-1)/(3m) for every m >= p ((2p-1-m)/(3m) below):
-one action a round for 2 <= m < 2p - 2, W's in the slots otherwise. Its peak stash (from a stage input's arrival
-to its W, as the lowering counts it) is min(m, 2p - 1) on the busiest rank at every m,
-1F1B's. zb-interleaved (v > 1) keeps the small-m excess (2p-2-m)/(3vm) (simulate.py).
+one action a round for 2 <= m < 2p - 2, W's in the slots otherwise. Its peak stash (from
+a stage input's arrival to its W, as the lowering counts it) is min(m, 2p - 1) on the
+busiest rank at every m, 1F1B's. zb-interleaved (v > 1) keeps the small-m excess
+(2p-2-m)/(3vm) (simulate.py).
 """
 from __future__ import annotations
 
