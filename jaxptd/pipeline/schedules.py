@@ -42,8 +42,8 @@ less under its costs (on a tie, the one with fewer rounds):
 - One action a round (`_one_per_round`; v = 1): every rank chooses, in every round,
   its next B if ready, else its next F while it holds fewer than 2p - r - 1 microbatches
   from F to W, else its oldest W. With uniform costs it ends in 3m + p - 1 rounds of one
-  slot, the paper's bubble for every m >= p (a limit of p - r doubles it), but it has
-  about three times the rounds (messages, loop steps, conditionals) of the other.
+  slot, the paper's bubble for every m >= p (a limit of p - r doubles it), but once
+  m > p it has more rounds (messages, loop steps, conditionals) than the other (~m + 3p).
 So with uniform costs zb-h1 reaches (p-1)/(3m) for every m >= p ((2p-1-m)/(3m) below):
 one action a round for 2 <= m < 2p - 2, W's in the slots otherwise. Its peak stash (from
 a stage input's arrival to its W, as the lowering counts it) is min(m, 2p - 1) on the
