@@ -202,16 +202,19 @@ BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace")
 def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
     """The executor's buffer slots per rank when lowering the schedule would take too long:
     GPipe m stash slots; 1F1B and ZB-H1 min(m, 2p - 1); the interleaved kinds min(vm,
-    (v + 1) p); zero-bubble kinds as many W slots as stash slots; one grad slot. Exact for
-    m a multiple of p (tests/test_plan.py checks it against the lowering), which Megatron's
-    interleaved schedule requires; other m can need a few more (the planner lowers those)."""
+    (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at
+    m < 2p - 2 (one action a round: min(m, p)); one grad slot. Exact for m a multiple of
+    p, which Megatron's interleaved schedule requires, and for ZB-H1 at every m
+    (tests/test_plan.py checks both against the lowering); other m can need a few more
+    (the planner lowers those)."""
     if kind == "gpipe":
         stash = m
     elif kind in ("1f1b", "zb-h1"):
         stash = min(m, 2 * p - 1)
     else:
         stash = min(v * m, (v + 1) * p)
-    return {"stash": stash, "grad": 1, "w": stash if kind.startswith("zb") else 0}
+    w = min(m, p) if kind == "zb-h1" and m < 2 * p - 2 else stash
+    return {"stash": stash, "grad": 1, "w": w if kind.startswith("zb") else 0}
 
 
 def divisors(n: int) -> list:

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from jaxptd import metrics, plan, plan_model
+from jaxptd import metrics, plan, plan_model, plan_time
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import lower
+from jaxptd.pipeline.simulate import simulate
 from jaxptd.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,6 +183,30 @@ def test_buffer_slots_formula_is_the_lowering(kind):
                 got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
                        "w": rounds.num_w_slots}
                 assert plan_model.slots_formula(kind, p, m, v) == got, (p, m, v)
+
+
+def test_zb_h1_buffer_slots_formula_is_the_lowering_at_every_m():
+    """zb-h1 at any m, including 2 <= m < 2p - 2, where it runs one action a round and
+    needs fewer W slots than stash slots."""
+    for p in (2, 3, 4, 5, 8):
+        for m in range(1, 3 * p + 1):
+            rounds = lower(schedules.make_schedule("zb-h1", p, m))
+            got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
+                   "w": rounds.num_w_slots}
+            assert plan_model.slots_formula("zb-h1", p, m, 1) == got, (p, m)
+
+
+def test_zero_bubble_formula_is_the_simulated_bubble():
+    """The bubble the planner uses for long schedules against the lockstep simulator:
+    zb-h1 at every m, zb-interleaved from m = p."""
+    for p in (2, 3, 4, 8):
+        for m in range(1, 3 * p + 1):
+            got = simulate(schedules.make_schedule("zb-h1", p, m)).bubble_fraction
+            assert plan_time.bubble_formula(p, 1, m, True) == pytest.approx(got), (p, m)
+            if m >= p:
+                got = simulate(schedules.make_schedule("zb-interleaved", p, m, 2))
+                assert plan_time.bubble_formula(p, 2, m, True) == pytest.approx(
+                    got.bubble_fraction), (p, m)
 
 
 TABLE1_ROWS = sorted(TABLE1.values()) + ["gpt3_175b"]

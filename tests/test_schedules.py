@@ -87,6 +87,10 @@ def test_bubble_interleaved_below_p_microbatches(p, v, m):
 
 def test_interleaved_with_one_chunk_is_1f1b():
     assert make_schedule("interleaved", 4, 8, 1).actions == make_schedule("1f1b", 4, 8).actions
+    for m in (4, 5, 8):  # one action a round (m < 2p - 2) and W's in the slots
+        zb = make_schedule("zb-interleaved", 4, m, 1)
+        assert zb.actions == make_schedule("zb-h1", 4, m).actions, m
+        assert simulate(zb).bubble_fraction == pytest.approx(1 / m), m  # (p-1)/(3m)
 
 
 def test_interleaved_matches_megatron_order_when_m_is_multiple_of_p():
@@ -283,6 +287,19 @@ def test_cli_bad_arguments(args):
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
 
 
+def test_cli_refuses_a_schedule_too_large_to_simulate_at_once():
+    """p = 64, m = 100000 is 12.8 million actions (over a minute of silence before): one
+    error line, within seconds, naming the limit, the paper's bubble and what to do."""
+    out = subprocess.run([sys.executable, "-m", "jaxptd.pipeline.schedules", "--kind",
+                          "1f1b", "--stages", "64", "--microbatches", "100000"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    [line] = out.stderr.splitlines()
+    assert line.startswith("error: --stages 64 x --microbatches 100000 is 12,800,000 actions")
+    assert f"{sim.MAX_ACTIONS:,}" in line and "--microbatches" in line
+    assert "0.00063" in line  # (p-1)/m, the paper's bubble
+
+
 def test_cli_png_without_matplotlib(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     with pytest.raises(SystemExit) as e:
@@ -304,14 +321,14 @@ def test_cli_png_draws(tmp_path):
 
 
 @pytest.mark.parametrize("p", range(1, 9))
-def test_zb_h1_bubble_is_paper_formula_from_2p_minus_2(p):
-    """Uniform costs: (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) = (p-1)/(3m) for m >= 2p-2; below,
-    the lockstep warm-up costs (2p-2-m) more slots (schedules.py docstring)."""
-    for m in range(p, 8 * p + 1):
+def test_zb_h1_bubble_is_paper_formula_for_every_m_from_p(p):
+    """Uniform costs: (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) = (p-1)/(3m) for every m >= p, at
+    a peak stash of min(m, 2p-1) (counted from a stage input's arrival to its W)."""
+    for m in range(p, 4 * p + 1):
         stats = simulate(make_schedule("zb-h1", p, m), UNIFORM)
         assert stats.paper_bubble == pytest.approx((p - 1) / (3 * m))
-        expected = (p - 1 + max(0, 2 * p - 2 - m)) / (3 * m)
-        assert stats.bubble_fraction == pytest.approx(expected), m
+        assert stats.bubble_fraction == pytest.approx((p - 1) / (3 * m)), m
+        assert max(stats.peak_stash) == min(m, 2 * p - 1), m
         assert stats.async_total_time <= stats.total_time + 1e-9
 
 

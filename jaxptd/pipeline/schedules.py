@@ -21,25 +21,39 @@ Invariants:
   (an activation or an input gradient) sent in round t is usable from round t + 1; the
   last virtual stage may run the B of a microbatch in the round of its F, and a W may run
   in the round of its B. `pack_rounds` is greedy and in order: each rank takes its next
-  action in the first slot of its kind where it is ready, never reorders.
+  action in the first slot of its kind where it is ready, never reorders. A schedule made
+  `one_per_round` is packed the same way with at most one action a rank a round.
 - Lockstep changes one thing from the papers: 1f1b warms up with 2*(p-r-1) forwards, not
   PipeDream-Flush's p-r-1 (see make_schedule), so that the greedy packing reaches the
   bubble (p-1)/m; interleaved keeps Megatron's count and reaches (p-1)/(v*m) for m >= p.
 
-Where W goes (zero-bubble kinds, `_place_weight_grads`): the F/B order of the base kind is
-packed first; then, round by round, each rank runs at most one pending W, where it costs
-nothing (the rank has slack in a round whose cost another rank sets) or where it must (the
-microbatches a rank holds from F to W would exceed the base kind's peak stash, so zb-h1
-keeps 1F1B's peak, counted from F to W). Leftover W's run after the last B. With uniform
-costs (t_f = t_b = t_w) the lockstep bubble of zb-h1 is exactly the paper's
-(p-1)(t_f+t_b-t_w) / (m(t_f+t_b+t_w)) for m >= 2p-2; for p <= m < 2p-2 it is higher by
-(2p-2-m) t per rank, the price of the 2(p-r-1) warm-up (a round in which the last rank
-does F and B advances the backward chain by one hop only), e.g. 0.417 instead of 0.250 at
-p = m = 4. zb-interleaved reaches the same formula divided by v (see simulate.py).
+Zero-bubble kinds are made two ways, and make_schedule keeps the one whose rounds cost
+less under its costs (on a tie, the one with fewer rounds):
+- W's in the slots (`_place_weight_grads`; both kinds): the F/B order of the base kind is
+  packed first; then, round by round, each rank runs at most one pending W, where it costs
+  nothing (the rank has slack in a round whose cost another rank sets) or where it must
+  (the microbatches a rank holds from F to W would exceed the base kind's peak stash).
+  Leftover W's run after the last B. About m + 3p rounds (v = 1), most of them full on
+  every rank (what the steady round form runs without conditionals). With uniform costs
+  it reaches the paper's bubble (p-1)(t_f+t_b-t_w) / (m(t_f+t_b+t_w)) = (p-1)/(3m) only
+  from m >= 2p-2 (divided by v for zb-interleaved): below, the rounds that carry the first
+  gradient back to rank 0 cost two actions each (the last rank runs an F and a B in each)
+  while rank 0, out of forwards, idles (0.417 instead of 0.250 at p = m = 4).
+- One action a round (`_one_per_round`; v = 1): every rank chooses, in every round,
+  its next B if ready, else its next F while it holds fewer than 2p - r - 1 microbatches
+  from F to W, else its oldest W. With uniform costs it ends in 3m + p - 1 rounds of one
+  slot, the paper's bubble for every m >= p (a limit of p - r doubles it), but once
+  m > p it has more rounds (messages, loop steps, conditionals) than the other (~m + 3p).
+So with uniform costs zb-h1 reaches (p-1)/(3m) for every m >= p ((2p-1-m)/(3m) below):
+one action a round for 2 <= m < 2p - 2, W's in the slots otherwise. Its peak stash (from
+a stage input's arrival to its W, as the lowering counts it) is min(m, 2p - 1) on the
+busiest rank at every m, 1F1B's. zb-interleaved (v > 1) keeps the small-m excess
+(2p-2-m)/(3vm) (simulate.py).
 """
 from __future__ import annotations
 
 import sys
+from collections import deque
 from dataclasses import dataclass, replace
 
 KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved")
@@ -83,6 +97,7 @@ class Schedule:
     chunks: int
     actions: tuple  # actions[r]: rank r's ordered tuple of Action
     forward_only: bool = False  # no backward: a pipelined forward pass (evaluation)
+    one_per_round: bool = False  # each rank runs at most one action a round (zb-h1, small m)
 
     @property
     def split_backward(self) -> bool:
@@ -148,18 +163,12 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1,
       rounds a gradient needs p-1-r rounds to come back to rank r after the last stage,
       and rank r must keep forwarding meanwhile or every rank's F slot waits on it (with
       p-r-1, p=4 m=8 packs to a bubble of 1.0 instead of (p-1)/m = 0.375). The price is
-      a stash of 2p-1 on rank 0 instead of p. Zero-bubble kinds: their base kind's order,
-      W's placed by `_place_weight_grads`.
+      a stash of 2p-1 on rank 0 instead of p. Zero-bubble kinds: the cheaper under
+      costs of their two makings (module docstring).
     """
     _check_params(kind, stages, microbatches, chunks)
-    if kind in ZERO_BUBBLE:  # the base order, W's in B order, then the order as packed
-        base = make_schedule(ZERO_BUBBLE[kind], stages, microbatches, chunks)
-        draft = replace(base, kind=kind, actions=tuple(
-            acts + tuple(Action("W", a.microbatch, a.chunk) for a in acts if a.kind == "B")
-            for acts in base.actions))
-        packed = pack_rounds(draft, costs)
-        return replace(draft, actions=tuple(
-            tuple(a for row in packed for a in row[r] if a) for r in range(stages)))
+    if kind in ZERO_BUBBLE:
+        return _zero_bubble(kind, stages, microbatches, chunks, costs)
     p, m, v = stages, microbatches, chunks
     groups = _groups(p, m)
     fwd = [(j, c) for grp in groups for c in range(v) for j in grp]
@@ -169,6 +178,54 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1,
         warmup = m * v if kind == "gpipe" else (v - 1) * len(groups[0]) + 2 * (p - r - 1)
         actions.append(_one_f_one_b(fwd, bwd, min(warmup, m * v)))
     return Schedule(kind, p, m, v, tuple(actions))
+
+
+def _zero_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> Schedule:
+    """Of a zero-bubble kind's makings (module docstring), the one whose packed rounds
+    cost least under costs; on a tie, the one with fewer rounds."""
+    makings = [_weight_grads_in_slots(kind, p, m, v, costs)]
+    if v == 1:  # zb-h1, and zb-interleaved with one chunk (the same schedule)
+        one = _one_per_round(kind, p, m)
+        makings.append((one, pack_rounds(one)))
+
+    def price(making: tuple) -> tuple:
+        return round(packed_time(making[1], costs, True, v), 9), len(making[1])
+    return min(makings, key=price)[0]
+
+
+def _weight_grads_in_slots(kind: str, p: int, m: int, v: int, costs: Costs) -> tuple:
+    """(the base kind's F/B order with each rank's W's placed by `_place_weight_grads`,
+    the per-rank order as packed; its packed rounds)."""
+    base = make_schedule(ZERO_BUBBLE[kind], p, m, v)
+    draft = replace(base, kind=kind, actions=tuple(
+        acts + tuple(Action("W", a.microbatch, a.chunk) for a in acts if a.kind == "B")
+        for acts in base.actions))
+    packed = pack_rounds(draft, costs)
+    return replace(draft, actions=tuple(
+        tuple(a for row in packed for a in row[r] if a) for r in range(p))), packed
+
+
+def _one_per_round(kind: str, p: int, m: int) -> Schedule:
+    """zb-h1 (or zb-interleaved with v = 1) with one action a rank a round, each rank
+    choosing in every round: its next B if ready, else its next F if ready while it holds
+    fewer than 2p - r - 1 microbatches from F to W, else its oldest W (module docstring)."""
+    ran, orders, t = {}, [[] for _ in range(p)], 0  # ran[(kind, microbatch, rank)] = round
+    done = [{"F": 0, "B": 0, "W": 0} for _ in range(p)]  # per rank: how many ran, by kind
+    while any(len(acts) < 3 * m for acts in orders):
+        progress = False
+        for r, count in enumerate(done):
+            wanted = [Action("B", count["B"], 0), Action("W", count["W"], 0)]
+            if count["F"] - count["W"] < 2 * p - r - 1:
+                wanted.insert(1, Action("F", count["F"], 0))
+            a = next((a for a in wanted if a.microbatch < m and _ready(ran, a, r, t, p - 1)),
+                     None)
+            if a:
+                ran[(a.kind, a.microbatch, r)], progress = t, True
+                count[a.kind] += 1
+                orders[r].append(a)
+        assert progress, "the greedy rule stalled"
+        t += 1
+    return Schedule(kind, p, m, 1, tuple(map(tuple, orders)), one_per_round=True)
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -181,35 +238,52 @@ def forward_only(schedule: Schedule) -> Schedule:
 def pack_rounds(schedule: Schedule, costs: Costs = Costs()) -> list:
     """Assigns actions to lockstep rounds: F and B greedily, each rank in its order; then,
     for zero-bubble kinds, W by the rule of the module docstring, each rank's W's in its
-    order (costs decide where a W is free).
+    order (costs decide where a W is free). A `one_per_round` schedule: every action
+    greedily in its rank's order, at most one a rank a round.
 
     Returns: per round, per rank, a triple (F action or None, B action or None, W action
       or None). Raises: ScheduleError with the rounds so far when a round makes no progress.
     """
-    packed = _pack_forward_backward(schedule)
+    if schedule.one_per_round:
+        return _pack_in_order(schedule, one_per_round=True)
+    packed = _pack_in_order(schedule, one_per_round=False)
     return _place_weight_grads(schedule, packed, costs) if schedule.split_backward else packed
 
 
-def _pack_forward_backward(schedule: Schedule) -> list:
-    """The F and B actions of each rank's order, each in the first round where it is ready."""
+def packed_time(packed: list, costs: Costs, split: bool, chunks: int) -> float:
+    """The lockstep time of packed rounds: each round costs its busiest rank's work."""
+    return sum(max(sum(costs.of(a, split, chunks) for a in slots if a) for slots in row)
+               for row in packed)
+
+
+def _ready(ran: dict, a: Action, s: int, t: int, last: int) -> bool:
+    """Whether a, on virtual stage s (last: the last one), can run in round t, given
+    ran[(kind, microbatch, virtual stage)] = the round of each action run so far."""
+    if a.kind == "F":  # strict '<': an activation sent in round t is usable from t+1
+        return s == 0 or ran.get(("F", a.microbatch, s - 1), t) < t
+    if a.kind == "W":  # its own B, in this round's B slot or before
+        return ran.get(("B", a.microbatch, s), t + 1) <= t
+    return (ran.get(("F", a.microbatch, s), t + 1) <= t
+            and (s == last or ran.get(("B", a.microbatch, s + 1), t) < t))
+
+
+def _pack_in_order(schedule: Schedule, one_per_round: bool) -> list:
+    """Each rank's order, each action in the first round where it is ready, never
+    reordered: the F and B actions, at most one of each a round (F first; W's are placed
+    afterwards), or, one_per_round, every action, at most one a round."""
     p, S = schedule.stages, schedule.stages * schedule.chunks
-    orders = [[a for a in acts if a.kind != "W"] for acts in schedule.actions]
+    orders = [[a for a in acts if one_per_round or a.kind != "W"] for acts in schedule.actions]
     ran, pos, rounds = {}, [0] * p, []  # ran[(kind, microbatch, virtual stage)] = round
-
-    def ready(a: Action, s: int, t: int) -> bool:
-        if a.kind == "F":  # strict '<': an activation sent in round t is usable from t+1
-            return s == 0 or ran.get(("F", a.microbatch, s - 1), t) < t
-        return (ran.get(("F", a.microbatch, s), t + 1) <= t
-                and (s == S - 1 or ran.get(("B", a.microbatch, s + 1), t) < t))
-
     while any(pos[r] < len(acts) for r, acts in enumerate(orders)):
         t, row = len(rounds), []
         for r, acts in enumerate(orders):
             slots = [None, None, None]
-            for i, kind in enumerate("FB"):
+            for wanted in ("any",) if one_per_round else ("F", "B"):
                 a = acts[pos[r]] if pos[r] < len(acts) else None
-                if a and a.kind == kind and ready(a, a.chunk * p + r, t):
-                    slots[i], ran[(kind, a.microbatch, a.chunk * p + r)] = a, t
+                if a and wanted in (a.kind, "any") and _ready(ran, a, a.chunk * p + r, t,
+                                                               S - 1):
+                    slots["FBW".index(a.kind)] = a
+                    ran[(a.kind, a.microbatch, a.chunk * p + r)] = t
                     pos[r] += 1
             row.append(tuple(slots))
         if not any(any(slots) for slots in row):
@@ -264,7 +338,7 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
             live[r] += arrived[r]
             cap = max(cap, live[r])
             live[r] -= ba is not None
-    queues = [[a for a in acts if a.kind == "W"] for acts in schedule.actions]
+    queues = [deque(a for a in acts if a.kind == "W") for acts in schedule.actions]
     backward_done, held, out, t = set(), [0] * p, [], 0  # held: arrived, W not done
     while t < len(packed) or any(queues):
         row = packed[t] if t < len(packed) else [(None, None, None)] * p
@@ -278,14 +352,14 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
                 backward_done
             coming = arrivals[t + 1][r] if t + 1 < len(packed) else 0
             if ready and (held[r] + coming > cap or t >= len(packed)):
-                chosen[r] = queues[r].pop(0)
+                chosen[r] = queues[r].popleft()
                 work[r] += costs.wgt / v
         round_cost = max(work)
         for r in range(p):
             ready = queues[r] and (r, queues[r][0].microbatch, queues[r][0].chunk) in \
                 backward_done
             if chosen[r] is None and ready and work[r] + costs.wgt / v <= round_cost + 1e-12:
-                chosen[r] = queues[r].pop(0)
+                chosen[r] = queues[r].popleft()
             held[r] -= chosen[r] is not None
         assert t < len(packed) or any(chosen), "a W that no B precedes (validate's rule)"
         out.append([(fa, ba, wa) for (fa, ba, _), wa in zip(row, chosen)])

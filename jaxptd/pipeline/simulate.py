@@ -10,19 +10,24 @@ W runs B + W in its B. Pure Python.
 
 With uniform costs the lockstep bubble is (p-1)/m for gpipe and 1f1b, (p-1)/(v m) for
 interleaved (m >= p), and for the zero-bubble kinds the paper's (p-1)(t_f+t_b-t_w) /
-(m (t_f+t_b+t_w)) (divided by v for zb-interleaved) from m >= 2p-2 on; see schedules.py for
-below that.
+(m (t_f+t_b+t_w)): for zb-h1 from m >= p on, for zb-interleaved (divided by v) from
+m >= 2p-2 on; see schedules.py for below that.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
-from jaxptd.pipeline.lowering import lower
+from jaxptd.pipeline.lowering import Rounds, lower
 from jaxptd.pipeline.schedules import (KINDS, ZERO_BUBBLE, Costs, Schedule, ScheduleError,
                                        forward_only, make_schedule)
+
+
+# The CLI's limit on a schedule's actions: at the limit it answers in 3 (1f1b) to 15 s
+# (zb-h1, two makings packed) on a 2-core CPU shared with other jobs.
+MAX_ACTIONS = 200_000
 
 
 @dataclass
@@ -36,11 +41,12 @@ class Stats:
     async_total_time: float  # event-driven (no lockstep) makespan of the same orders
     paper_bubble: float  # the kind's formula (see paper_bubble)
     timeline: list = field(repr=False)  # per rank: [(start, end, Action)]
+    rounds: Rounds = field(repr=False)  # the lowered rounds timed (their grid, slots)
 
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["timeline"] = [[(s, e, a.label(2)) for s, e, a in row] for row in self.timeline]
-        return d
+    def summary(self) -> dict:
+        """The statistics as a JSON-ready dict, without the timeline and the rounds."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("timeline", "rounds")}
 
 
 def paper_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> float:
@@ -107,7 +113,7 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), hop_latency: float = 0.
                  messages={"forward": sends[0], "backward": sends[1]},
                  async_total_time=_async_time(schedule, costs, hop_latency),
                  paper_bubble=paper_bubble(schedule.kind, p, m, v, costs),
-                 timeline=timeline)
+                 timeline=timeline, rounds=rounds)
 
 
 def _parse_args(argv):
@@ -139,6 +145,23 @@ def _fail(message: str):
     sys.exit(2)
 
 
+def _check_size(args, costs: Costs) -> None:
+    """Refuses at once a schedule of more than MAX_ACTIONS actions (F, B and W apart), in
+    one line that says what to do: packing, lowering and timing it in pure Python would
+    take minutes (p = 64, m = 100000: 12.8 million actions), for a grid of p lines of
+    about m rounds each and the statistics the papers' formulas give (tested equal)."""
+    p, v, m = args.stages, args.chunks, args.microbatches
+    per_microbatch = 1 if args.forward_only else 3 if args.kind in ZERO_BUBBLE else 2
+    actions = p * v * m * per_microbatch
+    if actions > MAX_ACTIONS:
+        size = f"--stages {p} x --microbatches {m}" + (f" x --chunks {v}" if v > 1 else "")
+        _fail(f"{size} is {actions:,} actions, over the {MAX_ACTIONS:,} this simulator "
+              f"times in seconds: lower --microbatches (past m = 2p only steady rounds are "
+              f"added; the paper's bubble here is "
+              f"{paper_bubble(args.kind, p, m, v, costs):.2g}), or plan the configuration "
+              f"with python -m jaxptd.plan")
+
+
 def main(argv=None) -> int:
     """CLI entry: grid + statistics, or --json; bad arguments -> 'error: ...', exit 2."""
     args = _parse_args(argv)
@@ -146,6 +169,7 @@ def main(argv=None) -> int:
     if min(args.fwd_cost, args.bwd_cost, wgt) <= 0 or args.hop_latency < 0:
         _fail("--fwd-cost, --bwd-cost and --wgt-cost must be > 0 and --hop-latency >= 0")
     costs = Costs(args.fwd_cost, args.bwd_cost, wgt)
+    _check_size(args, costs)
     try:
         schedule = make_schedule(args.kind, args.stages, args.microbatches, args.chunks, costs)
         schedule = forward_only(schedule) if args.forward_only else schedule
@@ -159,11 +183,9 @@ def main(argv=None) -> int:
         except (ImportError, OSError) as e:
             _fail(f"--png {args.png}: {e}")
     if args.json:
-        summary = stats.to_dict()
-        del summary["timeline"]  # the grid's data; keeps the object one screen long
-        print(json.dumps(summary))
+        print(json.dumps(stats.summary()))
         return 0
-    print(lower(schedule, costs).grid())
+    print(stats.rounds.grid())
     print(f"total_time {stats.total_time:g}  ideal_time {stats.ideal_time:g}  "
           f"bubble_fraction {stats.bubble_fraction:.4f}  (paper: {stats.paper_bubble:.4f})  "
           f"async_total_time {stats.async_total_time:g}")
