@@ -1,9 +1,9 @@
 """`python -m jaxptd.hf import HF_DIR OUT_DIR` and `python -m jaxptd.hf export DIR HF_DIR
 [--step N]`: the bridge to Hugging Face transformers checkpoints, through safetensors only.
 
-Owns the name and shape mapping between a transformers model (GPT2LMHeadModel,
-LlamaForCausalLM) and jaxptd's parameter tree, as data (`_gpt2_names`, `_llama_names`:
-HF name -> (jaxptd path, to jaxptd, to HF)), and the two directions:
+Owns the two directions between a transformers directory (GPT2LMHeadModel,
+LlamaForCausalLM) and jaxptd's checkpoints; what maps to what is data in
+jaxptd/hf_names.py:
 
 - import: config.json + *.safetensors -> OUT_DIR/config.yaml (the model section, run and
   checkpoint directories in OUT_DIR) and a real jaxptd checkpoint at step 0 in
@@ -31,139 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxptd.config import Config, ConfigError, ModelConfig, from_dict
-
-
-class HFError(ValueError):
-    """A user-caused problem with a Hugging Face directory or a checkpoint; one line."""
-
-
-# --------------------------------------------------------------------------- configs
-
-def _gpt2_config(hf: dict) -> dict:
-    _require(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
-             f"activation_function={hf.get('activation_function')!r}: jaxptd's GPT uses "
-             "the tanh GeLU (gelu_new)")
-    _require(not hf.get("scale_attn_by_inverse_layer_idx") and hf.get("scale_attn_weights",
-                                                                      True),
-             "attention scaling other than 1/sqrt(head_dim) is not supported")
-    return {"arch": "gpt", "num_layers": hf["n_layer"], "hidden_size": hf["n_embd"],
-            "num_heads": hf["n_head"], "seq_len": hf["n_positions"],
-            "vocab_size": hf["vocab_size"], "ffn_size": hf.get("n_inner") or 0,
-            "layernorm_eps": hf.get("layer_norm_epsilon", 1e-5),
-            "dropout": hf.get("resid_pdrop", 0.1), "init_std": hf.get("initializer_range", 0.02)}
-
-
-def _llama_config(hf: dict) -> dict:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    _require(rope.get("rope_type", rope.get("type", "default")) == "default",
-             f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    _require(hf.get("hidden_act", "silu") == "silu", "hidden_act must be silu")
-    _require(not hf.get("attention_bias") and not hf.get("mlp_bias"),
-             "attention or MLP biases are not supported")
-    heads = hf["num_attention_heads"]
-    _require(hf.get("head_dim") in (None, hf["hidden_size"] // heads),
-             f"head_dim={hf.get('head_dim')} must be hidden_size / num_attention_heads")
-    return {"arch": "llama", "num_layers": hf["num_hidden_layers"],
-            "hidden_size": hf["hidden_size"], "num_heads": heads,
-            "num_kv_heads": hf.get("num_key_value_heads") or heads,
-            "seq_len": min(hf.get("max_position_embeddings", 2048), 2048),
-            "vocab_size": hf["vocab_size"], "ffn_size": hf["intermediate_size"],
-            "layernorm_eps": hf.get("rms_norm_eps", 1e-6),
-            "rope_theta": float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-            "dropout": hf.get("attention_dropout", 0.0),
-            "init_std": hf.get("initializer_range", 0.02)}
-
-
-def _export_config(m: ModelConfig) -> dict:
-    """config.json for transformers from a jaxptd model config."""
-    if m.arch == "gpt":
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-                "n_layer": m.num_layers, "n_embd": m.hidden_size, "n_head": m.num_heads,
-                "n_positions": m.seq_len, "vocab_size": m.vocab_size, "n_inner": m.ffn,
-                "layer_norm_epsilon": m.layernorm_eps, "activation_function": "gelu_new",
-                "resid_pdrop": m.dropout, "embd_pdrop": m.dropout, "attn_pdrop": m.dropout,
-                "initializer_range": m.init_std, "tie_word_embeddings": True,
-                "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
-    if m.arch == "llama":
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size,
-                "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads,
-                "head_dim": m.head_dim, "intermediate_size": m.ffn,
-                "max_position_embeddings": m.seq_len, "vocab_size": m.vocab_size,
-                "rms_norm_eps": m.layernorm_eps, "rope_theta": m.rope_theta,
-                "hidden_act": "silu", "attention_dropout": m.dropout,
-                "initializer_range": m.init_std, "tie_word_embeddings": False,
-                "attention_bias": False, "mlp_bias": False,
-                "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
-    raise HFError(f"model.arch={m.arch!r}: export supports gpt (GPT2LMHeadModel) and llama "
-                  "(LlamaForCausalLM)")
-
-
-ARCHITECTURES = {"GPT2LMHeadModel": _gpt2_config, "LlamaForCausalLM": _llama_config}
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise HFError(message)
-
-
-# --------------------------------------------------------------------------- names
-
-def _gpt2_names(m: ModelConfig) -> dict:
-    """HF GPT-2 tensor name -> (jaxptd path, to jaxptd, to HF); {i}: the layer. Conv1D
-    weights are stored [in, out]."""
-    n, d, h = m.num_heads, m.head_dim, m.hidden_size
-    same = (lambda x: x, lambda x: x)
-    shaped = lambda shape, back: (lambda x: x.reshape(shape), lambda x: x.reshape(back))  # noqa: E731
-    layer = "transformer.h.{i}."
-    return {
-        "transformer.wte.weight": (("embed", "wte"), *same),
-        "transformer.wpe.weight": (("embed", "wpe"), *same),
-        "transformer.ln_f.weight": (("final_norm", "scale"), *same),
-        "transformer.ln_f.bias": (("final_norm", "bias"), *same),
-        layer + "ln_1.weight": (("layers", "ln1", "scale"), *same),
-        layer + "ln_1.bias": (("layers", "ln1", "bias"), *same),
-        layer + "attn.c_attn.weight": (("layers", "attn", "w_qkv"), *shaped((h, 3, n, d), (h, 3 * h))),
-        layer + "attn.c_attn.bias": (("layers", "attn", "b_qkv"), *shaped((3, n, d), (3 * h,))),
-        layer + "attn.c_proj.weight": (("layers", "attn", "w_out"), *shaped((n, d, h), (h, h))),
-        layer + "attn.c_proj.bias": (("layers", "attn", "b_out"), *same),
-        layer + "ln_2.weight": (("layers", "ln2", "scale"), *same),
-        layer + "ln_2.bias": (("layers", "ln2", "bias"), *same),
-        layer + "mlp.c_fc.weight": (("layers", "mlp", "w_fc1"), *same),
-        layer + "mlp.c_fc.bias": (("layers", "mlp", "b_fc1"), *same),
-        layer + "mlp.c_proj.weight": (("layers", "mlp", "w_fc2"), *same),
-        layer + "mlp.c_proj.bias": (("layers", "mlp", "b_fc2"), *same),
-    }
-
-
-def _llama_names(m: ModelConfig) -> dict:
-    """HF Llama tensor name -> (jaxptd path, to jaxptd, to HF). torch Linear weights are
-    stored [out, in]; k_proj and v_proj become the two halves of w_kv."""
-    n, k, d, h = m.num_heads, m.kv_heads, m.head_dim, m.hidden_size
-    same = (lambda x: x, lambda x: x)
-
-    def linear(shape, inputs: int = 1):  # jaxptd's leading `inputs` dims are torch's "in"
-        rows, cols = int(np.prod(shape[:inputs])), int(np.prod(shape[inputs:]))
-        return lambda x: x.T.reshape(shape), lambda x: x.reshape(rows, cols).T
-
-    layer = "model.layers.{i}."
-    return {
-        "model.embed_tokens.weight": (("embed", "wte"), *same),
-        "model.norm.weight": (("final_norm", "scale"), *same),
-        "lm_head.weight": (("head", "w_head"), lambda x: x.T, lambda x: x.T),
-        layer + "input_layernorm.weight": (("layers", "ln1", "scale"), *same),
-        layer + "post_attention_layernorm.weight": (("layers", "ln2", "scale"), *same),
-        layer + "self_attn.q_proj.weight": (("layers", "attn", "w_q"), *linear((h, n, d))),
-        layer + "self_attn.k_proj.weight": (("layers", "attn", "w_kv", 0), *linear((h, k, d))),
-        layer + "self_attn.v_proj.weight": (("layers", "attn", "w_kv", 1), *linear((h, k, d))),
-        layer + "self_attn.o_proj.weight": (("layers", "attn", "w_o"), *linear((n, d, h), 2)),
-        layer + "mlp.gate_proj.weight": (("layers", "mlp", "w_gate"), *linear((h, m.ffn))),
-        layer + "mlp.up_proj.weight": (("layers", "mlp", "w_up"), *linear((h, m.ffn))),
-        layer + "mlp.down_proj.weight": (("layers", "mlp", "w_down"), *linear((m.ffn, h))),
-    }
-
-
-NAMES = {"gpt": _gpt2_names, "llama": _llama_names}
+from jaxptd.hf_names import (ARCHITECTURES, PARTS, VOCAB_AXES, HFError, canonical,
+                              export_config, names, require)
 
 
 # --------------------------------------------------------------------------- import
@@ -173,53 +42,46 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
     from safetensors.numpy import load_file
 
     config_path = Path(hf_dir, "config.json")
-    _require(config_path.is_file(), f"{hf_dir}: no config.json (expected a transformers "
-             "checkpoint directory: config.json and *.safetensors)")
+    require(config_path.is_file(), f"{hf_dir}: no config.json (expected a transformers "
+            "checkpoint directory: config.json and *.safetensors)")
     hf = json.loads(config_path.read_text())
     arch = (hf.get("architectures") or ["?"])[0]
-    _require(arch in ARCHITECTURES, f"{config_path}: architecture {arch!r} is not supported "
-             f"(supported: {', '.join(ARCHITECTURES)})")
+    require(arch in ARCHITECTURES, f"{config_path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})")
     files = sorted(Path(hf_dir).glob("*.safetensors"))
-    _require(bool(files), f"{hf_dir}: no *.safetensors files (pickled checkpoints are not "
-             "read; save with safe_serialization=True)")
+    require(bool(files), f"{hf_dir}: no *.safetensors files (pickled checkpoints are not "
+            "read; save with safe_serialization=True)")
     tensors = {}
     for file in files:
         tensors.update(load_file(file))
     return arch, hf, tensors
 
 
-VOCAB_AXES = {("embed", "wte"): 0, ("head", "w_head"): 1}  # padded to the tensor multiple
-
-
 def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
     """HF tensors -> jaxptd's global parameter tree (float32, vocabulary padded to `vocab`).
     Every tensor's shape is checked against the config first."""
-    if model.arch == "gpt":  # GPT2Model checkpoints have no "transformer." prefix
-        tensors = {n if n.startswith(("transformer.", "lm_head.")) else f"transformer.{n}": v
-                   for n, v in tensors.items()}
-    if model.arch == "llama" and "lm_head.weight" not in tensors:  # tied embeddings
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")
+    tensors = canonical(model, tensors)
     shapes = _layer_shapes(model)
     params: dict = {}
-    halves: dict = {}  # w_kv's path -> {0: keys, 1: values}
-    for name, (path, to_jax, to_hf) in NAMES[model.arch](model).items():
+    parts: dict = {}  # a leaf's path -> {part index: value}
+    for hf_names, path, to_jax, to_hf in names(model):
         want = to_hf(np.zeros(shapes[path])).shape
         values = []
-        for i in range(model.num_layers) if "{i}" in name else [None]:
-            hf_name = name.format(i=i)
-            _require(tensors.get(hf_name) is not None,
-                     f"tensor {hf_name!r} is missing from the safetensors files")
+        for hf_name in (hf_names,) if isinstance(hf_names, str) else hf_names:
+            require(tensors.get(hf_name) is not None,
+                    f"tensor {hf_name!r} is missing from the safetensors files")
             have = tuple(tensors[hf_name].shape)
-            _require(have == want, f"tensor {hf_name!r} has shape {have}, the config needs "
-                     f"{want}")
+            require(have == want, f"tensor {hf_name!r} has shape {have}, the config needs "
+                    f"{want}")
             values.append(to_jax(np.asarray(tensors[hf_name], np.float32)))
-        value = np.stack(values) if "{i}" in name else values[0]
+        value = values[0] if isinstance(hf_names, str) else np.stack(values)
         if isinstance(path[-1], int):
-            halves.setdefault(path[:-1], {})[path[-1]] = value
+            parts.setdefault(path[:-1], {})[path[-1]] = value
         else:
             _set(params, path, value)
-    for path, parts in halves.items():  # [L, h, k, d] x 2 -> [L, h, 2, k, d]
-        _set(params, path, np.stack([parts[0], parts[1]], axis=2))
+    for path, values in parts.items():  # e.g. [L, h, k, d] x 2 -> w_kv [L, h, 2, k, d]
+        axis = PARTS[path[-1]] + (path[0] == "layers")
+        _set(params, path, np.stack([values[i] for i in sorted(values)], axis=axis))
     return pad_vocab(params, vocab)
 
 
@@ -236,7 +98,7 @@ def pad_vocab(params: dict, vocab: int) -> dict:
 
 def _layer_shapes(model: ModelConfig) -> dict:
     """jaxptd path -> the shape of one HF tensor's jaxptd value (one layer's for layer
-    leaves, one half of w_kv for the paths ending in its index), unpadded vocabulary."""
+    leaves, one part's for the paths ending in its index), unpadded vocabulary."""
     import jax
     from jaxptd.model import get
 
@@ -247,8 +109,10 @@ def _layer_shapes(model: ModelConfig) -> dict:
         keys = tuple(p.key for p in path)
         shape = leaf.shape[1:] if keys[0] == "layers" else leaf.shape
         shapes[keys] = shape
-        if keys[-1] == "w_kv":
-            shapes[keys + (0,)] = shapes[keys + (1,)] = shape[:1] + shape[2:]
+        if keys[-1] in PARTS:
+            axis = PARTS[keys[-1]]
+            for i in range(shape[axis]):
+                shapes[keys + (i,)] = shape[:axis] + shape[axis + 1:]
     return shapes
 
 
@@ -261,7 +125,7 @@ def _set(tree: dict, path: tuple, value) -> None:
 def from_params(model: ModelConfig, params: dict) -> dict:
     """jaxptd's global parameters -> {HF name: float32 numpy tensor} (padding dropped)."""
     tensors = {}
-    for name, (path, _, to_hf) in NAMES[model.arch](model).items():
+    for hf_names, path, _, to_hf in names(model):
         keys = [k for k in path if not isinstance(k, int)]
         value = params
         for key in keys:
@@ -269,13 +133,13 @@ def from_params(model: ModelConfig, params: dict) -> dict:
         value = np.asarray(value, np.float32)
         if tuple(keys) in VOCAB_AXES:
             value = np.take(value, np.arange(model.vocab_size), axis=VOCAB_AXES[tuple(keys)])
-        if isinstance(path[-1], int):
-            value = value[:, :, path[-1]]  # [L, h, 2, k, d] -> half [L, h, k, d]
-        if "{i}" in name:
-            tensors.update({name.format(i=i): np.ascontiguousarray(to_hf(v))
-                            for i, v in enumerate(value)})
+        if isinstance(path[-1], int):  # one part, e.g. w_kv [L, h, 2, k, d] -> [L, h, k, d]
+            value = np.take(value, path[-1], axis=PARTS[path[-2]] + (path[0] == "layers"))
+        if isinstance(hf_names, str):
+            tensors[hf_names] = np.ascontiguousarray(to_hf(value))
         else:
-            tensors[name] = np.ascontiguousarray(to_hf(value))
+            tensors.update({name: np.ascontiguousarray(to_hf(v))
+                            for name, v in zip(hf_names, value)})
     return tensors
 
 
@@ -354,8 +218,8 @@ def load_params(directory: str, step: int | None = None):
 
     ckpt_dir, steps = checkpoint_steps(directory)
     step = steps[-1] if step is None else step
-    _require(step in steps, f"--step {step}: not among the complete steps {steps} of "
-             f"{ckpt_dir}")
+    require(step in steps, f"--step {step}: not among the complete steps {steps} of "
+            f"{ckpt_dir}")
     record = json.loads((ckpt_dir / str(step) / "layout" / "metadata").read_text())
     config = from_dict(record["config"])
     setup = _single_device_setup(config)
@@ -371,7 +235,7 @@ def export_hf(directory: str, hf_dir: str, step: int | None = None) -> int:
 
     config, params, step = load_params(directory, step)
     model = config.model
-    hf_config = _export_config(model)
+    hf_config = export_config(model)
     out = Path(hf_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(from_params(model, params), str(out / "model.safetensors"),
