@@ -25,7 +25,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -154,19 +157,23 @@ def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
     return tree, model, to_params(model, tensors, model.padded_vocab(1))
 
 
-def import_hf(hf_dir: str, out_dir: str) -> Path:
+def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     """Writes OUT_DIR/config.yaml and a step-0 checkpoint; returns the config path."""
     import yaml
 
-    tree, _, params = load_hf(hf_dir)
     out = Path(out_dir).absolute()
+    _check_target(out, overwrite, Path(hf_dir))
+    tree, _, params = load_hf(hf_dir)
     tree.update({"train": {"run_dir": str(out)}, "checkpoint": {"dir": str(out / "checkpoints")}})
     setup = _single_device_setup(from_dict(tree))
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(
-        f"# Imported from {Path(hf_dir).absolute()} by python -m jaxptd.hf import\n"
-        + yaml.safe_dump(tree, sort_keys=False))
-    _save(setup, params)
+
+    def write(directory: Path) -> None:  # the config names `out`, where it will be
+        (directory / "config.yaml").write_text(
+            f"# Imported from {Path(hf_dir).absolute()} by python -m jaxptd.hf import\n"
+            + yaml.safe_dump(tree, sort_keys=False))
+        _save(setup, params, directory / "checkpoints")
+
+    _publish(out, write)
     return out / "config.yaml"
 
 
@@ -185,15 +192,15 @@ def _single_device_setup(config: Config):
     return Setup(config, make_mesh(config.parallel, jax.devices()[:1]))
 
 
-def _save(setup, params) -> None:
-    """A step-0 checkpoint: `params`, AdamW's initial state, the run's seed."""
+def _save(setup, params, directory: Path) -> None:
+    """A step-0 checkpoint in `directory`: `params`, AdamW's initial state, the run's seed."""
     import jax
     from jaxptd.checkpoint import Checkpointer, layout_metadata
 
     config = setup.config
     state = setup.init_state(config.train.seed)
     state["params"] = jax.device_put(params, setup.state_shardings["params"])
-    ckpt = Checkpointer(config.checkpoint_dir, every=1, keep=1, async_save=False,
+    ckpt = Checkpointer(str(directory), every=1, keep=1, async_save=False,
                         metadata=layout_metadata(config, 1))
     ckpt.save(0, setup.state_to_logical(state))
     ckpt.close()
@@ -229,19 +236,73 @@ def load_params(directory: str, step: int | None = None):
     return config, jax.device_get(state["params"]), step
 
 
-def export_hf(directory: str, hf_dir: str, step: int | None = None) -> int:
+def export_hf(directory: str, hf_dir: str, step: int | None = None,
+              overwrite: bool = False) -> int:
     """config.json + model.safetensors in HF_DIR from a checkpoint; returns the step."""
     from safetensors.numpy import save_file
 
+    out = Path(hf_dir).absolute()
+    _check_target(out, overwrite, Path(directory))
     config, params, step = load_params(directory, step)
-    model = config.model
-    hf_config = export_config(model)
-    out = Path(hf_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(from_params(model, params), str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2))
+    hf_config = export_config(config.model)
+
+    def write(target: Path) -> None:
+        save_file(from_params(config.model, params), str(target / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (target / "config.json").write_text(json.dumps(hf_config, indent=2))
+
+    _publish(out, write)
     return step
+
+
+# --------------------------------------------------------------------------- directories
+
+def _check_target(out: Path, overwrite: bool, source: Path) -> None:
+    """Refuses, before anything is read or written, an output that is a file, that holds
+    anything (unless `overwrite`), or that is or holds the `source` being read."""
+    require(not out.exists() or out.is_dir(), f"{out} is a file: name a directory to write "
+            "into (it is created)")
+    source = source.absolute()
+    require(not (out == source or out in source.parents),
+            f"{out} is, or holds, {source}, which is being read: name another directory")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    require(overwrite or not held, f"{out} is not empty ({', '.join(held[:4])}"
+            f"{', ...' if len(held) > 4 else ''}): name a new directory, or pass "
+            "--overwrite to replace everything in it")
+
+
+def _publish(out: Path, write) -> None:
+    """`write(directory)` into a new directory beside `out`, which then takes out's place
+    (whatever was there is removed: _check_target came first). A reader sees the old
+    directory or the whole new one, never a mixture; a failed write leaves `out` as it was.
+    Modes are those a plain mkdir and open give (umask), for every directory and file
+    (safetensors and mkdtemp would give 0600 and 0700)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        write(staging)
+        _umask_modes(staging)
+        if out.exists():
+            aside = staging.with_suffix(".old")
+            out.rename(aside)
+            try:
+                staging.rename(out)
+            except OSError:
+                aside.rename(out)
+                raise
+            shutil.rmtree(aside)
+        else:
+            staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
+
+
+def _umask_modes(root: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for path in root.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def main(argv=None) -> int:
@@ -254,14 +315,17 @@ def main(argv=None) -> int:
     exp.add_argument("directory")
     exp.add_argument("hf_dir")
     exp.add_argument("--step", type=int)
+    for command in (imp, exp):
+        command.add_argument("--overwrite", action="store_true",
+                             help="replace everything in a non-empty output directory")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            path = import_hf(args.hf_dir, args.out_dir)
+            path = import_hf(args.hf_dir, args.out_dir, args.overwrite)
             print(f"imported {args.hf_dir} -> {path} (checkpoint step 0); train with "
                   f"python -m jaxptd.train --config {path}")
         else:
-            step = export_hf(args.directory, args.hf_dir, args.step)
+            step = export_hf(args.directory, args.hf_dir, args.step, args.overwrite)
             print(f"exported step {step} of {args.directory} -> {args.hf_dir}")
     except (HFError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -5,6 +5,7 @@ resumes from an import at another layout; bad input is one error line."""
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,77 @@ def _edit_config(directory, **changes):
     config = json.loads((directory / "config.json").read_text())
     config.update({k: v for k, v in changes.items() if k in config or k == "architectures"})
     (directory / "config.json").write_text(json.dumps(config))
+
+
+def _one_error_line(capsys, *words):
+    """The one `error:` line on stderr, which names each of `words`."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert all(word in lines[0] for word in words), lines[0]
+    return lines[0]
+
+
+def test_export_refuses_a_non_empty_directory_and_overwrite_replaces_it(imported, tmp_path,
+                                                                        capsys):
+    """Into a directory holding another model: refused, nothing touched. With --overwrite
+    the directory holds exactly the new set, at the modes the umask gives (files and
+    directory alike), nothing left beside it; never over the checkpoint being read."""
+    kind, model, _, out = imported
+    if kind != "gpt":
+        pytest.skip("the directory handling does not depend on the architecture")
+    target = tmp_path / "target"
+    target.mkdir()
+    foreign = ("config.json", "model.safetensors", "generation_config.json")
+    for name in foreign:
+        (target / name).write_text("another model")
+    assert hf.main(["export", str(out), str(target)]) == 2
+    _one_error_line(capsys, str(target), "--overwrite")
+    assert all((target / name).read_text() == "another model" for name in foreign)
+    umask = os.umask(0o027)
+    try:
+        assert hf.main(["export", str(out), str(target), "--overwrite"]) == 0
+    finally:
+        os.umask(umask)
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert {stat.S_IMODE((target / name).stat().st_mode) for name in os.listdir(target)} \
+        == {0o640}
+    assert stat.S_IMODE(target.stat().st_mode) == 0o750
+    assert os.listdir(tmp_path) == ["target"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(target).eval()
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 11))
+    np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(model, tokens))
+    capsys.readouterr()  # transformers' progress bars
+    (tmp_path / "empty").mkdir()
+    assert hf.main(["export", str(out), str(tmp_path / "empty")]) == 0
+    for source in (out, out / "checkpoints"):
+        assert hf.main(["export", str(source), str(out), "--overwrite"]) == 2
+        _one_error_line(capsys, str(out))
+    assert hf.load_params(out)[2] == 0
+
+
+def test_import_refuses_an_existing_directory_and_overwrite_replaces_it(imported, tmp_path,
+                                                                        capsys):
+    """A second import into a directory refuses before writing anything; --overwrite
+    replaces the whole directory (a run's leftovers gone), its config and checkpoint one
+    consistent set."""
+    import yaml
+
+    kind, _, hf_dir, _ = imported
+    if kind != "gpt":
+        pytest.skip("the directory handling does not depend on the architecture")
+    run = tmp_path / "run"
+    assert hf.main(["import", str(hf_dir), str(run)]) == 0
+    (run / "metrics.jsonl").write_text("{}\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    assert hf.main(["import", str(hf_dir), str(run)]) == 2
+    _one_error_line(capsys, str(run), "--overwrite")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert hf.main(["import", str(hf_dir), str(run), "--overwrite"]) == 0
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml"]
+    assert os.listdir(tmp_path) == ["run"]
+    config, _, step = hf.load_params(run)
+    assert step == 0 and yaml.safe_load((run / "config.yaml").read_text())["checkpoint"] == {
+        "dir": str(run / "checkpoints")} == {"dir": config.checkpoint.dir}
+    assert hf.main(["import", str(hf_dir), str(hf_dir), "--overwrite"]) == 2
+    _one_error_line(capsys, str(hf_dir))
+    assert (hf_dir / "config.json").is_file()
