@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxptd.config import Config, ConfigError, ModelConfig, from_dict
 from jaxptd.hf_names import (ARCHITECTURES, PARTS, VOCAB_AXES, HFError, canonical,
-                              export_config, names, require)
+                              export_config, extras, names, require)
 
 
 # --------------------------------------------------------------------------- import
@@ -62,8 +62,8 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
 
 def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
     """HF tensors -> jaxptd's global parameter tree (float32, vocabulary padded to `vocab`).
-    Every tensor's shape is checked against the config first."""
-    tensors = canonical(model, tensors)
+    Every tensor is accounted for (_expected) and its shape checked against the config."""
+    tensors = _expected(model, canonical(model, tensors))
     shapes = _layer_shapes(model)
     params: dict = {}
     parts: dict = {}  # a leaf's path -> {part index: value}
@@ -71,8 +71,6 @@ def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
         want = to_hf(np.zeros(shapes[path])).shape
         values = []
         for hf_name in (hf_names,) if isinstance(hf_names, str) else hf_names:
-            require(tensors.get(hf_name) is not None,
-                    f"tensor {hf_name!r} is missing from the safetensors files")
             have = tuple(tensors[hf_name].shape)
             require(have == want, f"tensor {hf_name!r} has shape {have}, the config needs "
                     f"{want}")
@@ -86,6 +84,25 @@ def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
         axis = PARTS[path[-1]] + (path[0] == "layers")
         _set(params, path, np.stack([values[i] for i in sorted(values)], axis=axis))
     return pad_vocab(params, vocab)
+
+
+def _expected(model: ModelConfig, tensors: dict) -> dict:
+    """`tensors` less the tied copies and buffers (hf_names.extras), once every tensor is
+    one the config expects and every expected one is there."""
+    for name, tied in extras(model).items():
+        if name in tensors and tied is not None and tied in tensors:
+            require(np.array_equal(tensors[name], tensors[tied]), f"tensor {name!r} differs "
+                    f"from {tied!r}: jaxptd's {model.arch} ties them (one weight)")
+    tensors = {k: v for k, v in tensors.items() if k not in extras(model)}
+    expected = {name for entry in names(model) for name in
+                ((entry[0],) if isinstance(entry[0], str) else entry[0])}
+    model_name = f"the {model.num_layers}-layer {model.arch} that config.json describes"
+    for found, problem in ((set(tensors) - expected, f"hold tensors {model_name} does not "
+                            "have"), (expected - set(tensors), f"lack tensors of {model_name}")):
+        listed = sorted(found)
+        require(not found, f"the safetensors files {problem}: {', '.join(listed[:4])}"
+                f"{f' and {len(listed) - 4} more' if len(listed) > 4 else ''}")
+    return tensors
 
 
 def pad_vocab(params: dict, vocab: int) -> dict:

@@ -11,6 +11,8 @@ Owns, for each supported transformers class:
   num_layers names, one per layer, stacked on a leading [L] axis. A path ending in an int
   is one part of a leaf that transformers keeps as several tensors (k_proj and v_proj ->
   Llama's w_kv), stacked on the leaf's axis `PARTS[name]` (of one layer's value);
+- what a checkpoint may hold beside them (`extras(m)`): a tied copy (the name it must
+  equal) or a buffer that is not a weight (None);
 - `canonical`: the spellings transformers itself accepts on load, brought to one.
 """
 from __future__ import annotations
@@ -165,6 +167,17 @@ def _llama_names(m: ModelConfig) -> list:
 def names(m: ModelConfig) -> list:
     """(HF name or per-layer names, jaxptd path, to jaxptd, to HF) for every tensor."""
     return {"gpt": _gpt2_names, "llama": _llama_names}[m.arch](m)
+
+
+def extras(m: ModelConfig) -> dict:
+    """HF names a checkpoint may hold beside `names(m)`: {name: the name it must equal (a
+    tied copy), or None (a buffer, not a weight: GPT-2's causal masks, Llama's rotary
+    frequencies in older checkpoints)}."""
+    if m.arch == "gpt":
+        return {"lm_head.weight": "transformer.wte.weight",
+                **dict.fromkeys(_each_layer("transformer.h.{i}.attn.bias", m)),
+                **dict.fromkeys(_each_layer("transformer.h.{i}.attn.masked_bias", m))}
+    return dict.fromkeys(_each_layer("model.layers.{i}.self_attn.rotary_emb.inv_freq", m))
 
 
 def canonical(m: ModelConfig, tensors: dict) -> dict:

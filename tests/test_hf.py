@@ -204,3 +204,39 @@ def test_import_refuses_an_existing_directory_and_overwrite_replaces_it(imported
     assert hf.main(["import", str(hf_dir), str(hf_dir), "--overwrite"]) == 2
     _one_error_line(capsys, str(hf_dir))
     assert (hf_dir / "config.json").is_file()
+
+
+def test_unexpected_or_missing_tensors_are_named(imported, tmp_path, capsys):
+    """Nothing in the safetensors files is dropped without a word: 3 layers' weights under
+    a 2-layer config.json, a stray layer, a missing tensor or an untied copy of the tied
+    output layer are one error line naming them; the buffers transformers keeps beside
+    the weights (GPT-2's causal masks) are not weights and import."""
+    from safetensors.numpy import save_file
+
+    kind, _, hf_dir, _ = imported
+    if kind != "gpt":
+        pytest.skip("the check does not depend on the architecture")
+    original = load_file(hf_dir / "model.safetensors")
+
+    def attempt(name, tensors, **config):
+        directory = tmp_path / name
+        shutil.copytree(hf_dir, directory)
+        save_file(tensors, directory / "model.safetensors")
+        _edit_config(directory, **config)
+        return hf.main(["import", str(directory), str(tmp_path / f"{name}-out")])
+
+    assert attempt("two", original, n_layer=2) == 2
+    _one_error_line(capsys, "does not have", "transformer.h.2.attn.c_attn.weight")
+    stray = {**original, "transformer.h.9.mlp.c_fc.bias": original["transformer.h.0.mlp.c_fc.bias"]}
+    assert attempt("stray", stray) == 2
+    _one_error_line(capsys, "does not have", "transformer.h.9.mlp.c_fc.bias")
+    missing = {k: v for k, v in original.items() if k != "transformer.h.1.ln_2.bias"}
+    assert attempt("missing", missing) == 2
+    _one_error_line(capsys, "lack", "transformer.h.1.ln_2.bias")
+    untied = {**original, "lm_head.weight": original["transformer.wte.weight"] + 1}
+    assert attempt("untied", untied) == 2
+    _one_error_line(capsys, "lm_head.weight", "transformer.wte.weight")
+    buffers = {**original, "lm_head.weight": original["transformer.wte.weight"],
+               **{f"transformer.h.{i}.attn.bias": np.ones((1, 1, 20, 20), np.float32)
+                  for i in range(3)}}
+    assert attempt("buffers", buffers) == 0
