@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +50,14 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
     config_path = Path(hf_dir, "config.json")
     require(config_path.is_file(), f"{hf_dir}: no config.json (expected a transformers "
             "checkpoint directory: config.json and *.safetensors)")
-    hf = json.loads(config_path.read_text())
+    with _io("reading", config_path):
+        text = config_path.read_bytes()
+    try:
+        hf = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFError(f"{config_path}: not valid JSON ({e}): download or save it again") \
+            from None
+    require(isinstance(hf, dict), f"{config_path}: not a JSON object of settings")
     arch = (hf.get("architectures") or ["?"])[0]
     require(arch in ARCHITECTURES, f"{config_path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})")
@@ -56,7 +66,8 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
             "read; save with safe_serialization=True)")
     tensors = {}
     for file in files:
-        tensors.update(load_file(file))
+        with _io("reading", file):
+            tensors.update(load_file(file))
     return arch, hf, tensors
 
 
@@ -166,7 +177,12 @@ def from_params(model: ModelConfig, params: dict) -> dict:
 def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
     """(jaxptd config tree, its model config, global params padded for tensor = 1)."""
     arch, hf, tensors = read_hf(hf_dir)
-    tree = {"model": ARCHITECTURES[arch](hf)}
+    try:
+        tree = {"model": ARCHITECTURES[arch](hf)}
+    except KeyError as e:
+        raise HFError(f"{hf_dir}/config.json has no {e.args[0]!r}, which {arch} needs") from None
+    except TypeError as e:
+        raise HFError(f"{hf_dir}/config.json: a setting of the wrong type ({e})") from None
     try:
         model = from_dict(tree).model
     except ConfigError as e:
@@ -275,10 +291,14 @@ def export_hf(directory: str, hf_dir: str, step: int | None = None,
 # --------------------------------------------------------------------------- directories
 
 def _check_target(out: Path, overwrite: bool, source: Path) -> None:
-    """Refuses, before anything is read or written, an output that is a file, that holds
-    anything (unless `overwrite`), or that is or holds the `source` being read."""
-    require(not out.exists() or out.is_dir(), f"{out} is a file: name a directory to write "
-            "into (it is created)")
+    """Refuses, before anything is read or written, an output below a file or not
+    writable, one that holds anything (unless `overwrite`), or that is or holds the
+    `source` being read."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    require(existing.is_dir(), f"{existing} is a file, not a directory: name a directory "
+            "to write into (it is created)")
+    require(os.access(existing, os.W_OK | os.X_OK), f"{existing} is not writable (its "
+            "permissions): name a directory you may write to")
     source = source.absolute()
     require(not (out == source or out in source.parents),
             f"{out} is, or holds, {source}, which is being read: name another directory")
@@ -294,24 +314,60 @@ def _publish(out: Path, write) -> None:
     directory or the whole new one, never a mixture; a failed write leaves `out` as it was.
     Modes are those a plain mkdir and open give (umask), for every directory and file
     (safetensors and mkdtemp would give 0600 and 0700)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    with _io("writing", out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial",
+                                        dir=out.parent))
+        try:
+            write(staging)
+            _umask_modes(staging)
+            _swap(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already unless it failed
+
+
+def _swap(staging: Path, out: Path) -> None:
+    """Puts `staging` at `out`, removing what was there (put back if that fails)."""
+    if not out.exists():
+        staging.rename(out)
+        return
+    aside = staging.with_suffix(".old")
+    out.rename(aside)
     try:
-        write(staging)
-        _umask_modes(staging)
-        if out.exists():
-            aside = staging.with_suffix(".old")
-            out.rename(aside)
-            try:
-                staging.rename(out)
-            except OSError:
-                aside.rename(out)
-                raise
-            shutil.rmtree(aside)
-        else:
-            staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already unless something failed
+        staging.rename(out)
+    except OSError:
+        aside.rename(out)
+        raise
+    shutil.rmtree(aside)
+
+
+# What to do about an I/O failure, by errno (the rest: check the path).
+_ADVICE = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space or raise the "
+           "disk quota", errno.EFBIG: "raise the file-size limit (ulimit -f) or write "
+           "elsewhere", errno.EROFS: "write to a directory on a writable file system",
+           errno.EACCES: "use a path you may access, or change its permissions",
+           errno.EPERM: "use a path you may access, or change its permissions"}
+
+
+@contextmanager
+def _io(action: str, path: Path):
+    """An I/O failure inside (an OSError, or safetensors' own error) becomes one HFError
+    line naming the path, the system's reason and what to do: the bridge's one place for
+    them, reading and writing."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        code = getattr(e, "errno", None)
+        found = re.search(r"os error (\d+)", str(e))  # safetensors wraps the OS's error
+        code = code or (int(found.group(1)) if found else None)
+        if code is None:  # not the system: the file's own bytes
+            raise HFError(f"{path}: not a readable safetensors file ({e}): "
+                          "download or save it again") from None
+        where = getattr(e, "filename", None) or path
+        raise HFError(f"{where}: {os.strerror(code).lower()} while {action}: "
+                      f"{_ADVICE.get(code, 'check the path')}") from None
 
 
 def _umask_modes(root: Path) -> None:
@@ -336,6 +392,8 @@ def main(argv=None) -> int:
         command.add_argument("--overwrite", action="store_true",
                              help="replace everything in a non-empty output directory")
     args = parser.parse_args(argv)
+    from jaxptd.checkpoint import CheckpointError  # after parsing: it imports JAX
+
     try:
         if args.command == "import":
             path = import_hf(args.hf_dir, args.out_dir, args.overwrite)
@@ -344,7 +402,7 @@ def main(argv=None) -> int:
         else:
             step = export_hf(args.directory, args.hf_dir, args.step, args.overwrite)
             print(f"exported step {step} of {args.directory} -> {args.hf_dir}")
-    except (HFError, ConfigError) as e:
+    except (HFError, ConfigError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -2,12 +2,14 @@
 models (odd sizes, grouped-query attention, several layers) imported give transformers'
 logits and loss; exported, they load in transformers and round-trip every value; training
 resumes from an import at another layout; bad input is one error line."""
+import errno
 import json
 import os
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -18,8 +20,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
-from helpers import HF_VOCAB, assert_trees_close, reference_loss, tiny_hf_model  # noqa: E402
-from jaxptd import hf  # noqa: E402
+from helpers import (HF_VOCAB, assert_trees_close, damage, reference_loss,  # noqa: E402
+                     tiny_hf_model)
+from jaxptd import generate, hf  # noqa: E402
 from jaxptd.config import Config  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
@@ -114,21 +117,58 @@ def test_training_resumes_from_an_import_at_another_layout(imported, tmp_path):
     (lambda d: os.remove(d / "model.safetensors"), "no *.safetensors"),
     (lambda d: _edit_config(d, n_inner=40, intermediate_size=40), "has shape"),
     (lambda d: os.remove(d / "config.json"), "no config.json"),
+    (lambda d: (d / "config.json").write_text('{"architectures": ["'), "not valid JSON"),
+    (lambda d: (d / "config.json").write_text("[1, 2]"), "not a JSON object"),
+    (lambda d: _edit_config(d, remove=("n_layer", "num_hidden_layers")), "config.json has no"),
+    (lambda d: damage(d / "model.safetensors", "truncate"), "not a readable safetensors"),
+    (lambda d: damage(d / "model.safetensors", "empty"), "not a readable safetensors"),
 ])
 def test_bad_input_is_one_error_line(imported, tmp_path, capsys, damage, message):
+    """In `hf import` and in `generate --hf`, which reads the same way."""
     _, _, hf_dir, _ = imported
     shutil.copytree(hf_dir, tmp_path / "hf")
     damage(tmp_path / "hf")
     assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    _one_error_line(capsys, message)
+    assert not (tmp_path / "out").exists()
+    assert generate.main(["--hf", str(tmp_path / "hf"), "--prompt-ids", "1"]) == 2
+    _one_error_line(capsys, message)
     assert hf.main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
-def _edit_config(directory, **changes):
+def test_unwritable_output_is_one_error_line(imported, tmp_path, capsys, monkeypatch):
+    """A file where the output directory should be, a file above it, a read-only file
+    system (injected: root writes through a read-only mode), a directory not writable."""
+    kind, _, hf_dir, out = imported
+    if kind != "gpt":
+        pytest.skip("the output handling does not depend on the architecture")
+    (tmp_path / "file").write_text("a file")
+    for command in (["export", str(out)], ["import", str(hf_dir)]):
+        assert hf.main([*command, str(tmp_path / "file")]) == 2
+        _one_error_line(capsys, str(tmp_path / "file"), "is a file")
+        assert hf.main([*command, str(tmp_path / "file" / "below")]) == 2
+        _one_error_line(capsys, str(tmp_path / "file"), "is a file")
+    assert (tmp_path / "file").read_text() == "a file"
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), kwargs.get("dir"))
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    assert hf.main(["export", str(out), str(tmp_path / "ro" / "hf")]) == 2
+    _one_error_line(capsys, str(tmp_path / "ro"), "read-only file system", "writable")
+    monkeypatch.undo()
+    (tmp_path / "locked").mkdir()
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path).name != "locked")
+    assert hf.main(["export", str(out), str(tmp_path / "locked"), "--overwrite"]) == 2
+    _one_error_line(capsys, str(tmp_path / "locked"), "not writable")
+    assert sorted(os.listdir(tmp_path)) == ["file", "locked", "ro"]
+
+
+def _edit_config(directory, remove=(), **changes):
+    """Changes the keys config.json has (and `architectures`), removes those in `remove`."""
     config = json.loads((directory / "config.json").read_text())
     config.update({k: v for k, v in changes.items() if k in config or k == "architectures"})
+    config = {k: v for k, v in config.items() if k not in remove}
     (directory / "config.json").write_text(json.dumps(config))
 
 
