@@ -3,7 +3,7 @@
 
 Owns the two directions between a transformers directory (GPT2LMHeadModel,
 LlamaForCausalLM) and jaxptd's checkpoints; what maps to what is data in
-jaxptd/hf_names.py:
+jaxptd/hf_names.py, the files and their failures are jaxptd/hf_files.py's:
 
 - import: config.json + *.safetensors -> OUT_DIR/config.yaml (the model section, run and
   checkpoint directories in OUT_DIR) and a real jaxptd checkpoint at step 0 in
@@ -16,60 +16,30 @@ jaxptd/hf_names.py:
   `transformers.AutoModelForCausalLM.from_pretrained` loads. The model config comes from
   the checkpoint's own layout record. Padded vocabulary rows are dropped.
 
-Tensors are read and written as numpy arrays by `safetensors.numpy`; no pickle anywhere.
-User errors (unsupported architecture, missing file, shape not matching the config) are
-`HFError`: one `error:` line and exit 2.
+Both refuse an output directory that holds anything unless given --overwrite, which
+replaces all of it, and write it whole or not at all. Every tensor of the input is
+accounted for. Tensors are read and written as numpy arrays by `safetensors.numpy`; no
+pickle anywhere. User errors (unsupported architecture, unreadable or missing files,
+tensors the config does not describe, an unwritable output) are `HFError`: one `error:`
+line and exit 2.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import json
-import os
-import re
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from jaxptd.config import Config, ConfigError, ModelConfig, from_dict
+from jaxptd.hf_files import check_target, publish, read_hf
 from jaxptd.hf_names import (ARCHITECTURES, PARTS, VOCAB_AXES, HFError, canonical,
                               export_config, extras, names, require)
 
 
 # --------------------------------------------------------------------------- import
-
-def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
-    """(architecture, config.json dict, {name: numpy tensor}) of a transformers directory."""
-    from safetensors.numpy import load_file
-
-    config_path = Path(hf_dir, "config.json")
-    require(config_path.is_file(), f"{hf_dir}: no config.json (expected a transformers "
-            "checkpoint directory: config.json and *.safetensors)")
-    with _io("reading", config_path):
-        text = config_path.read_bytes()
-    try:
-        hf = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise HFError(f"{config_path}: not valid JSON ({e}): download or save it again") \
-            from None
-    require(isinstance(hf, dict), f"{config_path}: not a JSON object of settings")
-    arch = (hf.get("architectures") or ["?"])[0]
-    require(arch in ARCHITECTURES, f"{config_path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})")
-    files = sorted(Path(hf_dir).glob("*.safetensors"))
-    require(bool(files), f"{hf_dir}: no *.safetensors files (pickled checkpoints are not "
-            "read; save with safe_serialization=True)")
-    tensors = {}
-    for file in files:
-        with _io("reading", file):
-            tensors.update(load_file(file))
-    return arch, hf, tensors
-
 
 def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
     """HF tensors -> jaxptd's global parameter tree (float32, vocabulary padded to `vocab`).
@@ -195,7 +165,7 @@ def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     import yaml
 
     out = Path(out_dir).absolute()
-    _check_target(out, overwrite, Path(hf_dir))
+    check_target(out, overwrite, Path(hf_dir))
     tree, _, params = load_hf(hf_dir)
     tree.update({"train": {"run_dir": str(out)}, "checkpoint": {"dir": str(out / "checkpoints")}})
     setup = _single_device_setup(from_dict(tree))
@@ -206,7 +176,7 @@ def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
             + yaml.safe_dump(tree, sort_keys=False))
         _save(setup, params, directory / "checkpoints")
 
-    _publish(out, write)
+    publish(out, write)
     return out / "config.yaml"
 
 
@@ -275,7 +245,7 @@ def export_hf(directory: str, hf_dir: str, step: int | None = None,
     from safetensors.numpy import save_file
 
     out = Path(hf_dir).absolute()
-    _check_target(out, overwrite, Path(directory))
+    check_target(out, overwrite, Path(directory))
     config, params, step = load_params(directory, step)
     hf_config = export_config(config.model)
 
@@ -284,98 +254,8 @@ def export_hf(directory: str, hf_dir: str, step: int | None = None,
                   metadata={"format": "pt"})
         (target / "config.json").write_text(json.dumps(hf_config, indent=2))
 
-    _publish(out, write)
+    publish(out, write)
     return step
-
-
-# --------------------------------------------------------------------------- directories
-
-def _check_target(out: Path, overwrite: bool, source: Path) -> None:
-    """Refuses, before anything is read or written, an output below a file or not
-    writable, one that holds anything (unless `overwrite`), or that is or holds the
-    `source` being read."""
-    existing = next(p for p in (out, *out.parents) if p.exists())
-    require(existing.is_dir(), f"{existing} is a file, not a directory: name a directory "
-            "to write into (it is created)")
-    require(os.access(existing, os.W_OK | os.X_OK), f"{existing} is not writable (its "
-            "permissions): name a directory you may write to")
-    source = source.absolute()
-    require(not (out == source or out in source.parents),
-            f"{out} is, or holds, {source}, which is being read: name another directory")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    require(overwrite or not held, f"{out} is not empty ({', '.join(held[:4])}"
-            f"{', ...' if len(held) > 4 else ''}): name a new directory, or pass "
-            "--overwrite to replace everything in it")
-
-
-def _publish(out: Path, write) -> None:
-    """`write(directory)` into a new directory beside `out`, which then takes out's place
-    (whatever was there is removed: _check_target came first). A reader sees the old
-    directory or the whole new one, never a mixture; a failed write leaves `out` as it was.
-    Modes are those a plain mkdir and open give (umask), for every directory and file
-    (safetensors and mkdtemp would give 0600 and 0700)."""
-    with _io("writing", out.parent):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial",
-                                        dir=out.parent))
-        try:
-            write(staging)
-            _umask_modes(staging)
-            _swap(staging, out)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone already unless it failed
-
-
-def _swap(staging: Path, out: Path) -> None:
-    """Puts `staging` at `out`, removing what was there (put back if that fails)."""
-    if not out.exists():
-        staging.rename(out)
-        return
-    aside = staging.with_suffix(".old")
-    out.rename(aside)
-    try:
-        staging.rename(out)
-    except OSError:
-        aside.rename(out)
-        raise
-    shutil.rmtree(aside)
-
-
-# What to do about an I/O failure, by errno (the rest: check the path).
-_ADVICE = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space or raise the "
-           "disk quota", errno.EFBIG: "raise the file-size limit (ulimit -f) or write "
-           "elsewhere", errno.EROFS: "write to a directory on a writable file system",
-           errno.EACCES: "use a path you may access, or change its permissions",
-           errno.EPERM: "use a path you may access, or change its permissions"}
-
-
-@contextmanager
-def _io(action: str, path: Path):
-    """An I/O failure inside (an OSError, or safetensors' own error) becomes one HFError
-    line naming the path, the system's reason and what to do: the bridge's one place for
-    them, reading and writing."""
-    from safetensors import SafetensorError
-
-    try:
-        yield
-    except (OSError, SafetensorError) as e:
-        code = getattr(e, "errno", None)
-        found = re.search(r"os error (\d+)", str(e))  # safetensors wraps the OS's error
-        code = code or (int(found.group(1)) if found else None)
-        if code is None:  # not the system: the file's own bytes
-            raise HFError(f"{path}: not a readable safetensors file ({e}): "
-                          "download or save it again") from None
-        where = getattr(e, "filename", None) or path
-        raise HFError(f"{where}: {os.strerror(code).lower()} while {action}: "
-                      f"{_ADVICE.get(code, 'check the path')}") from None
-
-
-def _umask_modes(root: Path) -> None:
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for path in root.rglob("*"):
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def main(argv=None) -> int:
