@@ -2,8 +2,9 @@
 [--step N]`: the bridge to Hugging Face transformers checkpoints, through safetensors only.
 
 Owns the two directions between a transformers directory (GPT2LMHeadModel,
-LlamaForCausalLM) and jaxptd's checkpoints; what maps to what is data in
-jaxptd/hf_names.py, the files and their failures are jaxptd/hf_files.py's:
+LlamaForCausalLM, BertForPreTraining and BertForMaskedLM, their MegatronBert forms) and
+jaxptd's checkpoints; what maps to what is data in jaxptd/hf_names.py, the files and their
+failures are jaxptd/hf_files.py's:
 
 - import: config.json + *.safetensors -> OUT_DIR/config.yaml (the model section, run and
   checkpoint directories in OUT_DIR) and a real jaxptd checkpoint at step 0 in
@@ -11,10 +12,13 @@ jaxptd/hf_names.py, the files and their failures are jaxptd/hf_files.py's:
   jaxptd.train --config OUT_DIR/config.yaml` fine-tunes from it at any layout. The
   optimizer state is AdamW's initial one (zero moments, step 0), as for any fresh run:
   transformers checkpoints carry no optimizer state.
+  A class without some of jaxptd's weights (BertForMaskedLM: no pooler, no sentence
+  head) gets them as a fresh model draws them, with a note.
 - export: a checkpoint directory (OUT_DIR of import, a run directory or its checkpoints/;
-  the newest step unless --step) -> config.json + model.safetensors that
-  `transformers.AutoModelForCausalLM.from_pretrained` loads. The model config comes from
-  the checkpoint's own layout record. Padded vocabulary rows are dropped.
+  the newest step unless --step) -> config.json + model.safetensors that transformers'
+  `AutoModelForCausalLM` (GPT, Llama) or `AutoModelForPreTraining` (BERT: post-LN as
+  BertForPreTraining, pre-LN as MegatronBertForPreTraining) loads. The model config comes
+  from the checkpoint's own layout record. Padded vocabulary rows are dropped.
 
 Both refuse an output directory that holds anything unless given --overwrite, which
 replaces all of it, and write it whole or not at all. Every tensor of the input is
@@ -147,8 +151,9 @@ def from_params(model: ModelConfig, params: dict) -> dict:
 def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
     """(jaxptd config tree, its model config, global params padded for tensor = 1)."""
     arch, hf, tensors = read_hf(hf_dir)
+    hf_class = ARCHITECTURES[arch]
     try:
-        tree = {"model": ARCHITECTURES[arch](hf)}
+        tree = {"model": hf_class.config(hf)}
     except KeyError as e:
         raise HFError(f"{hf_dir}/config.json has no {e.args[0]!r}, which {arch} needs") from None
     except TypeError as e:
@@ -157,7 +162,21 @@ def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
         model = from_dict(tree).model
     except ConfigError as e:
         raise HFError(f"{hf_dir}/config.json gives an invalid jaxptd config: {e}") from None
+    if hf_class.absent:
+        tensors = {**_fresh(model, hf_class.absent), **tensors}
+        print(f"note: {arch} has no {', '.join(hf_class.absent)}: drawn as a fresh jaxptd "
+              f"{model.arch} draws them", file=sys.stderr)
     return tree, model, to_params(model, tensors, model.padded_vocab(1))
+
+
+def _fresh(model: ModelConfig, hf_names: tuple) -> dict:
+    """{HF name: a fresh model's value} (jaxptd's initialisation, seed 0) of `hf_names`."""
+    import jax
+    from jaxptd.model import get
+
+    params = get(model).init_params(model, model.padded_vocab(1), jax.random.key(0))
+    return {name: value for name, value in from_params(model, jax.device_get(params)).items()
+            if name in hf_names}
 
 
 def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:

@@ -40,6 +40,9 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
     arch = (hf.get("architectures") or ["?"])[0]
     require(arch in ARCHITECTURES, f"{config_path}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})")
+    tokens = {key: token for key, token in ARCHITECTURES[arch].tokens.items()
+              if hf.get(key) is None}
+    hf = {**hf, **_token_ids(Path(hf_dir), tokens)} if tokens else hf
     files = sorted(Path(hf_dir).glob("*.safetensors"))
     require(bool(files), f"{hf_dir}: no *.safetensors files (pickled checkpoints are not "
             "read; save with safe_serialization=True)")
@@ -48,6 +51,29 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
         with io_errors("reading", file):
             tensors.update(load_file(file))
     return arch, hf, tensors
+
+
+def _token_ids(hf_dir: Path, tokens: dict) -> dict:
+    """{config key: id} of the `tokens` ({config key: token}) that the directory's
+    tokenizer names: tokenizer.json's added tokens and vocabulary, else vocab.txt's lines
+    (a WordPiece vocabulary: BERT's)."""
+    vocab: dict = {}
+    if (hf_dir / "tokenizer.json").is_file():
+        with io_errors("reading", hf_dir / "tokenizer.json"):
+            text = (hf_dir / "tokenizer.json").read_bytes()
+        try:
+            tokenizer = json.loads(text)
+            model_vocab = tokenizer.get("model", {}).get("vocab")
+            vocab = dict(model_vocab) if isinstance(model_vocab, dict) else {}
+            vocab.update({t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])})
+        except (ValueError, AttributeError, KeyError, TypeError) as e:
+            raise HFError(f"{hf_dir / 'tokenizer.json'}: not a tokenizers file ({e}): "
+                          "download or save it again") from None
+    elif (hf_dir / "vocab.txt").is_file():
+        with io_errors("reading", hf_dir / "vocab.txt"):
+            lines = (hf_dir / "vocab.txt").read_text(errors="replace").splitlines()
+        vocab = {line.strip(): i for i, line in enumerate(lines)}
+    return {key: vocab[token] for key, token in tokens.items() if token in vocab}
 
 
 def check_target(out: Path, overwrite: bool, source: Path) -> None:

@@ -113,7 +113,7 @@ def test_training_resumes_from_an_import_at_another_layout(imported, tmp_path):
 
 
 @pytest.mark.parametrize("damage, message", [
-    (lambda d: _edit_config(d, architectures=["BertForMaskedLM"]), "is not supported"),
+    (lambda d: _edit_config(d, architectures=["T5ForConditionalGeneration"]), "is not supported"),
     (lambda d: os.remove(d / "model.safetensors"), "no *.safetensors"),
     (lambda d: _edit_config(d, n_inner=40, intermediate_size=40), "has shape"),
     (lambda d: os.remove(d / "config.json"), "no config.json"),
@@ -280,3 +280,25 @@ def test_unexpected_or_missing_tensors_are_named(imported, tmp_path, capsys):
                **{f"transformer.h.{i}.attn.bias": np.ones((1, 1, 20, 20), np.float32)
                   for i in range(3)}}
     assert attempt("buffers", buffers) == 0
+
+
+def test_gpt2_with_the_exact_gelu_round_trips(tmp_path):
+    """activation_function=gelu (erf, not GPT-2's tanh) imports as model.gelu=erf with
+    transformers' logits, and exports as it came."""
+    source = tiny_hf_model("gpt")
+    source.config.activation_function = "gelu"
+    model = transformers.GPT2LMHeadModel(source.config).eval()
+    model.load_state_dict(source.state_dict())
+    model.save_pretrained(tmp_path / "hf")
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    config, params, _ = hf.load_params(tmp_path / "out")
+    assert config.model.gelu == "erf"
+    tokens = np.random.default_rng(4).integers(0, VOCAB, (2, config.model.seq_len))
+    ours = models.forward_logits(params, jnp.asarray(tokens), config.model,
+                                 Layout(params["embed"]["wte"].shape[0]))
+    expected = torch_logits(model, tokens)
+    np.testing.assert_allclose(np.asarray(ours)[..., :VOCAB], expected,
+                               atol=2e-6 * np.abs(expected).max())
+    assert hf.main(["export", str(tmp_path / "out"), str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())[
+        "activation_function"] == "gelu"
