@@ -8,6 +8,9 @@ value. A BertForMaskedLM lacks the pooler and the sentence head: they are drawn 
 import json
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +23,12 @@ from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
 from helpers import HF_VOCAB, assert_trees_close, save_tiny_bert, tiny_hf_model  # noqa: E402
 from jaxptd import hf  # noqa: E402
+from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.model import bert  # noqa: E402
 from jaxptd.model.layers import Layout  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 # norm_position, gelu, special_ids of each import
 EXPECTED = {"bert": ("post", "erf", "0,2,3,4"), "megatron-bert": ("pre", "tanh", "")}
 
@@ -131,6 +136,46 @@ def test_masked_lm_import_draws_the_missing_heads(tmp_path, capsys):
     fresh = bert.init_params(cfg, cfg.padded_vocab(1), jax.random.key(0))["heads"]
     for leaf in ("w_pool", "b_pool", "w_sop", "b_sop"):
         np.testing.assert_array_equal(params["heads"][leaf], fresh[leaf], err_msg=leaf)
+
+
+@pytest.mark.slow
+def test_training_resumes_from_a_bert_import_at_another_layout(imported, tmp_path):
+    """The BertForPreTraining import (post-LN, special ids inside the vocabulary) trains at
+    (data 2, pipe 3; no dropout): the first step's loss is the loss of transformers'
+    logits on the same rows (jaxptd's: each row's mean masked-LM loss plus its
+    sentence-order loss)."""
+    kind, model, _, out = imported
+    if kind != "bert":
+        pytest.skip("one BERT is enough: the restore path does not depend on it")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
+    corpus = prepare_corpus([str(docs)], tmp_path / "corpus", val_fraction=0.3)
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    overrides = ["parallel.pipe=3", "parallel.data=2", "parallel.microbatches=2",
+                 "train.global_batch=4", "train.steps=1", "train.log_every=1",
+                 "train.eval_every=0", "model.dropout=0", f"data.path={corpus}",
+                 f"train.run_dir={run}", f"checkpoint.dir={run / 'checkpoints'}"]
+    result = subprocess.run([sys.executable, "-m", "jaxptd.train", "--config",
+                             str(run / "config.yaml"), *overrides], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from step 0" in result.stdout
+    record = [json.loads(line) for line in open(run / "metrics.jsonl") if '"loss"' in line][0]
+    cfg = hf.load_params(out)[0].model
+    s = cfg.seq_len
+    rows = models.make_batch(TokenDataset(corpus, "train").batch(0, 0, 4, s), 0, 0, 0, cfg)
+    ids, types, labels, order = rows[:, :s], rows[:, s:2 * s], rows[:, 2 * s:3 * s], rows[:, -1]
+    mlm, sop = (torch.tensor(x) for x in torch_logits(model, ids, types, cfg.bert_specials[0]))
+    xent = torch.nn.functional.cross_entropy
+    token_losses = xent(mlm.reshape(-1, HF_VOCAB), torch.tensor(np.maximum(labels, 0)).reshape(
+        -1).long(), reduction="none").reshape(labels.shape).numpy()
+    predicted = labels >= 0
+    row_losses = (token_losses * predicted).sum(1) / predicted.sum(1) + xent(
+        sop, torch.tensor(order).long(), reduction="none").numpy()
+    np.testing.assert_allclose(record["loss"], row_losses.mean(), rtol=1e-5)
 
 
 @pytest.mark.parametrize("change, message", [
