@@ -162,9 +162,10 @@ def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
         model = from_dict(tree).model
     except ConfigError as e:
         raise HFError(f"{hf_dir}/config.json gives an invalid jaxptd config: {e}") from None
-    if hf_class.absent:
-        tensors = {**_fresh(model, hf_class.absent), **tensors}
-        print(f"note: {arch} has no {', '.join(hf_class.absent)}: drawn as a fresh jaxptd "
+    absent = tuple(name for name in hf_class.absent if name not in tensors)
+    if absent:
+        tensors = {**tensors, **_fresh(model, absent)}
+        print(f"note: {arch} has no {', '.join(absent)}: drawn as a fresh jaxptd "
               f"{model.arch} draws them", file=sys.stderr)
     return tree, model, to_params(model, tensors, model.padded_vocab(1))
 
