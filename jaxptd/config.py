@@ -49,6 +49,11 @@ class ModelConfig:
     ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
     num_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: num_heads
     rope_theta: float = 10000.0  # llama: base of the rotary position embedding
+    gelu: str = "tanh"  # gpt, bert: tanh (GPT-2's, Megatron's approximation) | erf (exact)
+    # bert: pre (Megatron's rearranged LayerNorm, its Figure 7) | post (the original
+    # BERT's, transformers' BertModel; as Megatron's apply_residual_connection_post_layernorm)
+    norm_position: str = "pre"
+    special_ids: str = ""  # bert: "PAD,CLS,SEP,MASK" ids; "": the top 4 of vocab_size
 
     @property
     def ffn(self) -> int:
@@ -63,6 +68,14 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def bert_specials(self) -> tuple[int, ...]:
+        """BERT's [PAD], [CLS], [SEP], [MASK] ids: model.special_ids, else the top 4 ids of
+        vocab_size (which the data then may not use)."""
+        if not self.special_ids:
+            return tuple(range(self.vocab_size - 4, self.vocab_size))
+        return tuple(int(i) for i in self.special_ids.split(","))
 
     def padded_vocab(self, tensor: int) -> int:
         """Vocabulary rounded up to a multiple of 128 x tensor, as Megatron pads it."""
@@ -221,6 +234,8 @@ CHOICES = {
     "model.attention": ("xla", "cudnn"),
     "model.remat": ("none", "minimal", "selective", "full"),
     "model.scan_layers": ("auto", "true", "false"),
+    "model.gelu": ("tanh", "erf"),
+    "model.norm_position": ("pre", "post"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
@@ -494,6 +509,26 @@ def _validate_heads(m: ModelConfig, tensor: int) -> None:
     _require(m.arch != "bert" or m.seq_len >= 5,
              f"model.seq_len={m.seq_len}: BERT's rows [CLS] A [SEP] B [SEP] need at least 5")
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be positive")
+    _validate_bert(m)
+
+
+def _validate_bert(m: ModelConfig) -> None:
+    """The options only BERT (or only the GeLU models) have."""
+    _require(m.gelu == "tanh" or m.arch != "llama",
+             f"model.gelu={m.gelu}: llama has no GeLU (its MLP is SwiGLU)")
+    _require(m.norm_position == "pre" or m.arch == "bert",
+             f"model.norm_position={m.norm_position}: only model.arch=bert has post-LayerNorm")
+    if not m.special_ids:
+        return
+    _require(m.arch == "bert", f"model.special_ids={m.special_ids!r}: only model.arch=bert "
+             "has special tokens")
+    try:
+        ids = m.bert_specials
+    except ValueError:
+        ids = ()
+    _require(len(ids) == len(set(ids)) == 4 and all(0 <= i < m.vocab_size for i in ids),
+             f"model.special_ids={m.special_ids!r}: must be four different ids PAD,CLS,SEP,"
+             f"MASK in [0, model.vocab_size={m.vocab_size}), e.g. 0,101,102,103")
 
 
 def _validate_runtime(config: Config) -> None:

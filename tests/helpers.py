@@ -237,11 +237,17 @@ HF_VOCAB = 301
 
 def tiny_hf_model(kind: str):
     """A random transformers model with odd sizes and several layers (torch seed 0):
-    GPT2LMHeadModel, or LlamaForCausalLM with grouped-query attention (6 heads, 2 kv)."""
+    GPT2LMHeadModel, LlamaForCausalLM with grouped-query attention (6 heads, 2 kv),
+    BertForPreTraining (exact GeLU, [PAD] at 0) or MegatronBertForPreTraining (tanh GeLU,
+    the special tokens at the top of the vocabulary, named in its config). BERTs' norms and
+    biases are drawn too (transformers starts them at ones and zeros), so that a LayerNorm
+    or bias in the wrong place shows."""
     import torch
     import transformers
 
     torch.manual_seed(0)
+    if kind in ("bert", "megatron-bert"):
+        return _tiny_bert(kind)
     if kind == "gpt":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=36, n_head=3, n_layer=3, vocab_size=HF_VOCAB, n_positions=20, n_inner=52,
@@ -251,3 +257,39 @@ def tiny_hf_model(kind: str):
         intermediate_size=70, vocab_size=HF_VOCAB, max_position_embeddings=64,
         rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None)).eval()
+
+
+def _tiny_bert(kind: str):
+    import torch
+    import transformers
+
+    sizes = dict(vocab_size=HF_VOCAB, hidden_size=36, num_attention_heads=3,
+                 num_hidden_layers=3, intermediate_size=52, max_position_embeddings=24)
+    if kind == "bert":
+        model = transformers.BertForPreTraining(transformers.BertConfig(
+            **sizes, hidden_act="gelu", pad_token_id=0))
+    else:
+        top = dict(zip(("pad_token_id", "cls_token_id", "sep_token_id", "mask_token_id"),
+                       range(HF_VOCAB - 4, HF_VOCAB)))
+        model = transformers.MegatronBertForPreTraining(transformers.MegatronBertConfig(
+            **sizes, hidden_act="gelu_new", **top))
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if name.endswith("bias"):
+                value.normal_(0.0, 0.1)
+            elif "LayerNorm" in name or ".ln." in name:
+                value.normal_(1.0, 0.1)
+    return model.eval()
+
+
+BERT_WORDPIECES = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]  # ids 0..4 of tiny BERT's
+
+
+def save_tiny_bert(kind: str, directory):
+    """tiny_hf_model(kind) saved with a vocab.txt (BERT's: where its special ids are)."""
+    model = tiny_hf_model(kind)
+    model.save_pretrained(directory)
+    if kind == "bert":
+        words = BERT_WORDPIECES + [f"w{i}" for i in range(len(BERT_WORDPIECES), HF_VOCAB)]
+        (Path(directory) / "vocab.txt").write_text("\n".join(words) + "\n")
+    return model

@@ -54,6 +54,26 @@ def test_rows_follow_the_definition():
     assert abs(sop.mean() - 0.5) < 0.08 and 0.05 < counts / len(rows) < 0.16
 
 
+def test_special_ids_inside_the_vocabulary():
+    """model.special_ids (an imported BERT's, bert-base's) puts [PAD] [CLS] [SEP] [MASK]
+    where its tokenizer has them: rows use them, random replacements avoid them, the data
+    may use every id. With the specials at the top, the random draws are unchanged."""
+    cfg = load_config(None, BERT + ["model.seq_len=32", "model.special_ids=0,101,102,103"]).model
+    assert models.reserved_ids(cfg) == 0 and bert._specials(cfg) == (0, 101, 102, 103)
+    words = np.setdiff1d(np.arange(cfg.vocab_size), [0, 101, 102, 103])
+    tokens = np.random.default_rng(0).choice(words, (300, cfg.seq_len + 1)).astype(np.int32)
+    rows = bert.make_batch(tokens, 0, 0, 0, cfg)
+    ids, labels = rows[:, :cfg.seq_len], rows[:, 2 * cfg.seq_len:3 * cfg.seq_len]
+    assert np.all(ids[:, 0] == 101) and np.all(np.sum(ids == 102, axis=1) == 2)
+    assert np.all(ids[labels >= 0] != 0) and np.any(ids == 0)  # short rows are padded
+    assert np.any(ids == 103)
+    replaced = (labels >= 0) & (ids != 103) & (ids != labels)
+    assert replaced.sum() > 20 and np.isin(ids[replaced], words).all()
+    top = load_config(None, BERT).model
+    draws = np.arange(top.vocab_size - 4)
+    np.testing.assert_array_equal(bert._ordinary(draws, top), draws)
+
+
 @pytest.mark.slow
 def test_padding_is_masked_out_of_attention():
     """The [PAD] embedding row reaches no loss: padded keys are masked, pads not predicted.
@@ -79,6 +99,8 @@ def test_padding_is_masked_out_of_attention():
     pytest.param(8, 1, 1, [], marks=pytest.mark.slow),
     pytest.param(1, 2, 2, ["parallel.schedule=interleaved", "parallel.chunks=2"],
                  marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, ["model.norm_position=post", "model.gelu=erf",
+                           "parallel.sequence_parallel=true"], marks=pytest.mark.slow),
     pytest.param(2, 2, 2, ["parallel.schedule=1f1b", "model.remat=full"],
                  marks=pytest.mark.slow),
 ], ids=lambda x: x if not isinstance(x, list) else "+".join(x) or "plain")

@@ -46,6 +46,13 @@ def test_vocab_padded_to_multiple_of_128_times_tensor():
     (["train.steps=ten"], "train.steps='ten': expected int"),
     (["train.steps=-1"], "train.steps=-1: must be positive"),
     (["parallel.tensor"], "an override must look like section.key=value"),
+    (["model.norm_position=post"], "only model.arch=bert has post-LayerNorm"),
+    (["model.arch=llama", "model.gelu=erf"], "model.gelu=erf: llama has no GeLU"),
+    (["model.special_ids=0,1,2,3"], "only model.arch=bert has special tokens"),
+    (["model.arch=bert", "model.special_ids=1,2,3"], "must be four different ids"),
+    (["model.arch=bert", "model.special_ids=0,1,1,2"], "must be four different ids"),
+    (["model.arch=bert", "model.special_ids=0,1,2,257"], "in [0, model.vocab_size=257)"),
+    (["model.arch=bert", "model.special_ids=a,b,c,d"], "must be four different ids"),
 ])
 def test_rules_refuse_with_one_line_naming_key_value_rule(overrides, fragment):
     with pytest.raises(ConfigError) as info:

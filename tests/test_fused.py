@@ -28,6 +28,8 @@ CASES = {
     "rms_norm": (lambda x, s, b: fused.rms_norm(x, s, 1e-5, jnp.float32),
                  lambda x, s, b: _rms_norm(x, s, 1e-5)),
     "bias_gelu": (lambda x, s, b: fused.bias_gelu(x, b), lambda x, s, b: _gelu(x + b)),
+    "bias_gelu_erf": (lambda x, s, b: fused.bias_gelu(x, b, exact=True),
+                      lambda x, s, b: jax.nn.gelu(x + b, approximate=False)),
     "swiglu": (lambda x, s, b: fused.swiglu(x, x[..., ::-1] * 0.7),
                lambda x, s, b: jax.nn.silu(x) * x[..., ::-1] * 0.7),
 }

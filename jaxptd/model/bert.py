@@ -1,8 +1,11 @@
 """BERT (Megatron-LM 2019, §5): a bidirectional encoder with a padding mask, the masked-LM
 loss and sentence-order prediction (SOP), and the rearranged (pre-)LayerNorm of that paper's
 Figure 7, which BERT needs to scale: every layer is layers.Block (LayerNorm at each
-sublayer's input), with a final LayerNorm before the heads. Functions as in
-jaxptd/model/__init__.py.
+sublayer's input), with a final LayerNorm before the heads. model.norm_position=post gives
+the original BERT's post-LayerNorm instead (layers.Block says how, with the same
+parameters), and model.gelu=erf its exact GeLU: with both, transformers' BertForPreTraining
+(jaxptd/hf.py imports and exports it; the pre-LN model is its MegatronBertForPreTraining).
+Functions as in jaxptd/model/__init__.py.
 
 Batch rows (`make_batch`, numpy on the host, a pure function of (seed, step, row)): from
 each data row's first s - 3 tokens, [CLS] A [SEP] B [SEP] [PAD]...: a short sample (10%:
@@ -10,15 +13,18 @@ a content length drawn in [2, s - 3], the rest padding), cut at a random point i
 B, whose order is swapped half the time (the SOP label). Then 15% of the content tokens
 (at least one) are predicted: 80% of them become [MASK], 10% a random token, 10% stay. A
 row holds [ids (s), token types (s), MLM labels (s; -1: not predicted), SOP label (1)].
-The four special ids are the top of model.vocab_size ([PAD], [CLS], [SEP], [MASK]).
+The four special ids ([PAD], [CLS], [SEP], [MASK]) are the top of model.vocab_size, kept
+from the data and never predicted, unless model.special_ids places them in the vocabulary
+(an imported BERT's tokenizer: bert-base's 0, 101, 102, 103); a random replacement is
+never a special id.
 
 Loss: each row contributes seq_len x (its mean masked-LM loss + its SOP loss), so the
 step's division by (global batch x seq_len) gives the mean over rows of the two, as
 Megatron adds lm_loss and sop_loss.
 
-Parameter tree: embed/{wte [V, h], wpe [s, h]}, types/wtt [2, h], layers (GPT's layer),
-final_norm, heads/{w_mlm [h, h], b_mlm, mlm_norm, b_vocab [V] (the tied output layer's
-bias, vocab-parallel), w_pool [h, h], b_pool, w_sop [h, 2], b_sop}.
+Parameter tree: embed/{wte [V, h], wpe [s, h]}, layers (GPT's layer), final_norm,
+heads/{wtt [2, h] (token types), w_mlm [h, h], b_mlm, mlm_norm, b_vocab [V] (the tied
+output layer's bias, vocab-parallel), w_pool [h, h], b_pool, w_sop [h, 2], b_sop}.
 """
 from __future__ import annotations
 
@@ -38,7 +44,8 @@ MASK_RATE, SHORT_RATE = 0.15, 0.1
 
 
 def reserved_ids(cfg: ModelConfig) -> int:
-    return SPECIALS
+    """The top 4 ids, unless model.special_ids places the specials in the vocabulary."""
+    return 0 if cfg.special_ids else SPECIALS
 
 
 def batch_width(cfg: ModelConfig) -> int:
@@ -46,7 +53,14 @@ def batch_width(cfg: ModelConfig) -> int:
 
 
 def _specials(cfg: ModelConfig):
-    return range(cfg.vocab_size - SPECIALS, cfg.vocab_size)  # pad, cls, sep, mask
+    return cfg.bert_specials  # pad, cls, sep, mask
+
+
+def _ordinary(drawn, cfg: ModelConfig):
+    """Draws in [0, vocab_size - 4) -> the ids that are not special, in order (with the
+    specials at the top, the draws themselves)."""
+    shifted = np.sort(_specials(cfg)) - np.arange(SPECIALS)  # the k-th special, less k
+    return drawn + np.searchsorted(shifted, drawn, side="right")
 
 
 def make_batch(tokens, seed: int, step: int, first_row: int, cfg: ModelConfig):
@@ -75,7 +89,7 @@ def _row(tokens, rng, cfg: ModelConfig):
     action = rng.random(len(chosen))
     ids[chosen[action < 0.8]] = mask
     swap = chosen[(action >= 0.8) & (action < 0.9)]
-    ids[swap] = rng.integers(0, cfg.vocab_size - SPECIALS, len(swap))
+    ids[swap] = _ordinary(rng.integers(0, cfg.vocab_size - SPECIALS, len(swap)), cfg)
     return np.concatenate([ids, types, labels, [int(swapped)]]).astype(np.int32)
 
 
@@ -111,7 +125,8 @@ class Heads(nn.Module):
         return jnp.take(self.wtt, types, axis=0).astype(self.cfg.dtype)
 
     def mlm(self, x):  # [b, s, h] -> the transform before the tied output layer [b, s, h]
-        y = fused.bias_gelu(dense(self, "w_mlm", x, self.w_mlm), self.b_mlm)
+        y = fused.bias_gelu(dense(self, "w_mlm", x, self.w_mlm), self.b_mlm,
+                            exact=self.cfg.gelu == "erf")
         return self.mlm_norm(y)
 
     def sop(self, x):  # [b, s, h] -> SOP logits [b, 2] float32 from the [CLS] position
@@ -157,9 +172,10 @@ def attention_mask(batch, cfg: ModelConfig):
     return (ids == _specials(cfg)[0])[:, None, None, :]
 
 
-def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
-    """seq_len x (mean masked-LM loss + SOP loss), summed over the rows (module docstring)."""
-    _, _, labels, sop = _columns(batch, cfg)
+def output_logits(ends, x, cfg: ModelConfig, layout: Layout):
+    """The final LayerNorm and both heads: x [b, s, h] from the last layer ([b, s/t, h]
+    with sequence parallelism) -> (masked-LM logits [b, s, V/t], SOP logits [b, 2]),
+    float32."""
     heads = Heads(cfg, layout)
     x = layer_norm(cfg).apply({"params": ends["final_norm"]}, x)
     # SP: the whole sequence, gathered for the vocab-parallel MLM head (a reduce-scatter
@@ -170,12 +186,19 @@ def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
     y = heads.apply({"params": ends["heads"]}, x, method=Heads.mlm)
     logits = _embed(cfg, layout).apply({"params": ends["embed"]}, y, method=Embed.logits)
     logits = logits + ends["heads"]["b_vocab"]  # [b, s, V/t]
+    return logits, heads.apply({"params": ends["heads"]}, pooled, method=Heads.sop)
+
+
+def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
+    """seq_len x (mean masked-LM loss + SOP loss), summed over the rows (module docstring)."""
+    _, _, labels, sop = _columns(batch, cfg)
+    logits, sop_logits = output_logits(ends, x, cfg, layout)
+    # the specials at the top of the vocabulary are never predicted
     token_loss = vocab_parallel_xent(logits, jnp.maximum(labels, 0), cfg, layout,
-                                     classes=cfg.vocab_size - SPECIALS)  # never a special
+                                     classes=cfg.vocab_size - reserved_ids(cfg))
     predicted = labels >= 0
     mlm = jnp.sum(jnp.where(predicted, token_loss, 0.0), -1) / jnp.maximum(
         jnp.sum(predicted, -1), 1)
-    sop_logits = heads.apply({"params": ends["heads"]}, pooled, method=Heads.sop)  # [b, 2]
     sop_loss = jax.nn.logsumexp(sop_logits, -1) - jnp.take_along_axis(
         sop_logits, sop[:, None], -1)[:, 0]
     return cfg.seq_len * jnp.sum(mlm + sop_loss)

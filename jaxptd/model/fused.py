@@ -19,6 +19,9 @@ import jax.numpy as jnp
 from jaxptd.sharding import mark_varying, varying_axes
 from pallas_kernels.bias_gelu import gelu_and_grad  # the GeLU's math, kernels' and ours
 
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
 
 def _varying_like(x, *params):
     """params cast to vary over the manual mesh axes x varies over (inside shard_map): a
@@ -119,23 +122,32 @@ _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 # --------------------------------------------------------------------------- activations
 
 
-def bias_gelu(x, bias):
-    """gelu_tanh(x + bias) -> x's dtype; keeps x and bias, nothing of the GeLU."""
-    return _bias_gelu(x, *_varying_like(x, bias))
+def erf_gelu_and_grad(u):
+    """The exact GeLU u Phi(u) of float32 u (BERT's) and its derivative."""
+    cdf = 0.5 * (1.0 + jax.lax.erf(u * _SQRT_HALF))
+    return u * cdf, cdf + u * jnp.exp(-0.5 * u * u) * _INV_SQRT_2PI
 
 
-@jax.custom_vjp
-def _bias_gelu(x, bias):
-    return gelu_and_grad(x.astype(jnp.float32) + bias.astype(jnp.float32))[0].astype(x.dtype)
+def bias_gelu(x, bias, exact: bool = False):
+    """GeLU(x + bias) -> x's dtype, the tanh approximation (GPT-2's, Megatron's) or with
+    `exact` the erf form; keeps x and bias, nothing of the GeLU."""
+    return _bias_gelu(x, *_varying_like(x, bias), exact)
 
 
-def _bias_gelu_fwd(x, bias):
-    return _bias_gelu(x, bias), (x, bias)
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bias_gelu(x, bias, exact):
+    u = x.astype(jnp.float32) + bias.astype(jnp.float32)
+    return (erf_gelu_and_grad if exact else gelu_and_grad)(u)[0].astype(x.dtype)
 
 
-def _bias_gelu_bwd(residuals, dy):
+def _bias_gelu_fwd(x, bias, exact):
+    return _bias_gelu(x, bias, exact), (x, bias)
+
+
+def _bias_gelu_bwd(exact, residuals, dy):
     x, bias = _recompute(residuals)
-    _, grad = gelu_and_grad(x.astype(jnp.float32) + bias.astype(jnp.float32))
+    u = x.astype(jnp.float32) + bias.astype(jnp.float32)
+    _, grad = (erf_gelu_and_grad if exact else gelu_and_grad)(u)
     dx = (dy.astype(jnp.float32) * grad).astype(x.dtype)
     # the bias sum reads dx as stored: summing the float32 values made XLA write them out
     # ([b, s, ffn] float32) for a second kernel

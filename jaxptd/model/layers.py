@@ -319,18 +319,25 @@ class MLP(nn.Module):
         b_fc2 = self.param("b_fc2", zeros(("embed",)), (cfg.hidden_size,))
 
         hidden = dense(self, "w_fc1", enter_tensor(x, layout), w_fc1)  # [b, s, ffn/t]
-        if cfg.kernels == "pallas":
+        if cfg.kernels == "pallas" and cfg.gelu == "tanh":  # the kernel's GeLU is tanh's
             from pallas_kernels import bias_gelu
 
             hidden = bias_gelu(hidden, b_fc1.astype(dt), interpret=layout.platform != "gpu")
         else:
-            hidden = fused.bias_gelu(hidden, b_fc1)
+            hidden = fused.bias_gelu(hidden, b_fc1, exact=cfg.gelu == "erf")
         out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's ffn/t
         return exit_tensor(out, layout) + b_fc2.astype(dt)  # g: all-reduce #2
 
 
 class Block(nn.Module):
     """Pre-norm transformer layer: x + drop(attn(norm1 x)); x + drop(mlp(norm2 x)).
+
+    With model.norm_position=post (BERT) each residual starts from the normed value
+    instead, y = norm1 x; y + drop(attn(y)), as Megatron's
+    apply_residual_connection_post_layernorm: the original BERT's post-LayerNorm
+    (LN(x + drop(attn(x)))) with each layer's output norm moved into the next layer's
+    input (the first layer's norm is BERT's embedding LayerNorm, the final norm the last
+    layer's output norm), so every layer keeps the same parameters and stages split alike.
 
     The pieces are attributes, so every architecture's layer is this one: GPT's (LayerNorm,
     Attention, MLP), Llama's (RMSNorm, grouped-query attention with rotary positions,
@@ -348,11 +355,14 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic: bool = True, mask=None, cache=None):
         cfg, layout = self.cfg, self.layout
+        post = cfg.norm_position == "post"
+        y = self.norm(cfg, "ln1")(x)
         h, new_cache = self.attention(cfg, layout, self.causal, name="attn")(
-            self.norm(cfg, "ln1")(x), deterministic, mask, cache)
-        x = x + self._dropout(h, deterministic)
-        h = self.mlp(cfg, layout, name="mlp")(self.norm(cfg, "ln2")(x))
-        x = x + self._dropout(h, deterministic)
+            y, deterministic, mask, cache)
+        x = (y if post else x) + self._dropout(h, deterministic)
+        y = self.norm(cfg, "ln2")(x)
+        h = self.mlp(cfg, layout, name="mlp")(y)
+        x = (y if post else x) + self._dropout(h, deterministic)
         return x if cache is None else (x, new_cache)
 
     def _dropout(self, x, deterministic):
