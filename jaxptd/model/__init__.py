@@ -45,7 +45,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, Layout
+from jaxptd.model.layers import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, RESIDUAL,
+                                 Layout)
 from jaxptd.sharding import mark_varying, varying_axes
 
 
@@ -54,14 +55,15 @@ LAYER_INPUT = "layer_input"
 OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names(
     names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
     offload_src="device", offload_dst="pinned_host")
-# model.remat=minimal: a layer keeps its matmul outputs (named DENSE_OUTPUT by
-# layers.dense) and cuDNN flash attention's own outputs (its context and softmax
-# statistics: the backward never re-runs attention); norms, activations, bias adds and an
-# XLA attention core are recomputed from them. (The cuDNN forward is recognised by its
-# primitive's name, the one thing here not covered by a public constant: the H100 compile
-# test counts one cuDNN forward per layer, so a renamed primitive fails there.)
+# model.remat=minimal: a layer keeps its column-parallel matmul outputs (named by
+# layers.dense), the residual stream between its two blocks (so no all-reduce is re-run)
+# and cuDNN flash attention's own outputs (its context and softmax statistics: the
+# backward never re-runs attention); norms, activations, bias adds and an XLA attention
+# core are recomputed from them. (The cuDNN forward is recognised by its primitive's name,
+# the one thing here not covered by a public constant: the H100 compile test counts one
+# cuDNN forward per layer, so a renamed primitive fails there.)
 MINIMAL = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT),
+    jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT, RESIDUAL),
     lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper")
 
 

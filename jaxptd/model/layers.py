@@ -98,8 +98,13 @@ DENSE = {
     "w_pool": "bh,hk->bk",
     "w_sop": "bh,hc->bc",
 }
+# Row-parallel matmuls: their output is a partial sum that the all-reduce after them (g)
+# completes; model.remat=minimal keeps the residual stream after it, not the partial sum.
+ROW_PARALLEL = ("w_out", "w_fc2", "w_o", "w_down")
 DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
-DENSE_OUTPUT = "dense_output"  # checkpoint name of every `dense` output (remat=minimal)
+# checkpoint names of what model.remat=minimal keeps: every other dense() output, and the
+# residual stream between a layer's attention and MLP blocks
+DENSE_OUTPUT, RESIDUAL = "dense_output", "residual"
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
 
 
@@ -110,7 +115,9 @@ def dense(module: nn.Module, name: str, x, w):
     otherwise exactly the einsum.
     """
     module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    y = checkpoint_name(jnp.einsum(DENSE[name], x, w.astype(x.dtype)), DENSE_OUTPUT)
+    y = jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+    if name not in ROW_PARALLEL:
+        y = checkpoint_name(y, DENSE_OUTPUT)
     return module.perturb(name, y, collection=PERTURBATIONS)
 
 
@@ -359,7 +366,7 @@ class Block(nn.Module):
         y = self.norm(cfg, "ln1")(x)
         h, new_cache = self.attention(cfg, layout, self.causal, name="attn")(
             y, deterministic, mask, cache)
-        x = (y if post else x) + self._dropout(h, deterministic)
+        x = checkpoint_name((y if post else x) + self._dropout(h, deterministic), RESIDUAL)
         y = self.norm(cfg, "ln2")(x)
         h = self.mlp(cfg, layout, name="mlp")(y)
         x = (y if post else x) + self._dropout(h, deterministic)
