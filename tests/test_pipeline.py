@@ -119,6 +119,22 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
     assert_grads_match_single_device(setup)
 
 
+@pytest.mark.parametrize("stash, case, remat", [
+    ("activations", CASES[1], "none"),
+    pytest.param("activations", ZB_CASES[11], "minimal", marks=pytest.mark.slow),
+    pytest.param("inputs", ZB_CASES[3], "minimal", marks=pytest.mark.slow),
+    pytest.param("activations", CASES[3], "full", marks=pytest.mark.slow)])
+def test_unrolled_layers_match_single_device(stash, case, remat):
+    """model.scan_layers=false (a GPU target's default: each layer's kept values in
+    buffers of their own, the kept backward closing over per-layer weights it is given
+    again) and the steady round form: the single-device gradients, with each
+    recomputation policy."""
+    setup = pipelined_setup(*case, extra=[
+        f"parallel.stash={stash}", "parallel.round_form=steady", "model.scan_layers=false",
+        f"model.remat={remat}"])
+    assert_grads_match_single_device(setup)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, chunks, extra", [
     ("interleaved", 2, "optimizer.zero1=true"), ("zb-h1", 1, "optimizer.zero1=true"),
@@ -350,22 +366,23 @@ def steady_loops(setup):
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
 def test_cuda_lowered_steady_rounds_have_no_conditional(schedule):
-    """round_form=steady lowered for CUDA: the loop over the rounds in which every rank has
-    F, B (and W) work holds no stablehlo.case, while the warm-up loop does (the test sees
+    """round_form=steady lowered for CUDA: one loop per run of rounds with the same slot
+    usage, the longest with every rank's F, B (and W) unconditional, and no loop holds a
+    stablehlo.case (idle slots are masked); round_form=cond's loop does (the test sees
     conditionals where there are some)."""
     p, m = 4, 16
     setup = pipelined_setup(1, p, 2, schedule, 1, m, 4, ["parallel.round_form=steady"])
-    full = [seg for seg in segments(rounds_for(schedule, p, m, 1), "steady")
-            if set(seg.modes) <= {"run", "off"} and "run" in seg.modes]
-    steady = max(full, key=lambda seg: seg.stop - seg.start)
+    runs = segments(rounds_for(schedule, p, m, 1), "steady")
+    steady = max(runs, key=lambda seg: seg.stop - seg.start)
     assert steady.modes == (("run", "run", "off") if schedule == "1f1b" else ("run",) * 3)
     loops = steady_loops(setup)
-    sending = [seg for seg in segments(rounds_for(schedule, p, m, 1), "steady")
-               if seg.modes[:2] != ("off", "off")]  # a W-only segment sends nothing
+    sending = [seg for seg in runs if seg.modes[:2] != ("off", "off")]  # W-only: no sends
     assert [n for n, _ in loops] == [seg.stop - seg.start for seg in sending]
-    body = loops[sending.index(steady)][1]
-    assert body.count("stablehlo.case") == 0 and "stablehlo.dot_general" in body
-    assert loops[0][1].count("stablehlo.case") > 0  # warm-up: conditionals, and seen
+    assert all(body.count("stablehlo.case") == 0 for _, body in loops)
+    assert "stablehlo.dot_general" in loops[sending.index(steady)][1]
+    cond = steady_loops(pipelined_setup(1, p, 2, schedule, 1, m, 4,
+                                        ["parallel.round_form=cond"]))
+    assert cond[0][1].count("stablehlo.case") > 0
 
 
 def _subjaxprs(eqn):

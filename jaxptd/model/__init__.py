@@ -105,9 +105,9 @@ def _read_leaves(fn, tree, *rest) -> list[bool]:
 
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
                  deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None):
-    """Applies a stack of layers (leading axis n) to x [b, s, h], as a scan or unrolled
-    (`scans_layers`); batch: the microbatch's rows, from which an architecture may take an
-    attention mask (BERT).
+    """Applies a stack of layers (leading axis n, or a list of n layers' trees) to x
+    [b, s, h], as a scan or unrolled (`scans_layers`); batch: the microbatch's rows, from
+    which an architecture may take an attention mask (BERT).
 
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
     With model.remat == 'full' each layer's activations are recomputed in the backward pass
@@ -148,17 +148,34 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         one_layer = jax.checkpoint(one_layer, policy=MINIMAL)
     elif keep is not None:  # e.g. parameters gathered for the layer are gathered again
         one_layer = jax.checkpoint(one_layer, policy=keep)
-    n = jax.tree.leaves(layers)[0].shape[0]
-    xs = (layers, jnp.arange(n), perturbations, extra)
+    n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
     if scans_layers(cfg, layout):
+        xs = (stacked(layers), jnp.arange(n), perturbations, extra)
         x, inputs = lax.scan(one_layer, x, xs)
     else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
         inputs = []
         for i in range(n):
-            x, tapes = one_layer(x, jax.tree.map(lambda a: a[i], xs))
+            x, tapes = one_layer(x, (_layer(layers, i), i, _layer(perturbations, i),
+                                     _layer(extra, i)))
             inputs.append(tapes)
-        inputs = jax.tree.map(lambda *t: jnp.stack(t), *inputs) if taped else None
+        inputs = stacked(inputs) if taped else None
     return (x, inputs) if taped else x
+
+
+def per_layer(tree) -> list:
+    """A stacked tree [n, ...] -> the list of its n layers' trees."""
+    return [_layer(tree, i) for i in range(jax.tree.leaves(tree)[0].shape[0])]
+
+
+def stacked(layers):
+    """A list of layers' trees -> one tree [n, ...] (a tree already stacked: itself)."""
+    return jax.tree.map(lambda *t: jnp.stack(t), *layers) if isinstance(layers, list) \
+        else layers
+
+
+def _layer(tree, i):
+    """Layer i of a stacked tree or of a list of layers (None: None)."""
+    return tree[i] if isinstance(tree, list) else jax.tree.map(lambda a: a[i], tree)
 
 
 def scans_layers(cfg: ModelConfig, layout: Layout) -> bool:

@@ -16,12 +16,14 @@ run beside the round's later slots. A `lax.scan` runs the rounds of each segment
 Round forms (parallel.round_form; `segments`):
 - cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
   rank's row of the tables, so idle work is skipped (simulated devices share the cores);
-- steady (the GPU default): a run of rounds in which every rank has work in a slot kind has
-  no conditional at all (on XLA:GPU each one copies its predicate to the host): those slots
-  run unconditionally, and the embedding and head are computed by every rank and selected
-  in every round of the run where some round needs them (with interleaving the last rank
-  needs the head in 1/v of the steady rounds: the others compute it for nothing, the price
-  of no conditional); the other rounds keep conditionals;
+- steady (the GPU default): no conditional at all. Rounds in which the same slot kinds
+  are used by every rank, by some or by none run as one scan: a kind every rank uses runs
+  unconditionally, one some ranks use runs masked on every rank (its results discarded
+  where idle), one no rank uses is not traced; the embedding and head are computed by
+  every rank and selected in a scan where some round needs them. On a GPU the ranks run
+  in lockstep, so a round lasts as long as its busiest rank's work whatever the idle ones
+  do, while an XLA:GPU conditional copies its predicate to the host and, in the compiled
+  H100 program, copied the whole stash it passed through (19.7 GB a step at (2,2,2));
 - masked: no conditional anywhere; an idle slot computes and its results are discarded.
 
 The backward is driven by the schedule, not by autodiff through the loop. parallel.stash
@@ -359,22 +361,36 @@ class _Training:
         dense, rest = models.split_dense(_chunk(self.params["layers"], chunk))
         return models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
 
+    def vjp_weights(self, chunk):
+        """(the chunk's weights as its backward closes over them, split: (dense() weights,
+        the rest)). With unrolled layers a list of per-layer trees, sliced here, outside the
+        vjp: the backward then closes over these very values, which Kept finds among the
+        ones the B slot passes again (sliced inside, each layer's weights were kept in the
+        stash as copies of their own, seen in the compiled H100 program)."""
+        weights = self.chunk_weights(chunk)
+        parts = models.split_dense(weights) if self.split else weights
+        if models.scans_layers(self.model, self.layout):
+            return parts
+        return tuple(map(models.per_layer, parts)) if self.split else models.per_layer(parts)
+
     def layer_vjp(self, x, mb, chunk):
         """jax.vjp of the chunk's layers at x -> (y, backward, dense inputs, the weights it
         was given). Split: in (x, rest, perturbations), dense inputs taped; else in
         (weights, x), no dense inputs."""
-        weights = self.chunk_weights(chunk)
+        given = self.vjp_weights(chunk)
         if not self.split:
-            y, backward = jax.vjp(lambda w, x: self.stage.layers(w, x, mb, chunk), weights, x)
-            return y, backward, None, jax.tree.leaves(weights)
-        dense, rest = models.split_dense(weights)
-        added = models.perturbations(weights, x, self.model, self.layout,
+            y, backward = jax.vjp(lambda w, x: self.stage.layers(w, x, mb, chunk), given, x)
+            return y, backward, None, jax.tree.leaves(given)
+        dense, rest = given
+        added = models.perturbations(self.chunk_weights(chunk), x, self.model, self.layout,
                                      self.stage.prepare)
 
         def layers(x, rest, added):
-            return self.stage.layers(models.merge_dense(dense, rest), x, mb, chunk, added)
+            merged = [models.merge_dense(d, r) for d, r in zip(dense, rest)] \
+                if isinstance(rest, list) else models.merge_dense(dense, rest)
+            return self.stage.layers(merged, x, mb, chunk, added)
         y, backward, inputs = jax.vjp(layers, x, rest, added, has_aux=True)
-        return y, backward, inputs, jax.tree.leaves((dense, rest))
+        return y, backward, inputs, jax.tree.leaves(given)
 
     def _probe(self):
         """Traces one chunk to fix what F keeps for B and B for W (XLA drops its compute)."""
@@ -440,13 +456,13 @@ class _Training:
         loss, head_vjp = jax.vjp(
             lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
         g_head, g_y = head_vjp(g_loss)
-        weights = self.chunk_weights(chunk)
-        given = jax.tree.leaves(models.split_dense(weights) if self.split else weights)
+        given = jax.tree.leaves(self.vjp_weights(chunk))
         out = self.probe[0].run(g_out + g_y.astype(g_out.dtype), residuals, given)
         if self.split:
             g_x, g_layers, g_taps = out
         else:
             g_layers, g_x = out
+        g_layers = models.stacked(g_layers)
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
         g_embed, g_x_in = embed_vjp(g_x)

@@ -171,7 +171,6 @@ def _put(tab, prefix, t, r, action, **slots) -> None:
 
 # --------------------------------------------------------------------------- scans
 
-MIN_STEADY_ROUNDS = 2  # shorter runs of full rounds are not worth their own scan
 
 
 @dataclass(frozen=True)
@@ -222,17 +221,8 @@ def segments(rounds: Rounds, form: str) -> list:
             runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
         else:
             runs.append([t, t + 1, states, ends])
-    out = []
-    for start, stop, states, ends in runs:
-        if "run" in states and stop - start >= MIN_STEADY_ROUNDS:
-            modes = tuple("cond" if s == "some" else s for s in states)
-            out.append(Segment(start, stop, modes, inline=True, ends=ends))
-        elif out and not out[-1].inline:  # merge with the conditional segment before
-            out[-1] = Segment(out[-1].start, stop, out[-1].modes, inline=False)
-        else:
-            modes = tuple(u or "cond" for u in used)
-            out.append(Segment(start, stop, modes, inline=False))
-    return out
+    return [Segment(start, stop, tuple("mask" if s == "some" else s for s in states),
+                    inline=True, ends=ends) for start, stop, states, ends in runs]
 
 
 def chunks_done(rounds: Rounds) -> tuple:
