@@ -7,10 +7,12 @@ state (restored or initialised into its shardings) -> compile (XLA's memory agai
 devices') -> loop of step / log / evaluate / save -> summary.
 
 A user error prints one line `error: ...` on stderr and exits 2; so do an out-of-memory
-and a full disk during a save. SIGTERM or SIGUSR1 ends the loop after a step all
-processes agree on, saves it and exits 0; SIGINT (Ctrl-C) does the same and exits 130,
-and a second SIGINT exits at once (jaxptd/preemption.py). What the run prints and writes
-into train.run_dir is jaxptd/runlog.py's.
+and a storage failure (a full disk, a file-size limit) in any of the run's writers
+(jaxptd/storage.py: checkpoints, config, log, metrics, the corpus prepared on first
+use). SIGTERM or SIGUSR1 ends the loop after a step all processes agree on, saves it
+and exits 0; SIGINT (Ctrl-C) does the same and exits 130, and a second SIGINT exits at
+once (jaxptd/preemption.py). What the run prints and writes into train.run_dir is
+jaxptd/runlog.py's.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from jaxptd.config import Config, ConfigError, describe_keys, load_config
 from jaxptd.data import DataError, TokenDataset
 from jaxptd.preemption import INTERRUPTED, Preemption
 from jaxptd.runlog import LOG
+from jaxptd.storage import StorageError
 
 
 def parse_args(argv):
@@ -275,7 +278,7 @@ def main(argv=None) -> int:
         config = load_config(args.config, args.overrides)
         train, val = preflight.check_files(config)
         return Run(config, train, val)()
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -543,3 +543,13 @@ def test_train_runs_on_a_bpe_corpus_and_refuses_a_smaller_model_vocab(bpe, tmp_p
     assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses)
     # Uniform over the tokenizer's 320 ids at init (ln 512 if the padded rows counted).
     assert losses[0] == pytest.approx(math.log(BPE_VOCAB), abs=0.2)
+
+
+@pytest.mark.parametrize("fmt", ["jaxptd", "megatron"])
+def test_full_disk_while_preparing_is_one_error_line_and_leaves_nothing(tmp_path, full_disk,
+                                                                        fmt):
+    book = tmp_path / "book.txt"
+    book.write_bytes(b"many words " * 20_000)  # 220 KB of tokens, 440 KB as uint16
+    result = run_cli("--input", book, "--output", full_disk / "out", "--format", fmt)
+    assert_user_error(result, f"{full_disk / 'out'}: no space left on device", "free space")
+    assert sorted(os.listdir(full_disk)) == ["filler"]

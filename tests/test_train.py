@@ -305,19 +305,6 @@ def test_second_sigint_exits_at_once_even_inside_a_long_call():
     assert proc.returncode == -signal.SIGINT  # the shell reports it as 130
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MB tmpfs (root can mount one); skipped where mounting is not allowed."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                            capture_output=True, text=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 @pytest.mark.slow
 def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small_disk,
                                                               tmp_path):
@@ -331,13 +318,52 @@ def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(result.stderr.strip().splitlines()) == 1 and len(errors) == 1, result.stderr
     assert f"checkpoint.dir={small_disk}: no space left on device" in errors[0]
-    assert "bytes)" in errors[0] and "are intact" in errors[0], errors[0]
+    assert "bytes)" in errors[0] and " intact; free space or lower checkpoint.keep" in errors[0], \
+        errors[0]
     records = inspect(str(small_disk))
     kept = [r["step"] for r in records]
     assert kept and all(r["status"] == "complete" for r in records), records
     rerun = run_train(env, *args, f"train.steps={max(kept)}")
     assert_ok(rerun)
     assert f"is at step {max(kept)}" in rerun.stdout, rerun.stdout
+
+
+# --------------------------------------------------------------------------- storage
+
+# One device and a small model: these runs test what a run does with its directories.
+ONE = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=16",
+       "train.global_batch=2", "parallel.data=1", "parallel.tensor=1", "train.log_every=1",
+       "train.eval_every=0", "optimizer.warmup_steps=1"]
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The single `error:` line of a refused run (exit 2, no traceback)."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_file_size_limit_during_a_save_is_one_error_line(corpus_env, tmp_path):
+    """`ulimit -f` of 150 KB (over the start-up probe's 64 KB), a model whose checkpoint
+    needs 3 MB: one error line saying what to do, and no half-written step left."""
+    import resource
+    env, _ = corpus_env
+    limit = 150_000
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    ckpt = tmp_path / "ckpt"
+    result = subprocess.run(train_command(
+        *ONE, "model.hidden_size=128", "train.steps=2", "checkpoint.every=1",
+        f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}"), cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=limited)
+    line = error_line(result)
+    assert f"checkpoint.dir={ckpt}: file too large while saving step 1" in line, line
+    assert "raise the file-size limit (ulimit -f)" in line, line
+    assert not ckpt.exists() or not os.listdir(ckpt)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -17,7 +17,8 @@ Invariants:
   name; a JSON Lines document: that key, ':' and its line number). The split of a
   document therefore never changes when files are added elsewhere or the tree is moved.
   When that leaves a split without tokens (too few documents, e.g. one file, or only
-  empty ones), the corpus is split by tokens instead: the last val_fraction of all tokens (at least one) are the val split.
+  empty ones), the corpus is split by tokens instead: the last val_fraction of all
+  tokens (at least one) are the val split.
 - The corpus is built in a temporary sibling directory (``.<name>.tmp-*``), ``meta.json``
   last, then renamed into place: readers see a complete corpus or none. Of concurrent
   preparers of one output, the first rename wins and the others discard their copies
@@ -25,6 +26,8 @@ Invariants:
   which nothing reads.
 - An output that already holds a complete corpus is refused (CLI: ``error:``, exit 2)
   unless ``exist_ok=True``, which makes preparation a no-op; ``resolve_corpus`` uses that.
+- A storage failure while writing (a full disk, a file-size limit) leaves nothing behind
+  (the staging directory or temporary files are removed) and is one StorageError line.
 - Tokens: the byte tokenizer (vocab 257), or a Hugging Face ``tokenizers`` JSON file
   when given (the package is optional); ``tokenizer.py`` owns both.
 
@@ -49,6 +52,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jaxptd import storage
 from jaxptd.data import megatron
 from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta, val_tail
 from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
@@ -259,20 +263,21 @@ def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenize
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction {val_fraction} must lie in [0, 1)")
     _make_parent(output)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
-        counts = _write_splits(documents, val_fraction, tokenizer, staging, jsonl_key)
-        meta = {"format_version": FORMAT_VERSION, "dtype": tokenizer.dtype.name,
-                "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.name,
-                "eot_id": tokenizer.eot_id, "source": source, "val_fraction": val_fraction,
-                **counts}
-        with open(staging / "meta.json", "w") as handle:
-            json.dump(meta, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _publish(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already after a winning rename
+    with storage.guard(str(output), "preparing the corpus"):
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        try:
+            counts = _write_splits(documents, val_fraction, tokenizer, staging, jsonl_key)
+            meta = {"format_version": FORMAT_VERSION, "dtype": tokenizer.dtype.name,
+                    "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.name,
+                    "eot_id": tokenizer.eot_id, "source": source,
+                    "val_fraction": val_fraction, **counts}
+            with open(staging / "meta.json", "w") as handle:
+                json.dump(meta, handle, indent=2)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _publish(staging, output)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone after a winning rename
     return str(output)
 
 
@@ -348,8 +353,9 @@ def _write_megatron(documents: list[tuple[str, Path]], output: str | Path,
         raise DataError(f"--output {str(output)!r}: {output}.bin/.idx already exist; "
                         "remove them to prepare again")
     _make_parent(Path(output))
-    megatron.write(output, (ids for _, ids in _encoded(documents, tokenizer, jsonl_key)),
-                   tokenizer.vocab_size)
+    with storage.guard(str(output), "preparing the corpus"):
+        megatron.write(output, (ids for _, ids in _encoded(documents, tokenizer, jsonl_key)),
+                       tokenizer.vocab_size)
     return str(output)
 
 
@@ -433,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         output = prepare_corpus(args.input, args.output, tokenizer=args.tokenizer,
                                 val_fraction=args.val_fraction, glob=args.glob,
                                 jsonl_key=args.jsonl_key, fmt=args.format)
-    except DataError as err:
+    except (DataError, storage.StorageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.format == "megatron":
