@@ -2,7 +2,9 @@
 
 Owns where the train state goes on disk and how it comes back. `python -m jaxptd.checkpoint
 inspect DIR` (a checkpoint, run or step directory) lists the steps, the layout each was
-written with, whether each passes the cheap checks and which one a run would resume from.
+written with, whether each passes the cheap checks and which one a run would resume from;
+its exit status says so to scripts (INSPECT_STATUS: 0 all good, 1 resumable with damage
+beside, 2 nothing to resume from).
 
 A step directory holds two Orbax items: `state` (the train state in the logical layout,
 OCDBT, each process writing only its own shards) and `layout` (JSON: data, pipe, tensor,
@@ -369,14 +371,21 @@ def _resize(array, want):
     return jax.jit(fit, out_shardings=want.sharding)(array)
 
 
+INSPECT_STATUS = """exit status: 0 every step passes the cheap checks and a run resumes from
+the newest; 1 a run resumes from a step that passes them, but some step is damaged,
+half-written or set aside as <step>.corrupt; 2 no step would restore (or no checkpoints
+were found: an error line)"""
+
+
 def main(argv=None) -> int:
-    """`inspect DIR`: exit 0 when DIR holds checkpoints (any state), 2 when it holds none."""
+    """`inspect DIR`: lists the steps; the exit status is INSPECT_STATUS's."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m jaxptd.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="list the steps, their layout, whether each passes the "
-                   "cheap checks and which one a run resumes from").add_argument(
-        "directory", help="a checkpoint directory, a run directory or one step")
+                   "cheap checks and which one a run resumes from", epilog=INSPECT_STATUS
+                   ).add_argument("directory", help="a checkpoint directory, a run directory "
+                                  "or one step")
     args = parser.parse_args(argv)
     directory = integrity.find_checkpoints(args.directory)
     if directory is None:
@@ -396,7 +405,9 @@ def main(argv=None) -> int:
         status = f"{r['status']} ({r['problem']})" if r["problem"] else r["status"]
         mark = "  <- resume" if r["step"] == resume and r["status"] == "complete" else ""
         print(f"step {r['step']:>8}  {status:<12}  {shape}  {r['path']}{mark}")
-    return 0
+    if resume is None:
+        return 2
+    return 0 if all(r["status"] == "complete" for r in records) else 1
 
 
 if __name__ == "__main__":
