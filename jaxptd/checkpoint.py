@@ -189,7 +189,7 @@ class Checkpointer:
             failures.append(self._set_aside(step, problem))
         if failures:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: "
-                                  + "; ".join(failures))
+                                  + "; ".join(failures) + " (each moved to <step>.corrupt)")
         return None
 
     def _try_restore(self, abstract_state, step: int, vocab_size: int):

@@ -162,6 +162,12 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
+def trained_to(run_dir: str) -> int:
+    """The last step metrics.jsonl in `run_dir` records training for (0: none)."""
+    return max((r["step"] for r in read_records(os.path.join(run_dir, "metrics.jsonl"))
+                if _kind(r) == "train"), default=0)
+
+
 class MetricsLog:
     """metrics.jsonl, TensorBoard and (optionally) Weights & Biases; `lead` false: silent."""
 
