@@ -77,7 +77,8 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
 
 def start(config: Config, lock: RunLock):
     """Processes, devices, the run's directories locked, mesh, checkpointer and state
-    (restored or new) -> (jax, config, setup, ckpt, state, the devices' memory)."""
+    (restored or new) -> (jax, config, setup, ckpt, state, the devices' memory); the
+    config is the one the run trains with (`continue_schedule`)."""
     jax, hosts = distributed.start(config)
     from jaxptd.config import check_device_count
     from jaxptd.mesh import describe, make_mesh
@@ -92,19 +93,36 @@ def start(config: Config, lock: RunLock):
     runlog.setup_logging(config.train.run_dir, jax.process_index() == 0)
     if jax.process_index() == 0:
         LOG.info(distributed.describe_hosts(jax, hosts))
+    given = config  # as the user gave it; the run's own keeps the schedule it continues
+    config, note = continue_schedule(given)
     mesh = make_mesh(config.parallel)
     LOG.info(describe(mesh))
     setup = Setup(config, mesh)
-    ckpt, state = restore(jax, setup)
+    ckpt, state = restore(jax, setup, given, note)
     if jax.process_index() == 0:  # the run continues this directory's history, or has none
         runlog.write_config(config.train.run_dir, config)
     return jax, config, setup, ckpt, state, available
 
 
-def restore(jax, setup):
+def continue_schedule(config: Config):
+    """(config, note) with the learning-rate schedule of the newest complete step in
+    checkpoint.dir kept (config.continued); the config itself when there is none, or it
+    is step 0 (`hf import`'s: no step trained on any schedule yet)."""
+    from jaxptd.checkpoint_integrity import inspect
+    from jaxptd.config import continued
+    directory = config.checkpoint_dir
+    steps = [r for r in inspect(directory) if r["status"] == "complete"] \
+        if os.path.isdir(directory) else []
+    newest = steps[-1] if steps else {"step": 0}
+    saved = (newest["layout"] or {}).get("config") if newest["step"] else None
+    return continued(config, saved) if saved else (config, None)
+
+
+def restore(jax, setup, given: Config, note: str | None):
     """(checkpointer, state): the newest readable step in checkpoint.dir, also with
     checkpoint.every=0 (which only stops saving), or a new state where starting over
-    writes over no earlier run's history (rundir.unrestored_history)."""
+    writes over no earlier run's history (rundir.unrestored_history). `given`: the config
+    as the user gave it, whose changes against the restored step's are named."""
     from jaxptd.checkpoint import Checkpointer, layout_metadata
     from jaxptd.config import changed_keys
     config = setup.config
@@ -122,10 +140,12 @@ def restore(jax, setup):
             raise rundir.RunDirError(refusal)
         return ckpt, setup.init_state(config.train.seed)
     LOG.info(f"resumed from step {restored[1]} in {ckpt.directory}")
-    changes = changed_keys((ckpt.layout(restored[1]) or {}).get("config", {}), config)
+    changes = changed_keys((ckpt.layout(restored[1]) or {}).get("config", {}), given)
     if changes:
         LOG.warning(f"step {restored[1]} was trained with other settings; continuing with "
                     f"the new ones: {', '.join(changes)}")
+    if note:
+        LOG.warning(note)
     return ckpt, setup.state_from_logical(restored[0])
 
 
@@ -280,7 +300,9 @@ class Run:
         if self.start_step >= config.train.steps:
             LOG.info(f"nothing to train: the checkpoint in {self.ckpt.directory} is at step "
                      f"{self.start_step} and train.steps={config.train.steps}; raise "
-                     "train.steps to continue this run, or use a new train.run_dir "
+                     "train.steps to continue this run (its learning rate stays at "
+                     f"optimizer.min_lr after step {config.decay_length} unless "
+                     "optimizer.decay_steps says otherwise), or use a new train.run_dir "
                      "(and checkpoint.dir) to start another")
             self.ckpt.close()
             return 0

@@ -363,6 +363,30 @@ def test_rerun_without_saving_restores_and_adds_to_the_history(corpus_env, refer
     assert load_config(str(tmp_path / "run" / "config.yaml")).checkpoint.every == 0
 
 
+@pytest.mark.slow
+def test_raising_train_steps_keeps_the_schedule(corpus_env, tmp_path):
+    """Raising train.steps keeps the schedule's length (optimizer.decay_steps 0: the
+    continued run's train.steps), so the steps trained keep their rates and the rate is
+    optimizer.min_lr past them; the length is written into config.yaml (and the
+    checkpoints) for the resumes after. With checkpoint.every=0 here: nothing saved."""
+    from jaxptd.config import load_config
+    env, _ = corpus_env
+    run = [*ONE, f"train.run_dir={tmp_path / 'run'}"]
+    assert_ok(run_train(env, *run, "train.steps=4", "checkpoint.every=2"))
+    first = [r for r in records(tmp_path / "run") if "loss" in r]
+    result = run_train(env, *run, "train.steps=6", "checkpoint.every=0")
+    assert_ok(result)
+    assert "resumed from step 4" in result.stdout, result.stdout[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "optimizer.decay_steps=4" in warnings[0], result.stderr
+    trained = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert trained[:4] == first and [r["step"] for r in trained] == list(range(1, 7))
+    assert [r["lr"] for r in trained[4:]] == pytest.approx([1e-4, 1e-4])  # min_lr
+    assert complete_steps(tmp_path / "run" / "checkpoints") == [2, 4]  # nothing saved
+    config = load_config(str(tmp_path / "run" / "config.yaml"))
+    assert (config.checkpoint.every, config.optimizer.decay_steps) == (0, 4)
+
+
 def test_no_readable_checkpoint_is_refused_again_on_the_rerun(corpus_env, reference,
                                                               tmp_path):
     """Every step damaged: the run stops with `no readable checkpoint` and the same
