@@ -2,7 +2,9 @@
 
 Owns where the train state goes on disk and how it comes back. `python -m jaxptd.checkpoint
 inspect DIR` (a checkpoint, run or step directory) lists the steps, the layout each was
-written with, whether each passes the cheap checks and which one a run would resume from.
+written with, whether each passes the cheap checks and which one a run would resume from;
+its exit status says so to scripts (INSPECT_STATUS: 0 all good, 1 resumable with damage
+beside, 2 nothing to resume from).
 
 A step directory holds two Orbax items: `state` (the train state in the logical layout,
 OCDBT, each process writing only its own shards) and `layout` (JSON: data, pipe, tensor,
@@ -14,9 +16,11 @@ Invariants:
 - A save is written under a temporary name and renamed when complete (Orbax's atomic
   finalize), so a save killed halfway is never a step that restore picks; it is skipped with
   a warning naming it. A save that fails (a full disk) is one CheckpointError naming the
-  directory and the bytes it needed; its temporary directory is removed, and removed again
-  until no write of that save is left to recreate it (Orbax stops waiting at the first
-  failed write; the writes already issued go on, and succeed once the removal frees space).
+  directory, the bytes it needed and what to do; so is a file-size limit (`ulimit -f`)
+  or a read-only file system (storage.write_failure). Its temporary directory is removed,
+  and removed again until no write of that save is left to recreate it (Orbax stops
+  waiting at the first failed write; the writes already issued go on, and succeed once
+  the removal frees space).
 - Restore reads into the shardings of the abstract (logical) state it is given: each device
   reads only its shards, so a checkpoint restores at any (data, pipe, tensor, chunks) and
   process count. Leaves whose shape differs only in padded vocabulary rows (128 x tensor
@@ -33,7 +37,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -45,6 +48,7 @@ import time
 import orbax.checkpoint as ocp
 
 from jaxptd import checkpoint_integrity as integrity
+from jaxptd import storage
 from jaxptd.runlog import LOG
 
 TMP_MARK = integrity.TMP_MARK
@@ -59,16 +63,28 @@ class _Damaged(Exception):
     """A step that fails a check (its message is one short line)."""
 
 
+PROBE_BYTES = 1 << 16
+
+
 def check_writable(directory: str, key: str = "checkpoint.dir") -> str:
-    """Creates `directory` if needed and proves a file can be written there."""
+    """Creates `directory` if needed and proves that PROBE_BYTES can be written there, so
+    a full disk or a tiny file-size limit is found before the run starts."""
     directory = os.path.abspath(directory)
     try:
         os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
-            pass
     except OSError as e:
         raise CheckpointError(
             f"{key}={directory}: not a writable directory ({e.strerror})") from None
+    with storage.guard(f"{key}={directory}", f"writing a {human_bytes(PROBE_BYTES)} probe"):
+        try:
+            with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as f:
+                f.write(bytes(PROBE_BYTES))
+                f.flush()
+        except OSError as e:
+            if storage.write_failure(e):
+                raise
+            raise CheckpointError(
+                f"{key}={directory}: not a writable directory ({e.strerror})") from None
     return directory
 
 
@@ -95,29 +111,12 @@ READ_ERROR_CODES = ("DATA_LOSS", "NOT_FOUND", "OUT_OF_RANGE", "FAILED_PRECONDITI
                     "Error reading", "Error opening", "error while reading")
 
 
-def _causes(error: BaseException | None):
-    while error is not None:
-        yield error
-        error = error.__cause__ or error.__context__
-
-
 def _is_read_error(error: Exception) -> bool:
     """True for failures to read a step's files (damaged data), False for anything else
     (a bug must not move good steps aside). Orbax wraps tensorstore's error, so the whole
     chain of causes is examined."""
     return any(isinstance(e, (OSError, UnicodeDecodeError, json.JSONDecodeError))
-               or any(code in str(e) for code in READ_ERROR_CODES) for e in _causes(error))
-
-
-def _disk_full(error: Exception) -> str | None:
-    """'no space left on device' (or the quota's words) when `error` is a full disk."""
-    for e in _causes(error):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return os.strerror(e.errno).lower()
-        for code in (errno.ENOSPC, errno.EDQUOT):
-            if os.strerror(code) in str(e) or f"os_error_code='{code}'" in str(e):
-                return os.strerror(code).lower()
-    return None
+               or any(code in str(e) for code in READ_ERROR_CODES) for e in storage.causes(error))
 
 
 def one_line(error: BaseException, limit: int = 160) -> str:
@@ -191,7 +190,7 @@ class Checkpointer:
             failures.append(self._set_aside(step, problem))
         if failures:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: "
-                                  + "; ".join(failures))
+                                  + "; ".join(failures) + " (each moved to <step>.corrupt)")
         return None
 
     def _try_restore(self, abstract_state, step: int, vocab_size: int):
@@ -287,11 +286,12 @@ class Checkpointer:
         return saved
 
     def _save_failed(self, error: Exception):
-        """A full disk becomes one CheckpointError (the half-written step removed);
+        """A storage failure (a full disk, a file-size limit: storage.write_failure)
+        becomes one CheckpointError saying what to do (the half-written step removed);
         anything else is re-raised."""
         import jax
-        reason = _disk_full(error)
-        if reason is None:
+        failure = storage.write_failure(error)
+        if failure is None:
             raise error
         self._failed = True
         step, _, nbytes = self._pending
@@ -299,12 +299,14 @@ class Checkpointer:
             self._remove_until_quiet(step)
         free = shutil.disk_usage(self.directory).free
         kept = sorted(s for s in self.manager.all_steps() if s != step)
-        intact = f"steps {', '.join(map(str, kept))} are intact" if kept else \
-            "no earlier step was saved"
+        intact = "no earlier step was saved" if not kept else \
+            f"step {kept[0]} is intact" if len(kept) == 1 else \
+            f"steps {', '.join(map(str, kept))} are intact"
+        remedy = failure.remedy + (" or lower checkpoint.keep" if failure.space else "")
         raise CheckpointError(
-            f"checkpoint.dir={self.directory}: {reason} while saving step {step}: the save "
-            f"needs about {human_bytes(nbytes)} ({nbytes} bytes), {human_bytes(free)} "
-            f"free; {intact}") from None
+            f"checkpoint.dir={self.directory}: {failure.reason} while saving step {step}: "
+            f"the save needs about {human_bytes(nbytes)} ({nbytes} bytes), "
+            f"{human_bytes(free)} free; {intact}; {remedy}") from None
 
     def _remove_until_quiet(self, step: int, quiet_s: float = 1.0, limit_s: float = 30.0):
         """Removes step's temporary directory until it stays absent for quiet_s: writes of
@@ -370,14 +372,21 @@ def _resize(array, want):
     return jax.jit(fit, out_shardings=want.sharding)(array)
 
 
+INSPECT_STATUS = """exit status: 0 every step passes the cheap checks and a run resumes from
+the newest; 1 a run resumes from a step that passes them, but some step is damaged,
+half-written or set aside as <step>.corrupt; 2 no step would restore (or no checkpoints
+were found: an error line)"""
+
+
 def main(argv=None) -> int:
-    """`inspect DIR`: exit 0 when DIR holds checkpoints (any state), 2 when it holds none."""
+    """`inspect DIR`: lists the steps; the exit status is INSPECT_STATUS's."""
     import argparse
     parser = argparse.ArgumentParser(prog="python -m jaxptd.checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("inspect", help="list the steps, their layout, whether each passes the "
-                   "cheap checks and which one a run resumes from").add_argument(
-        "directory", help="a checkpoint directory, a run directory or one step")
+                   "cheap checks and which one a run resumes from", epilog=INSPECT_STATUS
+                   ).add_argument("directory", help="a checkpoint directory, a run directory "
+                                  "or one step")
     args = parser.parse_args(argv)
     directory = integrity.find_checkpoints(args.directory)
     if directory is None:
@@ -397,7 +406,9 @@ def main(argv=None) -> int:
         status = f"{r['status']} ({r['problem']})" if r["problem"] else r["status"]
         mark = "  <- resume" if r["step"] == resume and r["status"] == "complete" else ""
         print(f"step {r['step']:>8}  {status:<12}  {shape}  {r['path']}{mark}")
-    return 0
+    if resume is None:
+        return 2
+    return 0 if all(r["status"] == "complete" for r in records) else 1
 
 
 if __name__ == "__main__":

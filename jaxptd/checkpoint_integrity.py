@@ -7,7 +7,9 @@ Owns three records and their checks:
   manifests and data files, the layout item) with its size. Process 0 writes it after
   every process has finished writing and before Orbax renames the temporary directory
   into place, so it is part of the atomic save (a step either has it or was never
-  complete). A step without one (an older jaxptd) is checked without it.
+  complete). A step without one is damaged, unless it was written before file lists
+  existed (an older jaxptd, which recorded no checksums either): that one is checked
+  without it.
 - `checksums` in the layout item: per array, the uint32 sum of its bit patterns, computed
   on the devices from the state being saved (no extra I/O). A byte flipped inside array
   data that Orbax and tensorstore read without complaint (they do not checksum array
@@ -62,10 +64,12 @@ def _read_json(path: str):
 
 
 def _check_listed(step_dir: str) -> str | None:
-    """The file list's complaint about `step_dir`, or None (also when there is no list)."""
+    """The file list's complaint about `step_dir`, or None (also when there is no list
+    and the step predates file lists: its layout item has no checksums either)."""
     list_path = os.path.join(step_dir, FILE_LIST)
     if not os.path.exists(list_path):
-        return None
+        layout = read_layout(step_dir)
+        return f"{FILE_LIST}: missing" if layout and "checksums" in layout else None
     try:
         listed = _read_json(list_path)["files"]
         listed = {str(k): None if v is None else int(v) for k, v in listed.items()}

@@ -220,6 +220,22 @@ def drop_collective_chatter() -> None:
     atexit.register(restore)
 
 
+def lead_decides(jax, message: str | None) -> str | None:
+    """Process 0's `message` (None: nothing to object) on every process, so that all stop
+    with the same line where only process 0 could look (the run directory it alone
+    writes). A collective: every process calls it at the same point."""
+    if jax.process_count() == 1:
+        return message
+    import numpy as np
+    from jax.experimental import multihost_utils
+    text = (message or "").encode()[:4095]
+    buffer = np.zeros(4096, np.uint8)  # [flag, UTF-8 text...]
+    buffer[0] = message is not None
+    buffer[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+    buffer = np.asarray(multihost_utils.broadcast_one_to_all(buffer))
+    return bytes(buffer[1:]).rstrip(b"\0").decode(errors="replace") if buffer[0] else None
+
+
 def describe_hosts(jax, hosts: dict[int, str]) -> str:
     """One line per process: its host and its local devices (printed by process 0)."""
     lines = [f"{jax.process_count()} processes, {jax.device_count()} devices "

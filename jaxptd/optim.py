@@ -23,10 +23,9 @@ from jaxptd.sharding import is_spec
 def lr_schedule(config: Config) -> optax.Schedule:
     """Linear warm-up from 0 to optimizer.lr, then cosine decay to optimizer.min_lr."""
     opt = config.optimizer
-    decay = opt.decay_steps or config.train.steps
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
-        decay_steps=max(decay, opt.warmup_steps + 1), end_value=opt.min_lr)
+        decay_steps=max(config.decay_length, opt.warmup_steps + 1), end_value=opt.min_lr)
 
 
 def make_optimizer(config: Config, norm=optax.tree.norm) -> optax.GradientTransformation:

@@ -1,8 +1,9 @@
 """Checks before work starts: every user error a run can meet, found before it trains.
 
 Owns the checks that need more than the config (config.py has those): the corpus and its
-splits against `model.seq_len`, the run and checkpoint directories, the platform's
-devices, and whether the model fits in the devices' memory. Each failure is one
+splits against `model.seq_len`, the run and checkpoint directories (and their removal,
+while still empty, when the run fails: `new_directories`), the platform's devices, and
+whether the model fits in the devices' memory. Each failure is one
 ConfigError / DataError / CheckpointError line naming the key, the value and the rule.
 
 Memory: the planner's per-device total (`plan.device_memory_bytes`, the same model
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 
 from jaxptd import model as models
 from jaxptd.checkpoint import check_writable, human_bytes
@@ -45,6 +47,28 @@ def check_files(config: Config):
     if config.checkpoint.every:
         check_writable(config.checkpoint_dir)
     return train, val
+
+
+@contextmanager
+def new_directories(config: Config):
+    """Around a run: when it fails, removes the run and checkpoint directories (and their
+    parents) that did not exist before it and are still empty, so that a run refused at
+    start-up (a bad checkpoint.dir, a full disk) leaves no empty directory behind."""
+    missing = set()
+    for directory in (config.train.run_dir, config.checkpoint_dir):
+        path = os.path.abspath(directory)
+        while not os.path.exists(path):
+            missing.add(path)
+            path = os.path.dirname(path)
+    try:
+        yield
+    except BaseException:
+        for path in sorted(missing, key=len, reverse=True):  # the deepest first
+            try:
+                os.rmdir(path)  # only an empty directory
+            except OSError:
+                pass
+        raise
 
 
 def devices(jax, config: Config) -> list:

@@ -18,6 +18,10 @@ Invariants:
   from metrics.jsonl and the TensorBoard files, so a step trained twice is logged once.
 - The console gets one progress line per log step (never erased: a history), one line per
   finished checkpoint, and a summary at the end; warnings go to stderr as `warning: ...`.
+- config.yaml and the resumed metrics.jsonl are replaced whole (storage.atomic_write):
+  a failure leaves the old ones, never a truncated file. Every write happens in the
+  calling thread (TensorBoard's too), so a storage failure (a full disk) is one
+  StorageError there, which the entry point prints as one `error:` line.
 """
 from __future__ import annotations
 
@@ -25,7 +29,10 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
+
+from jaxptd import storage
 
 LOG = logging.getLogger("jaxptd")
 PERF_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_time_s",
@@ -75,10 +82,29 @@ def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
     if run_dir:
         path = os.path.join(run_dir, "train.log")
         for logger, name, level in ((LOG, "", logging.INFO), (root, "%(name)s ", logging.WARNING)):
-            handler = logging.FileHandler(path)
+            handler = _LogFile(path, raising=logger is LOG)
             handler.setFormatter(logging.Formatter(f"%(asctime)s {name}%(levelname)s %(message)s"))
             handler.setLevel(level)
             logger.addHandler(handler)
+
+
+class _LogFile(logging.FileHandler):
+    """train.log, created at its first record. A storage failure (a full disk) writing one
+    of jaxptd's own lines in the main thread is raised there as a StorageError (one
+    `error:` line from the entry point); elsewhere (Orbax's threads) the record is
+    dropped without the logging module's traceback: the run's next write reports it."""
+
+    def __init__(self, path: str, raising: bool):
+        super().__init__(path, delay=True)
+        self.raising = raising
+
+    def handleError(self, record):
+        failure = storage.storage_error(sys.exc_info()[1], self.baseFilename,
+                                        "writing the run's log")
+        if failure is None:
+            super().handleError(record)
+        elif self.raising and threading.current_thread() is threading.main_thread():
+            raise failure
 
 
 def _unraisable_to(path: str | None):
@@ -102,10 +128,11 @@ setup_logging()  # until a run sets up its directory: warnings on stderr
 
 
 def write_config(run_dir: str, config) -> None:
-    """The resolved config as YAML (`--config` accepts it back)."""
+    """The resolved config as YAML (`--config` accepts it back), replaced atomically."""
     import yaml
-    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-        yaml.safe_dump(config.to_dict(), f, sort_keys=False)
+    path = os.path.join(run_dir, "config.yaml")
+    with storage.guard(path, "writing the run's config"):
+        storage.atomic_write(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
 
 
 def tag(key: str) -> str:
@@ -119,6 +146,28 @@ def _kind(record: dict) -> str:
     return "event" if "event" in record else "val" if "val_loss" in record else "train"
 
 
+def read_records(path: str) -> list[dict]:
+    """The records of a metrics.jsonl ([] when there is none), each with an int step."""
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+                record["step"] = int(record["step"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by a kill
+            records.append(record)
+    return records
+
+
+def trained_to(run_dir: str) -> int:
+    """The last step metrics.jsonl in `run_dir` records training for (0: none)."""
+    return max((r["step"] for r in read_records(os.path.join(run_dir, "metrics.jsonl"))
+                if _kind(r) == "train"), default=0)
+
+
 class MetricsLog:
     """metrics.jsonl, TensorBoard and (optionally) Weights & Biases; `lead` false: silent."""
 
@@ -129,29 +178,18 @@ class MetricsLog:
         self.tensorboard = self.wandb = None
         if not lead:
             return
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in self.records)
-        from tensorboardX import SummaryWriter
-        self.tensorboard = SummaryWriter(os.path.join(config.train.run_dir, "tensorboard"),
-                                         purge_step=resume_step + 1 if resume_step else None)
+        with storage.guard(self.path, "writing the metrics"):
+            storage.atomic_write(self.path, "".join(json.dumps(r) + "\n"
+                                                    for r in self.records))
+            self.tensorboard = _TensorBoard(os.path.join(config.train.run_dir, "tensorboard"),
+                                            resume_step + 1 if resume_step else None)
         if config.train.wandb_project:
             self.wandb = _start_wandb(config)
 
     def _kept(self, resume_step: int) -> list[dict]:
         """The records of steps up to `resume_step` (compile records: before it)."""
-        if not os.path.exists(self.path):
-            return []
-        kept = []
-        with open(self.path) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                    step = int(record["step"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut by a kill
-                if step < resume_step or (step == resume_step and _kind(record) != "event"):
-                    kept.append(record)
-        return kept
+        return [r for r in read_records(self.path) if r["step"] < resume_step or (
+            r["step"] == resume_step and _kind(r) != "event")]
 
     def has(self, step: int, kind: str) -> bool:
         """Whether a record of `kind` (train, val, event) exists for `step`."""
@@ -165,20 +203,51 @@ class MetricsLog:
         if not self.lead:
             return
         self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
         scalars = {tag(k): v for k, v in record.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-        for name, value in scalars.items():
-            self.tensorboard.add_scalar(name, value, record["step"])
+        with storage.guard(self.path, "writing the metrics"):
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            self.tensorboard.add(scalars, record["step"])
         if self.wandb is not None:
             self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         if self.tensorboard is not None:
-            self.tensorboard.close()
+            with storage.guard(self.path, "writing the metrics"):
+                self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class _TensorBoard:
+    """Event files for TensorBoard, written in the caller's thread: tensorboardX's
+    SummaryWriter writes from a thread of its own, where a full disk ends that thread
+    with a traceback and leaves the next write blocked on its full queue for ever. A
+    record's scalars are written and flushed together; a resumed run's first events tell
+    TensorBoard to drop those of the steps from `purge_step` on (SummaryWriter's way)."""
+
+    def __init__(self, directory: str, purge_step: int | None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        os.makedirs(directory, exist_ok=True)
+        self.writer = EventsWriter(os.path.join(directory, "events"))
+        if purge_step is not None:
+            self.writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self.writer.write_event(Event(step=purge_step, session_log=SessionLog(
+                status=SessionLog.START)))
+        self.writer.flush()
+
+    def add(self, scalars: dict[str, float], step: int) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+        for name, value in scalars.items():
+            self.writer.write_event(Event(wall_time=time.time(), step=step,
+                                          summary=scalar(name, value)))
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _start_wandb(config):
@@ -235,6 +304,7 @@ class Progress:
         best = metrics.best_val()
         best_text = f"best val loss {best[0]:.4f} (step {best[1]})" if best else \
             "no validation"
-        return (f"done: step {last}/{self.total}, {trained} steps ({_count(trained * self.tokens)}"
+        steps = f"{trained} step{'' if trained == 1 else 's'}"
+        return (f"done: step {last}/{self.total}, {steps} ({_count(trained * self.tokens)}"
                 f" tokens) trained in {_clock(time.monotonic() - self.began)}; {best_text}; "
                 f"files in {where}")

@@ -2,32 +2,39 @@
 
 Order of work: config -> preflight (corpus, both splits against model.seq_len, the run
 and checkpoint directories: all user errors caught before any device work) -> processes
-(jaxptd/distributed.py) -> devices, and the planner's memory against theirs -> mesh ->
-state (restored or initialised into its shardings) -> compile (XLA's memory against the
-devices') -> loop of step / log / evaluate / save -> summary.
+(jaxptd/distributed.py) -> devices, and the planner's memory against theirs -> the run's
+directories locked (jaxptd/rundir.py) -> mesh -> state (restored, or initialised into its
+shardings where that overwrites no earlier run's history) -> config.yaml -> compile
+(XLA's memory against the devices') -> loop of step / log / evaluate / save -> summary.
+A run refused before it wrote anything leaves no directory it created behind.
 
 A user error prints one line `error: ...` on stderr and exits 2; so do an out-of-memory
-and a full disk during a save. SIGTERM or SIGUSR1 ends the loop after a step all
-processes agree on, saves it and exits 0; SIGINT (Ctrl-C) does the same and exits 130,
-and a second SIGINT exits at once (jaxptd/preemption.py). What the run prints and writes
-into train.run_dir is jaxptd/runlog.py's.
+and a storage failure (a full disk, a file-size limit) in any of the run's writers
+(jaxptd/storage.py: checkpoints, config, log, metrics, the corpus prepared on first
+use). SIGTERM or SIGUSR1 ends the loop after a step all processes agree on, saves it
+and exits 0; SIGINT (Ctrl-C) does the same and exits 130, and a second SIGINT exits at
+once (jaxptd/preemption.py). What the run prints and writes into train.run_dir is
+jaxptd/runlog.py's.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
 import numpy as np
 
-from jaxptd import distributed, preflight, runlog
+from jaxptd import distributed, preflight, rundir, runlog
 from jaxptd import model as models
 from jaxptd.checkpoint import CheckpointError, human_bytes
 from jaxptd.config import Config, ConfigError, describe_keys, load_config
 from jaxptd.data import DataError, TokenDataset
 from jaxptd.preemption import INTERRUPTED, Preemption
 from jaxptd.runlog import LOG
+from jaxptd.rundir import RunLock
+from jaxptd.storage import StorageError
 
 
 def parse_args(argv):
@@ -68,43 +75,78 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
-def start(config: Config):
-    """Processes, devices, mesh, checkpointer and state (restored or new)
-    -> (jax, setup, ckpt, state, the devices' memory)."""
+def start(config: Config, lock: RunLock):
+    """Processes, devices, the run's directories locked, mesh, checkpointer and state
+    (restored or new) -> (jax, config, setup, ckpt, state, the devices' memory); the
+    config is the one the run trains with (`continue_schedule`)."""
     jax, hosts = distributed.start(config)
-    from jaxptd.checkpoint import Checkpointer, layout_metadata
-    from jaxptd.config import changed_keys, check_device_count
+    from jaxptd.config import check_device_count
     from jaxptd.mesh import describe, make_mesh
     from jaxptd.plan import device_memory_bytes
     from jaxptd.step import Setup
 
     devices = preflight.devices(jax, config)  # the first use of the backend
-    lead = jax.process_index() == 0
-    runlog.setup_logging(config.train.run_dir, lead)
     check_device_count(config, len(devices), "devices found")
     available = preflight.device_memory(jax.local_devices()[0], jax.local_device_count())
     preflight.check_memory(config, device_memory_bytes(config), available)
-    if lead:
-        runlog.write_config(config.train.run_dir, config)
+    lock.acquire(jax)  # before anything is written into the run's directories
+    runlog.setup_logging(config.train.run_dir, jax.process_index() == 0)
+    if jax.process_index() == 0:
         LOG.info(distributed.describe_hosts(jax, hosts))
+    given = config  # as the user gave it; the run's own keeps the schedule it continues
+    config, note = continue_schedule(given)
     mesh = make_mesh(config.parallel)
     LOG.info(describe(mesh))
     setup = Setup(config, mesh)
+    ckpt, state = restore(jax, setup, given, note)
+    if jax.process_index() == 0:  # the run continues this directory's history, or has none
+        runlog.write_config(config.train.run_dir, config)
+    return jax, config, setup, ckpt, state, available
+
+
+def continue_schedule(config: Config):
+    """(config, note) with the learning-rate schedule of the newest complete step in
+    checkpoint.dir kept (config.continued); the config itself when there is none, or it
+    is step 0 (`hf import`'s: no step trained on any schedule yet)."""
+    from jaxptd.checkpoint_integrity import inspect
+    from jaxptd.config import continued
+    directory = config.checkpoint_dir
+    steps = [r for r in inspect(directory) if r["status"] == "complete"] \
+        if os.path.isdir(directory) else []
+    newest = steps[-1] if steps else {"step": 0}
+    saved = (newest["layout"] or {}).get("config") if newest["step"] else None
+    return continued(config, saved) if saved else (config, None)
+
+
+def restore(jax, setup, given: Config, note: str | None):
+    """(checkpointer, state): the newest readable step in checkpoint.dir, also with
+    checkpoint.every=0 (which only stops saving), or a new state where starting over
+    writes over no earlier run's history (rundir.unrestored_history). `given`: the config
+    as the user gave it, whose changes against the restored step's are named."""
+    from jaxptd.checkpoint import Checkpointer, layout_metadata
+    from jaxptd.config import changed_keys
+    config = setup.config
     ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
                         config.checkpoint.async_save,
                         layout_metadata(config, jax.process_count())
-                        ) if config.checkpoint.every else None
+                        ) if config.checkpoint.every or os.path.isdir(config.checkpoint_dir) \
+        else None
     restored = ckpt.restore_latest(setup.abstract_state(logical=True),
                                    config.model.vocab_size) if ckpt else None
     if restored is None:
-        return jax, setup, ckpt, setup.init_state(config.train.seed), available
+        refusal = distributed.lead_decides(jax, rundir.unrestored_history(config)
+                                           if jax.process_index() == 0 else None)
+        if refusal:
+            raise rundir.RunDirError(refusal)
+        return ckpt, setup.init_state(config.train.seed)
     LOG.info(f"resumed from step {restored[1]} in {ckpt.directory}")
-    saved = (ckpt.layout(restored[1]) or {}).get("config", {})
-    changes = changed_keys(saved, config)
+    changes = changed_keys((ckpt.layout(restored[1]) or {}).get("config", {}), given)
     if changes:
         LOG.warning(f"step {restored[1]} was trained with other settings; continuing with "
                     f"the new ones: {', '.join(changes)}")
-    return jax, setup, ckpt, setup.state_from_logical(restored[0]), available
+    if note:
+        LOG.warning(note)
+    return ckpt, setup.state_from_logical(restored[0])
 
 
 def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
@@ -138,12 +180,14 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
 class Run:
     """One training run's loop state: what each step needs and what it reports."""
 
-    def __init__(self, config: Config, train: TokenDataset, val: TokenDataset):
+    def __init__(self, config: Config, train: TokenDataset, val: TokenDataset,
+                 lock: RunLock):
         from jaxptd import metrics
         from jaxptd.step import build_eval_step
         self.began = time.monotonic()
-        self.config, self.train, self.val = config, train, val
-        self.jax, self.setup, self.ckpt, self.state, self.available = start(config)
+        self.train, self.val = train, val
+        self.jax, self.config, self.setup, self.ckpt, self.state, self.available = \
+            start(config, lock)
         self.lead = self.jax.process_index() == 0
         self.preemption = Preemption(self.lead)  # after jax.distributed: the last handlers
         self.start_step = self.last = int(self.state["step"])
@@ -214,8 +258,8 @@ class Run:
             self.report_saves()
             if self.preemption.agreed():  # every process stops after the same step
                 LOG.info(f"{self._stop_reason()}: saving step {done} and exiting"
-                         if ckpt else f"{self._stop_reason()}: exiting (nothing saved: "
-                         "checkpoint.every=0)")
+                         if config.checkpoint.every else f"{self._stop_reason()}: exiting "
+                         "(nothing saved: checkpoint.every=0)")
                 break
 
     def _evaluation_missed(self) -> bool:
@@ -237,7 +281,7 @@ class Run:
     def finish(self) -> None:
         """The last step saved (or the agreed preemption step), files closed, summary."""
         if self.ckpt:
-            if not self.ckpt.has(self.last):
+            if self.config.checkpoint.every and not self.ckpt.has(self.last):
                 self.save(self.last)
             self.ckpt.close()
             self.report_saves()
@@ -256,7 +300,9 @@ class Run:
         if self.start_step >= config.train.steps:
             LOG.info(f"nothing to train: the checkpoint in {self.ckpt.directory} is at step "
                      f"{self.start_step} and train.steps={config.train.steps}; raise "
-                     "train.steps to continue this run, or use a new train.run_dir "
+                     "train.steps to continue this run (its learning rate stays at "
+                     f"optimizer.min_lr after step {config.decay_length} unless "
+                     "optimizer.decay_steps says otherwise), or use a new train.run_dir "
                      "(and checkpoint.dir) to start another")
             self.ckpt.close()
             return 0
@@ -273,9 +319,10 @@ def main(argv=None) -> int:
     config = None
     try:
         config = load_config(args.config, args.overrides)
-        train, val = preflight.check_files(config)
-        return Run(config, train, val)()
-    except (ConfigError, DataError, CheckpointError) as e:
+        with preflight.new_directories(config), RunLock(config) as lock:
+            train, val = preflight.check_files(config)
+            return Run(config, train, val, lock)()
+    except (ConfigError, DataError, CheckpointError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,6 +1,8 @@
 """Test session set-up: 8 simulated CPU devices, set before the JAX backend starts; LLVM's
-cheapest code generation; one XLA compilation cache for the session's subprocesses."""
+cheapest code generation; one XLA compilation cache for the session's subprocesses; small
+disks for the full-disk tests."""
 import os
+import subprocess
 
 import pytest
 
@@ -29,3 +31,28 @@ def _subprocess_compilation_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path_factory.mktemp("xla-cache")))
         yield
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs (root can mount one); skipped where mounting is not allowed."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                            capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.fixture
+def full_disk(small_disk):
+    """small_disk with every byte taken by one file (removing it frees the space)."""
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+        except OSError:
+            pass
+    return small_disk

@@ -9,6 +9,7 @@ of another kind, never a good step lost. The multi-process checkpoint's walk is 
 tests/test_multihost.py (it reuses the 4-process runs there), with the restores into
 other layouts; here, a restore at another tensor size (another padded vocabulary).
 """
+import json
 import shutil
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def test_every_fault_in_every_file_resumes_from_a_good_step(saved, tmp_path, cap
     assert outcomes[("state/_METADATA", "delete")] == 1
     assert outcomes[("state/array_metadatas/process_0", "truncate")] == 1
     assert outcomes[("layout/metadata", "empty")] == 1
-    assert outcomes[(FILE_LIST, "flip")] == 1
+    assert outcomes[(FILE_LIST, "flip")] == outcomes[(FILE_LIST, "delete")] == 1
     assert all(outcomes[(rel, f)] == 1 for rel, f in outcomes if "/d/" in rel and f != "flip")
 
 
@@ -98,25 +99,55 @@ def test_restore_at_another_tensor_size_is_the_state_initialised_there(tmp_path,
     assert_same_state(state, target.init_state(0))
 
 
+def run_inspect(target):
+    return subprocess.run([sys.executable, "-m", "jaxptd.checkpoint", "inspect", str(target)],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
 def test_inspect_reports_damage_and_the_step_a_run_resumes_from(saved, tmp_path):
+    """The listing, and the exit status scripts read: 0 all steps good, 1 a run resumes
+    but a step is damaged, 2 nothing to resume from (no step passes, or none found)."""
     directory, setup, states = saved
     run = tmp_path / "run"
     shutil.copytree(directory, run / "checkpoints")
+    clean = run_inspect(run)
+    assert clean.returncode == 0 and "a run resumes from step 2" in clean.stdout, clean.stdout
     damage(run / "checkpoints" / "2" / "state" / "_METADATA", "truncate")
     statuses = {r["step"]: (r["status"], r["problem"]) for r in inspect(str(run / "checkpoints"))}
     assert statuses[1] == ("complete", None)
     assert statuses[2][0] == "damaged" and "state/_METADATA" in statuses[2][1]
     for target in (run, run / "checkpoints" / "1"):
-        out = subprocess.run([sys.executable, "-m", "jaxptd.checkpoint", "inspect", str(target)],
-                             capture_output=True, text=True, cwd=REPO, timeout=120)
-        assert out.returncode == 0, out.stderr
+        out = run_inspect(target)
+        assert out.returncode == 1, out.stderr
         assert "a run resumes from step 1" in out.stdout, out.stdout
         assert "damaged (state/_METADATA" in out.stdout, out.stdout
     state, step = restore_latest(setup, run / "checkpoints")
     assert step == 1
     assert_same_state(state, states[1])
-    empty = subprocess.run([sys.executable, "-m", "jaxptd.checkpoint", "inspect", str(tmp_path)],
-                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    damage(run / "checkpoints" / "1" / "layout" / "metadata", "empty")
+    none = run_inspect(run)
+    assert none.returncode == 2 and "none would restore" in none.stdout, none.stdout
+    empty = run_inspect(tmp_path / "nothing")
     assert empty.returncode == 2 and empty.stderr.startswith("error: ")
     assert len(empty.stderr.strip().splitlines()) == 1
+
+
+def test_a_step_without_its_file_list_is_damaged(saved, tmp_path):
+    """files.json deleted: the step would restore without its files' check, so it is
+    damaged (inspect says so, restore falls back); a step of a jaxptd from before file
+    lists (no checksums in its layout either) is still read."""
+    directory, setup, states = saved
+    work = tmp_path / "checkpoints"
+    shutil.copytree(directory, work)
+    (work / "2" / FILE_LIST).unlink()
+    assert {r["step"]: r["problem"] for r in inspect(str(work))}[2] == f"{FILE_LIST}: missing"
+    state, step = restore_latest(setup, work)
+    assert step == 1 and (work / "2.corrupt").is_dir()
+    older = tmp_path / "older"
+    shutil.copytree(directory / "1", older / "1")
+    (older / "1" / FILE_LIST).unlink()
+    layout = json.loads((older / "1" / "layout" / "metadata").read_text())
+    del layout["checksums"]
+    (older / "1" / "layout" / "metadata").write_text(json.dumps(layout))
+    assert inspect(str(older))[0]["status"] == "complete"
 

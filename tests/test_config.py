@@ -73,3 +73,26 @@ def test_malformed_and_missing_yaml(tmp_path):
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(str(listy))
+
+
+def test_a_continued_run_keeps_its_learning_rate_schedule():
+    """Raising train.steps (decay_steps 0) keeps the decay length the steps were trained
+    with; an explicit decay_steps wins; an unchanged run is left alone. The schedule
+    itself is optax's, checked against the formula: min_lr past the kept length."""
+    from jaxptd.config import continued
+    from jaxptd.optim import lr_schedule
+    saved = load_config(None, ["train.steps=300", "optimizer.warmup_steps=10"]).to_dict()
+    longer = load_config(None, ["train.steps=500", "optimizer.warmup_steps=10"])
+    kept, note = continued(longer, saved)
+    assert kept.optimizer.decay_steps == 300 and kept.decay_length == 300
+    assert "optimizer.decay_steps=300" in note and "train.steps=500" in note
+    schedule, original = lr_schedule(kept), lr_schedule(load_config(None, [
+        "train.steps=300", "optimizer.warmup_steps=10"]))
+    assert all(float(schedule(s)) == float(original(s)) for s in (0, 10, 150, 299))
+    assert float(schedule(400)) == pytest.approx(kept.optimizer.min_lr)
+    again, note = continued(load_config(None, ["train.steps=500"]), kept.to_dict())
+    assert again.optimizer.decay_steps == 300 and note  # later resumes keep it
+    same, note = continued(load_config(None, ["train.steps=300"]), saved)
+    assert same.optimizer.decay_steps == 0 and note is None
+    explicit = load_config(None, ["train.steps=500", "optimizer.decay_steps=500"])
+    assert continued(explicit, saved) == (explicit, None)

@@ -1,5 +1,6 @@
 """Megatron-LM indexed datasets: our writer and reader round-trip, a file built by hand
 from the published byte layout reads, and broken files are one-line user errors."""
+import math
 import struct
 import subprocess
 import sys
@@ -77,6 +78,70 @@ def test_writer_and_reader_round_trip(tmp_path):
                            cwd=REPO, capture_output=True, text=True)
     assert again.returncode == 2 and again.stderr.startswith("error: ")
     assert len(again.stderr.strip().splitlines()) == 1
+
+
+def prepare_cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxptd.data.prepare", *map(str, args)],
+                          cwd=REPO, capture_output=True, text=True)
+
+
+def test_empty_texts_are_empty_documents_as_megatron_writes_them(tmp_path):
+    """preprocess_data.py appends the eod only to a document with tokens, and the builder
+    records an empty document as a repeated document index with no sequence. The output
+    directory is created as for the default format; the jaxptd format holds the same
+    tokens (no lone eot either)."""
+    texts = {"a.txt": b"ab", "b.txt": b"", "c.txt": b"c", "d.txt": b""}
+    for name, data in texts.items():
+        (tmp_path / name).write_bytes(data)
+    prefix = tmp_path / "new" / "dir" / "corpus"  # no parent yet
+    result = prepare_cli("--input", tmp_path, "--output", prefix, "--format", "megatron")
+    assert result.returncode == 0, result.stderr
+    assert "4 documents" in result.stdout, result.stdout
+    hand_built(tmp_path / "expected", 8, np.uint16, [[97, 98, EOT], [99, EOT]], [0, 1, 1, 2, 2])
+    for ext in (".bin", ".idx"):
+        assert prefix.with_suffix(ext).read_bytes() == \
+            (tmp_path / f"expected{ext}").read_bytes()
+    result = prepare_cli("--input", tmp_path, "--output", tmp_path / "own")
+    assert result.returncode == 0, result.stderr
+    own = [np.fromfile(tmp_path / "own" / f"{s}.bin", np.uint16) for s in ("train", "val")]
+    assert np.concatenate(own).tolist() == [97, 98, EOT, 99, EOT]
+
+
+def test_empty_last_documents_split_by_tokens(tmp_path):
+    """The last 0.5% of the documents (2 of 300) are empty: the documents' split would
+    leave val without a token, so the last 0.5% of the tokens are val instead."""
+    sequences = [[i % 250, EOT] for i in range(298)]
+    prefix = tmp_path / "tail"
+    hand_built(prefix, 8, np.uint16, sequences, list(range(299)) + [298, 298])
+    train, val = TokenDataset(prefix, "train"), TokenDataset(prefix, "val")
+    total = 2 * 298
+    assert len(val) == math.ceil(total * 0.005) and len(train) + len(val) == total
+    assert val.tokens.tolist() == sum(sequences, [])[-len(val):]
+    assert "tokens" in val.meta["val_rule"]
+    single = tmp_path / "single"  # one document: no document for val at all
+    hand_built(single, 8, np.uint16, [list(range(400))], [0, 1])
+    assert len(TokenDataset(single, "val")) == 2
+
+
+def test_changed_dtype_code_names_the_dtypes(tmp_path):
+    prefix = tmp_path / "d"
+    hand_built(prefix, 8, np.uint16, [[1, 2], [3]], [0, 1, 2])
+    raw = bytearray(prefix.with_suffix(".idx").read_bytes())
+    raw[17] = 4  # uint16 -> int32
+    prefix.with_suffix(".idx").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"dtype code 4 says int32.* say 2: int16 \(code 3\)"
+                                        r" or uint16 \(code 8\)") as raised:
+        resolve_corpus(str(prefix))
+    assert "back to back" not in str(raised.value)
+
+
+def test_prefix_without_idx_names_the_idx(tmp_path):
+    prefix = tmp_path / "d"
+    hand_built(prefix, 8, np.uint16, [[1, 2], [3]], [0, 1, 2])
+    prefix.with_suffix(".idx").unlink()
+    with pytest.raises(DataError, match=r"d.idx' is missing beside") as raised:
+        resolve_corpus(str(prefix))
+    assert "meta.json" not in str(raised.value)
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -81,10 +81,11 @@ def env():
             "PYTHONPATH": str(ROOT)}
 
 
-def launch(nproc, args, run_dir):
-    """Starts launch/local.sh; returns the Popen (stdout and stderr to run_dir/out.txt)."""
+def launch(nproc, args, run_dir, out=None):
+    """Starts launch/local.sh; returns the Popen (stdout and stderr to `out`, by default
+    run_dir/out.txt)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = open(run_dir / "out.txt", "w")
+    out = open(out or run_dir / "out.txt", "w")
     return subprocess.Popen(
         [str(ROOT / "launch/local.sh"), str(nproc), "-", *args, f"train.run_dir={run_dir}"],
         stdout=out, stderr=subprocess.STDOUT, env=env(), cwd=ROOT, start_new_session=True)
@@ -260,6 +261,31 @@ def test_sigterm_saves_agreed_step_and_resume_continues(tmp_path):
     assert f"resumed from step {saved}" in (run_dir / "out.txt").read_text()
     losses = losses_of(run_dir)
     assert_close([losses[s] for s in range(saved + 1, steps + 1)], expected[saved:])
+
+
+@pytest.mark.slow
+def test_second_multi_process_run_on_a_run_directory_is_refused(tmp_path):
+    """Process 0 of a 4-process run holds its run directory; a second 4-process run on it
+    stops at start-up with process 0's line on every process (distributed.lead_decides:
+    the others cannot see the lock), and the first goes on, its history unmixed."""
+    args = overrides(LAUNCH_LAYOUTS["pipe1"], steps=100000, extra=["checkpoint.every=0"])
+    run_dir = tmp_path / "run"
+    first = launch(4, args, run_dir)
+    try:
+        wait_for_step(run_dir, 1, first)
+        second = launch(4, args, run_dir, out=tmp_path / "second.txt")
+        assert second.wait(timeout=300) == 2
+        out = (tmp_path / "second.txt").read_text()
+        assert f"error: train.run_dir={run_dir} is in use by another run" in out, out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        reached = max(losses_of(run_dir))
+        wait_for_step(run_dir, reached + 1, first)  # still training
+    finally:
+        first.send_signal(signal.SIGTERM)  # forwarded to every process: they stop
+        first.wait(timeout=120)
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
+             .splitlines() if "loss" in line]
+    assert steps == list(range(1, len(steps) + 1)), steps
 
 
 @pytest.mark.slow

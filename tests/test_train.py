@@ -305,19 +305,6 @@ def test_second_sigint_exits_at_once_even_inside_a_long_call():
     assert proc.returncode == -signal.SIGINT  # the shell reports it as 130
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 4 MB tmpfs (root can mount one); skipped where mounting is not allowed."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                            capture_output=True, text=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", str(mount)], check=True)
-
-
 @pytest.mark.slow
 def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small_disk,
                                                               tmp_path):
@@ -331,13 +318,145 @@ def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(result.stderr.strip().splitlines()) == 1 and len(errors) == 1, result.stderr
     assert f"checkpoint.dir={small_disk}: no space left on device" in errors[0]
-    assert "bytes)" in errors[0] and "are intact" in errors[0], errors[0]
+    assert "bytes)" in errors[0] and " intact; free space or lower checkpoint.keep" in errors[0], \
+        errors[0]
     records = inspect(str(small_disk))
     kept = [r["step"] for r in records]
     assert kept and all(r["status"] == "complete" for r in records), records
     rerun = run_train(env, *args, f"train.steps={max(kept)}")
     assert_ok(rerun)
     assert f"is at step {max(kept)}" in rerun.stdout, rerun.stdout
+
+
+# --------------------------------------------------------------------------- run directory
+
+# One device and a small model: these runs test what a run does with its directories.
+ONE = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.seq_len=16",
+       "train.global_batch=2", "parallel.data=1", "parallel.tensor=1", "train.log_every=1",
+       "train.eval_every=0", "optimizer.warmup_steps=1"]
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    """The single `error:` line of a refused run (exit 2, no traceback)."""
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    return errors[0]
+
+
+def test_rerun_without_saving_restores_and_adds_to_the_history(corpus_env, reference,
+                                                               tmp_path):
+    """checkpoint.every=0 in a run directory holding checkpoints restores them (it only
+    stops saving): the history up to the restored step stays, the new steps follow."""
+    from jaxptd.config import load_config
+    env, _ = corpus_env
+    copy_run(reference, tmp_path)
+    before = [r for r in records(tmp_path / "run") if "event" not in r]
+    result = run_train(env, *BASE, f"train.steps={STEPS + 2}", "checkpoint.every=0",
+                       *dirs(tmp_path, "run"))
+    assert_ok(result)
+    assert f"resumed from step {STEPS}" in result.stdout, result.stdout[-3000:]
+    after = [r for r in records(tmp_path / "run") if "event" not in r]
+    assert after[:len(before)] == before
+    assert [r["step"] for r in after[len(before):]] == [STEPS + 1, STEPS + 2]
+    assert complete_steps(tmp_path / "ckpt") == complete_steps(reference[1])  # none saved
+    assert load_config(str(tmp_path / "run" / "config.yaml")).checkpoint.every == 0
+
+
+@pytest.mark.slow
+def test_raising_train_steps_keeps_the_schedule(corpus_env, tmp_path):
+    """Raising train.steps keeps the schedule's length (optimizer.decay_steps 0: the
+    continued run's train.steps), so the steps trained keep their rates and the rate is
+    optimizer.min_lr past them; the length is written into config.yaml (and the
+    checkpoints) for the resumes after. With checkpoint.every=0 here: nothing saved."""
+    from jaxptd.config import load_config
+    env, _ = corpus_env
+    run = [*ONE, f"train.run_dir={tmp_path / 'run'}"]
+    assert_ok(run_train(env, *run, "train.steps=4", "checkpoint.every=2"))
+    first = [r for r in records(tmp_path / "run") if "loss" in r]
+    result = run_train(env, *run, "train.steps=6", "checkpoint.every=0")
+    assert_ok(result)
+    assert "resumed from step 4" in result.stdout, result.stdout[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "optimizer.decay_steps=4" in warnings[0], result.stderr
+    trained = [r for r in records(tmp_path / "run") if "loss" in r]
+    assert trained[:4] == first and [r["step"] for r in trained] == list(range(1, 7))
+    assert [r["lr"] for r in trained[4:]] == pytest.approx([1e-4, 1e-4])  # min_lr
+    assert complete_steps(tmp_path / "run" / "checkpoints") == [2, 4]  # nothing saved
+    config = load_config(str(tmp_path / "run" / "config.yaml"))
+    assert (config.checkpoint.every, config.optimizer.decay_steps) == (0, 4)
+
+
+def test_no_readable_checkpoint_is_refused_again_on_the_rerun(corpus_env, reference,
+                                                              tmp_path):
+    """Every step damaged: the run stops with `no readable checkpoint` and the same
+    command stops again, naming the steps set aside and the history, instead of training
+    from step 0 over it; metrics.jsonl and config.yaml stay as they were."""
+    env, _ = corpus_env
+    copy_run(reference, tmp_path)
+    for step in complete_steps(tmp_path / "ckpt"):
+        (tmp_path / "ckpt" / str(step) / "state" / "_METADATA").write_bytes(b"")
+    kept = {name: (tmp_path / "run" / name).read_bytes()
+            for name in ("metrics.jsonl", "config.yaml")}
+    args = [*BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run")]
+    assert "no readable checkpoint" in error_line(run_train(env, *args))
+    refused = error_line(run_train(env, *args))
+    assert "3.corrupt, 6.corrupt, 9.corrupt, 12.corrupt" in refused, refused
+    assert f"trained to step {STEPS}" in refused, refused
+    assert kept == {name: (tmp_path / "run" / name).read_bytes() for name in kept}
+
+
+@pytest.mark.slow
+def test_second_run_on_a_run_directory_is_refused_and_a_killed_ones_lock_is_not(
+        corpus_env, tmp_path):
+    """A run holds its run directory: a second one is refused naming the holder (its pid
+    and host) and writes nothing; once the holder is killed (SIGKILL) a run goes ahead."""
+    import socket
+    env, _ = corpus_env
+    proc, run_dir = start_and_wait(env, tmp_path, "run")
+    try:
+        refused = error_line(run_train(env, *BASE, "train.steps=2", f"train.run_dir={run_dir}",
+                                       f"checkpoint.dir={tmp_path / 'other'}"))
+        assert f"train.run_dir={run_dir} is in use by another run" in refused, refused
+        assert f"process {proc.pid} on {socket.gethostname()}" in refused, refused
+        assert not (tmp_path / "other").exists()
+    finally:
+        proc.kill()
+        proc.communicate(timeout=60)
+    kinds = [(r["step"], "event" in r) for r in records(run_dir)]
+    assert len(kinds) == len(set(kinds)), kinds  # no second run's record among them
+    assert_ok(run_train(env, *BASE, "train.steps=1", "checkpoint.every=1000",
+                        f"train.run_dir={run_dir}", f"checkpoint.dir={run_dir / 'ckpt'}"))
+
+
+def test_full_disk_at_start_up_is_one_error_line_and_leaves_nothing(corpus_env, full_disk):
+    env, _ = corpus_env
+    line = error_line(run_train(env, *ONE, "train.steps=1",
+                                f"train.run_dir={full_disk / 'run'}"))
+    assert f"train.run_dir={full_disk / 'run'}: no space left on device" in line, line
+    assert "free space" in line and sorted(os.listdir(full_disk)) == ["filler"]
+
+
+@pytest.mark.slow
+def test_file_size_limit_during_a_save_is_one_error_line(corpus_env, tmp_path):
+    """`ulimit -f` of 150 KB (over the start-up probe's 64 KB), a model whose checkpoint
+    needs 3 MB: one error line saying what to do, and no half-written step left."""
+    import resource
+    env, _ = corpus_env
+    limit = 150_000
+
+    def limited():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    ckpt = tmp_path / "ckpt"
+    result = subprocess.run(train_command(
+        *ONE, "model.hidden_size=128", "train.steps=2", "checkpoint.every=1",
+        f"train.run_dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}"), cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=TIMEOUT, preexec_fn=limited)
+    line = error_line(result)
+    assert f"checkpoint.dir={ckpt}: file too large while saving step 1" in line, line
+    assert "raise the file-size limit (ulimit -f)" in line, line
+    assert not ckpt.exists() or not os.listdir(ckpt)
 
 
 # --------------------------------------------------------------------------- bad input
@@ -350,7 +469,8 @@ BAD_INPUTS = {
     "impossible mesh 3 of 8": ["parallel.data=3", "runtime.cpu_devices=8"],
     "impossible mesh 2x1x2 of 8": ["parallel.data=2", "parallel.tensor=2",
                                    "runtime.cpu_devices=8"],
-    "unwritable checkpoint dir": ["checkpoint.dir={tmp}/file.txt/ckpt"],
+    "unwritable checkpoint dir": ["checkpoint.dir={tmp}/file.txt/ckpt",
+                                  "train.run_dir={tmp}/new/run"],
     "run_dir is a file": ["train.run_dir={tmp}/file.txt"],
     "unwritable run_dir": ["train.run_dir={tmp}/file.txt/run"],
     "gpu target without a gpu": ["runtime.target=h100"],
@@ -361,13 +481,18 @@ BAD_INPUTS = {
 
 
 @pytest.fixture(scope="module")
-def bad_input_results(corpus_env, tmp_path_factory):
+def bad_input_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bad-input")
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(corpus_env, bad_input_dir):
     """Runs every bad input at once (each fails before device work);
     name -> (rc, out, err)."""
     from jaxptd.data import prepare_corpus
 
     env, _ = corpus_env
-    tmp = tmp_path_factory.mktemp("bad-input")
+    tmp = bad_input_dir
     (tmp / "broken.yaml").write_text("model:\n  num_layers: [1, 2\n  hidden_size: 64\n")
     (tmp / "file.txt").write_text("a regular file\n")
     (tmp / "book.txt").write_bytes(b"one short document " * 200)  # val: 20 tokens
@@ -401,9 +526,11 @@ def test_bad_input_gives_one_error_line(bad_input_results, name):
     assert "mesh" not in stdout and "compiled" not in stdout, stdout  # before device work
 
 
-def test_bad_input_errors_name_what_to_change(bad_input_results):
+def test_bad_input_errors_name_what_to_change(bad_input_results, bad_input_dir):
     assert "runtime.target=h100" in bad_input_results["gpu target without a gpu"][2]
     assert "train.run_dir=" in bad_input_results["run_dir is a file"][2]
+    assert "checkpoint.dir=" in bad_input_results["unwritable checkpoint dir"][2]
+    assert not (bad_input_dir / "new").exists()  # the refused run's directories removed
     assert "split 'val'" in bad_input_results["val split shorter than seq_len"][2]
     memory = bad_input_results["out of memory before compiling"][2]
     assert " TB" in memory and "python -m jaxptd.plan" in memory, memory

@@ -24,6 +24,7 @@ Pure numpy: no JAX here, so the data path can be tested and used without a backe
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +110,12 @@ def _check_bin_size(directory: Path, meta: dict, split: str) -> None:
         raise DataError(f"{str(bin_path)!r} has {actual} bytes, meta.json says "
                         f"{meta[f'{split}_tokens']} {meta['dtype']} tokens = {expected} bytes; "
                         f"re-prepare the corpus")
+
+
+def val_tail(total: int, fraction: float) -> int:
+    """Tokens at the end of a corpus of `total` (>= 2) that form a val split made by
+    tokens: `fraction` of them rounded up, at least one, and at least one left to train."""
+    return min(max(1, math.ceil(total * fraction)), total - 1)
 
 
 def _open_tokens(directory: Path, meta: dict, split: str) -> np.ndarray:

@@ -8,13 +8,17 @@ with path prefix OUTPUT (``megatron.py``; the invariants below are for the direc
 Invariants:
 
 - Each input file is one document, or with ``--jsonl-key KEY`` each line of a JSON Lines
-  file is one (its KEY field, a string); every document is followed by the eot id.
+  file is one (its KEY field, a string); every document is followed by the eot id, but
+  for one without tokens, which stays empty (as Megatron-LM's ``preprocess_data.py
+  --append-eod`` does; both formats hold the same tokens). A ``.jsonl`` input without
+  ``--jsonl-key`` is read as text, with a warning.
 - A document goes to val iff sha256(its key) / 2**64 < val_fraction, where the key is its
   path relative to the input directory it was found under (a file given directly: its
   name; a JSON Lines document: that key, ':' and its line number). The split of a
   document therefore never changes when files are added elsewhere or the tree is moved.
-  When that leaves a split empty (too few documents, e.g. one file), the corpus is split
-  by tokens instead: the last val_fraction of all tokens (at least one) are the val split.
+  When that leaves a split without tokens (too few documents, e.g. one file, or only
+  empty ones), the corpus is split by tokens instead: the last val_fraction of all
+  tokens (at least one) are the val split.
 - The corpus is built in a temporary sibling directory (``.<name>.tmp-*``), ``meta.json``
   last, then renamed into place: readers see a complete corpus or none. Of concurrent
   preparers of one output, the first rename wins and the others discard their copies
@@ -22,6 +26,8 @@ Invariants:
   which nothing reads.
 - An output that already holds a complete corpus is refused (CLI: ``error:``, exit 2)
   unless ``exist_ok=True``, which makes preparation a no-op; ``resolve_corpus`` uses that.
+- A storage failure while writing (a full disk, a file-size limit) leaves nothing behind
+  (the staging directory or temporary files are removed) and is one StorageError line.
 - Tokens: the byte tokenizer (vocab 257), or a Hugging Face ``tokenizers`` JSON file
   when given (the package is optional); ``tokenizer.py`` owns both.
 
@@ -35,7 +41,6 @@ import errno
 import fnmatch
 import hashlib
 import json
-import math
 import os
 import platform
 import shutil
@@ -47,8 +52,9 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from jaxptd import storage
 from jaxptd.data import megatron
-from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta
+from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta, val_tail
 from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
 
 STDLIB_CORPUS = "pystdlib"
@@ -158,13 +164,11 @@ def _write_splits(documents: list[tuple[str, Path]], val_fraction: float,
                   tokenizer: Tokenizer, directory: Path, jsonl_key: str | None = None) -> dict:
     """Tokenize each document into ``directory``/<split>.bin; returns per-split counts and
     the val rule applied."""
-    eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
     counts = {f"{split}_{what}": 0 for split in SPLITS for what in ("tokens", "documents")}
     files = {split: open(directory / f"{split}.bin", "wb") for split in SPLITS}
     try:
-        for key, path, data in _documents(documents, jsonl_key):
+        for key, ids in _encoded(documents, tokenizer, jsonl_key):
             split = "val" if _hash_unit(key) < val_fraction else "train"
-            ids = np.concatenate([_encode(tokenizer, data, path), eot])
             files[split].write(ids.tobytes())
             counts[f"{split}_tokens"] += len(ids)
             counts[f"{split}_documents"] += 1
@@ -172,7 +176,7 @@ def _write_splits(documents: list[tuple[str, Path]], val_fraction: float,
         for handle in files.values():
             handle.close()
     counts["val_rule"] = PATH_RULE
-    if val_fraction > 0 and not (counts["train_documents"] and counts["val_documents"]):
+    if val_fraction > 0 and not (counts["train_tokens"] and counts["val_tokens"]):
         _split_by_tokens(directory, counts, val_fraction, tokenizer.dtype)
     for split in SPLITS:  # durable before the rename publishes the corpus
         with open(directory / f"{split}.bin", "rb+") as handle:
@@ -189,7 +193,7 @@ def _split_by_tokens(directory: Path, counts: dict, val_fraction: float, dtype) 
                         "need at least 2")
     if not counts["train_tokens"]:
         os.replace(directory / "val.bin", directory / "train.bin")
-    val_tokens = min(max(1, math.ceil(total * val_fraction)), total - 1)
+    val_tokens = val_tail(total, val_fraction)
     tail = np.memmap(directory / "train.bin", dtype=dtype, mode="r")[total - val_tokens:]
     (directory / "val.bin").write_bytes(np.asarray(tail).tobytes())
     del tail
@@ -214,11 +218,14 @@ def _is_complete(output: Path) -> bool:
 
 
 def _encoded(documents: list[tuple[str, Path]], tokenizer: Tokenizer,
-             jsonl_key: str | None = None) -> Iterator[np.ndarray]:
-    """Yields each document's token ids followed by the eot id (Megatron's writer)."""
+             jsonl_key: str | None = None) -> Iterator[tuple[str, np.ndarray]]:
+    """(split key, token ids followed by the eot id) of each document; a document without
+    tokens stays empty, no eot (Megatron's preprocess_data.py --append-eod: an eot ends a
+    document, it is not one)."""
     eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
-    for _, path, data in _documents(documents, jsonl_key):
-        yield np.concatenate([_encode(tokenizer, data, path), eot])
+    for key, path, data in _documents(documents, jsonl_key):
+        ids = _encode(tokenizer, data, path)
+        yield key, np.concatenate([ids, eot]) if len(ids) else ids
 
 
 def _encode(tokenizer: Tokenizer, data: bytes, path: Path) -> np.ndarray:
@@ -255,26 +262,36 @@ def write_corpus(documents: list[tuple[str, Path]], output: str | Path, tokenize
                         "to prepare again")
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction {val_fraction} must lie in [0, 1)")
+    _make_parent(output)
+    with storage.guard(str(output), "preparing the corpus"):
+        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        try:
+            counts = _write_splits(documents, val_fraction, tokenizer, staging, jsonl_key)
+            meta = {"format_version": FORMAT_VERSION, "dtype": tokenizer.dtype.name,
+                    "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.name,
+                    "eot_id": tokenizer.eot_id, "source": source,
+                    "val_fraction": val_fraction, **counts}
+            with open(staging / "meta.json", "w") as handle:
+                json.dump(meta, handle, indent=2)
+                handle.flush()
+                os.fsync(handle.fileno())
+            _publish(staging, output)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone after a winning rename
+    return str(output)
+
+
+def _make_parent(output: Path) -> None:
+    """Creates the directory ``output`` goes into (both formats); DataError when it cannot
+    be created or written."""
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     except OSError as err:
         raise DataError(f"--output {str(output)!r} is not writable ({err.strerror}); its "
                         "parent directory must be creatable and writable") from None
-    try:
-        counts = _write_splits(documents, val_fraction, tokenizer, staging, jsonl_key)
-        meta = {"format_version": FORMAT_VERSION, "dtype": tokenizer.dtype.name,
-                "vocab_size": tokenizer.vocab_size, "tokenizer": tokenizer.name,
-                "eot_id": tokenizer.eot_id, "source": source, "val_fraction": val_fraction,
-                **counts}
-        with open(staging / "meta.json", "w") as handle:
-            json.dump(meta, handle, indent=2)
-            handle.flush()
-            os.fsync(handle.fileno())
-        _publish(staging, output)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already after a winning rename
-    return str(output)
+    if not os.access(output.parent, os.W_OK):
+        raise DataError(f"--output {str(output)!r} is not writable: its parent directory "
+                        f"{str(output.parent)!r} is not writable")
 
 
 def _publish(staging: Path, output: Path) -> None:
@@ -314,6 +331,11 @@ def prepare_corpus(inputs: Sequence[str], output: str | Path, *, tokenizer: str 
     loaded = load_tokenizer(tokenizer)
     glob = glob or ("*.jsonl" if jsonl_key else "*.txt")
     documents = find_documents(inputs, glob)
+    lines = [str(path) for _, path in documents if path.suffix == ".jsonl"]
+    if lines and not jsonl_key:
+        print(f"warning: {lines[0]}{f' and {len(lines) - 1} more' if len(lines) > 1 else ''}"
+              ": JSON Lines read as plain text, one document a file with its JSON syntax; "
+              "--jsonl-key KEY reads each line's KEY field as a document", file=sys.stderr)
     if fmt == "megatron":
         return _write_megatron(documents, output, loaded, exist_ok, jsonl_key)
     source = f"{len(documents)} file(s) matching {glob!r} under {', '.join(map(str, inputs))}"
@@ -328,12 +350,12 @@ def _write_megatron(documents: list[tuple[str, Path]], output: str | Path,
     if megatron.is_prefix(output):
         if exist_ok:
             return str(output)
-        raise DataError(f"--output {str(output)!r}: {output}.idx already exists; remove it "
-                        "to prepare again")
-    if not Path(output).parent.is_dir() or not os.access(Path(output).parent, os.W_OK):
-        raise DataError(f"--output {str(output)!r} is not writable: its directory must "
-                        "exist and be writable")
-    megatron.write(output, _encoded(documents, tokenizer, jsonl_key), tokenizer.vocab_size)
+        raise DataError(f"--output {str(output)!r}: {output}.bin/.idx already exist; "
+                        "remove them to prepare again")
+    _make_parent(Path(output))
+    with storage.guard(str(output), "preparing the corpus"):
+        megatron.write(output, (ids for _, ids in _encoded(documents, tokenizer, jsonl_key)),
+                       tokenizer.vocab_size)
     return str(output)
 
 
@@ -417,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         output = prepare_corpus(args.input, args.output, tokenizer=args.tokenizer,
                                 val_fraction=args.val_fraction, glob=args.glob,
                                 jsonl_key=args.jsonl_key, fmt=args.format)
-    except DataError as err:
+    except (DataError, storage.StorageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.format == "megatron":
