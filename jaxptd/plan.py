@@ -224,8 +224,11 @@ def schedule_stats(config: Config, simulate: bool = True):
     return stats.bubble_fraction, slots, (stats, sched)
 
 
-def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict]:
-    """(device bytes, host bytes, activation terms) on the busiest device."""
+def _memory(config: Config, counts: dict, slots: dict, platform: str
+            ) -> tuple[dict, dict, dict]:
+    """(device bytes, host bytes, activation terms) on the busiest device of `platform`
+    ("gpu": model.attention=cudnn is flash attention; "cpu": the XLA path)."""
+    from jaxptd import model as models
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     acts = pm.activation_memory(
@@ -233,8 +236,10 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
         t=par.tensor, e=e, layers_per_stage=m_cfg.num_layers // par.pipe,
         vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
         slots=slots, chunks=par.chunks, keep_activations=par.stash == "activations",
-        sp=par.sequence_parallel and par.tensor > 1, flash=m_cfg.attention == "cudnn",
-        offload=config.offload.activations)
+        sp=par.sequence_parallel and par.tensor > 1,
+        flash=m_cfg.attention == "cudnn" and platform == "gpu",
+        offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
+        gated=models.get(m_cfg).GATED_MLP)
     device, host = pm.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches,
         gather_bytes=pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype],
@@ -247,10 +252,10 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
     return device, host, acts
 
 
-def device_memory_bytes(config: Config) -> float:
-    """The plan's bytes on the busiest device (the `memory/dev` total), nothing allocated:
-    what a run compares with its devices' memory before compiling."""
-    return _memory(config, real_counts(config), schedule_stats(config)[1])[0]["total"]
+def device_memory_bytes(config: Config, platform: str) -> float:
+    """The plan's bytes on the busiest device (the `memory/dev` total) of `platform`,
+    nothing allocated: what a run compares with its devices' memory before compiling."""
+    return _memory(config, real_counts(config), schedule_stats(config)[1], platform)[0]["total"]
 
 
 def plan(config: Config, args, counts: dict | None = None, simulate: bool = True) -> dict:
@@ -261,7 +266,7 @@ def plan(config: Config, args, counts: dict | None = None, simulate: bool = True
     V, n, B, b = counts["vocab_padded"], config.num_devices, config.train.global_batch, \
         config.microbatch_size
     bubble, slots, stats = schedule_stats(config, simulate)
-    device, host, acts = _memory(config, counts, slots)
+    device, host, acts = _memory(config, counts, slots, args.platform)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
     executed = flops_per_iteration(m_cfg, B, V, recomputation(config))
@@ -400,6 +405,8 @@ def main(argv=None) -> int:
         target = _hardware(args, config)
         if args.verify and named and target.chip is not None:
             return _verify_gpu(config, args, target)
+        # what the plan is for: the target, or the CPU program --verify compiles
+        args.platform = "cpu" if args.verify else target.platform
         if args.verify:  # before anything starts the JAX backend
             if config.num_devices > MAX_VERIFY_DEVICES:
                 raise ConfigError(f"--verify: {config.num_devices} devices is more than "
@@ -439,6 +446,7 @@ def _verify_gpu(config: Config, args, target: Target) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
                                                                      target=target.name))
+    args.platform = target.platform
     planned = plan(config, args)
     compiled, seconds = compile_check.compile_step(config, target, args.gpus_per_node)
     report = compile_check.analyse(config, compiled, target, seconds,
