@@ -26,7 +26,6 @@ from jaxptd.config import Config, ConfigError
 from jaxptd.target import Target, TargetError, topology_devices
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-DUMP_ENV = "JAXPTD_XLA_DUMP"  # where main() asked XLA to dump the step (memory report)
 
 
 def dump_flags(directory: str) -> str:

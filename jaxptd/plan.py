@@ -73,6 +73,9 @@ def _parse_args(argv):
                         help="rank the layouts (p, t, d, v, m, b, schedule) and memory options "
                              "(SP, ZeRO-1, FSDP/HSDP, offload) that fit on N_GPUS")
     parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
+    parser.add_argument("--verify-top", type=int, default=3, metavar="K",
+                        help="with --search, --verify and a GPU --target: compile the best K "
+                             "layouts for it and say whether they fit")
     parser.add_argument("--verify", action="store_true",
                         help="compile the real step, compare: for the GPU --target without a "
                              "GPU (memory, buffers, overlap, cost), else on simulated CPU "
@@ -404,7 +407,8 @@ def main(argv=None) -> int:
         named = args.target or config.runtime.target != "auto"
         target = _hardware(args, config)
         if args.verify and named and target.chip is not None:
-            return _verify_gpu(config, args, target)
+            return _verify_gpu(config, args, target) if not args.search else \
+                _search_and_compile(config, args, target)
         # what the plan is for: the target, or the CPU program --verify compiles
         args.platform = "cpu" if args.verify else target.platform
         if args.verify:  # before anything starts the JAX backend
@@ -431,19 +435,50 @@ def main(argv=None) -> int:
     return 0 if report["fits"] else 1  # scripts: 1 = the plan does not fit
 
 
+def _search_and_compile(config: Config, args, target: Target) -> int:
+    """--search with --verify for a GPU target: the ranked layouts, the best --verify-top
+    of them compiled for the target (no GPU), each row saying what the compiled step
+    needs and whether it fits; a layout the planner let through that does not fit when
+    compiled is said so (exit 1 if none of those compiled fits)."""
+    from jaxptd import compile_check
+    _start_cpu_compiler(None)
+    args.platform = target.platform
+    rows = plan_search.search(config, args, plan, real_counts)
+    for row in rows[: args.verify_top]:
+        candidate = load_config(args.config, [*args.overrides, *row["overrides"],
+                                              f"runtime.target={target.name}"])
+        compiled, seconds = compile_check.compile_step(candidate, target, args.gpus_per_node)
+        report = compile_check.analyse(candidate, compiled, target, seconds)
+        row["compiled"] = {k: report[k] for k in ("fits", "margin_bytes", "compile_s")}
+        row["compiled"].update(gb=report["memory"]["total"] / GB,
+                               mfu_ceiling=report["cost"]["mfu_ceiling"])
+    print(json.dumps(rows[: args.top]) if args.json else plan_report.format_search(rows, args))
+    checked = [r["compiled"]["fits"] for r in rows[: args.verify_top]]
+    return 0 if any(checked) else 1
+
+
+def _start_cpu_compiler(dump: str | None) -> None:
+    """Before JAX starts: CPU devices only (the GPU ones are XLA's topology devices), and
+    XLA told where to dump the step's memory report (`dump`, None: nowhere)."""
+    import os
+    if "jax" in sys.modules:
+        return
+    if dump:
+        from jaxptd import compile_check
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                            compile_check.dump_flags(dump)])
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
 def _verify_gpu(config: Config, args, target: Target) -> int:
     """--verify for a GPU target: the step compiled for it without one (compile_check)."""
-    import os
     import tempfile
     from jaxptd import compile_check
 
-    if "jax" in sys.modules:
-        dump = os.environ.get(compile_check.DUMP_ENV)  # set by whoever started JAX
-    else:  # XLA dumps the step's memory report where the process tells it, at start
-        dump = tempfile.mkdtemp(prefix="jaxptd-xla-")
-        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                            compile_check.dump_flags(dump)])
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    # XLA dumps the step's memory report where the process tells it, at start (a process
+    # whose JAX already runs: nowhere, and no largest buffers)
+    dump = None if "jax" in sys.modules else tempfile.mkdtemp(prefix="jaxptd-xla-")
+    _start_cpu_compiler(dump)
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
                                                                      target=target.name))
     args.platform = target.platform

@@ -117,7 +117,7 @@ class Setup:
 
     def compiler_options(self) -> dict | None:
         """The XLA options the step compiles with on its target (jaxptd/target.py)."""
-        return target.compiler_options(self.target, ring_sends=self.config.parallel.chunks > 1)
+        return target.compiler_options(self.target)
 
     def _fsdp(self, specs, shapes, stacked: int):
         """With parallel.fsdp, every leaf's spec also shards it over the fsdp axis."""

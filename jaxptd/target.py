@@ -32,11 +32,12 @@ GPU_XLA_FLAGS = (
     # between them: the pipeline's collective-permutes, tensor all-reduces, data-parallel
     # reductions.
     "--xla_gpu_enable_latency_hiding_scheduler=true",
-    # Pipeline parallelism: send/recv of the stage-to-stage messages overlap computation
-    # (collective-permutes decomposed into send/recv above 1 KiB, pipelined across loop
-    # iterations).
-    "--xla_gpu_enable_pipelined_p2p=true",
-    "--xla_gpu_collective_permute_decomposer_threshold=1024",
+    # (Not --xla_gpu_enable_pipelined_p2p, which pipelines the stage-to-stage sends across
+    # the round loop's iterations: XLA 0.10.2 aborts compiling an interleaved step with it
+    # ("p2p_schedule_preparation.cc:365 Check failed: kind == kPipelined"), and a zb-h1
+    # one at p = 8, m = 32; with loop double-buffering, scheduling fails instead
+    # ("kExceedsOverlapLimit"). Seen compiling for H100. Without it a round's permute sent
+    # after its last slot overlaps nothing: jaxptd/pipeline/executor.py.)
     # Data parallelism: gradient reductions and parameter gathers pipelined across loop
     # iterations, and large enough to use the links' bandwidth (at least one layer's
     # gradients or weights per collective).
@@ -180,22 +181,12 @@ def topology_devices(target: Target, hosts: int, per_host: int) -> list:
     return list(topology.devices)
 
 
-# Left out where a step's pipeline sends around a ring (interleaved schedules: the last
-# rank sends to the first): XLA 0.10.2 aborts compiling such a step with pipelined
-# point-to-point on ("p2p_schedule_preparation.cc:365 Check failed: kind == kPipelined",
-# seen compiling an interleaved step for H100; with the wrap-around link a permute of its
-# own, scheduling fails instead: "kExceedsOverlapLimit"): its permutes stay
-# collective-permutes, and the one sent after the round's backward slot overlaps nothing.
-RING_UNSAFE = ("--xla_gpu_enable_pipelined_p2p=true",)
-
-
-def compiler_options(target: Target, ring_sends: bool = False) -> dict | None:
+def compiler_options(target: Target) -> dict | None:
     """The XLA options of a step compiled for `target` (name -> value, GPU_XLA_FLAGS; None
-    on CPU). ring_sends: the pipeline sends around a ring (RING_UNSAFE)."""
+    on CPU)."""
     if target.platform != "gpu":
         return None
 
     def value(text: str):
         return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
-    return {name: value(text) for name, text in (
-        f[2:].split("=", 1) for f in GPU_XLA_FLAGS if not (ring_sends and f in RING_UNSAFE))}
+    return {name: value(text) for name, text in (f[2:].split("=", 1) for f in GPU_XLA_FLAGS)}

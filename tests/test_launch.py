@@ -16,7 +16,6 @@ SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
 def test_gpu_xla_options_parse_on_this_jaxlib():
     flags = list(GPU_XLA_FLAGS)
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
-    assert "--xla_gpu_enable_pipelined_p2p=true" in flags
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
                           capture_output=True, text=True, timeout=120)
