@@ -259,10 +259,15 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         cache = (k, v)
         positions = start + jnp.arange(q.shape[1])
         mask, causal = jnp.arange(k.shape[1])[None, :] > positions[:, None], False
-    if cfg.attention == "cudnn" and layout.platform == "gpu" and mask is None:
+    padding = mask is not None and mask.ndim == 4 and mask.shape[1:3] == (1, 1)
+    if (cfg.attention == "cudnn" and layout.platform == "gpu" and cache is None
+            and (mask is None or padding)):
         # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout); it
-        # takes grouped-query key/value heads as they are.
+        # takes grouped-query key/value heads as they are, and a key padding mask as each
+        # row's key count (BERT's rows end with their padding: bert.make_batch)
+        lengths = None if mask is None else jnp.sum(~mask[:, 0, 0, :], axis=-1, dtype=jnp.int32)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            key_value_seq_lengths=lengths,
                                             implementation="cudnn"), cache
     key = None
     if cfg.dropout and not deterministic:
