@@ -251,7 +251,10 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         zero1_hook=config.overlaps_grad_reduce and config.optimizer.zero1
         and par.fsdp_size == 1 and par.data > 1,
         early_reduced=4.0 * counts["layer_grad_params"] * (par.chunks - 1) / par.chunks
-        if config.reduces_chunks_early else 0.0)
+        if config.reduces_chunks_early else 0.0,
+        reduced_copy=0.0 if par.data == 1 or par.fsdp_size > 1 or config.overlaps_grad_reduce
+        or (par.pipe == 1 and par.microbatches == 1) else  # ZeRO-1: this replica's part
+        1.0 / par.data if config.optimizer.zero1 else 1.0)
     return device, host, acts
 
 

@@ -162,7 +162,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
 def device_memory(*, counts: dict, activations: dict, microbatches: int,
                   gather_bytes: int = 4, fsdp: bool = False, offload_optimizer: bool = False,
                   peeled: int = 0, zero1_hook: bool = False,
-                  early_reduced: float = 0.0) -> tuple[dict, dict]:
+                  early_reduced: float = 0.0, reduced_copy: float = 0.0
+                  ) -> tuple[dict, dict]:
     """(device bytes, host bytes) per device, by category. The device total is its peak:
     what stays for the whole step plus the larger of two phases.
 
@@ -187,6 +188,10 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     in one loop would not pay it.) zero1_hook (ZeRO-1 without FSDP, reduced inside the
     backward: Config.overlaps_grad_reduce): the reduce-scatter hook places each rank's
     part in a zero gradient of the full shape, one more gradient-sized buffer.
+    reduced_copy: the gradients are summed over microbatches in a loop's carry (the
+    pipeline's, or the microbatch scan's) and then reduced over the data replicas, which
+    writes the reduced gradient beside the sum: this fraction of a gradient more (1, with
+    ZeRO-1 the replica's part), in the compiled program on CPU and H100 alike.
     early_reduced (bytes; pipelined, Config.reduces_chunks_early): the reduced gradients of
     the chunks done before the last round, held beside the accumulator until the end.
     """
@@ -201,7 +206,8 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
               + activations[f"{phase}_transient"],
               "stash": activations["stash"], "fsdp_gathered": gathered[phase] * looped,
               "gradient_workspace": (grads * looped if microbatches > 1 else 0.0)
-              + (grads if zero1_hook else 0.0) + early_reduced}
+              + (grads if zero1_hook else 0.0) + early_reduced
+              + (0.0 if early_reduced else reduced_copy * grads)}
     device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
     device["update_phase"] = grads + (moments if offload_optimizer else 0.0)
     device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
