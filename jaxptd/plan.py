@@ -137,7 +137,8 @@ def _abstract_model(model, vocab: int, tensor: int) -> tuple:
 def real_counts(config: Config) -> dict:
     """Parameter counts of the real model and of the busiest device's shards (elements):
     weight_params (masters and gradients: tensor, pipe and FSDP shards), moment_params
-    (Adam's mu and nu: also ZeRO-1's split over the data replicas), compute_params (what
+    (the optimizer's moments, config.moments of them: Adam's mu and nu, SGD's momentum;
+    also ZeRO-1's split over the data replicas), compute_params (what
     the forward reads: tensor and pipe shards), stage_params (the stage's layers of it),
     layer_params and ends_params (one layer, the embedding, positions and final norm:
     what an FSDP gather materialises), layer_grad_params (the stage's reduced layer
@@ -172,11 +173,11 @@ def real_counts(config: Config) -> dict:
         tensor_local = size / split(spec)
         weights = size / split(sharded) / per_pipe
         totals["weight_params"] += weights
-        moments_size = 2 * size / split(moments) / per_pipe
-        totals["moment_params"] += moments_size
+        moment_size = size / split(moments) / per_pipe  # one moment (or gradient) of it
+        totals["moment_params"] += config.moments * moment_size
         totals["compute_params"] += tensor_local / per_pipe
         if is_layer:
-            totals["layer_grad_params"] += moments_size / 2
+            totals["layer_grad_params"] += moment_size
             totals["stage_params"] += tensor_local / par.pipe
             totals["layer_params"] += tensor_local / model.num_layers
         else:

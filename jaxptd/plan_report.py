@@ -17,7 +17,7 @@ DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsd
 NOTES = {
     "weights": "float32 masters (offload: between steps on the host)",
     "gradients": "float32 accumulator",
-    "optimizer": "Adam mu and nu, float32 (offload: on the device for the update only)",
+    "optimizer": "optimizer moments, float32: Adam mu and nu, SGD momentum",
     "activations": "one microbatch's working set (host: offloaded layer inputs)",
     "stash": "the pipeline's buffers: stage inputs, gradients, W taps",
     "fsdp_gathered": "FSDP: a gathered layer (or the ends), optimizer.grad_reduce_dtype",
