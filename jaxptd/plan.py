@@ -117,9 +117,10 @@ def _fail(message: str):
 
 @lru_cache(maxsize=16)
 def _abstract_model(model, vocab: int, tensor: int) -> tuple:
-    """((kind, global shape, mesh-axis spec), ...) of the real model from jax.eval_shape
-    of its initialiser, nothing allocated; kind: "layers", or which end reads the leaf
-    ("first", "last", "both": a tied embedding, model.ends_readers)."""
+    """((kind, name, global shape, mesh-axis spec), ...) of the real model from
+    jax.eval_shape of its initialiser, nothing allocated; kind: "layers", or which end reads
+    the leaf ("first", "last", "both": a tied embedding, model.ends_readers); name: the
+    leaf's own key (w_qkv, scale, ...)."""
     import jax
     from jaxptd import model as models
     from jaxptd.sharding import is_spec, specs_from_logical
@@ -130,7 +131,7 @@ def _abstract_model(model, vocab: int, tensor: int) -> tuple:
                             is_leaf=is_spec)
     readers = models.ends_readers(model, vocab)
     return tuple(("layers" if path[0].key == "layers" else
-                  readers[tuple(e.key for e in path)], tuple(x.shape), spec)
+                  readers[tuple(e.key for e in path)], path[-1].key, tuple(x.shape), spec)
                  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs))
 
 
@@ -138,15 +139,18 @@ def real_counts(config: Config) -> dict:
     """Parameter counts of the real model and of the busiest device's shards (elements):
     weight_params (masters and gradients: tensor, pipe and FSDP shards), moment_params
     (the optimizer's moments, config.moments of them: Adam's mu and nu, SGD's momentum;
-    also ZeRO-1's split over the data replicas), compute_params (what
-    the forward reads: tensor and pipe shards), stage_params (the stage's layers of it),
-    layer_params and ends_params (one layer, the embedding, positions and final norm:
-    what an FSDP gather materialises), layer_grad_params (the stage's reduced layer
+    also ZeRO-1's split over the data replicas), compute_params (what the forward reads:
+    tensor and pipe shards), stage_params (the stage's layers of it), layer_params and
+    ends_params (one layer, and the embedding, positions and final norm, tensor-local, not
+    FSDP-split), and under FSDP what a gather materialises: dense_unit_params (the largest
+    dense() weight of a layer, which `dense` gathers alone) and layer_gathered_params (the
+    rest of a layer, gathered with it); layer_grad_params (the stage's reduced layer
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
-    the last stage read, a tied embedding, whose gradients those two exchange). Layers
-    are split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1
-    pick a dimension past the layer one (sharding.py's rule)."""
+    the last stage read, a tied embedding, whose gradients those two exchange). Layers are
+    split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a
+    dimension past the layer one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
+    from jaxptd.model.layers import DENSE
     from jaxptd.sharding import fsdp_spec, zero1_spec
 
     par, model = config.parallel, config.model
@@ -155,15 +159,15 @@ def real_counts(config: Config) -> dict:
     replicas = par.data // g
     sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
-                            "stage_params", "layer_params", "ends_params",
-                            "layer_grad_params", "tied_params"), 0.0)
+                            "stage_params", "layer_params", "ends_params", "dense_unit_params",
+                            "layer_gathered_params", "layer_grad_params", "tied_params"), 0.0)
     leaves = _abstract_model(model, vocab, par.tensor)
 
     def split(spec) -> int:
         return math.prod(sizes.get(a, 1) for e in spec if e
                          for a in (e if isinstance(e, tuple) else (e,)))
 
-    for kind, shape, spec in leaves:
+    for kind, name, shape, spec in leaves:
         is_layer = kind == "layers"
         skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
         sharded = fsdp_spec(spec, shape, g, skip)
@@ -171,19 +175,23 @@ def real_counts(config: Config) -> dict:
             else sharded
         size = math.prod(shape)
         tensor_local = size / split(spec)
-        weights = size / split(sharded) / per_pipe
-        totals["weight_params"] += weights
+        totals["weight_params"] += size / split(sharded) / per_pipe
         moment_size = size / split(moments) / per_pipe  # one moment (or gradient) of it
         totals["moment_params"] += config.moments * moment_size
         totals["compute_params"] += tensor_local / per_pipe
         if is_layer:
+            one = tensor_local / model.num_layers
             totals["layer_grad_params"] += moment_size
             totals["stage_params"] += tensor_local / par.pipe
-            totals["layer_params"] += tensor_local / model.num_layers
+            totals["layer_params"] += one
+            if name in DENSE and sharded != spec:
+                totals["dense_unit_params"] = max(totals["dense_unit_params"], one)
+            elif sharded != spec:
+                totals["layer_gathered_params"] += one
         else:
             totals["ends_params"] += tensor_local
             totals["tied_params"] += tensor_local if kind == "both" and par.pipe > 1 else 0
-    return {**totals, "params_model": sum(math.prod(shape) for _, shape, _ in leaves),
+    return {**totals, "params_model": sum(math.prod(shape) for _, _, shape, _ in leaves),
             "vocab_padded": vocab}
 
 

@@ -111,8 +111,11 @@ def test_bfloat16_compute_tracks_float32():
 
 
 @pytest.mark.slow
-def test_float16_dynamic_loss_scale_skips_overflow():
-    setup = make_setup(1, 1, 1, ["model.dtype=float16", "optimizer.loss_scale=dynamic"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_float16_dynamic_loss_scale_skips_overflow(offload):
+    """An overflowing step is skipped (the streamed update of offload.optimizer too)."""
+    setup = make_setup(1, 1, 1, ["model.dtype=float16", "optimizer.loss_scale=dynamic",
+                                 f"offload.optimizer={offload}"])
     state = placed_state(setup)
     step = build_train_step(setup)
     batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)

@@ -497,7 +497,7 @@ class _Training:
         """W: the dense() weights' gradients from what the microbatch's B kept."""
         inputs, g_taps = _read_tree(carry["wsaved"], row["w_slot"])
         dense, _ = models.split_dense(_chunk(self.params["layers"], row["w_chunk"]))
-        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.stage.prepare)
+        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout)
         grads = {**carry["grads"], "layers": _add_chunk(carry["grads"]["layers"],
                                                         row["w_chunk"], _masked(g_dense, valid))}
         return None, {**carry, "grads": grads}
