@@ -144,13 +144,19 @@ def streamed_update(setup, params, opt_state, grads, scale, dynamic: bool):
     ends_p, ends_s = update(units.ends(params, units.params), units.ends(grads, units.params),
                             units.ends(opt_state, units.state))
 
-    def one_layer(i, stored):
+    def read(stored, i):  # layer i's unit, on the device
         p, s = stored
-        new_p, new_s = update(units.layer(p, units.params, i),
-                              units.layer(grads, units.params, i), units.layer(s, units.state, i))
+        return (units.layer(p, units.params, i), units.layer(grads, units.params, i),
+                units.layer(s, units.state, i))
+
+    def one_layer(i, carry):  # writes layer i's new state, then reads layer i + 1's
+        stored, unit = carry
+        new_p, new_s = update(*unit)
         write = lambda x, n: lax.dynamic_update_slice_in_dim(x, _put_like(n, x), i, units.axis)
-        return units.merge(p, new_p, units.params, write), units.merge(s, new_s, units.state,
-                                                                       write)
-    params, opt_state = lax.fori_loop(0, units.layers, one_layer, (params, opt_state))
+        stored = (units.merge(stored[0], new_p, units.params, write),
+                  units.merge(stored[1], new_s, units.state, write))
+        return stored, read(stored, jnp.minimum(i + 1, units.layers - 1))
+    stored = (params, opt_state)
+    params, opt_state = lax.fori_loop(0, units.layers, one_layer, (stored, read(stored, 0)))[0]
     return (units.merge(params, ends_p, units.params),
             units.merge(opt_state, ends_s, units.state), norm, finite)

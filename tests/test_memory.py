@@ -16,10 +16,10 @@ import pytest
 from jax.extend.core import Literal
 
 from helpers import (assert_grads_match_single_device, assert_same_state,
-                     assert_steps_match_single_device, make_setup, placed_state,
-                     train_cli_records)
+                     assert_steps_match_single_device, fixed_batches, make_setup,
+                     placed_state, train_cli_records)
 from jaxptd.checkpoint import Checkpointer
-from jaxptd.step import build_grads, build_train_step
+from jaxptd.step import build_eval_step, build_grads, build_train_step
 
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
 
@@ -70,15 +70,17 @@ def test_offloaded_steps_match_single_device(data, pipe, tensor, extra):
     assert_steps_match_single_device(make_setup(data, pipe, tensor, list(extra)))
 
 
-def _device_values_of_layer_shape(setup) -> list:
-    """[(shape, primitive)] of the values of the traced train step, at any depth, that are
-    in device memory and shaped like a stacked layer leaf [L, ...] of the state (global, or
-    one device's shard)."""
+def _device_values_of_layer_shape(setup, eval_step=False) -> list:
+    """[(shape, primitive)] of the values of the traced train step (or eval step), at any
+    depth, that are in device memory and shaped like a stacked layer leaf [L, ...] of the
+    state (global, or one device's shard)."""
     state = setup.abstract_state()
     shapes = {tuple(shape) for leaf in jax.tree.leaves(state["params"]["layers"])
               for shape in (leaf.shape, leaf.sharding.shard_shape(leaf.shape))}
     batch = jax.ShapeDtypeStruct((setup.config.train.global_batch, 17), jnp.int32,
                                  sharding=setup.batch_sharding)
+    step, args = (build_eval_step(setup), (state["params"], batch)) if eval_step else (
+        build_train_step(setup), (state, batch))
     found = []
 
     def walk(jaxpr):
@@ -91,7 +93,7 @@ def _device_values_of_layer_shape(setup) -> list:
                     sub = getattr(item, "jaxpr", item)
                     if hasattr(sub, "eqns"):
                         walk(sub)
-    walk(jax.make_jaxpr(build_train_step(setup))(state, batch).jaxpr)
+    walk(jax.make_jaxpr(step)(*args).jaxpr)
     return found
 
 
@@ -109,6 +111,19 @@ def test_offloaded_layers_are_never_whole_on_the_device(extra):
     setup = make_setup(4, 1, 2, [*model, "offload.optimizer=true", *extra])
     assert _device_values_of_layer_shape(setup) == []
     assert _device_values_of_layer_shape(make_setup(4, 1, 2, [*model, *extra]))
+
+
+def test_offloaded_eval_reads_the_host_layers_one_at_a_time():
+    """The validation loss of an offloaded state: the same as the device-resident one's,
+    each layer's masters brought from host memory where it is used (none whole)."""
+    losses = []
+    for extra in ([FSDP], [FSDP, "offload.optimizer=true"]):
+        setup = make_setup(4, 1, 2, ["model.num_layers=6", "train.global_batch=8", *extra])
+        state = placed_state(setup)
+        batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)
+        losses.append(float(build_eval_step(setup)(state["params"], batch)))
+    assert _device_values_of_layer_shape(setup, eval_step=True) == []
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
 
 
 def _compiled(setup):
