@@ -153,8 +153,6 @@ def real_counts(config: Config) -> dict:
     split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a
     dimension past the layer one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
-    from jaxptd.model.layers import DENSE
-    from jaxptd.sharding import fsdp_spec, zero1_spec
 
     par, model = config.parallel, config.model
     vocab = model.padded_vocab(par.tensor)
@@ -173,35 +171,42 @@ def real_counts(config: Config) -> dict:
                          for a in (e if isinstance(e, tuple) else (e,)))
 
     for kind, name, shape, spec in leaves:
-        is_layer = kind == "layers"
-        skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
-        sharded = fsdp_spec(spec, shape, g, skip)
-        moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 \
-            else sharded
-        size = math.prod(shape)
-        tensor_local = size / split(spec)
-        weights = size / split(sharded) / per_pipe
-        totals["weight_params"] += weights
-        moment_size = size / split(moments) / per_pipe  # one moment (or gradient) of it
-        totals["moment_params"] += config.moments * moment_size
-        totals["compute_params"] += tensor_local / per_pipe
-        totals["layer_weight_params" if is_layer else "ends_weight_params"] += \
-            weights * par.pipe / model.num_layers if is_layer else weights
-        if is_layer:
-            one = tensor_local / model.num_layers
-            totals["layer_grad_params"] += moment_size
-            totals["stage_params"] += tensor_local / par.pipe
-            totals["layer_params"] += one
-            if name in DENSE and sharded != spec:
-                totals["dense_unit_params"] = max(totals["dense_unit_params"], one)
-            elif sharded != spec:
-                totals["layer_gathered_params"] += one
-        else:
-            totals["ends_params"] += tensor_local
-            totals["shared_ends_params"] += tensor_local if kind == "both" else 0
-            totals["tied_params"] += tensor_local if kind == "both" and par.pipe > 1 else 0
+        for key, count in _leaf_counts(config, kind, name, shape, spec, split).items():
+            totals[key] = max(totals[key], count) if key == "dense_unit_params" \
+                else totals[key] + count
     return {**totals, "params_model": sum(math.prod(shape) for _, _, shape, _ in leaves),
             "vocab_padded": vocab}
+
+
+def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, spec, split) -> dict:
+    """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
+    which real_counts takes the largest of). split(spec): the devices a spec splits it
+    over."""
+    from jaxptd.model.layers import DENSE
+    from jaxptd.sharding import fsdp_spec, zero1_spec
+
+    par, model = config.parallel, config.model
+    g, replicas = par.fsdp_size, par.data // par.fsdp_size
+    is_layer = kind == "layers"
+    skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
+    sharded = fsdp_spec(spec, shape, g, skip)
+    moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 else sharded
+    size = math.prod(shape)
+    tensor_local = size / split(spec)
+    weights = size / split(sharded) / per_pipe
+    moment = size / split(moments) / per_pipe  # one moment (or reduced gradient) of it
+    counts = {"weight_params": weights, "moment_params": config.moments * moment,
+              "compute_params": tensor_local / per_pipe}
+    if not is_layer:
+        both = tensor_local if kind == "both" else 0
+        return {**counts, "ends_params": tensor_local, "ends_weight_params": weights,
+                "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0}
+    one = tensor_local / model.num_layers
+    gathered = sharded != spec  # FSDP splits it: a gather brings it whole
+    return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
+            "layer_params": one, "layer_weight_params": weights * par.pipe / model.num_layers,
+            "dense_unit_params": one if name in DENSE and gathered else 0.0,
+            "layer_gathered_params": one if gathered and name not in DENSE else 0.0}
 
 
 def recomputation(config: Config) -> str:

@@ -426,6 +426,19 @@ class _Reduction:
             return p if a is None else _add_to_gradient(p, a)
         return jax.tree.map(one, params, dims, *(() if acc is None else (acc,)))
 
+    def hooks(self, acc):
+        """(the ends' hook, a layer's hook, the layers' values it takes: acc's) of the last
+        microbatch, acc the gradient sums of those before (None: the only one)."""
+        dims, setup = self.scatter_dims, self.setup
+        layer_dims = jax.tree.map(lambda d: None if d is None else d - setup.stacked,
+                                  dims["layers"])
+        acc_ends = acc and models.ends(acc)
+        if acc and setup.streams:  # (the layers' slices are brought with their layer)
+            acc_ends = jax.device_put(acc_ends, jax.memory.Space.Device)
+        return (lambda ends: self.hook(ends, acc_ends, models.ends(dims)),
+                lambda layer, acc_layer: self.hook(layer, acc_layer, layer_dims),
+                acc and acc["layers"])
+
     def keep_parts(self, grads):
         """After the hooks: each ZeRO-1 leaf's own part of its full-size gradient."""
         def part(g, dim):
@@ -488,17 +501,9 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
     acc, loss = None, loss0  # (no loop at all for one microbatch: not even its buffers)
     if m > 1:
         acc, loss = sums(m - 1)
-    dims = reduction.scatter_dims
-    layer_dims = jax.tree.map(lambda d: None if d is None else d - setup.stacked,
-                              dims["layers"])
-    acc_ends = acc and models.ends(acc)
-    if acc and setup.streams:  # (the layers' slices are brought with their layer)
-        acc_ends = jax.device_put(acc_ends, jax.memory.Space.Device)
-    hooks = (lambda ends: reduction.hook(ends, acc_ends, models.ends(dims)),
-             lambda layer, acc_layer: reduction.hook(layer, acc_layer, layer_dims),
-             acc and acc["layers"])
     grads, last = jax.grad(loss_fn, has_aux=True)(
-        reduction.scattered_varying(params), micro[-1], jax.random.fold_in(key, m - 1), hooks)
+        reduction.scattered_varying(params), micro[-1], jax.random.fold_in(key, m - 1),
+        reduction.hooks(acc))
     return reduction.keep_parts(grads), loss + last
 
 
