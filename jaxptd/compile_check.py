@@ -2,8 +2,9 @@
 
 Owns `python -m jaxptd.plan --verify --target h100`'s work: devices of the target from
 XLA's GPU compiler (jaxptd/target.py, `topology_devices`), the step built and compiled for
-them exactly as a run builds it (the launcher's XLA flags, the target's code paths: cuDNN
-attention, the pipeline's steady rounds, Triton kernels), and a report read off the
+them exactly as a run builds it (its XLA options, the target's code paths: cuDNN
+attention, the pipeline's steady rounds, Triton kernels, unrolled layers), and a report
+read off the
 compiled program: memory a device against what the target may use; the largest buffers
 (from XLA's own memory report, when the process dumps it) and what they hold; the
 asynchronous collectives and whether computation runs while they are in flight; loops and
@@ -22,10 +23,9 @@ from collections import Counter, defaultdict
 
 from jaxptd import hlo
 from jaxptd.config import Config, ConfigError
-from jaxptd.target import Target, TargetError, compiler_options, topology_devices
+from jaxptd.target import Target, TargetError, topology_devices
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-DUMP_ENV = "JAXPTD_XLA_DUMP"  # where main() asked XLA to dump the step (memory report)
 
 
 def dump_flags(directory: str) -> str:
@@ -58,7 +58,7 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
     began = time.perf_counter()
     try:
         lowered = build_train_step(setup).lower(setup.abstract_state(), batch)
-        compiled = lowered.compile(compiler_options())
+        compiled = lowered.compile(setup.compiler_options())
     except Exception as e:  # noqa: BLE001 -- a program that does not trace or compile
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ConfigError(f"--verify --target {target.name}: the step does not compile: "
@@ -261,7 +261,7 @@ def format_report(report: dict) -> str:
     gib = 2**30
     mem, cost = report["memory"], report["cost"]
     lines = [f"compiled for {report['devices']} x {report['target']} in "
-             f"{report['compile_s']:.1f} s (no device: XLA's GPU compiler, the launcher's flags)",
+             f"{report['compile_s']:.1f} s (no device: XLA's GPU compiler, the run's XLA options)",
              f"memory/dev  {mem['total'] / gib:.2f} GiB of {report['usable_bytes'] / gib:.2f} "
              f"GiB usable: {'fits' if report['fits'] else 'DOES NOT FIT'} (margin "
              f"{report['margin_bytes'] / gib:+.2f} GiB)   arguments {mem['argument'] / gib:.2f}"

@@ -433,11 +433,12 @@ def _message_bytes(module: Module, start: Instr) -> float:
 # --------------------------------------------------------------------------- loops
 
 
-@dataclass
+@dataclass(frozen=True)
 class Loop:
     """A while loop: how often it runs, and what its body holds (nested loops apart)."""
     name: str
     computation: str
+    body: str
     trip: int
     count: float  # times the loop itself runs a step
     conditionals: int
@@ -453,7 +454,7 @@ def loops(module: Module) -> list:
         if instr.opcode != "while":
             return
         body = module[instr.attr("body")]
-        found.append(Loop(instr.name, comp.name, trip_count(module, instr), count,
+        found.append(Loop(instr.name, comp.name, body.name, trip_count(module, instr), count,
                           _count(module, body, lambda i: i.opcode == "conditional"),
                           _count(module, body, lambda i: _is_collective_start(module, i)
                                  is not None),

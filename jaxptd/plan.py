@@ -73,6 +73,9 @@ def _parse_args(argv):
                         help="rank the layouts (p, t, d, v, m, b, schedule) and memory options "
                              "(SP, ZeRO-1, FSDP/HSDP, offload) that fit on N_GPUS")
     parser.add_argument("--top", type=int, default=10, help="layouts --search prints")
+    parser.add_argument("--verify-top", type=int, default=3, metavar="K",
+                        help="with --search, --verify and a GPU --target: compile the best K "
+                             "layouts for it and say whether they fit")
     parser.add_argument("--verify", action="store_true",
                         help="compile the real step, compare: for the GPU --target without a "
                              "GPU (memory, buffers, overlap, cost), else on simulated CPU "
@@ -247,8 +250,11 @@ def schedule_stats(config: Config, simulate: bool = True):
     return stats.bubble_fraction, slots, (stats, sched)
 
 
-def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict]:
-    """(device bytes, host bytes, activation terms) on the busiest device."""
+def _memory(config: Config, counts: dict, slots: dict, platform: str
+            ) -> tuple[dict, dict, dict]:
+    """(device bytes, host bytes, activation terms) on the busiest device of `platform`
+    ("gpu": model.attention=cudnn is flash attention; "cpu": the XLA path)."""
+    from jaxptd import model as models
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     acts = pm.activation_memory(
@@ -256,8 +262,10 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
         t=par.tensor, e=e, layers_per_stage=m_cfg.num_layers // par.pipe,
         vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
         slots=slots, chunks=par.chunks, keep_activations=par.stash == "activations",
-        sp=par.sequence_parallel and par.tensor > 1, flash=m_cfg.attention == "cudnn",
-        offload=config.offload.activations)
+        sp=par.sequence_parallel and par.tensor > 1,
+        flash=m_cfg.attention == "cudnn" and platform == "gpu",
+        offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
+        gated=models.get(m_cfg).GATED_MLP)
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype) if par.fsdp_size > 1 else None
     device, host = pm.device_memory(
@@ -272,10 +280,10 @@ def _memory(config: Config, counts: dict, slots: dict) -> tuple[dict, dict, dict
     return device, host, acts
 
 
-def device_memory_bytes(config: Config) -> float:
-    """The plan's bytes on the busiest device (the `memory/dev` total), nothing allocated:
-    what a run compares with its devices' memory before compiling."""
-    return _memory(config, real_counts(config), schedule_stats(config)[1])[0]["total"]
+def device_memory_bytes(config: Config, platform: str) -> float:
+    """The plan's bytes on the busiest device (the `memory/dev` total) of `platform`,
+    nothing allocated: what a run compares with its devices' memory before compiling."""
+    return _memory(config, real_counts(config), schedule_stats(config)[1], platform)[0]["total"]
 
 
 def plan(config: Config, args, counts: dict | None = None, simulate: bool = True) -> dict:
@@ -286,7 +294,7 @@ def plan(config: Config, args, counts: dict | None = None, simulate: bool = True
     V, n, B, b = counts["vocab_padded"], config.num_devices, config.train.global_batch, \
         config.microbatch_size
     bubble, slots, stats = schedule_stats(config, simulate)
-    device, host, acts = _memory(config, counts, slots)
+    device, host, acts = _memory(config, counts, slots, args.platform)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
     executed = flops_per_iteration(m_cfg, B, V, recomputation(config))
@@ -432,16 +440,11 @@ def _in_host_memory(config: Config, setup):
 
 def _planned_on_cpu(config: Config, report: dict) -> tuple[float, float, float]:
     """(the state's bytes, the device's, all bytes) a device of the CPU program the check
-    compiles holds by the plan. On CPU the host and device memory kinds are one memory: the state
-    is the argument wherever it lives, and what the GPU program keeps in host memory
-    (offloaded layer inputs and gradients) are temporaries like the rest. The CPU program
-    runs XLA attention (layers.attend takes cuDNN's only on a GPU): model.attention=cudnn
-    is planned as xla here, its [b, a, s, s] probabilities counted."""
+    compiles holds by the plan (made for the CPU program: main's args.platform). On CPU
+    the host and device memory kinds are one memory: the state is the argument wherever
+    it lives, and what a GPU program keeps in host memory (offloaded layer inputs and
+    gradients) are temporaries like the rest."""
     device, host = report["memory_bytes_per_device"], report["host_memory_bytes_per_device"]
-    if config.model.attention == "cudnn":
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model,
-                                                                       attention="xla"))
-        device, host, _ = _memory(config, real_counts(config), schedule_stats(config)[1])
     state = host if config.offload.optimizer else device
     return (state["weights"] + state["optimizer"], device["total"],
             device["total"] + host["total"])
@@ -471,7 +474,10 @@ def main(argv=None) -> int:
         named = args.target or config.runtime.target != "auto"
         target = _hardware(args, config)
         if args.verify and named and target.chip is not None:
-            return _verify_gpu(config, args, target)
+            return _verify_gpu(config, args, target) if not args.search else \
+                _search_and_compile(config, args, target)
+        # what the plan is for: the target, or the CPU program --verify compiles
+        args.platform = "cpu" if args.verify else target.platform
         dump = _cpu_backend(config) if args.verify else None  # before anything starts JAX
         if args.search:
             rows = plan_search.search(config, args, plan, real_counts)
@@ -491,47 +497,76 @@ def main(argv=None) -> int:
 
 
 def _cpu_backend(config: Config) -> str | None:
-    """Starts JAX on config.num_devices simulated CPU devices for --verify, asking XLA to
-    dump the step (its buffers' live ranges give the device peak) into a directory removed
-    at exit; returns it, or the one whoever started JAX first named (DUMP_ENV). The step
-    is compiled afresh (a step from the persistent compilation cache dumps nothing)."""
+    """Starts JAX on config.num_devices simulated CPU devices for --verify, XLA dumping the
+    step (its buffers' live ranges give the device peak) into a directory removed at
+    exit, which it returns (None where JAX already runs: no device peak). The step is
+    compiled afresh: a step from the persistent compilation cache dumps nothing."""
     import atexit
-    import os
     import shutil
     import tempfile
-    from jaxptd import compile_check
 
     if config.num_devices > MAX_VERIFY_DEVICES:
         raise ConfigError(f"--verify: {config.num_devices} devices is more than "
                           f"{MAX_VERIFY_DEVICES} simulated CPU devices can compile")
+    dump = None
     if "jax" not in sys.modules:
         dump = tempfile.mkdtemp(prefix="jaxptd-xla-")
         atexit.register(shutil.rmtree, dump, True)
-        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                            compile_check.dump_flags(dump)])
-        os.environ[compile_check.DUMP_ENV] = dump
+        _start_cpu_compiler(dump)
     import jax
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", config.num_devices)
-    jax.config.update("jax_enable_compilation_cache", False)  # a cached step dumps nothing
-    return os.environ.get(compile_check.DUMP_ENV)
+    jax.config.update("jax_enable_compilation_cache", False)
+    return dump
+
+
+def _search_and_compile(config: Config, args, target: Target) -> int:
+    """--search with --verify for a GPU target: the ranked layouts, the best --verify-top
+    of them compiled for the target (no GPU), each row saying what the compiled step
+    needs and whether it fits; a layout the planner let through that does not fit when
+    compiled is said so (exit 1 if none of those compiled fits)."""
+    from jaxptd import compile_check
+    _start_cpu_compiler(None)
+    args.platform = target.platform
+    rows = plan_search.search(config, args, plan, real_counts)
+    for row in rows[: args.verify_top]:
+        candidate = load_config(args.config, [*args.overrides, *row["overrides"],
+                                              f"runtime.target={target.name}"])
+        compiled, seconds = compile_check.compile_step(candidate, target, args.gpus_per_node)
+        report = compile_check.analyse(candidate, compiled, target, seconds)
+        row["compiled"] = {k: report[k] for k in ("fits", "margin_bytes", "compile_s")}
+        row["compiled"].update(gb=report["memory"]["total"] / GB,
+                               mfu_ceiling=report["cost"]["mfu_ceiling"])
+    print(json.dumps(rows[: args.top]) if args.json else plan_report.format_search(rows, args))
+    checked = [r["compiled"]["fits"] for r in rows[: args.verify_top]]
+    return 0 if any(checked) else 1
+
+
+def _start_cpu_compiler(dump: str | None) -> None:
+    """Before JAX starts: CPU devices only (the GPU ones are XLA's topology devices), and
+    XLA told where to dump the step's memory report (`dump`, None: nowhere)."""
+    import os
+    if "jax" in sys.modules:
+        return
+    if dump:
+        from jaxptd import compile_check
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                            compile_check.dump_flags(dump)])
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def _verify_gpu(config: Config, args, target: Target) -> int:
     """--verify for a GPU target: the step compiled for it without one (compile_check)."""
-    import os
     import tempfile
     from jaxptd import compile_check
 
-    if "jax" in sys.modules:
-        dump = os.environ.get(compile_check.DUMP_ENV)  # set by whoever started JAX
-    else:  # XLA dumps the step's memory report where the process tells it, at start
-        dump = tempfile.mkdtemp(prefix="jaxptd-xla-")
-        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
-                                            compile_check.dump_flags(dump)])
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    # XLA dumps the step's memory report where the process tells it, at start (a process
+    # whose JAX already runs: nowhere, and no largest buffers)
+    dump = None if "jax" in sys.modules else tempfile.mkdtemp(prefix="jaxptd-xla-")
+    _start_cpu_compiler(dump)
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
                                                                      target=target.name))
+    args.platform = target.platform
     planned = plan(config, args)
     compiled, seconds = compile_check.compile_step(config, target, args.gpus_per_node)
     report = compile_check.analyse(config, compiled, target, seconds,

@@ -16,22 +16,26 @@ gathers at a time; offload.optimizer keeps the masters and moments, and unpipeli
 gradients too, in host memory for the whole step, the device holding one layer's at a
 time (see device_memory).
 
-Activations per layer per microbatch are the tensors JAX's autodiff of our layer keeps for
-the backward pass (checked against the compiled program by --verify):
+Activations per layer per microbatch are what the compiled step keeps for the backward
+pass, in the compute dtype (measured per layer on the H100 compile and the CPU one:
+--verify, tests/test_plan.py, tests/test_h100.py). The norms and the GeLU keep only their
+inputs (jaxptd/model/fused.py), so a layer without recomputation keeps
 
-    [b, s, h] (SP: [b, s/t, h]): per LayerNorm its float32 input, centred and normalised
-                            values, and its output in the compute dtype (x 2 LayerNorms)
-    [b, s, h], SP only:     the all-gathered inputs of the two column-parallel matmuls (f),
-                            kept by autodiff for their weight gradients
-    split [b, s, h/t]:      q, k, v and the attention context
-    split [b, s, 4h/t]:     fc1 output and the tanh-GeLU's intermediates (6 tensors)
-    split [b, a/t, s, s]:   softmax probabilities in float32 and in the compute dtype
-                            (model.attention=cudnn: flash attention keeps only its float32
-                            log-sum-exp [b, a/t, s] instead)
+    [b, s, h] (SP: [b, s/t, h]): its input x and the residual after attention
+    [b, s, h] (SP: gathered):    the two norm outputs, the column-parallel matmuls' inputs
+    split [b, s, h/t]:           q, k, v (grouped-query: fewer k, v), the attention
+                                 context and one more copy of it
+    split [b, s, ffn/t]:         the first MLP matmul's output (SwiGLU: gate and up); the
+                                 GeLU's output is recomputed from it
+    split [b, a/t, s, s]:        XLA attention only: the probabilities in float32 and the
+                                 compute dtype (flash attention: a float32 [b, a/t, s])
 
-Megatron's fused 16-bit kernels keep fewer (Korthikanti et al. 2022, eqs. 1-2:
-sbh (10 + 24/t + 5as/(ht)) without, sbh/t (34 + 5as/h) with sequence parallelism);
-`korthikanti_layer_bytes` gives those for comparison.
+model.remat=minimal keeps x, the residual and the column-parallel matmul outputs and the
+attention's own outputs (norm outputs and an XLA attention core recomputed); full keeps x.
+Megatron's fused 16-bit layer (Korthikanti et al. 2022, eqs. 1-2: sbh (10 + 24/t +
+5as/(ht)) without, sbh/t (34 + 5as/h) with sequence parallelism) is
+`korthikanti_layer_bytes`, for comparison: ours keeps no dropout masks (none without
+dropout) nor the GeLU output.
 """
 from __future__ import annotations
 
@@ -53,13 +57,26 @@ def scores_bytes(b, s, a, t, e, flash: bool = False) -> float:
     return 4 * b * a / t * s if flash else a * s * s * b / t * (4 + e)
 
 
-def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False) -> float:
-    """Bytes one layer keeps for its backward pass, one microbatch (module docstring)."""
-    sbh = s * b * h
-    norms = sbh * 2 * (3 * 4 + e) / (t if sp else 1)  # two LayerNorms
-    gathered = 2 * sbh * e if sp and t > 1 else 0.0  # f's all-gathered matmul inputs
-    split = sbh / t * (4 + 6 * 4) * e  # q, k, v, context; 6 x [b, s, 4h/t]
-    return norms + gathered + split + scores_bytes(b, s, a, t, e, flash)
+def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False,
+                           remat: str = "none", ffn: int = 0, kv_heads: int = 0,
+                           gated: bool = False) -> float:
+    """Bytes one layer keeps for its backward pass, one microbatch (module docstring).
+    ffn: the MLP width (0: 4h); kv_heads: key/value heads (0: a); gated: SwiGLU's two
+    first matmuls."""
+    sbh, ffn, kv_heads = s * b * h, ffn or 4 * h, kv_heads or a
+    stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention
+    if remat == "full":
+        return stream / 2
+    qkv = sbh * (1 + 2 * kv_heads / a) * e / t
+    mlp = sbh * ffn / h * (2 if gated else 1) * e / t
+    context = sbh * e / t
+    if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed)
+        return stream + qkv + context + mlp + (scores_bytes(b, s, a, t, e, True) if flash
+                                               else 0.0)
+    norms = 2 * sbh * e  # the two norm outputs (with SP: gathered, whole)
+    kept = stream + norms + qkv + 2 * context + mlp
+    return kept + (scores_bytes(b, s, a, t, e, flash) if remat != "selective" or flash
+                   else 0.0)
 
 
 def korthikanti_layer_bytes(b, s, h, a, t, sp: bool = False, remat: str = "none") -> float:
@@ -92,18 +109,19 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
 
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
-                      offload=False) -> dict:
+                      offload=False, ffn=0, kv_heads=0, gated=False) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
     layers' begins), the pipeline's buffers (stash) and what offload.activations puts in
     host memory.
 
-    remat: "none", "selective" (each layer keeps all but its attention probabilities, which
-    the layer being differentiated recomputes) or "full" (each layer keeps its input). The
-    backward transient of a layer is half a layer (the cotangents of the layer being
-    differentiated), plus its recomputed probabilities with selective remat; with full
-    remat the whole recomputed layer. pipe = 1: one microbatch through all layers.
+    remat: "none", "minimal" (module docstring), "selective" (each layer keeps all but its
+    attention probabilities, which the layer being differentiated recomputes) or "full"
+    (each layer keeps its input). The backward transient of a layer is half a layer
+    without recomputation (the cotangents of the layer being differentiated), plus what it
+    recomputes: its probabilities (selective, and minimal with XLA attention), the rest
+    of the layer (minimal), the whole layer (full). pipe = 1: one microbatch through all layers.
     offload (pipe = 1): each layer's input waits in host memory and the layer is
     recomputed, whatever remat says. (FSDP gathers a layer's weights again for its
     backward: a layer keeps none.) pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
@@ -114,16 +132,17 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
     dense_tap_bytes.
     """
-    layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash)
+    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated)
+    layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash, **shape)
     scores = scores_bytes(b, s, a, t, e, flash)
     stage_input = b * s * h * e / (t if sp else 1)
     chunk_layers = layers_per_stage // chunks
     if offload:
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
-    kept, transient = {"none": (layer, 0.5 * layer), "minimal": (layer, 0.5 * layer),
-                       "selective": (layer - scores, 0.5 * layer + scores),
-                       "full": (stage_input, layer)}[remat]
+    kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
+    transient = 0.5 * layer + {"none": 0.0, "minimal": layer - kept, "selective": scores,
+                               "full": layer}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0
     if pipe > 1:

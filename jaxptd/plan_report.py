@@ -153,12 +153,21 @@ def format_search(rows: list, args) -> str:
             f"{short_options(r['options']):<22} {r['memory_gb']:>6.1f} "
             f"{r['host_memory_gb']:>8.1f} {r['bubble_fraction']:>7.4f} "
             f"{r['step_time_s']:>8.3f} {r['tflops_per_device_estimate']:>8.1f}"
-            for r in rows[: args.top]]
+            + _compiled_cell(r) for r in rows[: args.top]]
     legend = ("options: sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
               "offopt/offact offload of the optimizer state / layer inputs, "
               "inputs: stash stage inputs only")
     return "\n".join([f"{len(rows)} layouts fit; best {min(args.top, len(rows))} by "
                       "estimated throughput:", head] + body + [legend])
+
+
+def _compiled_cell(row: dict) -> str:
+    """What compiling the row for a GPU target said (plan --search --verify --target)."""
+    c = row.get("compiled")
+    if c is None:
+        return ""
+    return (f"   compiled {c['gb']:.1f} GB: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
+            f"MFU ceiling {c['mfu_ceiling']:.2f}")
 
 
 def short_options(o: dict) -> str:

@@ -90,15 +90,26 @@ def _best_options(config, args, plan_fn, counts_fn, cache, p, t, d, v, m, kind):
         report = plan_fn(candidate, args, cache[key], simulate=False)
         if report["fits"] and (best is None or report["tflops_per_device_estimate"]
                                > best["tflops_per_device_estimate"] * (1 + 1e-9)):
-            best = report
+            best, chosen = report, candidate
     if best is None:
         return None
-    return {**best["layout"], "options": best["options"],
+    return {**best["layout"], "options": best["options"], "overrides": overrides(chosen),
             "memory_gb": best["memory_bytes_per_device"]["total"] / GB,
             "host_memory_gb": best["host_memory_bytes_per_device"]["total"] / GB,
             "bubble_fraction": best["bubble_fraction"],
             "step_time_s": best["step_time_s"]["total"],
             "tflops_per_device_estimate": best["tflops_per_device_estimate"]}
+
+
+def overrides(config: Config) -> list:
+    """The section.key=value settings a search row varies, to reproduce it (or compile it:
+    `plan --search N --verify --target h100`)."""
+    par, fields = config.parallel, ("data", "pipe", "tensor", "chunks", "microbatches",
+                                    "schedule", "sequence_parallel", "fsdp", "fsdp_group")
+    return ([f"parallel.{f}={getattr(par, f)}" for f in fields]
+            + [f"optimizer.zero1={config.optimizer.zero1}",
+               f"offload.optimizer={config.offload.optimizer}",
+               f"offload.activations={config.offload.activations}"])
 
 
 def _with_options(base: Config, gpus_per_node: int):

@@ -126,6 +126,10 @@ class Setup:
         # Every loss is a sum over tokens scaled to the global token mean.
         self.loss_norm = 1.0 / (config.train.global_batch * model.seq_len)
 
+    def compiler_options(self) -> dict | None:
+        """The XLA options the step compiles with on its target (jaxptd/target.py)."""
+        return target.compiler_options(self.target)
+
     def _fsdp(self, specs, shapes, stacked: int):
         """With parallel.fsdp, every leaf's spec also shards it over the fsdp axis."""
         group = self.config.parallel.fsdp_size

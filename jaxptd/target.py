@@ -1,10 +1,10 @@
 """The hardware a run is for: one record per device kind, the one place its numbers live.
 
 Owns `runtime.target` (auto | cpu | gpu | h100 | h200 | a100 | a100-40): what a device can
-hold and do (usable memory, dense bf16/fp8 peak, HBM bandwidth, links), the XLA flags a GPU
-run uses (the SLURM launcher prints them with `python -m jaxptd.target --xla-flags`), and
-the description XLA's GPU compiler needs to compile for that device on a machine without
-one (`topology_devices`). The planner's defaults, the step's GPU code paths (cuDNN
+hold and do (usable memory, dense bf16/fp8 peak, HBM bandwidth, links), the XLA options a
+GPU step is compiled with (`compiler_options`: the training run and the deviceless check
+pass the same ones to the step's compile), and the description XLA's GPU compiler needs to
+compile for that device on a machine without one (`topology_devices`). The planner's defaults, the step's GPU code paths (cuDNN
 attention, the pipeline's round form, the Pallas backend) and the deviceless H100 check
 read these records; nothing else writes a device number down.
 
@@ -19,25 +19,25 @@ the launcher: CUDA's context, cuDNN/cuBLAS workspaces and NCCL's buffers need th
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 GiB = 2**30
 MEM_FRACTION = 0.90  # of a GPU's memory that XLA may allocate (the launcher exports it)
 
-# XLA flags of a GPU training run (the SLURM launcher and the deviceless check use these;
-# every flag parses on jaxlib 0.10.2, tests/test_launch.py). From NVIDIA's JAX-Toolbox
-# "Tips for High-Performance LLMs with JAX and XLA" and JAX's GPU performance tips.
+# XLA options of a GPU training step (`compiler_options`; every one parses on jaxlib
+# 0.10.2, tests/test_launch.py). From NVIDIA's JAX-Toolbox "Tips for High-Performance LLMs
+# with JAX and XLA" and JAX's GPU performance tips.
 GPU_XLA_FLAGS = (
     # The latency-hiding scheduler moves collectives' start and done apart so compute runs
     # between them: the pipeline's collective-permutes, tensor all-reduces, data-parallel
     # reductions.
     "--xla_gpu_enable_latency_hiding_scheduler=true",
-    # Pipeline parallelism: send/recv of the stage-to-stage messages overlap computation
-    # (collective-permutes decomposed into send/recv above 1 KiB, pipelined across loop
-    # iterations).
-    "--xla_gpu_enable_pipelined_p2p=true",
-    "--xla_gpu_collective_permute_decomposer_threshold=1024",
+    # (Not --xla_gpu_enable_pipelined_p2p, which pipelines the stage-to-stage sends across
+    # the round loop's iterations: XLA 0.10.2 aborts compiling an interleaved step with it
+    # ("p2p_schedule_preparation.cc:365 Check failed: kind == kPipelined"), and a zb-h1
+    # one at p = 8, m = 32; with loop double-buffering, scheduling fails instead
+    # ("kExceedsOverlapLimit"). Seen compiling for H100. Without it a round's permute sent
+    # after its last slot overlaps nothing: jaxptd/pipeline/executor.py.)
     # Data parallelism: gradient reductions and parameter gathers pipelined across loop
     # iterations, and large enough to use the links' bandwidth (at least one layer's
     # gradients or weights per collective).
@@ -181,16 +181,12 @@ def topology_devices(target: Target, hosts: int, per_host: int) -> list:
     return list(topology.devices)
 
 
-def compiler_options() -> dict:
-    """GPU_XLA_FLAGS as per-compile options (name -> value), for a compile in a process
-    whose XLA_FLAGS did not set them."""
+def compiler_options(target: Target) -> dict | None:
+    """The XLA options of a step compiled for `target` (name -> value, GPU_XLA_FLAGS; None
+    on CPU)."""
+    if target.platform != "gpu":
+        return None
+
     def value(text: str):
         return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
     return {name: value(text) for name, text in (f[2:].split("=", 1) for f in GPU_XLA_FLAGS)}
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["--xla-flags"]:
-        print("usage: python -m jaxptd.target --xla-flags", file=sys.stderr)
-        sys.exit(2)
-    print(" ".join(GPU_XLA_FLAGS))

@@ -88,7 +88,7 @@ def start(config: Config, lock: RunLock):
     devices = preflight.devices(jax, config)  # the first use of the backend
     check_device_count(config, len(devices), "devices found")
     available = preflight.device_memory(jax.local_devices()[0], jax.local_device_count())
-    preflight.check_memory(config, device_memory_bytes(config), available)
+    preflight.check_memory(config, device_memory_bytes(config, devices[0].platform), available)
     lock.acquire(jax)  # before anything is written into the run's directories
     runlog.setup_logging(config.train.run_dir, jax.process_index() == 0)
     if jax.process_index() == 0:
@@ -158,7 +158,7 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
     from jaxptd.step import build_train_step
 
     config = setup.config
-    train_step = build_train_step(setup).lower(state, batch).compile()
+    train_step = build_train_step(setup).lower(state, batch).compile(setup.compiler_options())
     compile_s = timer.lap(1)
     preflight.check_compiled(config, train_step, available)
     flops = metrics.flops_per_iteration(config.model, config.train.global_batch, setup.vocab,

@@ -1,24 +1,21 @@
-"""The SLURM template's environment: every XLA flag it sets parses on the installed jaxlib
-(an unknown flag stops XLA at start-up), and no PyTorch-only variable is left in it."""
+"""The SLURM template's environment and the GPU step's XLA options: every option of
+jaxptd/target.py parses on the installed jaxlib (an unknown flag stops XLA at start-up),
+the template sets the memory fraction the planner assumes, and no PyTorch-only variable
+is left in it."""
 import os
 import re
 import subprocess
 import sys
 
+from jaxptd.target import GPU_XLA_FLAGS, MEM_FRACTION
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
 
 
-def sbatch_xla_flags() -> list:
-    text = open(SBATCH).read()
-    block = re.search(r"^xla=\((.*?)^\)", text, re.S | re.M).group(1)
-    return re.findall(r"^\s*(--xla_\S+)", block, re.M)
-
-
-def test_sbatch_xla_flags_parse_on_this_jaxlib():
-    flags = sbatch_xla_flags()
+def test_gpu_xla_options_parse_on_this_jaxlib():
+    flags = list(GPU_XLA_FLAGS)
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
-    assert "--xla_gpu_enable_pipelined_p2p=true" in flags
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
                           capture_output=True, text=True, timeout=120)
@@ -26,6 +23,12 @@ def test_sbatch_xla_flags_parse_on_this_jaxlib():
     bad = dict(env, XLA_FLAGS="--xla_gpu_no_such_flag=true")  # the check can fail
     assert subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=bad,
                           capture_output=True, timeout=120).returncode != 0
+
+
+def test_sbatch_sets_the_memory_fraction_the_planner_assumes():
+    fraction = re.search(r"XLA_PYTHON_CLIENT_MEM_FRACTION:-([\d.]+)", open(SBATCH).read())
+    assert float(fraction.group(1)) == MEM_FRACTION
+    assert "--xla_" not in open(SBATCH).read()  # the step's own compile options, not XLA_FLAGS
 
 
 def test_sbatch_sets_no_pytorch_variables():

@@ -134,6 +134,9 @@ class Heads(nn.Module):
         return (dense(self, "w_sop", pooled, self.w_sop) + self.b_sop).astype(jnp.float32)
 
 
+GATED_MLP = False  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
+
+
 def block(cfg: ModelConfig, layout: Layout) -> Block:
     return Block(cfg, layout, causal=False)
 

@@ -22,6 +22,9 @@ from jaxptd.model import stack
 from jaxptd.model.layers import Block, Embed, Layout, enter_tensor, layer_norm
 
 
+GATED_MLP = False  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
+
+
 def block(cfg: ModelConfig, layout: Layout) -> Block:
     """One layer (the stack is applied by jaxptd.model.apply_layers)."""
     return Block(cfg, layout)

@@ -119,6 +119,9 @@ class Head(nn.Module):
         return dense(self, "w_head", enter_tensor(x, self.layout), w_head).astype(jnp.float32)
 
 
+GATED_MLP = True  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
+
+
 def block(cfg: ModelConfig, layout: Layout) -> Block:
     return Block(cfg, layout, attention=Attention, mlp=MLP, norm=rms_norm)
 

@@ -122,6 +122,12 @@ def _chunk(layers, c):
     return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, c, 0, keepdims=False)[0], layers)
 
 
+def _chunk_of(row, slot: str, chunks: int):
+    """The chunk a slot works on: the table's, or with one chunk a static 0 (a dynamic
+    index made XLA copy the chunk's weights out of the stack in every slot)."""
+    return row[f"{slot}_chunk"] if chunks > 1 else 0
+
+
 def _add_chunk(grads_layers, c, chunk_grads):
     """grads[c, 0] += chunk_grads for the leaves chunk_grads has (a subtree of the layers)."""
     flat = traverse_util.flatten_dict(grads_layers)
@@ -352,14 +358,17 @@ class _Training:
         self.stage = _Stage(setup, batch, key, deterministic)
         self.params, self.ends, self.loss_scale = params, models.ends(params), loss_scale
         self.model, self.layout = setup.config.model, setup.local_layout
+        # the dense() weights in the compute dtype, cast once for every round (each F and B
+        # slot cast its chunk's float32 masters again: 1.8 GB a round at (2,2,2) on H100)
+        dense, rest = models.split_dense(params["layers"])
+        self.layers = models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
         self.keep_activations = par.stash == "activations"
         self.split = self.rounds.split_backward
         self.probe = self._probe() if self.keep_activations or self.split else None
 
     def chunk_weights(self, chunk):
         """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
-        dense, rest = models.split_dense(_chunk(self.params["layers"], chunk))
-        return models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
+        return _chunk(self.layers, chunk)
 
     def vjp_weights(self, chunk):
         """(the chunk's weights as its backward closes over them, split: (dense() weights,
@@ -417,7 +426,7 @@ class _Training:
 
     def forward(self, carry, row, valid, seg):
         """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
-        mb, chunk, slot = row["f_mb"], row["f_chunk"], row["f_slot"]
+        mb, chunk, slot = row["f_mb"], _chunk_of(row, "f", self.v), row["f_slot"]
         x = self.stage.embed_or_input(self.ends, _read(carry["stash"], slot), mb, chunk,
                                       seg.piece("embed", "F"))
         if not self.keep_activations:
@@ -429,7 +438,7 @@ class _Training:
     def backward(self, carry, row, valid, seg):
         """B: the input gradient (sent to the previous stage) and the gradients of the ends
         and of the chunk (split: all but the dense() weights, whose W slot gets the taps)."""
-        mb, chunk = row["b_mb"], row["b_chunk"]
+        mb, chunk = row["b_mb"], _chunk_of(row, "b", self.v)
         x_in = _read(carry["stash"], row["b_slot"])
         is_last = self.stage.vstage(chunk) == self.stage.last
         g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
@@ -451,7 +460,7 @@ class _Training:
         return g_x.astype(x_in.dtype), carry
 
     def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg):
-        mb, chunk = row["b_mb"], row["b_chunk"]
+        mb, chunk = row["b_mb"], _chunk_of(row, "b", self.v)
         residuals, y, inputs = _read_tree(carry["saved"], row["b_slot"])
         loss, head_vjp = jax.vjp(
             lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
@@ -496,10 +505,11 @@ class _Training:
     def weight(self, carry, row, valid, seg):
         """W: the dense() weights' gradients from what the microbatch's B kept."""
         inputs, g_taps = _read_tree(carry["wsaved"], row["w_slot"])
-        dense, _ = models.split_dense(_chunk(self.params["layers"], row["w_chunk"]))
+        chunk = _chunk_of(row, "w", self.v)
+        dense, _ = models.split_dense(_chunk(self.params["layers"], chunk))
         g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout)
         grads = {**carry["grads"], "layers": _add_chunk(carry["grads"]["layers"],
-                                                        row["w_chunk"], _masked(g_dense, valid))}
+                                                        chunk, _masked(g_dense, valid))}
         return None, {**carry, "grads": grads}
 
 
@@ -520,7 +530,7 @@ class _Evaluation:
                 "loss": mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))}
 
     def forward(self, carry, row, valid, seg):
-        mb, chunk = row["f_mb"], row["f_chunk"]
+        mb, chunk = row["f_mb"], _chunk_of(row, "f", self.v)
         x = self.stage.embed_or_input(self.ends, _read(carry["stash"], row["f_slot"]), mb,
                                       chunk, seg.piece("embed", "F"))
         y = self.stage.layers(_chunk(self.params["layers"], chunk), x, mb, chunk)
