@@ -37,7 +37,7 @@ from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, dense, embedding_dropout,
                                  enter_tensor, gather_invariant, layer_norm, normal,
-                                 sequence_slice, vocab_parallel_xent, zeros)
+                                 token_block, vocab_parallel_xent, zeros)
 
 SPECIALS = 4  # [PAD], [CLS], [SEP], [MASK] at vocab_size - 4 ..
 MASK_RATE, SHORT_RATE = 0.15, 0.1
@@ -164,7 +164,7 @@ def embed(ends, batch, key, cfg: ModelConfig, layout: Layout, deterministic: boo
     ids, types, _, _ = _columns(batch, cfg)
     x = _embed(cfg, layout).apply({"params": ends["embed"]}, ids)
     types = Heads(cfg, layout).apply({"params": ends["heads"]}, types, method=Heads.types)
-    x = x + sequence_slice(types, layout, axis=1)  # [b, s/t, h] with sequence parallelism
+    x = x + token_block(types, layout)  # [b, s/t, h] with sequence parallelism
     return embedding_dropout(x, key, cfg, layout, deterministic)
 
 
@@ -184,7 +184,8 @@ def output_logits(ends, x, cfg: ModelConfig, layout: Layout):
     # SP: the whole sequence, gathered for the vocab-parallel MLM head (a reduce-scatter
     # backward) and, typed the same on every rank, for the replicated SOP head
     pooled = x if not layout.split_sequence else gather_invariant(
-        x, layout.tensor_axis, 1, layout.tensor)
+        x.reshape(-1, x.shape[-1]), layout.tensor_axis, 0, layout.tensor).reshape(
+            x.shape[0], -1, x.shape[-1])  # the token blocks in row order: [b, s, h]
     x = enter_tensor(x, layout)
     y = heads.apply({"params": ends["heads"]}, x, method=Heads.mlm)
     logits = _embed(cfg, layout).apply({"params": ends["embed"]}, y, method=Embed.logits)

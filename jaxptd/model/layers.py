@@ -13,11 +13,16 @@ size on its shards. Collectives run over `layout.tensor_axis` (None: one device,
 - g, `exit_tensor`, after the row-parallel attention output and second MLP layer: the
   explicit all-reduce, exactly two per layer in the forward pass.
 With sequence parallelism (`layout.sequence_parallel`; Korthikanti et al. 2022) the
-activations outside attention and the MLP are split over the sequence on the tensor axis,
-[b, s/t, h]: f becomes an all-gather of the sequence (a reduce-scatter in the backward, as
+activations outside attention and the MLP are split over the tokens on the tensor axis,
+[b, s/t, h]: f becomes an all-gather of the tokens (a reduce-scatter in the backward, as
 the transpose of a tiled all-gather) and g a reduce-scatter (an all-gather backward); the
 LayerNorms, dropouts and residual adds work on 1/t of the tokens, with dropout masks that
-differ per tensor rank.
+differ per tensor rank. A rank's part is a block of the microbatch's b s tokens in row
+order (rank k: tokens k b s / t onwards), shaped [b, s/t, h]: Megatron splits its
+[s, b, h] activations on the leading axis for the same reason, a gather or scatter of a
+contiguous block (a split of the sequence axis of [b, s, h] made XLA transpose around
+every collective: 8 GB a step at (2,1,4) on H100). The ops between them are token-wise;
+only the positions a rank's tokens have depend on the split (`token_positions`).
 
 Every matmul with a weight goes through `dense`, which names it by its weight and keeps its
 einsum as data (`DENSE`): with the zero-bubble split of the backward (pipeline executor),
@@ -181,27 +186,50 @@ def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str):
 
 def enter_tensor(x, layout: "Layout"):
     """f: the activation entering a column-parallel linear: identity, or with sequence
-    parallelism the all-gather [b, s/t, h] -> [b, s, h] (see the module docstring)."""
+    parallelism the all-gather of the token blocks [b, s/t, h] -> [b, s, h] (see the
+    module docstring)."""
     if not layout.split_sequence:
         return x
-    return lax.all_gather(x, layout.tensor_axis, axis=1, tiled=True)
+    return _tokens(lax.all_gather(_flat(x), layout.tensor_axis, axis=0, tiled=True), x, 1)
 
 
 def exit_tensor(x, layout: "Layout"):
     """g: a row-parallel linear's partial sums [b, s, h] -> their sum over tensor ranks
-    [b, s, h], or with sequence parallelism its reduce-scatter [b, s/t, h]."""
+    [b, s, h], or with sequence parallelism its reduce-scatter into token blocks
+    [b, s/t, h]."""
     if not layout.split_sequence:
         return psum(x, layout.tensor_axis)
-    return lax.psum_scatter(x, layout.tensor_axis, scatter_dimension=1, tiled=True)
+    part = lax.psum_scatter(_flat(x), layout.tensor_axis, scatter_dimension=0, tiled=True)
+    return _tokens(part, x, layout.tensor)
 
 
-def sequence_slice(x, layout: "Layout", axis: int = 0):
-    """This tensor rank's part of a value whose `axis` is the sequence (all of it without
-    sequence parallelism)."""
+def token_block(x, layout: "Layout"):
+    """This tensor rank's token block [b, s/t, ...] of a value [b, s, ...] that is the
+    same on every rank (all of it without sequence parallelism)."""
     if not layout.split_sequence:
         return x
-    part = x.shape[axis] // layout.tensor
-    return lax.dynamic_slice_in_dim(x, lax.axis_index(layout.tensor_axis) * part, part, axis)
+    part = x.shape[0] * x.shape[1] // layout.tensor
+    block = lax.dynamic_slice_in_dim(_flat(x), lax.axis_index(layout.tensor_axis) * part,
+                                     part, 0)
+    return _tokens(block, x, layout.tensor)
+
+
+def token_positions(batch: int, seq: int, layout: "Layout"):
+    """The position in its row of every token this rank holds: [b, s/t] int32 (without
+    sequence parallelism [b, s], each row 0..s-1)."""
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    return token_block(positions, layout)
+
+
+def _flat(x):
+    """[b, n, ...] -> [b n, ...]: tokens in row order."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _tokens(flat, like, split: int):
+    """[b n / split * ..., ...] back to [b, n / split * ..., ...] of `like`'s rows."""
+    return flat.reshape(like.shape[0], like.shape[1] * flat.shape[0] // (
+        like.shape[0] * like.shape[1]), *flat.shape[1:])
 
 
 _GATHER_INVARIANT = "to" in inspect.signature(lax.all_gather).parameters
@@ -289,10 +317,15 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         cache = (k, v)
         positions = start + jnp.arange(q.shape[1])
         mask, causal = jnp.arange(k.shape[1])[None, :] > positions[:, None], False
-    if cfg.attention == "cudnn" and layout.platform == "gpu" and mask is None:
+    padding = mask is not None and mask.ndim == 4 and mask.shape[1:3] == (1, 1)
+    if (cfg.attention == "cudnn" and layout.platform == "gpu" and cache is None
+            and (mask is None or padding)):
         # cuDNN flash attention: no [s, s] scores in memory (config refuses dropout); it
-        # takes grouped-query key/value heads as they are.
+        # takes grouped-query key/value heads as they are, and a key padding mask as each
+        # row's key count (BERT's rows end with their padding: bert.make_batch)
+        lengths = None if mask is None else jnp.sum(~mask[:, 0, 0, :], axis=-1, dtype=jnp.int32)
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
+                                            key_value_seq_lengths=lengths,
                                             implementation="cudnn"), cache
     key = None
     if cfg.dropout and not deterministic:
@@ -473,8 +506,8 @@ class Embed(nn.Module):
         rows = jnp.take(self.wte, jnp.clip(local, 0, self.vocab - 1), axis=0)
         x = exit_tensor(jnp.where(inside[..., None], rows, 0.0), self.layout)
         if self.positions:
-            positions = lax.dynamic_slice_in_dim(self.wpe, start, tokens.shape[1])
-            x = x + sequence_slice(positions, self.layout)
+            where = start + token_positions(*tokens.shape, self.layout)  # [b, s(/t)]
+            x = x + jnp.take(self.wpe, where, axis=0)
         return x.astype(self.cfg.dtype)
 
     def logits(self, x):  # x: [b, s, h] -> [b, s, vocab/t] float32, never gathered
