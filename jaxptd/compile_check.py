@@ -114,6 +114,40 @@ def _buffer_values(path: str) -> dict:
     return found
 
 
+def live_peaks(dump_dir: str | None, in_host) -> dict | None:
+    """{"temp": the most bytes of the dumped step's temporaries live at once, "device": the
+    same without the buffers in_host(dims) says a GPU program keeps in host memory (on
+    CPU the two memory kinds are one, and XLA places everything in one allocation)}, from
+    XLA's buffer assignment (each value's size and offset) and live ranges (its span in
+    the schedule); values sharing addresses count once. None when the step was not
+    dumped."""
+    paths = sorted(glob.glob(os.path.join(dump_dir or "", "*step_fn*buffer-assignment.txt")))
+    if not dump_dir or not paths:
+        return None
+    blocks = re.split(r"\n(?=allocation \d+:)", open(paths[-1]).read())  # the latest
+    temp = next((b for b in blocks if "preallocated-temp" in b.split("\n")[0]), "")
+    ranges_text = open(paths[-1].replace("buffer-assignment", "live-range")).read()
+    spans = {name: (int(a), int(b)) for name, a, b in re.findall(
+        r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$", ranges_text, re.M)}
+    values = [(spans[name + (index or "{}")], int(offset), int(offset) + int(size),
+               [int(d) for d in dims.split(",") if d])
+              for name, index, size, offset, dims in re.findall(
+                  r"value: <\d+ (\S+?)(\{[\d,]*\})? (?:\(phi\) )?@\d+> "
+                  r"\(size=(\d+),offset=(\d+)\): \w+\[([\d,]*)\]", temp)
+              if name + (index or "{}") in spans]
+
+    def peak(values) -> int:  # the most address space in use at a value's first point
+        best = 0
+        for t in sorted({span[0] for span, *_ in values}):
+            used, top = 0, -1
+            for lo, hi in sorted((lo, hi) for (a, b), lo, hi, _ in values if a <= t <= b):
+                used, top = (used + hi - max(lo, top), hi) if hi > top else (used, top)
+            best = max(best, used)
+        return best
+    return {"temp": float(peak(values)),
+            "device": float(peak([v for v in values if not in_host(v[3])]))}
+
+
 def _named(shapes: str, names: dict) -> str:
     """bf16[24,4,2048,8192] -> bf16[L,b,s,ffn] where the model's sizes are known."""
     return re.sub(r"\[([\d,]*)\]", lambda m: "[" + ",".join(

@@ -110,6 +110,10 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    # adamw (two float32 moments a parameter) | sgd (with momentum: one; without: none;
+    # weight_decay as L2 added to the gradient, torch.optim.SGD's)
+    name: str = "adamw"
+    momentum: float = 0.9  # sgd: heavy-ball momentum (0: plain SGD)
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 20
@@ -230,9 +234,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def moments(self) -> int:
+        """float32 optimizer-state arrays per parameter: Adam's two, SGD's momentum (or
+        none without it)."""
+        opt = self.optimizer
+        return 2 if opt.name == "adamw" else int(opt.momentum > 0)
+
 
 CHOICES = {
     "model.arch": ("gpt", "llama", "bert"),
+    "optimizer.name": ("adamw", "sgd"),
     "optimizer.grad_reduce_dtype": ("float32", "bfloat16"),
     "optimizer.overlap_grad_reduce": ("auto", "true", "false"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -452,6 +464,8 @@ def validate(config: Config) -> None:
         _require(_get(config, key) >= 0, f"{key}={_get(config, key)}: must be >= 0")
     m, par, tr = config.model, config.parallel, config.train
     _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)")
+    _require(0.0 <= config.optimizer.momentum < 1.0,
+             f"optimizer.momentum={config.optimizer.momentum}: must be in [0, 1)")
     _require(not (m.attention == "cudnn" and m.dropout > 0),
              f"model.dropout={m.dropout}: model.attention=cudnn has no attention dropout; "
              "set model.dropout=0 or model.attention=xla")

@@ -1,6 +1,8 @@
-"""Optimizer: AdamW with Megatron's recipe, the LR schedule, mixed precision, loss scaling.
+"""Optimizer: AdamW with Megatron's recipe (or SGD), the LR schedule, mixed precision, loss
+scaling.
 
-Owns the optax chain (global-norm clipping, AdamW with weight decay on matrices only),
+Owns the optax chain (global-norm clipping, then AdamW with weight decay on matrices only,
+or SGD with momentum, optimizer.name: seeds/003 trained its 175B and 1T models with SGD),
 the learning-rate schedule (linear warm-up, cosine decay to a minimum, Megatron-LM 2019),
 the optimizer-state shardings (mirroring the parameters, or ZeRO-1: also split over data),
 and dynamic loss scaling for float16. Master weights and optimizer state are float32
@@ -29,14 +31,21 @@ def lr_schedule(config: Config) -> optax.Schedule:
 
 
 def make_optimizer(config: Config, norm=optax.tree.norm) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW (no decay on biases and LayerNorm). `norm`: the
-    gradient tree's global norm (the pipelined layout's counts a tied embedding once)."""
+    """Clip by global norm, then AdamW (decoupled decay) or SGD (the decay added to the
+    gradient before the momentum, as torch.optim.SGD's weight_decay), neither decaying
+    biases and LayerNorm. `norm`: the gradient tree's global norm (the pipelined layout's
+    counts a tied embedding once)."""
     opt = config.optimizer
+    if opt.name == "sgd":
+        update = optax.chain(
+            optax.add_decayed_weights(opt.weight_decay, mask=weight_decay_mask),
+            optax.sgd(lr_schedule(config), momentum=opt.momentum or None))
+    else:
+        update = optax.adamw(lr_schedule(config), b1=opt.beta1, b2=opt.beta2, eps=opt.eps,
+                             weight_decay=opt.weight_decay, mask=weight_decay_mask)
     return optax.chain(
         clip_by_global_norm(opt.clip_norm, norm) if opt.clip_norm else optax.identity(),
-        optax.adamw(lr_schedule(config), b1=opt.beta1, b2=opt.beta2, eps=opt.eps,
-                    weight_decay=opt.weight_decay, mask=weight_decay_mask),
-    )
+        update)
 
 
 def clip_by_global_norm(max_norm: float, norm) -> optax.GradientTransformation:

@@ -120,9 +120,10 @@ def _fail(message: str):
 
 @lru_cache(maxsize=16)
 def _abstract_model(model, vocab: int, tensor: int) -> tuple:
-    """((kind, global shape, mesh-axis spec), ...) of the real model from jax.eval_shape
-    of its initialiser, nothing allocated; kind: "layers", or which end reads the leaf
-    ("first", "last", "both": a tied embedding, model.ends_readers)."""
+    """((kind, name, global shape, mesh-axis spec), ...) of the real model from
+    jax.eval_shape of its initialiser, nothing allocated; kind: "layers", or which end reads
+    the leaf ("first", "last", "both": a tied embedding, model.ends_readers); name: the
+    leaf's own key (w_qkv, scale, ...)."""
     import jax
     from jaxptd import model as models
     from jaxptd.sharding import is_spec, specs_from_logical
@@ -133,23 +134,28 @@ def _abstract_model(model, vocab: int, tensor: int) -> tuple:
                             is_leaf=is_spec)
     readers = models.ends_readers(model, vocab)
     return tuple(("layers" if path[0].key == "layers" else
-                  readers[tuple(e.key for e in path)], tuple(x.shape), spec)
+                  readers[tuple(e.key for e in path)], path[-1].key, tuple(x.shape), spec)
                  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs))
 
 
 def real_counts(config: Config) -> dict:
     """Parameter counts of the real model and of the busiest device's shards (elements):
     weight_params (masters and gradients: tensor, pipe and FSDP shards), moment_params
-    (Adam's mu and nu: also ZeRO-1's split over the data replicas), compute_params (what
-    the forward reads: tensor and pipe shards), stage_params (the stage's layers of it),
-    layer_params and ends_params (one layer, the embedding, positions and final norm:
-    what an FSDP gather materialises), layer_grad_params (the stage's reduced layer
+    (the optimizer's moments, config.moments of them: Adam's mu and nu, SGD's momentum;
+    also ZeRO-1's split over the data replicas), compute_params (what the forward reads:
+    tensor and pipe shards), stage_params (the stage's layers of it), layer_params and
+    ends_params (one layer, and the embedding, positions and final norm, tensor-local, not
+    FSDP-split), and under FSDP what a gather materialises: dense_unit_params (the largest
+    dense() weight of a layer, which `dense` gathers alone) and layer_gathered_params (the
+    rest of a layer, gathered with it); layer_weight_params and ends_weight_params (one
+    layer's and the ends' part of weight_params: what offload.optimizer fetches and
+    updates at a time); shared_ends_params (the ends both the embedding and the head
+    read, a tied embedding); layer_grad_params (the stage's reduced layer
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
-    the last stage read, a tied embedding, whose gradients those two exchange). Layers
-    are split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1
-    pick a dimension past the layer one (sharding.py's rule)."""
+    the last stage read, a tied embedding, whose gradients those two exchange). Layers are
+    split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a
+    dimension past the layer one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
-    from jaxptd.sharding import fsdp_spec, zero1_spec
 
     par, model = config.parallel, config.model
     vocab = model.padded_vocab(par.tensor)
@@ -157,36 +163,53 @@ def real_counts(config: Config) -> dict:
     replicas = par.data // g
     sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
-                            "stage_params", "layer_params", "ends_params",
-                            "layer_grad_params", "tied_params"), 0.0)
+                            "stage_params", "layer_params", "ends_params", "dense_unit_params",
+                            "layer_gathered_params", "layer_weight_params",
+                            "ends_weight_params", "shared_ends_params", "layer_grad_params",
+                            "tied_params"), 0.0)
     leaves = _abstract_model(model, vocab, par.tensor)
 
     def split(spec) -> int:
         return math.prod(sizes.get(a, 1) for e in spec if e
                          for a in (e if isinstance(e, tuple) else (e,)))
 
-    for kind, shape, spec in leaves:
-        is_layer = kind == "layers"
-        skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
-        sharded = fsdp_spec(spec, shape, g, skip)
-        moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 \
-            else sharded
-        size = math.prod(shape)
-        tensor_local = size / split(spec)
-        weights = size / split(sharded) / per_pipe
-        totals["weight_params"] += weights
-        moments_size = 2 * size / split(moments) / per_pipe
-        totals["moment_params"] += moments_size
-        totals["compute_params"] += tensor_local / per_pipe
-        if is_layer:
-            totals["layer_grad_params"] += moments_size / 2
-            totals["stage_params"] += tensor_local / par.pipe
-            totals["layer_params"] += tensor_local / model.num_layers
-        else:
-            totals["ends_params"] += tensor_local
-            totals["tied_params"] += tensor_local if kind == "both" and par.pipe > 1 else 0
-    return {**totals, "params_model": sum(math.prod(shape) for _, shape, _ in leaves),
+    for kind, name, shape, spec in leaves:
+        for key, count in _leaf_counts(config, kind, name, shape, spec, split).items():
+            totals[key] = max(totals[key], count) if key == "dense_unit_params" \
+                else totals[key] + count
+    return {**totals, "params_model": sum(math.prod(shape) for _, _, shape, _ in leaves),
             "vocab_padded": vocab}
+
+
+def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, spec, split) -> dict:
+    """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
+    which real_counts takes the largest of). split(spec): the devices a spec splits it
+    over."""
+    from jaxptd.model.layers import DENSE
+    from jaxptd.sharding import fsdp_spec, zero1_spec
+
+    par, model = config.parallel, config.model
+    g, replicas = par.fsdp_size, par.data // par.fsdp_size
+    is_layer = kind == "layers"
+    skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
+    sharded = fsdp_spec(spec, shape, g, skip)
+    moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 else sharded
+    size = math.prod(shape)
+    tensor_local = size / split(spec)
+    weights = size / split(sharded) / per_pipe
+    moment = size / split(moments) / per_pipe  # one moment (or reduced gradient) of it
+    counts = {"weight_params": weights, "moment_params": config.moments * moment,
+              "compute_params": tensor_local / per_pipe}
+    if not is_layer:
+        both = tensor_local if kind == "both" else 0
+        return {**counts, "ends_params": tensor_local, "ends_weight_params": weights,
+                "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0}
+    one = tensor_local / model.num_layers
+    gathered = sharded != spec  # FSDP splits it: a gather brings it whole
+    return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
+            "layer_params": one, "layer_weight_params": weights * par.pipe / model.num_layers,
+            "dense_unit_params": one if name in DENSE and gathered else 0.0,
+            "layer_gathered_params": one if gathered and name not in DENSE else 0.0}
 
 
 def recomputation(config: Config) -> str:
@@ -243,10 +266,12 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         flash=m_cfg.attention == "cudnn" and platform == "gpu",
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=models.get(m_cfg).GATED_MLP)
+    gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
+                                      m_cfg.dtype) if par.fsdp_size > 1 else None
     device, host = pm.device_memory(
-        counts=counts, activations=acts, microbatches=par.microbatches,
-        gather_bytes=pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype],
-        fsdp=par.fsdp_size > 1, offload_optimizer=config.offload.optimizer,
+        counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
+        offload_optimizer=config.offload.optimizer,
+        streams=config.offload.optimizer and par.pipe == 1,
         peeled=par.microbatches if config.peels_last_microbatch else 0,
         zero1_hook=config.overlaps_grad_reduce and config.optimizer.zero1
         and par.fsdp_size == 1 and par.data > 1,
@@ -327,11 +352,11 @@ def _time(config: Config, args, counts: dict, device: dict, host: dict, executed
     gather = pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype]
     comm = pt.comm_volumes(
         b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, t=par.tensor, e=e,
-        layers_per_stage=m_cfg.num_layers // par.pipe, grad_bytes=device["gradients"],
+        layers_per_stage=m_cfg.num_layers // par.pipe, grad_bytes=4 * counts["weight_params"],
         replicas=par.data // par.fsdp_size, fsdp_group=par.fsdp_size,
         stage_params=counts["stage_params"], gather_bytes=gather,
         tied_grad_bytes=counts["tied_params"] * gather,
-        host_per_step=2 * (host["weights"] + host["optimizer"]),
+        host_per_step=_host_traffic(config, host),
         host_per_microbatch=2 * host["activations"])
     time = pt.step_time(
         flops_device=executed / config.num_devices, bubble=bubble, comm=comm,
@@ -344,12 +369,25 @@ def _time(config: Config, args, counts: dict, device: dict, host: dict, executed
     return comm, time
 
 
-def verify(config: Config, report: dict) -> dict:
+def _host_traffic(config: Config, host: dict) -> float:
+    """Bytes a device moves over its host link a step for offload.optimizer (not the
+    layer inputs: plan_time counts those per microbatch): the update reads the masters
+    and moments and writes them back, reads the gradients twice (the norm, then the
+    update); unpipelined the backward writes the gradients and each layer's masters are
+    fetched for its forward and again for its backward."""
+    fetches = 2 * config.parallel.microbatches if config.parallel.pipe == 1 else 0
+    return (2 + fetches) * host["weights"] + 2 * host["optimizer"] + 3 * host["gradients"]
+
+
+def verify(config: Config, report: dict, dump: str | None = None) -> dict:
     """Compiles (never runs) the real step on simulated CPU devices from abstract,
-    sharded arguments and puts XLA's analyses beside the plan. The backend must already
-    have config.num_devices devices (main sets jax_num_cpu_devices first)."""
+    sharded arguments and puts XLA's analyses beside the plan: its memory, and with the
+    step dumped into `dump` (main's _cpu_backend) the device peak, its temporaries live at
+    once but for those a GPU program keeps in host memory (_in_host_memory). The backend
+    must already have config.num_devices devices (main sets jax_num_cpu_devices first)."""
     import jax
     import jax.numpy as jnp
+    from jaxptd import compile_check
     from jaxptd.mesh import make_mesh
     from jaxptd.step import Setup, build_train_step
 
@@ -375,15 +413,44 @@ def verify(config: Config, report: dict) -> dict:
             "host_output", "host_alias", "host_temp")}
     xla["total"] = sum(xla[k] + xla[f"host_{k}"] for k in ("argument", "output", "temp")) \
         - xla["alias"] - xla["host_alias"] + xla["generated_code"]
-    device, host = report["memory_bytes_per_device"], report["host_memory_bytes_per_device"]
-    arguments = device["weights"] + device["optimizer"]  # the state, wherever it lives
-    # on CPU the host and device memory kinds are one memory: the state's host copy is the
-    # argument, and offloaded layer inputs are temporaries like the rest
-    total = device["total"] + host["activations"]
+    arguments, device, total = _planned_on_cpu(config, report)
+    peaks = compile_check.live_peaks(dump, _in_host_memory(config, setup))
     return {"xla_memory": xla, "xla_flops": float(cost.get("flops", 0.0)),
+            "xla_device_peak": peaks and peaks["device"], "planned_device": device,
             "planned_arguments": arguments, "planned_temp": total - arguments,
             "planned_total": total, "memory_ratio": total / xla["total"],
             "planned_flops_loop_bodies": _loop_body_flops(config, report)}
+
+
+def _in_host_memory(config: Config, setup):
+    """dims -> whether the CPU program's buffer of those dimensions is one a GPU program
+    keeps in host memory, by its shape: unpipelined, with offload.optimizer the stacked
+    layer gradients [L, ...] (shaped like the state's layer leaves), with
+    offload.activations the stacked layer inputs [L, b, s, h] ([L, b, s/t, h] with SP)."""
+    import jax
+    par, model = config.parallel, config.model
+    grads = {tuple(leaf.sharding.shard_shape(leaf.shape))
+             for leaf in jax.tree.leaves(setup.abstract_state()["params"]["layers"])}
+    split = par.tensor if par.sequence_parallel else 1
+    inputs = (model.num_layers, config.microbatch_size, model.seq_len // split,
+              model.hidden_size)
+
+    def in_host(dims) -> bool:
+        return par.pipe == 1 and ((config.offload.optimizer and tuple(dims) in grads) or (
+            config.offload.activations and tuple(dims) == inputs))
+    return in_host
+
+
+def _planned_on_cpu(config: Config, report: dict) -> tuple[float, float, float]:
+    """(the state's bytes, the device's, all bytes) a device of the CPU program the check
+    compiles holds by the plan (made for the CPU program: main's args.platform). On CPU
+    the host and device memory kinds are one memory: the state is the argument wherever
+    it lives, and what a GPU program keeps in host memory (offloaded layer inputs and
+    gradients) are temporaries like the rest."""
+    device, host = report["memory_bytes_per_device"], report["host_memory_bytes_per_device"]
+    state = host if config.offload.optimizer else device
+    return (state["weights"] + state["optimizer"], device["total"],
+            device["total"] + host["total"])
 
 
 def _loop_body_flops(config: Config, report: dict) -> float:
@@ -414,13 +481,7 @@ def main(argv=None) -> int:
                 _search_and_compile(config, args, target)
         # what the plan is for: the target, or the CPU program --verify compiles
         args.platform = "cpu" if args.verify else target.platform
-        if args.verify:  # before anything starts the JAX backend
-            if config.num_devices > MAX_VERIFY_DEVICES:
-                raise ConfigError(f"--verify: {config.num_devices} devices is more than "
-                                  f"{MAX_VERIFY_DEVICES} simulated CPU devices can compile")
-            import jax
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_num_cpu_devices", config.num_devices)
+        dump = _cpu_backend(config) if args.verify else None  # before anything starts JAX
         if args.search:
             rows = plan_search.search(config, args, plan, real_counts)
             print(json.dumps(rows[: args.top]) if args.json
@@ -429,13 +490,37 @@ def main(argv=None) -> int:
         report = plan(config, args)
         report["memory_limit_gb"] = args.memory_gb
         if args.verify:
-            report["verify"] = verify(config, report)
+            report["verify"] = verify(config, report, dump)
         if args.png:
             plan_report.draw(report, args.png, schedule_stats(config)[2])
     except ConfigError as e:
         _fail(str(e))
     print(json.dumps(report) if args.json else plan_report.format_report(report, args))
     return 0 if report["fits"] else 1  # scripts: 1 = the plan does not fit
+
+
+def _cpu_backend(config: Config) -> str | None:
+    """Starts JAX on config.num_devices simulated CPU devices for --verify, XLA dumping the
+    step (its buffers' live ranges give the device peak) into a directory removed at
+    exit, which it returns (None where JAX already runs: no device peak). The step is
+    compiled afresh: a step from the persistent compilation cache dumps nothing."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if config.num_devices > MAX_VERIFY_DEVICES:
+        raise ConfigError(f"--verify: {config.num_devices} devices is more than "
+                          f"{MAX_VERIFY_DEVICES} simulated CPU devices can compile")
+    dump = None
+    if "jax" not in sys.modules:
+        dump = tempfile.mkdtemp(prefix="jaxptd-xla-")
+        atexit.register(shutil.rmtree, dump, True)
+        _start_cpu_compiler(dump)
+    import jax
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", config.num_devices)
+    jax.config.update("jax_enable_compilation_cache", False)
+    return dump
 
 
 def _search_and_compile(config: Config, args, target: Target) -> int:

@@ -8,12 +8,13 @@ h hidden, a heads, l layers, V vocabulary, B global batch; g the FSDP group (dat
 one parameter is sharded over), e the bytes of the compute dtype.
 
 Memory per device (the empirical study's model, seeds/002 §4.5: (alpha + 2) w + a, with
-our specifics): float32 master weights (4 bytes), float32 gradients (4), Adam mu and nu in
-float32 (8): 16 bytes per local parameter (seeds/004's "N_d 16 Psi < GPU RAM" for ZeRO-3).
-ZeRO-1 splits the moments over the data replicas; FSDP (ZeRO-3) splits all 16 over g and
-adds the layer it gathers; offload.optimizer keeps the masters and moments (12 bytes) in
-host memory between steps, and the step brings them to the device (the moments only matter
-for the update phase, after the activations are gone: see device_memory).
+our specifics): float32 master weights (4 bytes), float32 gradients (4), the optimizer's
+float32 moments (Adam's mu and nu 8, SGD's momentum 4): 16 bytes per local parameter with
+Adam (seeds/004's "N_d 16 Psi < GPU RAM" for ZeRO-3). ZeRO-1 splits the moments over the
+data replicas; FSDP (ZeRO-3) splits all of them over g and adds the one matmul weight it
+gathers at a time; offload.optimizer keeps the masters and moments, and unpipelined the
+gradients too, in host memory for the whole step, the device holding one layer's at a
+time (see device_memory).
 
 Activations per layer per microbatch are what the compiled step keeps for the backward
 pass, in the compute dtype (measured per layer on the H100 compile and the CPU one:
@@ -159,27 +160,57 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
 # --------------------------------------------------------------------------- memory
 
 
+def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str) -> dict:
+    """What FSDP holds gathered on a device, {"layer": in a layer's backward, "head": in
+    the head's} (jaxptd/step.py): the largest dense() weight of a layer (one matmul's,
+    counts["dense_unit_params"], 4 h^2 for GPT's MLP), gathered in gather_dtype
+    (optimizer.grad_reduce_dtype), cast to the compute dtype when that differs, and its
+    gradient in the compute dtype, beside the rest of the layer (biases and norms)
+    gathered with it, and a tied embedding's float32 gradient, which the head's backward
+    begins and the embedding's ends (its reduce-scatter waits for both); the ends
+    (embedding, positions, final norm) gathered and cast back to the masters' float32."""
+    gather_bytes, e = DTYPE_BYTES[gather_dtype], DTYPE_BYTES[dtype]
+    cast = e if dtype != gather_dtype else 0
+    unit = counts["dense_unit_params"] * (gather_bytes + cast + e)
+    return {"layer": unit + gather_bytes * counts["layer_gathered_params"]
+            + 4 * counts["shared_ends_params"],
+            "head": (gather_bytes + 4) * counts["ends_params"]}
+
+
+def offloaded_state_bytes(counts: dict, streams: bool) -> dict:
+    """offload.optimizer (jaxptd/offload.py): {"device": what the device holds of the
+    masters (and as much of their gradients) in the forward and backward: one layer's and
+    the ends' with `streams`, fetched for their use and sent back, pipelined all of them;
+    "update": the update's working set, one unit (a layer, or the ends) of masters,
+    gradients and moments brought and written back}. Bytes."""
+    W, M = counts["weight_params"], counts["moment_params"]
+    unit = max(counts["layer_weight_params"], counts["ends_weight_params"]) / W if W else 0.0
+    held = 4.0 * (counts["layer_weight_params"] + counts["ends_weight_params"]) if streams \
+        else 4.0 * W
+    return {"device": held, "update": 2 * unit * (8.0 * W + 4.0 * M)}
+
+
 def device_memory(*, counts: dict, activations: dict, microbatches: int,
-                  gather_bytes: int = 4, fsdp: bool = False, offload_optimizer: bool = False,
-                  peeled: int = 0, zero1_hook: bool = False,
+                  gathered: dict | None = None, offload_optimizer: bool = False,
+                  streams: bool = False, peeled: int = 0, zero1_hook: bool = False,
                   early_reduced: float = 0.0, reduced_copy: float = 0.0
                   ) -> tuple[dict, dict]:
     """(device bytes, host bytes) per device, by category. The device total is its peak:
     what stays for the whole step plus the larger of two phases.
 
     counts (local element counts, jaxptd.plan.real_counts): weight_params (the masters,
-    after tensor, pipe and FSDP sharding), moment_params (Adam's two moments, also split by
-    ZeRO-1), layer_params and ends_params (one layer, and the embedding, positions and
-    final norm, tensor-local, not FSDP-split: what an FSDP gather materialises).
+    after tensor, pipe and FSDP sharding), moment_params (the optimizer's moments, also
+    split by ZeRO-1), and what one layer and the ends are of them.
     For the whole step: weights (float32 masters), gradients (the float32 accumulator) and
-    optimizer (Adam's moments). Forward and backward phase: activations (kept, plus the
-    larger of a layer's and the head's transient), what FSDP has gathered for them in
-    optimizer.grad_reduce_dtype (one layer, or the ends), the stash, and with m > 1
+    optimizer (the moments). Forward and backward phase: activations (kept, plus the
+    larger of a layer's and the head's transient), what FSDP has gathered for them
+    (`gathered`: fsdp_gathered_bytes, None without FSDP), the stash, and with m > 1
     gradient_workspace, each microbatch's gradient before it is added to the accumulator.
-    Update phase: the reduced gradient the update reads. offload.optimizer (jaxptd/step.py):
-    the masters and moments live in host memory between steps and come to the device for
-    the step; the moments, which only the update reads, count in the update phase (XLA
-    can bring them after the backward), and on the host always.
+    Update phase: the reduced gradient the update reads.
+    offload.optimizer (jaxptd/offload.py): masters and moments live in host memory, and
+    with `streams` (unpipelined) the gradients too: the device holds one layer's masters
+    and gradients in the backward (and the ends'), and in the update one unit's state
+    (offloaded_state_bytes); pipelined, the masters and gradients whole on the device.
     peeled (unpipelined, jaxptd/step.py: microbatches, or 0 when pipelined): the step runs
     the last microbatch outside the scan over the others, and XLA gives the two their own
     buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
@@ -197,24 +228,29 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     """
     W, M = counts["weight_params"], counts["moment_params"]
     grads, moments = 4.0 * W, 4.0 * M
-    gathered = {"layer": gather_bytes * counts["layer_params"] if fsdp else 0.0,
-                "head": gather_bytes * counts["ends_params"] if fsdp else 0.0}
+    gathered = gathered or {"layer": 0.0, "head": 0.0}
     phase = max(("layer", "head"), key=lambda k: activations[f"{k}_transient"] + gathered[k])
     looped = 2 if peeled > 2 else 1  # the loop body's buffers and the peeled microbatch's
-    device = {"weights": 4.0 * W, "gradients": grads, "optimizer": moments,
+    on_host = offload_optimizer and streams  # the gradients' sums, too
+    offloaded = offloaded_state_bytes(counts, streams) if offload_optimizer else None
+    device = {"weights": offloaded["device"] if on_host else 4.0 * W,
+              "gradients": offloaded["device"] if on_host else grads,
+              "optimizer": 0.0 if offload_optimizer else moments,
               "activations": activations["kept"] * (2 if peeled > 1 else 1)
               + activations[f"{phase}_transient"],
               "stash": activations["stash"], "fsdp_gathered": gathered[phase] * looped,
-              "gradient_workspace": (grads * looped if microbatches > 1 else 0.0)
+              "gradient_workspace": (grads * looped if microbatches > 1 and not on_host
+                                     else 0.0)
               + (grads if zero1_hook else 0.0) + early_reduced
               + (0.0 if early_reduced else reduced_copy * grads)}
     device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
-    device["update_phase"] = grads + (moments if offload_optimizer else 0.0)
+    device["update_phase"] = offloaded["update"] if offload_optimizer else grads
     device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
         else "update"
-    device["total"] = device["weights"] + grads + (0.0 if offload_optimizer else moments) \
+    device["total"] = device["weights"] + device["gradients"] + device["optimizer"] \
         + device[f"{device['peak_phase']}_phase"]
     host = {"weights": 4.0 * W if offload_optimizer else 0.0,
+            "gradients": grads * (2 if microbatches > 1 else 1) if on_host else 0.0,
             "optimizer": moments if offload_optimizer else 0.0,
             "activations": activations["offloaded"]}
     host["total"] = sum(host.values())

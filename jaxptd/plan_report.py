@@ -15,12 +15,12 @@ GB = 1e9
 DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
                "gradient_workspace")
 NOTES = {
-    "weights": "float32 masters (offload: between steps on the host)",
-    "gradients": "float32 accumulator",
-    "optimizer": "Adam mu and nu, float32 (offload: on the device for the update only)",
+    "weights": "float32 masters (offload: on the host, a layer's at a time on the device)",
+    "gradients": "float32 sums (offload, pipe 1: on the host, a layer's on the device)",
+    "optimizer": "optimizer moments, float32: Adam mu and nu, SGD momentum",
     "activations": "one microbatch's working set (host: offloaded layer inputs)",
     "stash": "the pipeline's buffers: stage inputs, gradients, W taps",
-    "fsdp_gathered": "FSDP: a gathered layer (or the ends), optimizer.grad_reduce_dtype",
+    "fsdp_gathered": "FSDP: one matmul's weight gathered, cast, its gradient (or the ends)",
     "gradient_workspace": "m > 1: a microbatch's gradient before it is added",
 }
 
@@ -95,7 +95,7 @@ def _memory_lines(r: dict, args) -> list:
                  "peak: weights + gradients + optimizer (unless offloaded) + the larger phase")
     lines.append(f"  phases: forward/backward {dev['backward_phase'] / GB:.3f} GB (activations, "
                  f"stash, FSDP, workspace), update {dev['update_phase'] / GB:.3f} GB (the "
-                 "reduced gradient, offloaded moments)")
+                 "reduced gradient; offload: one layer's state at a time)")
     lines.append("  where the bytes go: " + where_the_bytes_go(
         dev, r["options"]["offload_optimizer"]))
     lines.append(
@@ -110,10 +110,8 @@ def where_the_bytes_go(memory: dict, offload_optimizer: bool = False, top: int =
     at_peak = {k: memory[k] for k in ("weights", "gradients", "optimizer")}
     if memory["peak_phase"] == "backward":
         at_peak.update({k: memory[k] for k in BACKWARD_PHASE})
-        if offload_optimizer:
-            del at_peak["optimizer"]
     else:
-        at_peak["reduced gradient"] = memory["gradients"]
+        at_peak["update" if offload_optimizer else "reduced gradient"] = memory["update_phase"]
     parts = sorted(((v, k) for k, v in at_peak.items() if v), reverse=True)
     total = memory["total"] or 1.0
     return f"(peak in the {memory['peak_phase']} phase) " + ", ".join(
@@ -130,6 +128,10 @@ def _format_verify(v: dict) -> list:
         " MB (the rest)",
         f"  total      XLA {x['total'] / 1e6:10.2f} MB   plan {v['planned_total'] / 1e6:10.2f} MB"
         f"   plan / XLA = {v['memory_ratio']:.3f} (on CPU host and device memory are one)",
+        *([f"  device     XLA {v['xla_device_peak'] / 1e6:10.2f} MB   plan "
+           f"{v['planned_device'] / 1e6:10.2f} MB (the temporaries live at once but the "
+           "stacks a GPU keeps in host memory: offloaded gradients, layer inputs)"]
+          if v.get("xla_device_peak") else []),
         f"  FLOPs      XLA {v['xla_flops']:.4g}   plan {v['planned_flops_loop_bodies']:.4g}"
         " (XLA counts each loop body once: one microbatch, one layer, plus the logit layer"
         "; its count also includes elementwise ops, eq. (3) only matmuls)",

@@ -95,15 +95,23 @@ def fsdp_spec(spec: P, shape: tuple[int, ...], group: int, stacked: int) -> P:
     return _shard_free_dim(spec, shape, FSDP, group, stacked)
 
 
-GATHERED = "fsdp_gathered"  # the name of a parameter all-gathered for its layer
+# the name of a parameter brought to the device for its layer: all-gathered (FSDP) or
+# fetched from host memory (offload.optimizer)
+GATHERED = "fsdp_gathered"
 
 
 def regather(prim, *_, **params) -> bool:
-    """The jax.checkpoint policy of a layer under FSDP: keep every value it computes except
-    the gathered parameters (the all-gather over fsdp and its GATHERED name), which the
-    backward gathers again (FSDP's memory: one layer's weights whole at a time)."""
+    """The jax.checkpoint policy of a layer under FSDP or with its masters in host memory:
+    keep every value it computes except the parameters brought for it (the all-gather over
+    fsdp and the GATHERED name), which the backward brings again (FSDP's memory: one
+    unit's weights whole at a time; offload's: none of the masters kept on the device)."""
     if prim.name == "name":
         return params["name"] != GATHERED
+    if prim.name in ("device_put", "pvary"):  # free to redo: the way from the stored
+        return False  # parameter to the named one is kept open, nothing of it stacked
+    if prim.name == "custom_vjp_call":  # a gradient hook (an identity forward) is free too
+        jaxpr = params["call_jaxpr"].jaxpr
+        return list(jaxpr.outvars) != list(jaxpr.invars)
     if prim.name == "all_gather":
         names = params["axis_name"]
         return FSDP not in (names if isinstance(names, tuple) else (names,))

@@ -13,16 +13,21 @@ Owns the train state, its shardings, and the step. The step has two parts:
    (`optimizer.grad_reduce_dtype`); pipelined, each chunk's layers as soon as the
    schedule is done with them (Config.reduces_chunks_early). With FSDP (`parallel.fsdp`,
    ZeRO-3) every parameter is sharded over the fsdp axis and all-gathered where it is
-   used, one layer at a time, inside a `jax.checkpoint` so the backward gathers it again
-   instead of keeping it; the gather's transpose reduce-scatters each microbatch's
-   gradient into the shards (per microbatch: the memory of unsharded gradients is what
-   FSDP exists to avoid).
+   used: each matmul's weight by `dense` for that matmul alone (seeds/003's unit, one
+   linear), the rest of a layer with the layer, inside a `jax.checkpoint` so the backward
+   gathers it again instead of keeping it; the gather's transpose reduce-scatters each
+   microbatch's gradient into the shards (per microbatch: the memory of unsharded
+   gradients is what FSDP exists to avoid).
    Why fully manual: every collective is explicit and countable, the Pallas kernels see
    local shapes, and the pipeline's per-rank control flow needs manual axes anyway.
-2. The update, outside it (GSPMD): clipping, AdamW on float32 masters, ZeRO-1 optimizer
-   state sharded over the data replicas, dynamic loss scaling for float16. With
-   `offload.optimizer` the masters and Adam's moments live in host memory (pinned_host)
-   between steps and are brought to the device for the step.
+2. The update, outside it (GSPMD): clipping, AdamW or SGD on float32 masters, ZeRO-1
+   optimizer state sharded over the data replicas, dynamic loss scaling for float16.
+   With `offload.optimizer` the masters and the optimizer's moments live in host memory
+   (pinned_host) for the whole step: unpipelined, each layer's masters are brought to the
+   device where the layer is used (forward, and again in the backward: never kept) and
+   its gradient goes back to host memory as soon as it is reduced (Setup.streams);
+   pipelined, the masters are brought whole. The update then streams through the device
+   one layer at a time (jaxptd/offload.py).
 
 The eval step (validation loss) is the same fully manual shard_map without gradients: a
 forward over the local rows, or with pipe > 1 the executor's forward-only pipeline.
@@ -42,10 +47,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxptd import model as models
-from jaxptd import optim, target
+from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
 from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
-from jaxptd.model.layers import Layout
+from jaxptd.model.layers import DENSE, Layout
 from jaxptd.sharding import (GATHERED, fsdp_dims, fsdp_spec, is_spec, mark_varying, named,
                              reduce_to, regather, specs_from_logical, zero1_spec)
 
@@ -88,8 +93,6 @@ class Setup:
             self.target = target.resolve(config.runtime.target, mesh.devices.flat)
         except target.TargetError as e:
             raise ConfigError(str(e)) from None
-        self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
-                                   config.offload.activations, self.target.platform)
         logical = self.arch.logical_axes(model, self.vocab, par.tensor)
         self.ends_readers = models.ends_readers(model, self.vocab) if self.pipelined else {}
         # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
@@ -104,6 +107,10 @@ class Setup:
             lambda names: P("chunks", "stages", *names), logical,
             lambda names: P("stages", *names))), self.abstract_params,
             self.stacked) if self.pipelined else self.logical_param_specs
+        self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
+                                   config.offload.activations, self.target.platform,
+                                   fsdp=self._dense_shards(), fsdp_axis=FSDP,
+                                   fsdp_dtype=config.optimizer.grad_reduce_dtype)
         self.tx = optim.make_optimizer(config, self.grad_norm)
         self.schedule = optim.lr_schedule(config)
         self.state_specs = self._state_specs(self.param_specs, self.abstract_params)
@@ -111,6 +118,10 @@ class Setup:
         self.device_state_shardings = self._shardings(self.state_specs, False)
         self.logical_state_shardings = self._shardings(self._state_specs(
             self.logical_param_specs, logical_params, 1), False)
+        # offload.optimizer unpipelined: the masters stay in host memory for the whole
+        # step, each layer's brought to the device where it is used (`fetch`), and its
+        # gradient goes back there (the transpose); pipelined, the step brings them whole
+        self.streams = config.offload.optimizer and not self.pipelined
         self.batch_sharding = NamedSharding(mesh, P(BATCH))
         # Every loss is a sum over tokens scaled to the global token mean.
         self.loss_norm = 1.0 / (config.train.global_batch * model.seq_len)
@@ -128,6 +139,15 @@ class Setup:
             lambda path, spec, x: fsdp_spec(spec, x.shape, group,
                                             stacked if _is_layer_leaf(path) else 0),
             specs, shapes, is_leaf=is_spec)
+
+    def _dense_shards(self) -> tuple[tuple[str, int], ...]:
+        """((dense name, FSDP dimension as a layer sees it), ...) of the layer weights that
+        FSDP shards: what `dense` gathers itself, one matmul's weight at a time."""
+        dims = traverse_util.flatten_dict(fsdp_dims(self.param_specs["layers"], self.stacked))
+        shards = {path[-1]: dim for path, dim in dims.items()
+                  if path[-1] in DENSE and dim is not None}
+        assert len(shards) == sum(path[-1] in DENSE for path in dims if dims[path] is not None)
+        return tuple(sorted(shards.items()))
 
     def _state_specs(self, param_specs, abstract_params, stacked: int | None = None):
         moments = self._zero1(param_specs, abstract_params,
@@ -170,13 +190,16 @@ class Setup:
         """(gather the ends, gather a layer's subtree) for use inside the shard_map: FSDP's
         all-gathers of parameter shards in optimizer.grad_reduce_dtype, named GATHERED so
         the layer's backward gathers them again rather than keeping them; their transpose
-        reduce-scatters the gradients. (None, None) without FSDP."""
+        reduce-scatters the gradients. A layer's dense() weights are left to `dense`, which
+        gathers each for its own matmul (local_layout.fsdp); this gathers the rest of the
+        layer (biases, norms: O(h)). (None, None) without FSDP."""
         if self.config.parallel.fsdp_size == 1:
             return None, None
         dtype = jnp.dtype(self.config.optimizer.grad_reduce_dtype)
 
         def gatherer(dims_tree):
-            flat_dims = traverse_util.flatten_dict(dims_tree)
+            flat_dims = {path: None if path[-1] in dict(self.local_layout.fsdp) else dim
+                         for path, dim in traverse_util.flatten_dict(dims_tree).items()}
 
             def gather(tree):  # any subtree of dims_tree, matched by path
                 flat = traverse_util.flatten_dict(tree)
@@ -218,14 +241,17 @@ class Setup:
         """In memory -> logical (layer leaves [L, ...], each ends leaf from its slot)."""
         return jax.tree.map(lambda f, x: f(x), self._converters(tree, False), tree)
 
+    def square_sum(self, path, g):
+        """One gradient leaf's sum of squares, a tied embedding's two slots (the same
+        gradient) counted once."""
+        if self.kind(path) == "both":  # summed per slot first: a [p] vector crosses pipe
+            return jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))[0]
+        return jnp.sum(jnp.square(g))
+
     def grad_norm(self, grads):
-        """The global norm of a gradient tree (in memory), each parameter counted once: a
-        tied embedding's two slots hold the same gradient."""
-        def square(path, g):
-            if self.kind(path) == "both":  # summed per slot first: a [p] vector crosses
-                return jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))[0]  # pipe
-            return jnp.sum(jnp.square(g))
-        return jnp.sqrt(sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(square, grads))))
+        """The global norm of a gradient tree (in memory), each parameter counted once."""
+        return jnp.sqrt(sum(jax.tree.leaves(
+            jax.tree_util.tree_map_with_path(self.square_sum, grads))))
 
     def _fresh_state(self, seed: int, dynamic: bool):
         params = self.to_stacked(self.arch.init_params(self.config.model, self.vocab,
@@ -394,13 +420,28 @@ class _Reduction:
 
     def hook(self, params, acc, dims):
         """params as the model uses them in the last microbatch; acc the local gradient
-        sums of the microbatches before; dims: each leaf's ZeRO-1 dimension there."""
-        def one(p, a, dim):
+        sums of the microbatches before (None: it is the only one); dims: each leaf's
+        ZeRO-1 dimension there."""
+        def one(p, dim, a=None):
             if dim is not None:  # scattered over data once fsdp and pipe have summed it
                 p = _reduce_scatter_gradient(DATA, dim, self.dtype)(p)
             # summed over the axes p is cast over (the transpose of the cast), acc first
-            return _add_to_gradient(mark_varying(p, REDUCED), a)
-        return jax.tree.map(one, params, acc, dims)
+            p = mark_varying(p, REDUCED)
+            return p if a is None else _add_to_gradient(p, a)
+        return jax.tree.map(one, params, dims, *(() if acc is None else (acc,)))
+
+    def hooks(self, acc):
+        """(the ends' hook, a layer's hook, the layers' values it takes: acc's) of the last
+        microbatch, acc the gradient sums of those before (None: the only one)."""
+        dims, setup = self.scatter_dims, self.setup
+        layer_dims = jax.tree.map(lambda d: None if d is None else d - setup.stacked,
+                                  dims["layers"])
+        acc_ends = acc and models.ends(acc)
+        if acc and setup.streams:  # (the layers' slices are brought with their layer)
+            acc_ends = jax.device_put(acc_ends, jax.memory.Space.Device)
+        return (lambda ends: self.hook(ends, acc_ends, models.ends(dims)),
+                lambda layer, acc_layer: self.hook(layer, acc_layer, layer_dims),
+                acc and acc["layers"])
 
     def keep_parts(self, grads):
         """After the hooks: each ZeRO-1 leaf's own part of its full-size gradient."""
@@ -426,50 +467,64 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
     reduction = _Reduction(setup)
 
     def loss_fn(p, mb, k, hooks=None):
-        ends_fn = _compose(gather_ends, hooks and hooks[0])
-        layer_fn = _compose(gather_layer, hooks and hooks[1])
+        ends_fn = _compose(gather_ends, hooks and hooks[0], setup.streams)
+        layer_fn = _compose(gather_layer, hooks and hooks[1], setup.streams)
         extra = hooks and hooks[2]
         loss = models.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic,
                                prepare_ends=ends_fn, prepare=layer_fn, extra=extra,
-                               keep=gather_layer and regather) * setup.loss_norm
+                               keep=regather if gather_layer or setup.streams else None
+                               ) * setup.loss_norm
         return loss * loss_scale, loss
 
     varying = mark_varying(params, REDUCED)
-
-    def one(carry, xs):
-        grads_acc, loss_acc = carry
-        mb, index = xs
-        grads, loss = jax.grad(loss_fn, has_aux=True)(varying, mb,
-                                                      jax.random.fold_in(key, index))
-        return (jax.tree.map(jnp.add, grads_acc, grads), loss_acc + loss), None
-
-    zeros = jax.tree.map(jnp.zeros_like, varying)
     loss0 = mark_varying(jnp.float32(0), REDUCED)  # like the model's loss
+
+    def grads_of(index):
+        return jax.grad(loss_fn, has_aux=True)(varying, micro[index],
+                                               jax.random.fold_in(key, index))
+
+    def one(carry, index):
+        grads, loss = grads_of(index)
+        return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + loss), None
+
+    def sums(count):
+        """(local gradient sums, loss sum) of the first `count` microbatches: a scan from
+        zeros, or with Setup.streams from the first one's gradients (the sums live in host
+        memory, where zeros would be made on the device and moved)."""
+        if not setup.streams:
+            zeros = jax.tree.map(jnp.zeros_like, varying)
+            return lax.scan(one, (zeros, loss0), jnp.arange(count))[0]
+        grads, loss = grads_of(0)
+        first = (grads, loss0 + loss)
+        return lax.scan(one, first, jnp.arange(1, count))[0] if count > 1 else first
+
     m = micro.shape[0]
     if not config.overlaps_grad_reduce:  # every microbatch in the scan, reduced after
-        (grads, loss), _ = lax.scan(one, (zeros, loss0), (micro, jnp.arange(m)))
+        grads, loss = sums(m)
         return reduction.after(grads), loss
-    acc, loss = zeros, loss0
-    if m > 1:  # (no loop at all for one microbatch: not even its buffers)
-        (acc, loss), _ = lax.scan(one, (zeros, loss0), (micro[:-1], jnp.arange(m - 1)))
-    dims = reduction.scatter_dims
-    layer_dims = jax.tree.map(lambda d: None if d is None else d - setup.stacked,
-                              dims["layers"])
-    hooks = (lambda ends: reduction.hook(ends, models.ends(acc), models.ends(dims)),
-             lambda layer, acc_layer: reduction.hook(layer, acc_layer, layer_dims),
-             acc["layers"])
+    acc, loss = None, loss0  # (no loop at all for one microbatch: not even its buffers)
+    if m > 1:
+        acc, loss = sums(m - 1)
     grads, last = jax.grad(loss_fn, has_aux=True)(
-        reduction.scattered_varying(params), micro[-1], jax.random.fold_in(key, m - 1), hooks)
+        reduction.scattered_varying(params), micro[-1], jax.random.fold_in(key, m - 1),
+        reduction.hooks(acc))
     return reduction.keep_parts(grads), loss + last
 
 
-def _compose(gather, hook):
-    """The parameter preparation of one use: the reduction hook, then FSDP's gather."""
-    if hook is None:
-        return None if gather is None else (lambda tree, *more: gather(tree))
+def _compose(gather, hook, fetch: bool = False):
+    """The parameter preparation of one use (the ends, or one layer and its slice of the
+    extra values), None when there is nothing to do: with `fetch` (Setup.streams) the
+    stored values brought from host memory to the device, then the reduction hook, then
+    FSDP's gather."""
+    if hook is None and gather is None and not fetch:
+        return None
 
     def prepare(tree, *more):
-        tree = hook(tree, *more)
+        if fetch:  # (the transpose sends the gradient back to host memory)
+            tree, more = jax.device_put((tree, more), jax.memory.Space.Device)
+            tree = jax.tree.map(lambda x: checkpoint_name(x, GATHERED), tree)  # not kept
+        if hook is not None:
+            tree = hook(tree, *more)
         return tree if gather is None else gather(tree)
     return prepare
 
@@ -517,20 +572,17 @@ def build_train_step(setup: Setup):
 
     def step_fn(state, batch):
         scale = state["loss_scale"]
-        # offload.optimizer: bring the masters and moments from host memory for the step
-        params = jax.device_put(state["params"], on_device["params"])
-        old_opt = jax.device_put(state["opt_state"], on_device["opt_state"])
+        # offload.optimizer pipelined: the executor reads the masters on the device
+        params = state["params"] if setup.streams else jax.device_put(
+            state["params"], on_device["params"])
         grads, loss = grads_fn(params, batch, state["rng"], state["step"], scale.scale)
-        grads = jax.tree.map(lambda g: g / scale.scale, grads)
-        grad_norm = setup.grad_norm(grads)
-        updates, opt_state = setup.tx.update(grads, old_opt, params)
-        new_params = optax.apply_updates(params, updates)
-        loss_scale = scale
-        if dynamic:  # skip the update on overflow and adjust the scale
-            finite = optim.all_finite(grads)
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            new_params, opt_state = keep(new_params, params), keep(opt_state, old_opt)
-            loss_scale = scale.update(finite)
+        if config.offload.optimizer:  # one layer's state on the device at a time
+            new_params, opt_state, grad_norm, finite = offload.streamed_update(
+                setup, state["params"], state["opt_state"], grads, scale.scale, dynamic)
+        else:
+            new_params, opt_state, grad_norm, finite = _update(
+                setup, params, state["opt_state"], grads, scale.scale, dynamic)
+        loss_scale = scale.update(finite) if dynamic else scale
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                      "rng": state["rng"], "loss_scale": loss_scale}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": setup.schedule(state["step"]),
@@ -539,6 +591,20 @@ def build_train_step(setup: Setup):
 
     return jax.jit(step_fn, in_shardings=(setup.state_shardings, setup.batch_sharding),
                    out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def _update(setup: Setup, params, opt_state, grads, scale, dynamic: bool):
+    """The optimizer step on the device: (new params, new opt_state, gradient norm, all
+    gradients finite) from grads scaled by `scale`; with dynamic loss scaling a step whose
+    gradients overflowed leaves params and opt_state as they were."""
+    grads = jax.tree.map(lambda g: g / scale, grads)
+    updates, new_opt = setup.tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = optim.all_finite(grads) if dynamic else jnp.bool_(True)
+    if dynamic:
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_params, new_opt = keep(new_params, params), keep(new_opt, opt_state)
+    return new_params, new_opt, setup.grad_norm(grads), finite
 
 
 def build_eval_step(setup: Setup):
@@ -555,13 +621,14 @@ def build_eval_step(setup: Setup):
     else:
         def local_loss(params, batch):
             loss = models.loss_sum(params, batch, jax.random.key(0), config.model,
-                                   setup.local_layout, True, prepare_ends=gather_ends,
-                                   prepare=_compose(gather_layer, None))  # nothing kept
+                                   setup.local_layout, True,
+                                   prepare_ends=_compose(gather_ends, None, setup.streams),
+                                   prepare=_compose(gather_layer, None, setup.streams))
             # (the loss varies over data and fsdp only; pipe is 1 here)
             return lax.psum(mark_varying(loss, REDUCED), REDUCED) * setup.loss_norm
 
     eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,
                             in_specs=(setup.param_specs, P(BATCH)), out_specs=P())
-    return jax.jit(lambda params, batch: eval_fn(
-        jax.device_put(params, setup.device_state_shardings["params"]), batch),
+    return jax.jit(lambda params, batch: eval_fn(params if setup.streams else jax.device_put(
+        params, setup.device_state_shardings["params"]), batch),
         in_shardings=(setup.state_shardings["params"], setup.batch_sharding))

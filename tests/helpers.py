@@ -127,7 +127,7 @@ def assert_steps_match_single_device(setup, steps=3):
     from jaxptd.step import build_train_step
 
     state = placed_state(setup)
-    params0 = jax.device_get(setup.to_logical(state["params"]))
+    params0 = setup.to_logical(jax.device_get(state["params"]))  # (host memory: numpy)
     batches = fixed_batches(setup.config, steps)
     step, losses = build_train_step(setup), []
     for batch in batches:

@@ -53,6 +53,8 @@ def test_vocab_padded_to_multiple_of_128_times_tensor():
     (["model.arch=bert", "model.special_ids=0,1,1,2"], "must be four different ids"),
     (["model.arch=bert", "model.special_ids=0,1,2,257"], "in [0, model.vocab_size=257)"),
     (["model.arch=bert", "model.special_ids=a,b,c,d"], "must be four different ids"),
+    (["optimizer.name=lamb"], "optimizer.name='lamb': must be one of adamw, sgd"),
+    (["optimizer.name=sgd", "optimizer.momentum=1"], "optimizer.momentum=1.0: must be in [0, 1)"),
 ])
 def test_rules_refuse_with_one_line_naming_key_value_rule(overrides, fragment):
     with pytest.raises(ConfigError) as info:

@@ -7,12 +7,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from helpers import (assert_same_state, assert_trees_close, fixed_batches, make_setup,
                      placed_state, reference_loss, reference_loss_and_grads, reference_losses)
 from jax.sharding import PartitionSpec as P
 
+from jaxptd.model import weight_decay_mask
+from jaxptd.optim import lr_schedule
 from jaxptd.step import build_grads, build_train_step
 
 # ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
@@ -46,6 +49,43 @@ def test_losses_and_gradients_match_single_device(data, pipe, tensor, zero1):
                                rtol=1e-5)
 
 
+def _optax_sgd_steps(setup, params, batches):
+    """(losses, parameters) of len(batches) steps of the plain single-device program with
+    optax's own SGD chain (global-norm clipping, L2 decay of the matrices, momentum)."""
+    opt = setup.config.optimizer
+    tx = optax.chain(optax.clip_by_global_norm(opt.clip_norm),
+                     optax.add_decayed_weights(opt.weight_decay, mask=weight_decay_mask),
+                     optax.sgd(lr_schedule(setup.config), momentum=opt.momentum))
+    state, losses = tx.init(params), []
+    for batch in batches:
+        loss, grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return losses, params
+
+
+@pytest.mark.parametrize("data, pipe, tensor, extra", [
+    (4, 1, 2, ["parallel.fsdp=true"]),
+    pytest.param(2, 2, 2, ["parallel.microbatches=2"], marks=pytest.mark.slow)])
+def test_sgd_matches_optax_sgd_on_one_device(data, pipe, tensor, extra):
+    """optimizer.name=sgd: three steps at the layout give the losses and parameters of
+    the single-device program updated by optax.sgd (momentum 0.9, weight decay 0.1)."""
+    setup = make_setup(data, pipe, tensor, ["optimizer.name=sgd", "optimizer.lr=0.1",
+                                            "optimizer.weight_decay=0.1", *extra])
+    state = placed_state(setup)
+    params0 = jax.device_get(setup.to_logical(state["params"]))
+    batches = fixed_batches(setup.config, 3)
+    step, losses = build_train_step(setup), []
+    for batch in batches:
+        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    expected_losses, expected = _optax_sgd_steps(setup, params0, batches)
+    np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
+    assert_trees_close(setup.to_logical(state["params"]), expected)
+    assert losses[-1] < losses[0]
+
+
 def test_zero1_shards_optimizer_state_over_data():
     setup = make_setup(8, 1, 1, ["optimizer.zero1=true"])
     state = placed_state(setup)
@@ -71,8 +111,11 @@ def test_bfloat16_compute_tracks_float32():
 
 
 @pytest.mark.slow
-def test_float16_dynamic_loss_scale_skips_overflow():
-    setup = make_setup(1, 1, 1, ["model.dtype=float16", "optimizer.loss_scale=dynamic"])
+@pytest.mark.parametrize("offload", [False, True])
+def test_float16_dynamic_loss_scale_skips_overflow(offload):
+    """An overflowing step is skipped (the streamed update of offload.optimizer too)."""
+    setup = make_setup(1, 1, 1, ["model.dtype=float16", "optimizer.loss_scale=dynamic",
+                                 f"offload.optimizer={offload}"])
     state = placed_state(setup)
     step = build_train_step(setup)
     batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)

@@ -46,7 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, RESIDUAL,
-                                 Layout)
+                                 Layout, matmul)
 from jaxptd.sharding import mark_varying, varying_axes
 
 
@@ -216,30 +216,20 @@ def merge_dense(dense: dict, rest: dict) -> dict:
                                          **traverse_util.flatten_dict(rest)})
 
 
-def dense_weight_grads(dense, inputs, output_grads, prepare=None):
+def dense_weight_grads(dense, inputs, output_grads, layout: Layout):
     """Gradients of a stack's dense() weights [n, ...] from the input and the output gradient
     of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
-    forward. Each is the transpose of its einsum in the weight (weights cast as in dense,
-    and prepared as apply_layers prepares them: FSDP's gather transposes to a reduce-
-    scatter of the gradient into the shard)."""
+    forward. Each is the transpose of its matmul in the weight as dense() multiplies it
+    (layers.matmul: cast, and an FSDP shard gathered, whose transpose reduce-scatters the
+    gradient into the shard); XLA drops the matmul's unused forward."""
     flat_inputs = traverse_util.flatten_dict(inputs)
     flat_grads = traverse_util.flatten_dict(output_grads)
 
-    def one(path, w):  # w: [n, ...] float32 master weights of one dense name
-        spec = DENSE[path[-1]]
+    def one(path, w):  # w: [n, ...] float32 master weights (or shards) of one dense name
+        product = matmul(path[-1], layout)
 
         def layer_grad(x, g, w_layer):
-            # the einsum's transpose (needs the prepared weight's shape, not its value),
-            # then prepare's vjp (its all-gather's transpose: a reduce-scatter; XLA drops
-            # the unused forward gather). prepare has no linear_transpose: its
-            # checkpoint_name has no transpose rule, only a jvp.
-            def prepared(v):
-                return traverse_util.flatten_dict(
-                    prepare(traverse_util.unflatten_dict({path: v}), None))[path]
-            v, pull = jax.vjp(prepared, w_layer) if prepare else (w_layer, None)
-            grad = jax.linear_transpose(
-                lambda v: jnp.einsum(spec, x, v.astype(x.dtype)), v)(g)[0]
-            return pull(grad)[0] if pull else grad
+            return jax.vjp(lambda v: product(x, v), w_layer)[1](g)[0]
         return jax.vmap(layer_grad)(flat_inputs[path], flat_grads[path], w)
 
     flat = traverse_util.flatten_dict(dense)

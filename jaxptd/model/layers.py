@@ -63,11 +63,20 @@ class Layout:
     sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]
     offload_activations: bool = False  # each layer's checkpointed input in host memory
     platform: str = "cpu"  # the target's (jaxptd/target.py): "gpu" takes cuDNN and Triton
+    # FSDP: ((dense name, dimension), ...) of the layer weights held as shards over
+    # `fsdp_axis`, split on that dimension, which `dense` gathers in `fsdp_dtype`
+    fsdp: tuple[tuple[str, int], ...] = ()
+    fsdp_axis: str | None = None
+    fsdp_dtype: str = "float32"
 
     @property
     def split_sequence(self) -> bool:
         """True when activations between the tensor-parallel blocks are [b, s/t, h]."""
         return self.sequence_parallel and self.tensor_axis is not None
+
+    def fsdp_dim(self, name: str) -> int | None:
+        """The dimension on which the dense() weight `name` is an FSDP shard (None: whole)."""
+        return dict(self.fsdp).get(name)
 
 
 def normal(std: float, names: tuple[str, ...]):
@@ -114,16 +123,65 @@ PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs 
 
 
 def dense(module: nn.Module, name: str, x, w):
-    """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast.
+    """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast
+    (an FSDP shard is gathered for this matmul alone: `matmul`).
 
     Records x and perturbs the output when the caller asks (see the module docstring);
     otherwise exactly the einsum.
     """
     module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
-    y = jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+    y = matmul(name, module.layout)(x, w)
     if name not in ROW_PARALLEL:
         y = checkpoint_name(y, DENSE_OUTPUT)
     return module.perturb(name, y, collection=PERTURBATIONS)
+
+
+def weight(module: nn.Module, name: str, init, shape: tuple[int, ...]):
+    """The dense() weight `name` of a layer, float32 [shape] (one tensor rank's). Under FSDP
+    (layout.fsdp names it) the layer holds its shard, which `dense` gathers where it
+    multiplies: read as it is, past Flax's check that a parameter has `shape`."""
+    if module.layout.fsdp_dim(name) is None or module.is_initializing():
+        return module.param(name, init, shape, jnp.float32)
+    return module.get_variable("params", name)
+
+
+def matmul(name: str, layout: Layout):
+    """(x, w) -> x times the weight `name` as dense() multiplies it: einsum DENSE[name] with
+    w cast to x's dtype, and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul)."""
+    dim = layout.fsdp_dim(name)
+    if dim is None:
+        return lambda x, w: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+    return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str):
+    """einsum(spec, x, w) for w this rank's FSDP shard, split on `dim` over `axis`: the
+    weight is all-gathered in `dtype`, cast to x's, for this one matmul, and gathered again
+    for its backward, whose weight gradient the gather's transpose reduce-scatters into the
+    shard (float32). One matmul's weight (seeds/003 wrapped each linear, 4 h^2 at most, in
+    its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization barriers tie
+    the forward's gather to x and the backward's to the output gradient, so XLA cannot
+    gather ahead (no prefetch: the gather is not overlapped with the matmul before it)."""
+    def gathered(w, like):
+        whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
+        return jnp.einsum(spec, like, whole.astype(like.dtype))
+
+    @jax.custom_vjp
+    def fsdp_matmul(x, w):
+        x, w = lax.optimization_barrier((x, w))
+        return gathered(w, x)
+
+    def forward(x, w):
+        return fsdp_matmul(x, w), (x, w)  # the shard, not the gathered weight, is kept
+
+    def backward(kept, g):
+        x, w = kept
+        g, w = lax.optimization_barrier((g, w))
+        return jax.vjp(lambda x, w: gathered(w, x), x, w)[1](g)  # (its forward: unused)
+
+    fsdp_matmul.defvjp(forward, backward)
+    return fsdp_matmul
 
 
 def enter_tensor(x, layout: "Layout"):
@@ -293,11 +351,11 @@ class Attention(nn.Module):
     def __call__(self, x, deterministic: bool, mask=None, cache=None):  # x: [b, s, h]
         cfg, dt, layout = self.cfg, self.cfg.dtype, self.layout
         heads = cfg.num_heads // layout.tensor
-        w_qkv = self.param("w_qkv", normal(cfg.init_std, ("embed", "qkv", "heads", "kv")),
-                           (cfg.hidden_size, 3, heads, cfg.head_dim))
+        w_qkv = weight(self, "w_qkv", normal(cfg.init_std, ("embed", "qkv", "heads", "kv")),
+                       (cfg.hidden_size, 3, heads, cfg.head_dim))
         b_qkv = self.param("b_qkv", zeros(("qkv", "heads", "kv")), (3, heads, cfg.head_dim))
-        w_out = self.param("w_out", normal(residual_std(cfg), ("heads", "kv", "embed")),
-                           (heads, cfg.head_dim, cfg.hidden_size))
+        w_out = weight(self, "w_out", normal(residual_std(cfg), ("heads", "kv", "embed")),
+                       (heads, cfg.head_dim, cfg.hidden_size))
         b_out = self.param("b_out", zeros(("embed",)), (cfg.hidden_size,))
 
         qkv = dense(self, "w_qkv", enter_tensor(x, layout), w_qkv) + b_qkv.astype(dt)
@@ -352,10 +410,11 @@ class MLP(nn.Module):
     def __call__(self, x):  # x: [b, s, h]
         cfg, dt, layout = self.cfg, self.cfg.dtype, self.layout
         ffn = cfg.ffn // layout.tensor
-        w_fc1 = self.param("w_fc1", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
+        w_fc1 = weight(self, "w_fc1", normal(cfg.init_std, ("embed", "mlp")),
+                       (cfg.hidden_size, ffn))
         b_fc1 = self.param("b_fc1", zeros(("mlp",)), (ffn,))
-        w_fc2 = self.param("w_fc2", normal(residual_std(cfg), ("mlp", "embed")),
-                           (ffn, cfg.hidden_size))
+        w_fc2 = weight(self, "w_fc2", normal(residual_std(cfg), ("mlp", "embed")),
+                       (ffn, cfg.hidden_size))
         b_fc2 = self.param("b_fc2", zeros(("embed",)), (cfg.hidden_size,))
 
         hidden = dense(self, "w_fc1", enter_tensor(x, layout), w_fc1)  # [b, s, ffn/t]

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, enter_tensor,
-                                 exit_tensor, normal, residual_std, rms_norm)
+                                 exit_tensor, normal, residual_std, rms_norm, weight)
 
 
 def kv_sharded(cfg: ModelConfig, tensor: int) -> bool:
@@ -61,12 +61,12 @@ class Attention(nn.Module):
         t, d = layout.tensor, cfg.head_dim
         sharded = kv_sharded(cfg, t)
         kv_name = "kv_heads" if sharded else "kv_heads_replicated"
-        w_q = self.param("w_q", normal(cfg.init_std, ("embed", "heads", "kv")),
-                         (cfg.hidden_size, cfg.num_heads // t, d))
-        w_kv = self.param("w_kv", normal(cfg.init_std, ("embed", "qkv", kv_name, "kv")),
-                          (cfg.hidden_size, 2, cfg.kv_heads // t if sharded else cfg.kv_heads, d))
-        w_o = self.param("w_o", normal(residual_std(cfg), ("heads", "kv", "embed")),
-                         (cfg.num_heads // t, d, cfg.hidden_size))
+        w_q = weight(self, "w_q", normal(cfg.init_std, ("embed", "heads", "kv")),
+                     (cfg.hidden_size, cfg.num_heads // t, d))
+        w_kv = weight(self, "w_kv", normal(cfg.init_std, ("embed", "qkv", kv_name, "kv")),
+                      (cfg.hidden_size, 2, cfg.kv_heads // t if sharded else cfg.kv_heads, d))
+        w_o = weight(self, "w_o", normal(residual_std(cfg), ("heads", "kv", "embed")),
+                     (cfg.num_heads // t, d, cfg.hidden_size))
 
         x_in = enter_tensor(x, layout)
         q = dense(self, "w_q", x_in, w_q)  # [b, s, n/t, d]
@@ -96,11 +96,11 @@ class MLP(nn.Module):
     def __call__(self, x):  # x: [b, s, h]
         cfg, layout = self.cfg, self.layout
         ffn = cfg.ffn // layout.tensor
-        w_gate = self.param("w_gate", normal(cfg.init_std, ("embed", "mlp")),
-                            (cfg.hidden_size, ffn))
-        w_up = self.param("w_up", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
-        w_down = self.param("w_down", normal(residual_std(cfg), ("mlp", "embed")),
-                            (ffn, cfg.hidden_size))
+        w_gate = weight(self, "w_gate", normal(cfg.init_std, ("embed", "mlp")),
+                        (cfg.hidden_size, ffn))
+        w_up = weight(self, "w_up", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
+        w_down = weight(self, "w_down", normal(residual_std(cfg), ("mlp", "embed")),
+                        (ffn, cfg.hidden_size))
         x_in = enter_tensor(x, layout)
         hidden = fused.swiglu(dense(self, "w_gate", x_in, w_gate), dense(self, "w_up", x_in, w_up))
         return exit_tensor(dense(self, "w_down", hidden, w_down), layout)  # g: all-reduce #2
