@@ -96,6 +96,10 @@ class ParallelConfig:
     sequence_parallel: bool = False  # activations outside attention/MLP split [b, s/t, h]
     fsdp: bool = False  # ZeRO-3: parameters, gradients, optimizer state sharded over data
     fsdp_group: int = 0  # data ranks per FSDP sharding group (HSDP); 0: all of them
+    # what FSDP gathers at once: a layer (gathered ahead of its use, beside the layer
+    # before: overlapped) or one matmul's weight (seeds/003's unit: a quarter of a GPT
+    # layer's memory, gathered where it is used: not overlapped)
+    fsdp_unit: str = "layer"
 
     @property
     def fsdp_size(self) -> int:
@@ -252,6 +256,7 @@ CHOICES = {
     "model.attention": ("xla", "cudnn"),
     "model.remat": ("none", "minimal", "selective", "full"),
     "model.scan_layers": ("auto", "true", "false"),
+    "parallel.fsdp_unit": ("layer", "matmul"),
     "model.gelu": ("tanh", "erf"),
     "model.norm_position": ("pre", "post"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),

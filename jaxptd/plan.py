@@ -145,9 +145,10 @@ def real_counts(config: Config) -> dict:
     also ZeRO-1's split over the data replicas), compute_params (what the forward reads:
     tensor and pipe shards), stage_params (the stage's layers of it), layer_params and
     ends_params (one layer, and the embedding, positions and final norm, tensor-local, not
-    FSDP-split), and under FSDP what a gather materialises: dense_unit_params (the largest
-    dense() weight of a layer, which `dense` gathers alone) and layer_gathered_params (the
-    rest of a layer, gathered with it); layer_weight_params and ends_weight_params (one
+    FSDP-split), and under FSDP what a gather materialises: dense_unit_params (with
+    parallel.fsdp_unit=matmul the largest dense() weight of a layer, which `dense` gathers
+    alone) and layer_gathered_params (the rest of a layer, gathered with it; a layer's
+    unit: all of it); layer_weight_params and ends_weight_params (one
     layer's and the ends' part of weight_params: what offload.optimizer fetches and
     updates at a time); shared_ends_params (the ends both the embedding and the head
     read, a tied embedding); layer_grad_params (the stage's reduced layer
@@ -206,10 +207,12 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, spec, split
                 "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0}
     one = tensor_local / model.num_layers
     gathered = sharded != spec  # FSDP splits it: a gather brings it whole
+    by_matmul = par.fsdp_unit == "matmul"  # else the layer is gathered whole
     return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
             "layer_params": one, "layer_weight_params": weights * par.pipe / model.num_layers,
-            "dense_unit_params": one if name in DENSE and gathered else 0.0,
-            "layer_gathered_params": one if gathered and name not in DENSE else 0.0}
+            "dense_unit_params": one if name in DENSE and gathered and by_matmul else 0.0,
+            "layer_gathered_params": one if gathered and not (name in DENSE and by_matmul)
+            else 0.0}
 
 
 def recomputation(config: Config) -> str:

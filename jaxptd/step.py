@@ -142,7 +142,10 @@ class Setup:
 
     def _dense_shards(self) -> tuple[tuple[str, int], ...]:
         """((dense name, FSDP dimension as a layer sees it), ...) of the layer weights that
-        FSDP shards: what `dense` gathers itself, one matmul's weight at a time."""
+        FSDP shards and `dense` gathers itself, one matmul's weight at a time
+        (parallel.fsdp_unit=matmul; with `layer`, none: `gather` brings the layer whole)."""
+        if self.config.parallel.fsdp_unit != "matmul":
+            return ()
         dims = traverse_util.flatten_dict(fsdp_dims(self.param_specs["layers"], self.stacked))
         shards = {path[-1]: dim for path, dim in dims.items()
                   if path[-1] in DENSE and dim is not None}
@@ -190,9 +193,10 @@ class Setup:
         """(gather the ends, gather a layer's subtree) for use inside the shard_map: FSDP's
         all-gathers of parameter shards in optimizer.grad_reduce_dtype, named GATHERED so
         the layer's backward gathers them again rather than keeping them; their transpose
-        reduce-scatters the gradients. A layer's dense() weights are left to `dense`, which
-        gathers each for its own matmul (local_layout.fsdp); this gathers the rest of the
-        layer (biases, norms: O(h)). (None, None) without FSDP."""
+        reduce-scatters the gradients. With parallel.fsdp_unit=matmul a layer's dense()
+        weights are left to `dense`, which gathers each for its own matmul
+        (local_layout.fsdp), and this gathers the rest of the layer (biases, norms: O(h)).
+        (None, None) without FSDP."""
         if self.config.parallel.fsdp_size == 1:
             return None, None
         dtype = jnp.dtype(self.config.optimizer.grad_reduce_dtype)

@@ -22,6 +22,7 @@ from jaxptd.checkpoint import Checkpointer
 from jaxptd.step import build_eval_step, build_grads, build_train_step
 
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
+MATMUL = "parallel.fsdp_unit=matmul"  # FSDP gathers one matmul's weight at a time
 
 
 def _case(data, pipe, tensor, *extra, slow=True):
@@ -38,10 +39,13 @@ GRADS = [
       for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
                       ("zb-interleaved", 2))],
     _case(8, 1, 1, FSDP, slow=False),
+    _case(8, 1, 1, FSDP, MATMUL, slow=False),
     _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
     _case(2, 2, 2, FSDP, *PIPE),
+    _case(2, 2, 2, FSDP, MATMUL, *PIPE),
     _case(4, 1, 2, FSDP, SP),
     _case(2, 2, 2, FSDP, SP, *PIPE, "parallel.schedule=zb-h1"),
+    _case(2, 2, 2, FSDP, SP, MATMUL, *PIPE, "parallel.schedule=zb-h1"),
     _case(4, 1, 2, FSDP, "parallel.fsdp_group=2", "optimizer.zero1=true"),
     _case(8, 1, 1, "optimizer.zero1=true", "parallel.microbatches=2",
           "optimizer.overlap_grad_reduce=true"),
@@ -56,7 +60,7 @@ def test_gradients_match_single_device(data, pipe, tensor, extra):
 
 @pytest.mark.parametrize("data, pipe, tensor, extra", [
     _case(2, 1, 4, "offload.optimizer=true", "offload.activations=true", SP),
-    _case(4, 1, 2, "offload.optimizer=true", FSDP, "parallel.fsdp_group=2"),
+    _case(4, 1, 2, "offload.optimizer=true", FSDP, MATMUL, "parallel.fsdp_group=2"),
     _case(8, 1, 1, "offload.optimizer=true", "optimizer.zero1=true", "parallel.microbatches=2",
           "optimizer.overlap_grad_reduce=true"),
     _case(4, 1, 2, "offload.optimizer=true", FSDP, "parallel.microbatches=2"),
@@ -201,11 +205,13 @@ def _fsdp_gathers(jaxpr) -> list:
 
 
 def test_fsdp_gathers_one_matmul_weight_at_a_time():
-    """FSDP's unit is one matmul's weight (seeds/003 wrapped each linear: 4 h^2 at most
-    whole, not a layer's 12 h^2): each dense() weight shard of a layer is all-gathered
-    twice, for its forward and for its backward, each time out of an optimization barrier
-    with the matmul's input or output gradient (none is gathered ahead of its matmul)."""
-    setup = make_setup(2, 1, 4, [FSDP])
+    """parallel.fsdp_unit=matmul: FSDP's unit is one matmul's weight (seeds/003 wrapped
+    each linear: 4 h^2 at most whole, not a layer's 12 h^2): each dense() weight shard of a
+    layer is all-gathered twice, for its forward and for its backward, each time out of an
+    optimization barrier with the matmul's input or output gradient (none is gathered
+    ahead of its matmul). With the default unit, a layer, none is (the layer's gather may
+    run ahead)."""
+    setup = make_setup(2, 1, 4, [FSDP, "parallel.fsdp_unit=matmul"])
     state = setup.abstract_state()
     batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=setup.batch_sharding)
     gathers = _fsdp_gathers(jax.make_jaxpr(build_grads(setup, True))(
@@ -217,6 +223,11 @@ def test_fsdp_gathers_one_matmul_weight_at_a_time():
         shard = leaf.sharding.shard_shape(leaf.shape)[1:]
         sources = [source for shape, source in gathers if shape == shard]
         assert sources == ["optimization_barrier"] * 2, (name, sources)
+    layered = make_setup(2, 1, 4, [FSDP])
+    state = layered.abstract_state()
+    gathers = _fsdp_gathers(jax.make_jaxpr(build_grads(layered, True))(
+        state["params"], batch, state["rng"], state["step"], jnp.float32(1)).jaxpr)
+    assert gathers and "optimization_barrier" not in [source for _, source in gathers]
 
 
 REDUCTIONS = ("psum", "psum_invariant", "psum_scatter", "reduce_scatter")

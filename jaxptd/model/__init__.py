@@ -216,20 +216,28 @@ def merge_dense(dense: dict, rest: dict) -> dict:
                                          **traverse_util.flatten_dict(rest)})
 
 
-def dense_weight_grads(dense, inputs, output_grads, layout: Layout):
+def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None):
     """Gradients of a stack's dense() weights [n, ...] from the input and the output gradient
     of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
-    forward. Each is the transpose of its matmul in the weight as dense() multiplies it
-    (layers.matmul: cast, and an FSDP shard gathered, whose transpose reduce-scatters the
-    gradient into the shard); XLA drops the matmul's unused forward."""
+    forward. Each is the transpose of its matmul in the weight as the layer uses it:
+    `prepare`d as apply_layers prepares it (FSDP's layer gather), then as dense()
+    multiplies it (layers.matmul: cast, and an FSDP shard gathered for it alone); the
+    gathers' transposes reduce-scatter the gradient into the shard. XLA drops the matmul's
+    unused forward."""
     flat_inputs = traverse_util.flatten_dict(inputs)
     flat_grads = traverse_util.flatten_dict(output_grads)
 
     def one(path, w):  # w: [n, ...] float32 master weights (or shards) of one dense name
         product = matmul(path[-1], layout)
 
+        def use(x, v):  # v: one layer's stored weight
+            if prepare is not None:
+                v = traverse_util.flatten_dict(
+                    prepare(traverse_util.unflatten_dict({path: v}), None))[path]
+            return product(x, v)
+
         def layer_grad(x, g, w_layer):
-            return jax.vjp(lambda v: product(x, v), w_layer)[1](g)[0]
+            return jax.vjp(lambda v: use(x, v), w_layer)[1](g)[0]
         return jax.vmap(layer_grad)(flat_inputs[path], flat_grads[path], w)
 
     flat = traverse_util.flatten_dict(dense)

@@ -507,7 +507,8 @@ class _Training:
         inputs, g_taps = _read_tree(carry["wsaved"], row["w_slot"])
         chunk = _chunk_of(row, "w", self.v)
         dense, _ = models.split_dense(_chunk(self.params["layers"], chunk))
-        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout)
+        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout,
+                                            self.stage.prepare)
         grads = {**carry["grads"], "layers": _add_chunk(carry["grads"]["layers"],
                                                         chunk, _masked(g_dense, valid))}
         return None, {**carry, "grads": grads}
