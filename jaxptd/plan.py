@@ -270,7 +270,9 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=models.get(m_cfg).GATED_MLP)
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
-                                      m_cfg.dtype) if par.fsdp_size > 1 else None
+                                      m_cfg.dtype, par.fsdp_unit == "layer",
+                                      recomputation(config) == "full") \
+        if par.fsdp_size > 1 else None
     device, host = pm.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
         offload_optimizer=config.offload.optimizer,

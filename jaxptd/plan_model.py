@@ -160,19 +160,26 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
 # --------------------------------------------------------------------------- memory
 
 
-def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str) -> dict:
+def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
+                        whole_layer: bool = True, recomputed: bool = False) -> dict:
     """What FSDP holds gathered on a device, {"layer": in a layer's backward, "head": in
-    the head's} (jaxptd/step.py): the largest dense() weight of a layer (one matmul's,
-    counts["dense_unit_params"], 4 h^2 for GPT's MLP), gathered in gather_dtype
-    (optimizer.grad_reduce_dtype), cast to the compute dtype when that differs, and its
-    gradient in the compute dtype, beside the rest of the layer (biases and norms)
-    gathered with it, and a tied embedding's float32 gradient, which the head's backward
-    begins and the embedding's ends (its reduce-scatter waits for both); the ends
-    (embedding, positions, final norm) gathered and cast back to the masters' float32."""
+    the head's} (jaxptd/step.py): the unit it gathers, in gather_dtype
+    (optimizer.grad_reduce_dtype), cast to the compute dtype when that differs, and the
+    unit's gradient in the compute dtype before its reduce-scatter; the unit is a whole
+    layer (parallel.fsdp_unit=layer: counts["layer_gathered_params"]) or the largest
+    dense() weight of a layer (matmul: one matmul's, counts["dense_unit_params"], 4 h^2
+    for GPT's MLP, beside the rest of the layer, biases and norms, gathered with it); and
+    a tied embedding's float32 gradient, which the head's backward begins and the
+    embedding's ends (its reduce-scatter waits for both); the ends (embedding, positions,
+    final norm) gathered and cast back to the masters' float32. A whole layer recomputed
+    from its input (`recomputed`, model.remat=full) has no gradient of it held beside it:
+    each weight's is reduce-scattered as it is made (measured on the CPU compile,
+    tests/test_plan.py)."""
     gather_bytes, e = DTYPE_BYTES[gather_dtype], DTYPE_BYTES[dtype]
-    cast = e if dtype != gather_dtype else 0
-    unit = counts["dense_unit_params"] * (gather_bytes + cast + e)
-    return {"layer": unit + gather_bytes * counts["layer_gathered_params"]
+    unit = gather_bytes + (e if dtype != gather_dtype else 0) + e  # a gathered element
+    layer_unit = unit - (e if recomputed else 0)
+    rest = counts["layer_gathered_params"] * (layer_unit if whole_layer else gather_bytes)
+    return {"layer": unit * counts["dense_unit_params"] + rest
             + 4 * counts["shared_ends_params"],
             "head": (gather_bytes + 4) * counts["ends_params"]}
 
