@@ -11,7 +11,8 @@
 #   sizes       bench/gpu_train.py: GPT 1.3B, 350M, 125M as configured, each with
 #               the PyTorch baseline (bench/torch_gpt.py) when torch is importable
 #   llama       the Llama-style sizes (skipped, with a note, until model.arch=llama exists)
-#   variants    GPT-1.3B: attention xla/cudnn x kernels xla/pallas x remat none/selective/full,
+#   variants    GPT-1.3B: attention xla/cudnn x kernels xla/pallas x remat
+#               none/minimal/selective/full, scanned layers (the GPU default unrolls them),
 #               one change at a time from the config
 #   microbatch  GPT-1.3B at b = 1, 2, 8; GPT-350M and 125M at b = 4, 16
 #   profile     bench/profile_step.py: the top XLA ops of one GPT-1.3B step
@@ -84,7 +85,7 @@ part_llama() { $PY bench/gpu_train.py --models "$LLAMA" "${TRAIN[@]}"; }
 part_variants() {
   $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants \
     attention=xla,b=2 attention=xla,kernels=pallas,b=2 attention=xla,remat=selective \
-    kernels=pallas remat=full
+    kernels=pallas remat=minimal remat=full scan=true
 }
 part_microbatch() {  # two commands sharing one budget
   local start=$SECONDS status

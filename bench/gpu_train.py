@@ -16,8 +16,9 @@ Models: gpt-125M, gpt-350M, gpt-1.3B (GPT-3's shapes, seq 2048, vocab 50257, bf1
 fp32 masters, AdamW), llama-<size> (the same sizes with model.arch=llama: skipped with a
 note until that key exists), and <arch>-toy (a 2-layer stand-in for CI). Variants: "base"
 (the config as written) or comma-separated changes of attention (xla, cudnn), kernels
-(xla, pallas), remat (none, selective, full) and b (microbatch size; the global batch
-stays --global-batch sequences), e.g. "attention=xla,remat=selective,b=2".
+(xla, pallas), remat (none, minimal, selective, full), scan (auto, true, false: the layers
+scanned or unrolled) and b (microbatch size; the global batch stays --global-batch
+sequences), e.g. "attention=xla,remat=selective,b=2".
 
     PYTHONPATH=. python bench/gpu_train.py --models gpt-1.3B --variants base kernels=pallas
 
@@ -57,7 +58,7 @@ TOY = ("model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
        "model.seq_len=32", "model.vocab_size=500")
 ARCHS = {"gpt": (), "llama": ("model.arch=llama",)}
 VARIANT_KEYS = {"attention": "model.attention", "kernels": "model.kernels",
-                "remat": "model.remat"}
+                "remat": "model.remat", "scan": "model.scan_layers"}
 RUN_TIMEOUT_S = 300
 
 
