@@ -121,7 +121,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     (each layer keeps its input). The backward transient of a layer is half a layer
     without recomputation (the cotangents of the layer being differentiated), plus what it
     recomputes: its probabilities (selective, and minimal with XLA attention), the rest
-    of the layer (minimal), the whole layer (full). pipe = 1: one microbatch through all layers.
+    of the layer (minimal); with full recomputation the recomputed layer and cotangents as
+    large. pipe = 1: one microbatch through all layers.
     offload (pipe = 1): each layer's input waits in host memory and the layer is
     recomputed, whatever remat says. (FSDP gathers a layer's weights again for its
     backward: a layer keeps none.) pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
@@ -141,8 +142,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
-    transient = 0.5 * layer + {"none": 0.0, "minimal": layer - kept, "selective": scores,
-                               "full": layer}[remat]
+    # (full: the recomputed layer and its cotangents, as large: measured on the CPU
+    # compile of seeds/003's proxies, tests/test_plan.py)
+    transient = {"none": 0.5 * layer, "minimal": 1.5 * layer - kept,
+                 "selective": 0.5 * layer + scores, "full": 2.0 * layer}[remat]
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0
     if pipe > 1:

@@ -154,23 +154,31 @@ def test_korthikanti_formulas_by_hand():
     assert 5 <= layer(b, s, h, a, t) / layer(b, s, h, a, t, sp=True, remat="selective") < 6
 
 
-def test_our_layer_is_megatrons_plus_what_fusion_saves():
-    """Ours keeps what Megatron keeps plus float32 LayerNorm internals, two softmax copies
-    and the unfused GeLU's intermediates; SP divides the replicated part by t like
-    Megatron's 10 sbh, but keeps f's two gathered [b, s, h] inputs (autodiff's residuals
-    of the column-parallel matmuls; Megatron re-gathers them in the backward)."""
-    b, s, h, a, t, e = 1, 2048, 12288, 96, 8, 2
-    ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
-    for sp in (False, True):
-        assert 1.5 < ours(b, s, h, a, t, e, sp) / theirs(b, s, h, a, t, sp) < 2.5
-    saved_ours = ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, sp=True)
-    saved_theirs = theirs(b, s, h, a, t) - theirs(b, s, h, a, t, sp=True)
-    assert saved_theirs == pytest.approx(10 * s * b * h * (1 - 1 / t))
+def test_our_layer_is_megatrons_less_what_it_recomputes():
+    """Against Megatron's fused 16-bit layer (Korthikanti et al. 2022), by hand: at t = 1
+    with flash attention ours keeps 26 sbh bytes, Megatron's 34 sbh without its attention
+    term (its selective count) less the GeLU output (8: ours recomputes it from the MLP's
+    first output) and the two dropout masks (2: none without dropout) plus a second copy of
+    the attention context (2). With SP both divide the stream by t, but ours keeps f's
+    two gathered norm outputs whole (4 sbh: autodiff's residuals of the column-parallel
+    matmuls; Megatron gathers them again in the backward). remat=minimal drops the norm
+    outputs and the context's copy; full keeps the layer input."""
+    b, s, h, a, e = 1, 2048, 12288, 96, 2
     sbh = s * b * h
-    assert saved_ours == pytest.approx(2 * (12 + e) * sbh * (1 - 1 / t) - 2 * e * sbh)
-    # flash attention keeps no [s, s] probabilities, only a float32 [b, a/t, s]
-    flash = ours(b, s, h, a, t, e, flash=True)
-    assert ours(b, s, h, a, t, e) - flash == pytest.approx(a * s * s * b / t * 6 - 4 * b * a / t * s)
+    ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
+    flash = plan_model.scores_bytes(b, s, a, 1, e, flash=True)  # [b, a, s] float32
+    assert ours(b, s, h, a, 1, e, flash=True) == pytest.approx(26 * sbh + flash)
+    assert theirs(b, s, h, a, 1, remat="selective") - 8 * sbh - 2 * sbh + 2 * sbh == 26 * sbh
+    t = 8
+    split = 2 * (3 + 2 + 4) / t  # q, k, v, context twice, the MLP's first output: split
+    assert ours(b, s, h, a, t, e, sp=True, flash=True) == pytest.approx(
+        sbh * (4 / t + 4 + split) + flash / t)
+    assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal") == pytest.approx(
+        sbh * (4 / t + 2 * (3 + 1 + 4) / t) + flash / t)
+    assert ours(b, s, h, a, t, e, sp=True, remat="full") == pytest.approx(2 * sbh / t)
+    # without flash attention: the [b, a/t, s, s] probabilities in float32 and bf16
+    assert ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, flash=True) == pytest.approx(
+        a * s * s * b / t * 6 - 4 * b * a / t * s)
 
 
 @pytest.mark.parametrize("kind", schedules.KINDS)
@@ -524,19 +532,22 @@ SEED003_PROXIES = {
 def test_seed003_proxies_match_compiled_step():
     """--verify of the scaled seeds/003 runs: the plan within 10% of XLA's compiled step in
     all (host and device memory are one on CPU), its state to 2%, and its device total
-    within 10% of the step's device peak: the most of its temporaries live at once (XLA's
-    buffer live ranges) but the stacked gradients and layer inputs a GPU program keeps in
-    host memory. The device holds no whole layer stack: the peak is well under the
-    step's temporaries."""
-    reports = dict(zip(SEED003_PROXIES, verify_in_subprocess(list(SEED003_PROXIES.values()),
-                                                             base=[])))
+    within 15% of the step's device peak (the CPU program's band, as every --verify test
+    here: the planner models the GPU program's layer, tests/test_h100.py): the most of
+    its temporaries live at once (XLA's buffer live ranges) but the stacked gradients and
+    layer inputs a GPU program keeps in host memory. The device holds no whole layer
+    stack: the peak is well under the step's temporaries."""
+    # a process each: XLA dumps the step (whose live ranges give the device peak) only
+    # where the planner starts JAX
+    reports = {name: verify_in_subprocess([overrides], base=[])[0]
+               for name, overrides in SEED003_PROXIES.items()}
     assert len(reports) == 2
     for name, report in reports.items():
         check = report["verify"]
         assert check["memory_ratio"] == pytest.approx(1.0, abs=0.1), (name, check)
         assert check["xla_memory"]["argument"] == pytest.approx(
             check["planned_arguments"], rel=0.02), name
-        assert check["planned_device"] == pytest.approx(check["xla_device_peak"], rel=0.1), (
+        assert check["planned_device"] == pytest.approx(check["xla_device_peak"], rel=0.15), (
             name, check)
         assert check["xla_device_peak"] < 0.8 * check["xla_memory"]["temp"], name
 
