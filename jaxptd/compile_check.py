@@ -270,6 +270,10 @@ def format_report(report: dict) -> str:
     if report["planned_bytes"]:
         lines.append(f"  planner {report['planned_bytes'] / gib:.2f} GiB: "
                      f"{report['planned_ratio']:.2f} x the compiled step")
+    if report.get("offloaded_state_on_device"):
+        lines.append("  (XLA's devices without a GPU have no host memory: the offloaded "
+                     "state is compiled into device memory here, and the planner's "
+                     "device + host is compared)")
     if report["largest_buffers"]:
         lines.append("  largest buffers (XLA's memory report):")
         lines += [f"    {size / gib:8.3f} GiB  {shapes}  {what[:90]}"

@@ -577,8 +577,13 @@ def _verify_gpu(config: Config, args, target: Target) -> int:
     args.platform = target.platform
     planned = plan(config, args)
     compiled, seconds = compile_check.compile_step(config, target, args.gpus_per_node)
-    report = compile_check.analyse(config, compiled, target, seconds,
-                                   planned["memory_bytes_per_device"]["total"], dump)
+    # XLA's topology devices have no host memory: what a run offloads to the host is
+    # compiled into device memory, so the compiled total is the plan's device + host
+    offloads = config.offload.optimizer or config.offload.activations
+    expected = planned["memory_bytes_per_device"]["total"] + (
+        planned["host_memory_bytes_per_device"]["total"] if offloads else 0.0)
+    report = compile_check.analyse(config, compiled, target, seconds, expected, dump)
+    report["offloaded_state_on_device"] = offloads
     report["plan"] = planned
     print(json.dumps(report) if args.json else compile_check.format_report(report))
     return 0 if report["fits"] else 1

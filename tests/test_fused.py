@@ -70,3 +70,28 @@ def test_backward_keeps_only_the_inputs():
                            x, b + 1, b)
     assert [s for s in kept if s[-1] == 32 and len(s) == 3] == [x.shape]  # x once
     assert all(s[-1] in (1, 32) for s in kept)  # else: statistics [.., 1] and the params
+
+
+def test_softmax_keeps_its_output_and_matches_autodiff():
+    """fused.softmax: values and the scores' gradient equal autodiff of the plain masked
+    softmax (float64 reference), masked keys take no probability and no gradient; its
+    backward keeps the output only (and a scalar of the scores' dtype)."""
+    rng = np.random.default_rng(1)
+    scores = rng.normal(0, 3, (2, 3, 8, 8))
+    keep = np.tril(np.ones((8, 8), bool)) & (rng.random((2, 1, 1, 8)) > 0.2)
+    keep[..., 0] = True  # every row keeps a key
+    cot = rng.normal(size=scores.shape)
+
+    def plain(s, keep):
+        return jax.nn.softmax(jnp.where(keep, s * 0.5, -jnp.inf), axis=-1)
+    with jax.enable_x64(True):
+        y, vjp = jax.vjp(lambda s: plain(s, jnp.asarray(keep)), jnp.asarray(scores))
+        expected = (y, vjp(jnp.asarray(cot))[0])
+    y, vjp = jax.vjp(lambda s: fused.softmax(s, 0.5, jnp.asarray(keep), jnp.float32),
+                     jnp.asarray(scores, jnp.float32))
+    got = (y, vjp(jnp.asarray(cot, jnp.float32))[0])
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=2e-5, atol=2e-6)
+    assert np.all(np.asarray(got[0])[~np.broadcast_to(keep, scores.shape)] == 0)
+    kept = [leaf.shape for leaf in jax.tree.leaves(vjp)]
+    assert sorted(kept) == sorted([(), scores.shape]), kept

@@ -248,17 +248,18 @@ def gather_invariant(x, axis_name: str, axis: int, size: int):
     return lax.psum(placed, axis_name)
 
 
-def softmax_reference(scores, scale: float, causal: bool = True, mask=None):
-    """softmax(scale * scores) over the last axis in float32, keys masked out where the
-    bottom-right aligned causal mask or `mask` (True = masked, broadcastable) says.
+def softmax_reference(scores, scale: float, causal: bool = True, mask=None, dtype=None):
+    """softmax(scale * scores) over the last axis in float32 (-> dtype, default float32),
+    keys masked out where the bottom-right aligned causal mask or `mask` (True = masked,
+    broadcastable) says; its backward keeps only its output (fused.softmax).
     scores: [b, n, sq, sk]."""
     sq, sk = scores.shape[-2:]
-    logits = scores.astype(jnp.float32) * scale
+    keep = jnp.ones((), bool)
     if causal:
-        logits = jnp.where(jnp.tril(jnp.ones((sq, sk), dtype=bool), k=sk - sq), logits, -jnp.inf)
+        keep = jnp.tril(jnp.ones((sq, sk), dtype=bool), k=sk - sq)
     if mask is not None:
-        logits = jnp.where(mask, -jnp.inf, logits)
-    return jax.nn.softmax(logits, axis=-1)
+        keep = keep & ~mask
+    return fused.softmax(scores, scale, keep, dtype or jnp.float32)
 
 
 class LayerNorm(nn.Module):
@@ -392,7 +393,7 @@ def attention_core(q, k, v, key, *, cfg: ModelConfig, layout: Layout, scale: flo
         probs = fused_softmax(scores, scale=scale, causal=causal, mask=mask,
                               interpret=layout.platform != "gpu")
     else:
-        probs = softmax_reference(scores, scale, causal, mask)
+        probs = softmax_reference(scores, scale, causal, mask, cfg.dtype)
     probs = probs.astype(cfg.dtype)
     if key is not None:
         probs = _dropout(probs, cfg.dropout, key)
