@@ -27,8 +27,8 @@ inputs (jaxptd/model/fused.py), so a layer without recomputation keeps
                                  context and one more copy of it
     split [b, s, ffn/t]:         the first MLP matmul's output (SwiGLU: gate and up); the
                                  GeLU's output is recomputed from it
-    split [b, a/t, s, s]:        XLA attention only: the probabilities in float32 (flash
-                                 attention: a float32 [b, a/t, s])
+    split [b, a/t, s, s]:        XLA attention only: the probabilities in the compute
+                                 dtype (flash attention: a float32 [b, a/t, s])
 
 model.remat=minimal keeps x, the residual and the column-parallel matmul outputs and the
 attention's own outputs (norm outputs and an XLA attention core recomputed); full keeps x.
@@ -52,10 +52,10 @@ def params_formula(l: int, h: int, V: int, s: int) -> float:
 
 def scores_bytes(b, s, a, t, e, flash: bool = False) -> float:
     """What one layer keeps of its attention core: the [b, a/t, s, s] probabilities in
-    float32 (what selective recomputation drops; XLA casts them to the compute dtype
-    where they are used, measured on the H100 compile), or with flash attention only the
-    float32 log-sum-exp [b, a/t, s]."""
-    return 4 * b * a / t * s if flash else a * s * s * b / t * 4
+    the compute dtype (what selective recomputation drops; the softmax keeps only its
+    output: jaxptd/model/fused.py), or with flash attention only the float32 log-sum-exp
+    [b, a/t, s]."""
+    return 4 * b * a / t * s if flash else a * s * s * b / t * e
 
 
 def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False,

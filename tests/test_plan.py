@@ -176,9 +176,9 @@ def test_our_layer_is_megatrons_less_what_it_recomputes():
     assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal") == pytest.approx(
         sbh * (4 / t + 2 * (3 + 1 + 4) / t) + flash / t)
     assert ours(b, s, h, a, t, e, sp=True, remat="full") == pytest.approx(2 * sbh / t)
-    # without flash attention: the [b, a/t, s, s] probabilities in float32
+    # without flash attention: the [b, a/t, s, s] probabilities in the compute dtype
     assert ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, flash=True) == pytest.approx(
-        a * s * s * b / t * 4 - 4 * b * a / t * s)
+        a * s * s * b / t * e - 4 * b * a / t * s)
 
 
 @pytest.mark.parametrize("kind", schedules.KINDS)

@@ -386,18 +386,19 @@ def attention_core(q, k, v, key, *, cfg: ModelConfig, layout: Layout, scale: flo
     b, sq, heads, d = q.shape
     kv_heads, sk = k.shape[2], k.shape[1]
     grouped = q.reshape(b, sq, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k).reshape(b, heads, sq, sk)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k)  # [b, kv, heads / kv, sq, sk]
     if cfg.kernels == "pallas":
         from pallas_kernels import fused_softmax
 
-        probs = fused_softmax(scores, scale=scale, causal=causal, mask=mask,
-                              interpret=layout.platform != "gpu")
-    else:
-        probs = softmax_reference(scores, scale, causal, mask, cfg.dtype)
-    probs = probs.astype(cfg.dtype)
+        probs = fused_softmax(scores.reshape(b, heads, sq, sk), scale=scale, causal=causal,
+                              mask=mask, interpret=layout.platform != "gpu").reshape(
+                                  scores.shape).astype(cfg.dtype)
+    else:  # in the grouped shape: the softmax's output is the very array the matmul keeps
+        grouped_mask = None if mask is None or mask.ndim < 4 else mask[:, :, None]
+        probs = softmax_reference(scores, scale, causal,
+                                  mask if grouped_mask is None else grouped_mask, cfg.dtype)
     if key is not None:
         probs = _dropout(probs, cfg.dropout, key)
-    probs = probs.reshape(b, kv_heads, heads // kv_heads, sq, sk)
     return jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, sq, heads, d)
 
 
