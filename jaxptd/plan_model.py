@@ -94,11 +94,17 @@ def korthikanti_layer_bytes(b, s, h, a, t, sp: bool = False, remat: str = "none"
 
 
 def dense_tap_bytes(b, s, h, t, e) -> float:
-    """What a zero-bubble B keeps per layer for its W: each dense() matmul's input (the
-    gathered [b, s, h] twice, the context [b, s, h/t], the GeLU output [b, s, 4h/t]) and its
-    output gradient (qkv [b, s, 3h/t], the two row-parallel partial sums [b, s, h], fc1
-    [b, s, 4h/t]), in the compute dtype: sbh (4 + 12/t) e."""
-    return s * b * h * (4 + 12 / t) * e
+    """What a zero-bubble B keeps per layer for its W: each dense() matmul's input
+    (dense_input_bytes) and its output gradient (qkv [b, s, 3h/t], the two row-parallel
+    partial sums [b, s, h], fc1 [b, s, 4h/t]), in the compute dtype: sbh (4 + 12/t) e."""
+    return dense_input_bytes(b, s, h, t, e) + s * b * h * (2 + 7 / t) * e
+
+
+def dense_input_bytes(b, s, h, t, e) -> float:
+    """Each dense() matmul's input, a layer's: the gathered [b, s, h] twice, the context
+    [b, s, h/t], the GeLU output [b, s, 4h/t]: sbh (2 + 5/t) e. A zero-bubble schedule's F
+    tapes them beside what its backward keeps (jaxptd/model/__init__.py)."""
+    return s * b * h * (2 + 5 / t) * e
 
 
 def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
@@ -122,8 +128,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     (each layer keeps its input). The backward transient of a layer is half a layer
     without recomputation (the cotangents of the layer being differentiated), plus what it
     recomputes: its probabilities (selective, and minimal with XLA attention), the rest
-    of the layer (minimal); with full recomputation the recomputed layer and cotangents as
-    large. pipe = 1: one microbatch through all layers.
+    of the layer (minimal), the whole layer (full); with XLA attention also the softmax
+    backward's float32 gradients of the probabilities and the scores. pipe = 1: one microbatch through all layers.
     offload (pipe = 1): each layer's input waits in host memory and the layer is
     recomputed, whatever remat says. (FSDP gathers a layer's weights again for its
     backward: a layer keeps none.) pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
@@ -143,17 +149,16 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
-    # (full: the recomputed layer and its cotangents, as large: measured on the CPU
-    # compile of seeds/003's proxies, tests/test_plan.py)
     transient = {"none": 0.5 * layer, "minimal": 1.5 * layer - kept,
-                 "selective": 0.5 * layer + scores, "full": 2.0 * layer}[remat]
+                 "selective": 0.5 * layer + scores, "full": 1.5 * layer}[remat]
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients
         transient += 2 * scores
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0
     if pipe > 1:
         slots = slots or {}
-        per_slot = stage_input + (chunk_layers * kept + stage_input
+        taped = dense_input_bytes(b, s, h, t, e) if slots.get("w") else 0.0
+        per_slot = stage_input + (chunk_layers * (kept + taped) + stage_input
                                   if keep_activations else 0.0)
         stash = (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
                  + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, s, h, t, e))

@@ -253,7 +253,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     runs = {r["variant"]: r for r in doc["runs"] if r["model"] == "gpt-toy"}
     assert set(runs) == {"base", "attention=xla,b=2", "attention=xla,kernels=pallas,b=2",
                          "attention=xla,remat=selective", "kernels=pallas", "remat=full",
-                         "b=1", "b=2", "b=8", "b=4", "b=16"}
+                         "remat=minimal", "scan=true", "b=1", "b=2", "b=8", "b=4", "b=16"}
     for variant, row in runs.items():
         assert_measured(row)
     assert runs["remat=full"]["flops_per_iteration"] > runs["base"]["flops_per_iteration"]

@@ -241,13 +241,14 @@ def layer_grad_hlo(setup: Setup) -> str:
 
 def test_sequence_parallel_layer_gathers_and_scatters_activations():
     """SP: one layer's forward and backward move activations only by all-gathers and
-    reduce-scatters over tensor, [b, s/t, h] <-> [b, s, h]: two of each direction per pass
-    (before QKV / fc1, after the output / fc2), no all-reduce of an activation."""
+    reduce-scatters over tensor, of the tokens in row order [b s/t, h] <-> [b s, h] (contiguous
+    blocks, so neither needs a transpose): two of each direction per pass (before QKV / fc1,
+    after the output / fc2), no all-reduce of an activation."""
     data, tensor = 2, 4
     setup = make_setup(data, tensor, layers=1, extra=["parallel.sequence_parallel=true"])
     found = collectives(layer_grad_hlo(setup))
     b, tensor_groups = BATCH // data, mesh_groups(setup, "tensor")
-    full, part = (b, SEQ, H), (b, SEQ // tensor, H)
+    full, part = (b * SEQ, H), (b * SEQ // tensor, H)
     gathers = [line for op, shapes, line in found if op == "all-gather" and full in shapes]
     scatters = [line for op, shapes, line in found if op == "reduce-scatter" and part in shapes]
     assert len(gathers) == 4 and len(scatters) == 4, (len(gathers), len(scatters))
