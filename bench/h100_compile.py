@@ -98,7 +98,7 @@ def main() -> int:
     print("\nGiB: compiled memory a device; plan/x: the planner's bytes over it; overlap: "
           "collective launches a step with a GEMM, attention or loop in flight / all; conds: "
           "most conditionals in one loop body; ms and MFU<=: the static cost report "
-          "(jaxptd/hlo.py).")
+          "(jaxptd/hlo/).")
     print("reproduce: python bench/h100_compile.py" + (" --only " + " ".join(
         repr(n) for n in args.only) if args.only else ""))
     if args.out:

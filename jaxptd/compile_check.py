@@ -9,7 +9,7 @@ compiled program: memory a device against what the target may use; the largest b
 (from XLA's own memory report, when the process dumps it) and what they hold; the
 asynchronous collectives and whether computation runs while they are in flight; loops and
 the conditionals inside them; cuDNN, cuBLAS and Triton calls; and the static cost report
-of jaxptd/hlo.py, labelled an estimate: its roofline time and the MFU ceiling it implies.
+of jaxptd/hlo/, labelled an estimate: its roofline time and the MFU ceiling it implies.
 Nothing runs on a device; nothing here needs a GPU, only the CUDA compiler plugin
 (`pip install -e '.[h100]'`).
 """
@@ -171,7 +171,7 @@ def dimension_names(config: Config) -> dict:
 
 
 def cost_report(config: Config, module: hlo.Module, target: Target) -> dict:
-    """The static cost report (jaxptd/hlo.py): time, FLOPs, bytes and launches by kernel
+    """The static cost report (jaxptd/hlo/): time, FLOPs, bytes and launches by kernel
     category and by phase, kernels a layer, and the MFU ceiling: PTD-P eq. (3)'s model
     FLOPs without recomputation per device over the roofline time at the target's peak."""
     from jaxptd.metrics import flops_per_iteration

@@ -1,5 +1,5 @@
 """The GPU program, compiled for H100s by XLA's GPU compiler on this CPU machine (no GPU:
-jaxptd/target.py's topology devices, jaxptd/compile_check.py's report, jaxptd/hlo.py's
+jaxptd/target.py's topology devices, jaxptd/compile_check.py's report, jaxptd/hlo/'s
 analysis). Small shapes; the 1.3B table is bench/h100_compile.py.
 
 What it holds the program to: the Pallas kernels compile for sm_90a without register
@@ -247,7 +247,7 @@ ENTRY %main (x: bf16[64,128], y: bf16[128,32], z: f32[10,64,32]) -> f32[10,64,32
 
 
 def test_static_cost_counts_a_known_program():
-    """jaxptd/hlo.py's walk on a hand-written program (no compiler needed, but kept with
+    """jaxptd/hlo/'s walk on a hand-written program (no compiler needed, but kept with
     the GPU checks it serves): a dot fusion in a loop of 10 (trip count from the
     condition's constant) is 10 x 2 m n k FLOPs and its operands and result; the
     dynamic-update-slice fusion writes its update [64, 32] in float32 (and reads the bf16

@@ -1,0 +1,190 @@
+"""The kernels a compiled step launches and their static cost (the package docstring
+says how it counts), and `walk`, the traversal of the scheduled program the other
+analyses share."""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from jaxptd.hlo.text import COLLECTIVES, STRUCTURAL, Computation, Instr, Module, arrays, nbytes
+
+
+@dataclass
+class Kernel:
+    """One kernel of the program, launched `count` times a step."""
+    name: str
+    computation: str
+    category: str  # gemm | attention | fill | stack write | copy | other
+    phase: str  # forward | backward | update (from the op's jax name)
+    flops: float
+    bytes: float
+    count: float
+    is_layer: bool  # the op belongs to a transformer layer (Block)
+
+    def seconds(self, peak: float, bandwidth: float) -> float:
+        return max(self.flops / peak, self.bytes / bandwidth)
+
+
+def trip_count(module: Module, loop: Instr) -> int:
+    """A while loop's trip count: XLA's known_trip_count, else its condition's constant."""
+    known = loop.backend_config().get("known_trip_count", {}).get("n")
+    if known is not None:
+        return int(known)
+    values = [int(i.args) for i in module[loop.attr("condition")].instrs
+              if i.opcode == "constant" and re.fullmatch(r"-?\d+", i.args.strip())]
+    return max(values, default=1)
+
+
+def _first_dims(type_text: str) -> tuple:
+    return arrays(type_text)[0][1]
+
+
+def _dot_flops(comp: Computation, dot: Instr) -> float:
+    """2 x prod(result dims) x prod(contracting dims) of one dot."""
+    lhs = comp.by_name[dot.operands[0]]
+    contracting = (dot.attr("lhs_contracting_dims") or "{}").strip("{}")
+    size = math.prod(_first_dims(lhs.type)[int(d)] for d in contracting.split(",") if d)
+    return 2.0 * math.prod(_first_dims(dot.type)) * size
+
+
+def _dots_flops(module: Module, comp: Computation) -> float:
+    """FLOPs of every dot in a fused computation and what it calls (nested GEMM fusions)."""
+    return sum(_dot_flops(comp, i) if i.opcode == "dot" else 0.0 for i in comp.instrs) + \
+        sum(_dots_flops(module, module[c]) for i in comp.instrs for c in i.called()
+            if c in module.computations)
+
+
+def _gemm_call_flops(comp: Computation, call: Instr) -> float:
+    """A cuBLAS custom call: its dot dimension numbers are in the backend config."""
+    dims = call.backend_config().get("gemm_backend_config", {}).get("dot_dimension_numbers", {})
+    lhs = _first_dims(comp.by_name[call.operands[0]].type)
+    size = math.prod(lhs[int(d)] for d in dims.get("lhs_contracting_dimensions", []))
+    return 2.0 * math.prod(_first_dims(call.type)) * size
+
+
+def _attention_flops(call: Instr) -> float:
+    """cuDNN flash attention: 4 x the [b, h, sq, skv] intermediate x d forward, halved
+    when causal; the backward 2.5 x that."""
+    config = call.backend_config().get("cudnn_fmha_backend_config", {})
+    scores = [int(x) for x in config.get("intermediate_tensor_shape", {}).get("dimensions", [])]
+    flops = 4.0 * math.prod(scores) * _first_dims(call.type)[-1] if scores else 0.0
+    if config.get("mask_type") == "CAUSAL":
+        flops /= 2
+    return flops * (2.5 if "Backward" in (call.attr("custom_call_target") or "") else 1.0)
+
+
+def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
+    """Operands and results once, but slices read and updates written (module docstring)."""
+    body = module[fusion.attr("calls")]
+    users: dict = {}
+    for i in body.instrs:
+        for o in i.operands:
+            users.setdefault(o, []).append(i)
+    root = body.root
+    outputs = [body.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
+    updated = {o.operands[0] for o in outputs if o.opcode == "dynamic-update-slice"}
+    total = 0.0
+    for param in (i for i in body.instrs if i.opcode == "parameter"):
+        readers = users.get(param.name, [])
+        if param.name in updated:
+            continue  # the buffer written in place: its update counts, below
+        if readers and all(r.opcode in ("slice", "dynamic-slice", "gather") for r in readers):
+            total += sum(nbytes(r.type) for r in readers)
+        else:
+            total += nbytes(comp.by_name[fusion.operands[int(param.args)]].type)
+    return total + sum(nbytes(body.by_name[o.operands[1]].type)
+                       if o.opcode == "dynamic-update-slice" else nbytes(o.type)
+                       for o in outputs)
+
+
+def _phase(op_name: str) -> str:
+    """forward, backward (autodiff's transpose) or update (outside the gradient)."""
+    if "transpose(" in op_name:
+        return "backward"
+    return "forward" if "jvp(" in op_name else "update"
+
+
+def kernel(module: Module, comp: Computation, instr: Instr, count: float) -> Kernel:
+    """One kernel's category, FLOPs and bytes (module docstring)."""
+    flops, category = 0.0, "other"
+    plain = nbytes(instr.type) + sum(nbytes(comp.by_name[o].type) for o in instr.operands
+                                     if o in comp.by_name)
+    if instr.opcode == "fusion":
+        body = module[instr.attr("calls")]
+        flops, moved = _dots_flops(module, body), _fusion_bytes(module, comp, instr)
+        outputs = body.root.operands if body.root.opcode == "tuple" else [body.root.name]
+        if flops:
+            category = "gemm"
+        elif not instr.operands:
+            category = "fill"
+        elif any(body.by_name[o].opcode == "dynamic-update-slice" for o in outputs):
+            category = "stack write"
+    else:
+        moved = plain
+        target = instr.attr("custom_call_target") or ""
+        if target.startswith("__cudnn$fmha"):
+            flops, category = _attention_flops(instr), "attention"
+        elif target.startswith("__cublas"):
+            flops, category = _gemm_call_flops(comp, instr), "gemm"
+        elif instr.opcode == "copy":
+            category = "copy"
+    op_name = instr.op_name
+    return Kernel(instr.name, comp.name, category, _phase(op_name), flops, moved, count,
+                  "Block/" in op_name)
+
+
+def collective_started(module: Module, instr: Instr) -> str | None:
+    """The collective an instruction starts (None if it starts none)."""
+    if instr.opcode == "async-start":
+        wrapped = module[instr.attr("calls")].root
+        return wrapped.base if wrapped.base in COLLECTIVES else None
+    if instr.opcode in ("send", "recv") or (instr.opcode.endswith("-start")
+                                            and instr.base in COLLECTIVES):
+        return instr.base
+    return None
+
+
+def walk(module: Module, visit, comp: str | None = None, count: float = 1.0,
+         branches=None) -> None:
+    """Calls visit(computation, instruction, count) for every instruction the scheduled
+    program runs, `count` times a step: loop bodies times their trip count, calls and
+    non-collective async computations entered, and of a conditional the branches that
+    `branches(conditional, names, count)` returns (default: all of them)."""
+    comp = module[comp or module.entry]
+    for instr in comp.instrs:
+        visit(comp, instr, count)
+        op = instr.opcode
+        if op == "while":
+            walk(module, visit, instr.attr("body"), count * trip_count(module, instr), branches)
+        elif op == "conditional":
+            names = instr.called()
+            for name in names if branches is None else branches(instr, names, count):
+                walk(module, visit, name, count, branches)
+        elif op == "call" or (op == "async-start" and not collective_started(module, instr)):
+            walk(module, visit, instr.called()[0], count, branches)
+
+
+def counts_as_kernel(module: Module, instr: Instr) -> bool:
+    return not (instr.opcode in STRUCTURAL or instr.opcode in ("while", "conditional", "call",
+                                                               "async-start", "copy-start")
+                or instr.base in COLLECTIVES)
+
+
+def cost(module: Module, peak: float, bandwidth: float) -> list:
+    """Every kernel the step launches (Kernel, with its launches a step) in program order,
+    of each conditional its costlier branch."""
+    def kernels_of(comp: str | None, count: float) -> list:
+        found = []
+
+        def visit(c, instr, n):
+            if counts_as_kernel(module, instr):
+                found.append(kernel(module, c, instr, n))
+        walk(module, visit, comp, count, costlier)
+        return found
+
+    def costlier(_, names, count):
+        seconds = [sum(k.seconds(peak, bandwidth) * k.count for k in kernels_of(n, count))
+                   for n in names]
+        return [names[seconds.index(max(seconds))]]
+    return kernels_of(None, 1.0)

@@ -1,0 +1,125 @@
+"""What the schedule of a compiled step runs when: every collective with what is in flight
+between its start and its done, and every loop with the conditionals its body holds."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxptd.hlo.cost import collective_started, counts_as_kernel, kernel, trip_count, walk
+from jaxptd.hlo.text import COLLECTIVES, DTYPE_BITS, Computation, Instr, Module, arrays, nbytes
+
+
+@dataclass
+class Collective:
+    """One asynchronous (or synchronous) collective and what runs while it is in flight."""
+    name: str
+    kind: str  # all-reduce, all-gather, reduce-scatter, collective-permute, send, recv, ...
+    computation: str
+    bytes: float
+    count: float  # times a step
+    overlap: tuple  # what runs between start and done: 'gemm', 'attention', 'loop'
+    between: int  # kernels scheduled between start and done
+    op_name: str
+
+
+def _between(comp: Computation, start: int, done: int | None) -> list:
+    """Instructions scheduled after the start and before the done (wrapping around the
+    loop body when the done comes first: the collective crosses an iteration)."""
+    if done is None:
+        return comp.instrs[start + 1:]
+    if done > start:
+        return comp.instrs[start + 1:done]
+    return comp.instrs[start + 1:] + comp.instrs[:done]
+
+
+def _compute_in(module: Module, comp: Computation, instrs) -> set:
+    """The kinds of real compute among instructions: gemm, attention, loop."""
+    kinds = set()
+    for instr in instrs:
+        if instr.opcode == "while":
+            kinds.add("loop")
+        elif instr.opcode in ("conditional", "call"):
+            for name in instr.called():
+                kinds |= _compute_in(module, module[name], module[name].instrs)
+        elif counts_as_kernel(module, instr):
+            category = kernel(module, comp, instr, 1).category
+            if category in ("gemm", "attention"):
+                kinds.add(category)
+    return kinds
+
+
+def collectives(module: Module) -> list:
+    """Every collective the step runs (every branch of a conditional), with its overlap."""
+    found = []
+
+    def visit(comp, instr, count):
+        kind = collective_started(module, instr)
+        if kind is None:
+            if instr.base in COLLECTIVES and not instr.opcode.endswith("-done"):
+                found.append(Collective(instr.name, instr.base, comp.name, nbytes(instr.type),
+                                        count, (), 0, instr.op_name))  # synchronous
+            return
+        position = comp.instrs.index(instr)
+        done = next((j for j, i in enumerate(comp.instrs)
+                     if i.opcode.endswith("-done") and instr.name in i.operands), None)
+        between = _between(comp, position, done)
+        found.append(Collective(
+            instr.name, kind, comp.name, _message_bytes(module, instr), count,
+            tuple(sorted(_compute_in(module, comp, between))),
+            sum(counts_as_kernel(module, i) for i in between), instr.op_name))
+    walk(module, visit)
+    return found
+
+
+def _message_bytes(module: Module, start: Instr) -> float:
+    """Bytes a collective delivers: an async computation's result, an all-reduce's
+    (possibly combined) operands, else the largest array of the start's tuple (a send's
+    data beside its token, a gather's output beside its input)."""
+    if start.opcode == "async-start":
+        return nbytes(module[start.attr("calls")].root.type)
+    if start.base == "all-reduce":
+        return nbytes(start.type)
+    return max(math.prod(dims) * DTYPE_BITS[d] / 8 for d, dims in arrays(start.type))
+
+
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A while loop: how often it runs, and what its body holds (nested loops apart)."""
+    name: str
+    computation: str
+    body: str
+    trip: int
+    count: float  # times the loop itself runs a step
+    conditionals: int
+    collectives: int
+    kernels: int  # kernels per iteration (outside nested loops)
+
+
+def loops(module: Module) -> list:
+    """Every while loop of the step, outermost first."""
+    found = []
+
+    def visit(comp, instr, count):
+        if instr.opcode != "while":
+            return
+        body = module[instr.attr("body")]
+        found.append(Loop(instr.name, comp.name, body.name, trip_count(module, instr), count,
+                          _count(module, body, lambda i: i.opcode == "conditional"),
+                          _count(module, body, lambda i: collective_started(module, i)
+                                 is not None),
+                          _count(module, body, lambda i: counts_as_kernel(module, i))))
+    walk(module, visit)
+    return found
+
+
+def _count(module: Module, comp: Computation, test) -> int:
+    """Instructions of a computation (and its calls and branches, not nested loops) that
+    pass `test`."""
+    total = 0
+    for instr in comp.instrs:
+        total += bool(test(instr))
+        if instr.opcode in ("conditional", "call"):
+            total += sum(_count(module, module[c], test) for c in instr.called())
+    return total
