@@ -2,6 +2,8 @@
 
 - ``prepare.py``: ``python -m jaxptd.data.prepare`` and ``prepare_corpus`` (text -> token
   directory, atomically), the built-in ``pystdlib`` corpus and ``resolve_corpus``.
+- ``documents.py``: which input files are documents, and each document's split key and
+  text (a file, or a JSON Lines line).
 - ``tokenizer.py``: document bytes -> token ids, byte-level or a Hugging Face
   ``tokenizers`` JSON file (the optional package ``tokenizers``).
 - ``dataset.py``: ``TokenDataset`` (memmapped split; ``batch(seed, step, ...)`` is a pure

@@ -28,6 +28,7 @@ Invariants:
   unless ``exist_ok=True``, which makes preparation a no-op; ``resolve_corpus`` uses that.
 - A storage failure while writing (a full disk, a file-size limit) leaves nothing behind
   (the staging directory or temporary files are removed) and is one StorageError line.
+- Which files are documents and how each one is read: ``documents.py``.
 - Tokens: the byte tokenizer (vocab 257), or a Hugging Face ``tokenizers`` JSON file
   when given (the package is optional); ``tokenizer.py`` owns both.
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fnmatch
 import hashlib
 import json
 import os
@@ -55,6 +55,7 @@ import numpy as np
 from jaxptd import storage
 from jaxptd.data import megatron
 from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta, val_tail
+from jaxptd.data.documents import find_documents, read_documents
 from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
 
 STDLIB_CORPUS = "pystdlib"
@@ -64,100 +65,12 @@ STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tes
                                   "idlelib", "__pycache__"})
 
 
-def find_documents(inputs: Sequence[str], glob: str,
-                   excluded_dirs: frozenset[str] = frozenset()) -> list[tuple[str, Path]]:
-    """Input files as (split key, path), in a deterministic order.
-
-    Args:
-      inputs: files, or directories searched recursively for ``glob``.
-      glob: file name pattern (fnmatch, no "/") for directories, e.g. "*.txt".
-      excluded_dirs: directory names skipped anywhere below an input directory.
-    Returns:
-      [(key, path)]: inputs in the order given, each directory's files sorted by key.
-    """
-    documents, seen = [], set()
-    for given in inputs:
-        root = Path(given)
-        if root.is_file():
-            found = [(root.name, root)]
-        elif root.is_dir():
-            found = sorted(_walk(root, glob, excluded_dirs))
-        else:
-            raise DataError(f"--input {given!r} does not exist; expected a text file or "
-                            "a directory")
-        for key, path in found:
-            if path.resolve() not in seen:
-                seen.add(path.resolve())
-                documents.append((key, path))
-    if not documents:
-        raise DataError(f"--input {list(inputs)} holds no files matching --glob {glob!r}")
-    return documents
-
-
-def _walk(root: Path, glob: str, excluded_dirs: frozenset[str]) -> list[tuple[str, Path]]:
-    """(key, path) of files below ``root`` whose name matches ``glob``.
-
-    os.walk rather than Path.rglob so excluded directories (site-packages can dwarf the
-    stdlib) are pruned instead of walked and filtered.
-    """
-    found = []
-    for directory, subdirs, names in os.walk(root):
-        subdirs[:] = [name for name in subdirs if name not in excluded_dirs]
-        for name in fnmatch.filter(names, glob):
-            path = Path(directory, name)
-            if path.is_file():
-                found.append((path.relative_to(root).as_posix(), path))
-    return found
-
-
 PATH_RULE = "sha256(document key) / 2**64 < val_fraction"
 TOKEN_RULE = "the last val_fraction of the tokens (too few documents for the key rule)"
 
 
 def _hash_unit(key: str) -> float:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
-
-
-def _read_document(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") from None
-
-
-def _jsonl_documents(key: str, path: Path, field: str) -> Iterator[tuple[str, bytes]]:
-    """(key:line, UTF-8 text) of every non-blank line of a JSON Lines file."""
-    try:
-        handle = open(path, "rb")
-    except OSError as err:
-        raise DataError(f"input file {str(path)!r} is not readable ({err.strerror})") from None
-    with handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
-                raise DataError(f"input file {str(path)!r} line {number}: not JSON; "
-                                f"--jsonl-key {field} reads JSON Lines (one object a line)") \
-                    from None
-            text = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                fields = list(record)[:8] if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"input file {str(path)!r} line {number}: no text field "
-                                f"--jsonl-key {field!r} (it has {fields})")
-            yield f"{key}:{number}", text.encode("utf-8")
-
-
-def _documents(documents: list[tuple[str, Path]],
-               jsonl_key: str | None) -> Iterator[tuple[str, Path, bytes]]:
-    """(split key, file, bytes) of every document, in order."""
-    for key, path in documents:
-        if jsonl_key is None:
-            yield key, path, _read_document(path)
-        else:
-            for line_key, data in _jsonl_documents(key, path, jsonl_key):
-                yield line_key, path, data
 
 
 def _write_splits(documents: list[tuple[str, Path]], val_fraction: float,
@@ -223,7 +136,7 @@ def _encoded(documents: list[tuple[str, Path]], tokenizer: Tokenizer,
     tokens stays empty, no eot (Megatron's preprocess_data.py --append-eod: an eot ends a
     document, it is not one)."""
     eot = np.array([tokenizer.eot_id], dtype=tokenizer.dtype)
-    for key, path, data in _documents(documents, jsonl_key):
+    for key, path, data in read_documents(documents, jsonl_key):
         ids = _encode(tokenizer, data, path)
         yield key, np.concatenate([ids, eot]) if len(ids) else ids
 
