@@ -17,7 +17,6 @@ import math
 import sys
 import tempfile
 
-import jaxptd.plan
 from jaxptd import compile_check
 from jaxptd.config import Config, ConfigError, load_config
 from jaxptd.plan import report as plan_report
@@ -28,9 +27,18 @@ from jaxptd.plan.verify import cpu_backend, start_cpu_compiler, verify
 from jaxptd.target import TARGETS, Target
 from jaxptd.units import GB
 
+DESCRIPTION = """Plan a PTD-P run before it runs, and check the plan against XLA: the real
+model's parameter count and per-device shards from `jax.eval_shape` of the initialiser and
+the logical sharding rules (no mesh, no memory, so a 3072-GPU config plans on a laptop),
+the schedule's bubble and buffers from the simulator and the lowering, memory, time and
+communication; `--search` ranks the layouts that fit; `--verify` compiles (never runs) the
+real training step on simulated CPU devices, or for a GPU --target without one, and
+prints XLA's analyses beside the plan. Device memory is --memory-gb per device, host
+memory --host-memory-gb per node shared by --gpus-per-node devices (offloading puts
+optimizer state and layer inputs there); a plan fits when both do."""
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m jaxptd.plan", description=jaxptd.plan.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jaxptd.plan", description=DESCRIPTION)
     parser.add_argument("--config", help="YAML file (defaults when omitted)")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
