@@ -1,6 +1,6 @@
 """`python -m jaxptd.plan`'s command line: its flags, what it prints, its exit status.
 
-Owns turning the flags into the library's typed input once (`inputs`: the target's
+Owns turning the flags into the library's typed input once (`_plan_inputs`: the target's
 record with the flags' numbers in it, jaxptd/plan/inputs.py) and the three ways a run goes:
 a plan (or --search's table), printed as text or --json; --verify on simulated CPU
 devices (jaxptd/plan/verify.py); and --verify for a GPU --target, the step compiled for it
@@ -36,6 +36,7 @@ real training step on simulated CPU devices, or for a GPU --target without one, 
 prints XLA's analyses beside the plan. Device memory is --memory-gb per device, host
 memory --host-memory-gb per node shared by --gpus-per-node devices (offloading puts
 optimizer state and layer inputs there); a plan fits when both do."""
+
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m jaxptd.plan", description=DESCRIPTION)
@@ -101,7 +102,7 @@ def _target(args, config: Config) -> Target:
     return TARGETS[name]
 
 
-def inputs(args, target: Target, platform: str) -> PlanInputs:
+def _plan_inputs(args, target: Target, platform: str) -> PlanInputs:
     """The plan's typed input: target's record with the numbers the flags set in it (GB ->
     bytes), the time model's sustained FLOP/s (default: half the dense bf16 peak), and
     `platform`, the program the plan is for."""
@@ -120,6 +121,7 @@ def _fail(message: str):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
+
 def main(argv=None) -> int:
     """CLI entry: bad input -> 'error: ...' on stderr, exit 2."""
     args = _parse_args(argv)
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
         target = _target(args, config)
         on_gpu = args.verify and named and target.chip is not None  # compiled for it
         # what the plan is for: the target, or the CPU program --verify compiles
-        given = inputs(args, target, "cpu" if args.verify and not on_gpu else target.platform)
+        given = _plan_inputs(args, target,
+                             "cpu" if args.verify and not on_gpu else target.platform)
         if on_gpu:
             return _search_and_compile(config, args, given, target) if args.search else \
                 _verify_gpu(config, args, given, target)
