@@ -20,6 +20,7 @@ import json
 import pathlib
 import sys
 
+from jaxptd.units import GB
 from report import cell
 
 SUMMARY = ("tokens_per_s", "tflops_per_device", "mfu", "tflops_6n", "mfu_6n",
@@ -82,7 +83,7 @@ def _problem(row: dict) -> str | None:
 
 def _line(run: dict, summary: dict) -> str:
     row = dict(run, step_ms=run["step_time_s"] * 1e3 if "step_time_s" in run else None,
-               peak_gb=run["peak_memory_bytes"] / 1e9 if run.get("peak_memory_bytes") else None)
+               peak_gb=run["peak_memory_bytes"] / GB if run.get("peak_memory_bytes") else None)
     if run["variant"] == "base":
         row.update((k, summary.get(run["model"], {}).get(k))
                    for k in ("baseline_tokens_per_s", "speedup"))

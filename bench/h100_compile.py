@@ -19,6 +19,8 @@ import os
 import subprocess
 import sys
 
+from jaxptd.units import GiB
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml")
 B = 4  # sequences a microbatch
@@ -72,12 +74,12 @@ def run(name: str) -> dict:
 def row_text(r: dict) -> str:
     if "error" in r:
         return f"{r['name']:<28} {r['error'][:100]}"
-    gib, cost = 2**30, r["cost"]
+    cost = r["cost"]
     kinds = r["collectives"]["by_kind"]
     overlap = sum(k.get("overlapped", 0) for k in kinds.values())
     launches = sum(k.get("launches", 0) for k in kinds.values())
     conds = max((lp["conditionals"] for lp in r["loops"]), default=0)
-    return (f"{r['name']:<28} {r['memory']['total'] / gib:7.1f} "
+    return (f"{r['name']:<28} {r['memory']['total'] / GiB:7.1f} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['planned_ratio'] or 0:6.2f} "
             f"{overlap:5.0f}/{launches:<5.0f} {conds:5d} {cost['seconds'] * 1e3:8.1f} "
             f"{cost['mfu_ceiling']:6.3f} {r['compile_s']:6.1f}")

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import Layout, attention_core
+from jaxptd.units import GB
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
 from report import cell, result_path
 
@@ -71,7 +72,7 @@ def copy_bandwidth(elems, reps):
     """Memory bandwidth in GB/s of an elementwise device-to-device copy (read + write)."""
     src = jnp.ones((elems,), jnp.bfloat16)
     seconds = median_seconds(jax.jit(jnp.negative), (src,), reps)
-    return 2 * src.nbytes / seconds / 1e9
+    return 2 * src.nbytes / seconds / GB
 
 
 def _vjp_both(fn):
@@ -146,7 +147,7 @@ def measure(shapes, reps, cudnn=True):
         for op, impl, pass_, fn, args, nbytes in cases:
             outputs[op, impl, pass_] = fn(*args)
             seconds = median_seconds(fn, args, reps)
-            gbps = None if nbytes is None else nbytes / seconds / 1e9
+            gbps = None if nbytes is None else nbytes / seconds / GB
             rows.append(dict(op=op, impl=impl, pass_=pass_, ms=seconds * 1e3, gbps=gbps,
                              pct_hbm=None if gbps is None else 100 * gbps / bandwidth))
     for row in rows:

@@ -36,6 +36,7 @@ from jaxptd.pipeline.lowering import segments  # noqa: E402
 from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
 from jaxptd.pipeline.simulate import simulate  # noqa: E402
 from jaxptd.step import Setup, build_train_step  # noqa: E402
+from jaxptd.units import MB  # noqa: E402
 
 MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8",
          "model.seq_len=128", "model.vocab_size=512", "train.global_batch=32"]
@@ -124,8 +125,8 @@ def main(argv=None):
     for row in rows:
         row["ratio"] = row["step_s"] / baseline
         print(f"{row['name']:17s} {row['pipe']:2d} {row['chunks']:2d} {row['microbatches']:3d} "
-              f"{row['ratio']:6.2f} {row['bubble']:7.3f} {row['temp_bytes'] / 1e6:8.2f} "
-              f"{row['sent_bytes'] / 1e6:8.2f} {row.get('useful_bytes', 0) / 1e6:9.2f}")
+              f"{row['ratio']:6.2f} {row['bubble']:7.3f} {row['temp_bytes'] / MB:8.2f} "
+              f"{row['sent_bytes'] / MB:8.2f} {row.get('useful_bytes', 0) / MB:9.2f}")
     print(f"\nratio: median step time / the unpipelined step (data 8, m = 2, the same b = 2),"
           f" measured before and after the cases: {baseline_before:.3f} s and "
           f"{baseline_after:.3f} s.\nreproduce: python bench/pipeline.py --steps {args.steps}")

@@ -24,8 +24,9 @@ from collections import Counter, defaultdict
 from jaxptd import hlo
 from jaxptd.config import Config, ConfigError
 from jaxptd.target import Target, TargetError, topology_devices
+from jaxptd.units import GB, MB, GiB, KiB, MiB, TiB
 
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}  # XLA's memory report
 
 
 def dump_flags(directory: str) -> str:
@@ -258,17 +259,16 @@ def analyse(config: Config, compiled, target: Target, seconds: float,
 
 def format_report(report: dict) -> str:
     """The report as text: memory, buffers, collectives, loops, calls, cost."""
-    gib = 2**30
     mem, cost = report["memory"], report["cost"]
     lines = [f"compiled for {report['devices']} x {report['target']} in "
              f"{report['compile_s']:.1f} s (no device: XLA's GPU compiler, the run's XLA options)",
-             f"memory/dev  {mem['total'] / gib:.2f} GiB of {report['usable_bytes'] / gib:.2f} "
+             f"memory/dev  {mem['total'] / GiB:.2f} GiB of {report['usable_bytes'] / GiB:.2f} "
              f"GiB usable: {'fits' if report['fits'] else 'DOES NOT FIT'} (margin "
-             f"{report['margin_bytes'] / gib:+.2f} GiB)   arguments {mem['argument'] / gib:.2f}"
-             f"  temporaries {mem['temp'] / gib:.2f}  outputs not aliased "
-             f"{(mem['output'] - mem['alias']) / gib:.2f}  host {mem['host_argument'] / gib:.2f}"]
+             f"{report['margin_bytes'] / GiB:+.2f} GiB)   arguments {mem['argument'] / GiB:.2f}"
+             f"  temporaries {mem['temp'] / GiB:.2f}  outputs not aliased "
+             f"{(mem['output'] - mem['alias']) / GiB:.2f}  host {mem['host_argument'] / GiB:.2f}"]
     if report["planned_bytes"]:
-        lines.append(f"  planner {report['planned_bytes'] / gib:.2f} GiB: "
+        lines.append(f"  planner {report['planned_bytes'] / GiB:.2f} GiB: "
                      f"{report['planned_ratio']:.2f} x the compiled step")
     if report.get("offloaded_state_on_device"):
         lines.append("  (XLA's devices without a GPU have no host memory: the offloaded "
@@ -276,15 +276,15 @@ def format_report(report: dict) -> str:
                      "device + host is compared)")
     if report["largest_buffers"]:
         lines.append("  largest buffers (XLA's memory report):")
-        lines += [f"    {size / gib:8.3f} GiB  {shapes}  {what[:90]}"
+        lines += [f"    {size / GiB:8.3f} GiB  {shapes}  {what[:90]}"
                   for size, shapes, what in report["largest_buffers"]]
     lines.append("collectives a step (async overlapped = a GEMM, attention or loop runs while "
                  "in flight):")
     for kind, row in sorted(report["collectives"]["by_kind"].items()):
         lines.append(f"  {kind:<20} {row.get('launches', 0):8.0f} launches "
-                     f"{row.get('bytes', 0) / 1e9:9.3f} GB   overlapped "
+                     f"{row.get('bytes', 0) / GB:9.3f} GB   overlapped "
                      f"{row.get('overlapped', 0):.0f}")
-    lines += [f"  overlaps nothing: {kind} {size / 1e6:.1f} MB  {op[-80:]}"
+    lines += [f"  overlaps nothing: {kind} {size / MB:.1f} MB  {op[-80:]}"
               for size, kind, _, op in report["collectives"]["not_overlapped"]]
     lines.append("loops: " + ", ".join(
         f"{lp['trip']} x {lp['count']:g} ({lp['kernels']} kernels, "
@@ -299,8 +299,8 @@ def format_report(report: dict) -> str:
     for key in ("category", "phase"):
         for group, row in sorted(cost[key].items(), key=lambda kv: -kv[1]["seconds"]):
             lines.append(f"  {group:<12} {row['seconds'] * 1e3:8.1f} ms  "
-                         f"{row['flops'] / 1e12:8.2f} TFLOP  {row['bytes'] / 1e9:8.1f} GB  "
+                         f"{row['flops'] / 1e12:8.2f} TFLOP  {row['bytes'] / GB:8.1f} GB  "
                          f"{row['launches']:6.0f} kernels")
     lines.append(f"  bytes moved outside GEMMs and attention: "
-                 f"{cost['bytes_outside_gemm_attention'] / 1e9:.1f} GB a step")
+                 f"{cost['bytes_outside_gemm_attention'] / GB:.1f} GB a step")
     return "\n".join(lines)

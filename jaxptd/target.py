@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GiB = 2**30
+from jaxptd.units import MiB
+
 MEM_FRACTION = 0.90  # of a GPU's memory that XLA may allocate (the launcher exports it)
 
 # XLA options of a GPU training step (`compiler_options`; every one parses on jaxlib
@@ -80,16 +81,21 @@ class Target:
     gpus_per_node: int = 8
     host_memory: float | None = None  # bytes per node
     chip: Chip | None = None  # None: no deviceless compile
+    usable_memory: float | None = None  # bytes a run may allocate, where not MEM_FRACTION
+    # of `memory` (the planner's --memory-gb)
 
     @property
     def usable(self) -> float | None:
-        """Bytes of a device a run may allocate (MEM_FRACTION of it on a GPU)."""
+        """Bytes of a device a run may allocate (MEM_FRACTION of it on a GPU, unless
+        usable_memory says)."""
+        if self.usable_memory is not None:
+            return self.usable_memory
         if self.memory is None:
             return None
         return self.memory * (MEM_FRACTION if self.platform == "gpu" else 1.0)
 
 
-_H100_CHIP = Chip(132, 1.98, 50 * 2**20, 233472, 232448, (9, 0), "NVIDIA H100 80GB HBM3")
+_H100_CHIP = Chip(132, 1.98, 50 * MiB, 233472, 232448, (9, 0), "NVIDIA H100 80GB HBM3")
 TARGETS = {
     "cpu": Target("cpu", "cpu"),
     "gpu": Target("gpu", "gpu"),  # a GPU of no known kind: code paths only
@@ -98,14 +104,14 @@ TARGETS = {
                    host_memory=2048e9, chip=_H100_CHIP),
     "h200": Target("h200", "gpu", memory=150_754_820_096, peak_bf16=989e12, peak_fp8=1979e12,
                    hbm=4.8e12, intra=450e9, inter=50e9, host_link=64e9, host_memory=2048e9,
-                   chip=Chip(132, 1.98, 60 * 2**20, 233472, 232448, (9, 0), "NVIDIA H200")),
+                   chip=Chip(132, 1.98, 60 * MiB, 233472, 232448, (9, 0), "NVIDIA H200")),
     "a100": Target("a100", "gpu", memory=85_198_045_184, peak_bf16=312e12, hbm=2.039e12,
                    intra=300e9, inter=25e9, host_link=25e9, host_memory=1024e9,
-                   chip=Chip(108, 1.41, 40 * 2**20, 167936, 166912, (8, 0),
+                   chip=Chip(108, 1.41, 40 * MiB, 167936, 166912, (8, 0),
                              "NVIDIA A100-SXM4-80GB")),
     "a100-40": Target("a100-40", "gpu", memory=42_505_273_344, peak_bf16=312e12, hbm=1.555e12,
                       intra=300e9, inter=25e9, host_link=25e9, host_memory=1024e9,
-                      chip=Chip(108, 1.41, 40 * 2**20, 167936, 166912, (8, 0),
+                      chip=Chip(108, 1.41, 40 * MiB, 167936, 166912, (8, 0),
                                 "NVIDIA A100-SXM4-40GB")),
 }
 NAMES = ("auto", *TARGETS)

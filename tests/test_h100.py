@@ -268,11 +268,11 @@ def test_static_cost_counts_a_known_program():
 @pytest.mark.parametrize("remat", ["none", "minimal"])
 def test_a_layer_keeps_what_the_planner_says(remat):
     """One H100, flash attention: the temporary memory one more layer adds (8 layers
-    against 4) is the planner's layer (jaxptd/plan_model.py: what it keeps) plus its float32
+    against 4) is the planner's layer (jaxptd/plan/model.py: what it keeps) plus its float32
     gradients, within 10%; without recomputation what it keeps is no more than 15% over
     Megatron's fused 16-bit layer's 34 s b h (Korthikanti et al. 2022; ours keeps 26: it
     recomputes the GeLU output and keeps no dropout masks, test_plan.py)."""
-    from jaxptd import plan_model
+    from jaxptd.plan import model as plan_model
     base = ["model.hidden_size=1024", "model.num_heads=8", "model.seq_len=1024",
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
             "runtime.target=h100", "train.global_batch=4", f"model.remat={remat}"]

@@ -9,7 +9,9 @@ import sys
 
 import pytest
 
-from jaxptd import metrics, plan, plan_model, plan_time
+from jaxptd import metrics, plan
+from jaxptd.plan import model as plan_model
+from jaxptd.plan import timing as plan_time
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import lower
 from jaxptd.pipeline.simulate import simulate

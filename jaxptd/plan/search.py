@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxptd import plan_model as pm
 from jaxptd.config import Config, ConfigError, validate
+from jaxptd.plan import model as pm
+from jaxptd.plan.counts import real_counts
+from jaxptd.plan.inputs import PlanInputs
+from jaxptd.plan.planner import plan
+from jaxptd.units import GB
 
-GB = 1e9
 # (name, sequence parallel, ZeRO-1, FSDP group: 0 none / "node" / "all", offload optimizer,
 #  offload activations), cheapest first
 OPTION_SETS = (
@@ -34,13 +37,12 @@ OPTION_SETS = (
 )
 
 
-def search(config: Config, args, plan_fn, counts_fn) -> list:
-    """Rows (layout, schedule, options, memory, time) that fit on args.search GPUs, best
-    estimated throughput first. plan_fn(config, args, counts, simulate) and
-    counts_fn(config) are jaxptd.plan's plan and real_counts."""
-    n, model, B = args.search, config.model, config.train.global_batch
+def search(config: Config, inputs: PlanInputs, n: int) -> list:
+    """Rows (layout, schedule, options, memory, time) that fit on n GPUs, best estimated
+    throughput first."""
+    model, B = config.model, config.train.global_batch
     cache, rows = {}, []
-    tensors = [t for t in pm.divisors(args.gpus_per_node) if t & (t - 1) == 0
+    tensors = [t for t in pm.divisors(inputs.hardware.gpus_per_node) if t & (t - 1) == 0
                and model.num_heads % t == 0 and n % t == 0]
     for t in tensors:
         for p in (p for p in pm.divisors(model.num_layers) if n % (t * p) == 0):
@@ -54,8 +56,7 @@ def search(config: Config, args, plan_fn, counts_fn) -> list:
                     if v > 1 and m % p:
                         continue
                     for kind in _schedules(p, v):
-                        row = _best_options(config, args, plan_fn, counts_fn, cache,
-                                            p, t, d, v, m, kind)
+                        row = _best_options(config, inputs, cache, p, t, d, v, m, kind)
                         if row:
                             rows.append(row)
     return sorted(rows, key=lambda r: -r["tflops_per_device_estimate"])
@@ -67,8 +68,9 @@ def _schedules(p: int, v: int) -> tuple:
     return ("1f1b", "zb-h1") if v == 1 else ("interleaved", "zb-interleaved")
 
 
-def _best_options(config, args, plan_fn, counts_fn, cache, p, t, d, v, m, kind):
-    """The fastest option set of one base layout that fits, as a search row (or None)."""
+def _best_options(config, inputs, cache, p, t, d, v, m, kind):
+    """The fastest option set of one base layout that fits, as a search row (or None).
+    cache: real_counts by what they depend on, shared by the whole search."""
     parallel = dataclasses.replace(config.parallel, data=d, pipe=p, tensor=t, chunks=v,
                                    microbatches=m, schedule=kind, sequence_parallel=False,
                                    fsdp=False, fsdp_group=0)
@@ -83,11 +85,11 @@ def _best_options(config, args, plan_fn, counts_fn, cache, p, t, d, v, m, kind):
     except ConfigError:
         return None
     best = None
-    for candidate in _with_options(base, args.gpus_per_node):
+    for candidate in _with_options(base, inputs.hardware.gpus_per_node):
         key = (p, t, d, candidate.parallel.fsdp_size, candidate.optimizer.zero1)
         if key not in cache:
-            cache[key] = counts_fn(candidate)
-        report = plan_fn(candidate, args, cache[key], simulate=False)
+            cache[key] = real_counts(candidate)
+        report = plan(candidate, inputs, cache[key], simulate=False)
         if report["fits"] and (best is None or report["tflops_per_device_estimate"]
                                > best["tflops_per_device_estimate"] * (1 + 1e-9)):
             best, chosen = report, candidate

@@ -1,5 +1,5 @@
 """The planner's time model: pipeline bubble, communication volumes, step time, training
-days. No JAX. Notation as in jaxptd/plan_model.py (the PTD-P paper's, seeds/000 §3.1).
+days. No JAX. Notation as in jaxptd/plan/model.py (the PTD-P paper's, seeds/000 §3.1).
 """
 from __future__ import annotations
 

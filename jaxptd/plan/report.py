@@ -1,17 +1,18 @@
 """The planner's output: the text report, the search table and the memory picture.
 
-Owns how `python -m jaxptd.plan` shows a plan (jaxptd/plan.py makes it): one section per
-question, bytes in GB (1e9), device and host memory by category side by side, and where
-the bytes go.
+Owns how `python -m jaxptd.plan` shows a plan (jaxptd/plan/planner.py makes it): one
+section per question, bytes in GB (jaxptd/units.py: 1e9), device and host memory by
+category side by side, and where the bytes go.
 """
 from __future__ import annotations
 
 import sys
 
 from jaxptd.config import ConfigError
-from jaxptd.plan_model import BACKWARD_PHASE
+from jaxptd.plan.model import BACKWARD_PHASE
+from jaxptd.target import Target
+from jaxptd.units import GB, MB
 
-GB = 1e9
 DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
                "gradient_workspace")
 NOTES = {
@@ -25,8 +26,8 @@ NOTES = {
 }
 
 
-def format_report(r: dict, args) -> str:
-    """The human-readable plan."""
+def format_report(r: dict, hw: Target) -> str:
+    """The human-readable plan for the hardware hw."""
     lay, comm, t = r["layout"], r["comm_bytes"], r["step_time_s"]
     lines = [
         f"layout      (p, t, d) = ({lay['pipe']}, {lay['tensor']}, {lay['data']}) on "
@@ -39,12 +40,12 @@ def format_report(r: dict, args) -> str:
         "counts tied embeddings, learned positions and biases)",
         f"FLOPs/iter  {r['flops_per_iteration']:.4g} executed   eq. (3) with recompute "
         f"{r['flops_recompute']:.4g}, without {r['flops_no_recompute']:.4g}",
-    ] + _memory_lines(r, args) + [
+    ] + _memory_lines(r, hw) + [
         f"pipeline    bubble {r['bubble_fraction']:.4f}   peak stash {r['peak_stash']} "
         f"microbatch-stages   buffers {r['pipeline_slots']['stash']} stash, "
         f"{r['pipeline_slots']['grad']} grad, {r['pipeline_slots']['w']} W slots",
-        f"comm/dev    p2p {comm['p2p_per_microbatch'] / 1e6:.2f} MB/microbatch, "
-        f"tensor {comm['tensor_per_microbatch'] / 1e6:.2f} MB/microbatch, "
+        f"comm/dev    p2p {comm['p2p_per_microbatch'] / MB:.2f} MB/microbatch, "
+        f"tensor {comm['tensor_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"FSDP {comm['fsdp_per_microbatch'] / GB:.3f} GB/microbatch, "
         f"data {comm['data_per_step'] / GB:.3f} GB/step, tied embedding "
         f"{comm['tied_per_step'] / GB:.3f} GB/step (first <-> last stage), host "
@@ -77,14 +78,14 @@ def _fits(ok: bool) -> str:
     return "fits" if ok else "DOES NOT FIT"
 
 
-def _memory_lines(r: dict, args) -> list:
+def _memory_lines(r: dict, hw: Target) -> list:
     """Device and host bytes per category, whether each fits, and the largest parts."""
     dev, host = r["memory_bytes_per_device"], r["host_memory_bytes_per_device"]
-    per_node = min(r["num_devices"], args.gpus_per_node)
+    per_node = min(r["num_devices"], hw.gpus_per_node)
     lines = [
-        f"memory/dev  device {dev['total'] / GB:.3f} GB of {args.memory_gb:g} GB: "
+        f"memory/dev  device {dev['total'] / GB:.3f} GB of {hw.usable / GB:g} GB: "
         f"{_fits(r['memory_fits'])}   host {host['total'] / GB:.3f} GB per device x "
-        f"{per_node} = {host['total'] * per_node / GB:.1f} GB of {args.host_memory_gb:g} GB "
+        f"{per_node} = {host['total'] * per_node / GB:.1f} GB of {hw.host_memory / GB:g} GB "
         f"per node: {_fits(r['host_memory_fits'])}",
         f"  {'':<19} {'device GB':>10} {'host GB':>10}",
     ]
@@ -122,14 +123,14 @@ def _format_verify(v: dict) -> list:
     x = v["xla_memory"]
     return [
         "verify      XLA compiled step (CPU, simulated devices), per device:",
-        f"  arguments  XLA {x['argument'] / 1e6:10.2f} MB   plan {v['planned_arguments'] / 1e6:10.2f}"
+        f"  arguments  XLA {x['argument'] / MB:10.2f} MB   plan {v['planned_arguments'] / MB:10.2f}"
         " MB (masters + optimizer, host ones included; outputs alias the donated state)",
-        f"  temp       XLA {x['temp'] / 1e6:10.2f} MB   plan {v['planned_temp'] / 1e6:10.2f}"
+        f"  temp       XLA {x['temp'] / MB:10.2f} MB   plan {v['planned_temp'] / MB:10.2f}"
         " MB (the rest)",
-        f"  total      XLA {x['total'] / 1e6:10.2f} MB   plan {v['planned_total'] / 1e6:10.2f} MB"
+        f"  total      XLA {x['total'] / MB:10.2f} MB   plan {v['planned_total'] / MB:10.2f} MB"
         f"   plan / XLA = {v['memory_ratio']:.3f} (on CPU host and device memory are one)",
-        *([f"  device     XLA {v['xla_device_peak'] / 1e6:10.2f} MB   plan "
-           f"{v['planned_device'] / 1e6:10.2f} MB (the temporaries live at once but the "
+        *([f"  device     XLA {v['xla_device_peak'] / MB:10.2f} MB   plan "
+           f"{v['planned_device'] / MB:10.2f} MB (the temporaries live at once but the "
            "stacks a GPU keeps in host memory: offloaded gradients, layer inputs)"]
           if v.get("xla_device_peak") else []),
         f"  FLOPs      XLA {v['xla_flops']:.4g}   plan {v['planned_flops_loop_bodies']:.4g}"
@@ -141,11 +142,12 @@ def _format_verify(v: dict) -> list:
     ]
 
 
-def format_search(rows: list, args) -> str:
-    """The --search table: the layouts that fit, best estimated throughput first."""
+def format_search(rows: list, hw: Target, n: int, top: int) -> str:
+    """The --search table of n GPUs of hw: the `top` layouts that fit, best estimated
+    throughput first."""
     if not rows:
-        return (f"no layout fits {args.search} GPUs with {args.memory_gb:g} GB each "
-                f"(and {args.host_memory_gb:g} GB of host memory per node)")
+        return (f"no layout fits {n} GPUs with {hw.usable / GB:g} GB each "
+                f"(and {hw.host_memory / GB:g} GB of host memory per node)")
     head = f"{'p':>4} {'t':>3} {'d':>5} {'v':>3} {'m':>5} {'b':>4} {'schedule':>14} " \
            f"{'options':<22} {'GB':>6} {'host GB':>8} {'bubble':>7} {'step s':>8} {'TFLOP/s':>8}"
     body = [f"{r['pipe']:>4} {r['tensor']:>3} {r['data']:>5} {r['chunks']:>3} "
@@ -153,11 +155,11 @@ def format_search(rows: list, args) -> str:
             f"{short_options(r['options']):<22} {r['memory_gb']:>6.1f} "
             f"{r['host_memory_gb']:>8.1f} {r['bubble_fraction']:>7.4f} "
             f"{r['step_time_s']:>8.3f} {r['tflops_per_device_estimate']:>8.1f}"
-            + _compiled_cell(r) for r in rows[: args.top]]
+            + _compiled_cell(r) for r in rows[:top]]
     legend = ("options: sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
               "offopt/offact offload of the optimizer state / layer inputs, "
               "inputs: stash stage inputs only")
-    return "\n".join([f"{len(rows)} layouts fit; best {min(args.top, len(rows))} by "
+    return "\n".join([f"{len(rows)} layouts fit; best {min(top, len(rows))} by "
                       "estimated throughput:", head] + body + [legend])
 
 

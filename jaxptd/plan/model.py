@@ -1,11 +1,12 @@
 """The planner's analytical model: parameters, activations and memory. No JAX.
 
 Owns the formulas `python -m jaxptd.plan` reports (time and communication are in
-jaxptd/plan_time.py); jaxptd/plan.py owns the CLI, the real model's counts (jax.eval_shape)
-and the check against XLA. Notation as in the PTD-P paper (seeds/000, §3.1): p pipeline,
-t tensor, d data, v chunks, m microbatches per pipeline, b microbatch size, s sequence,
-h hidden, a heads, l layers, V vocabulary, B global batch; g the FSDP group (data ranks
-one parameter is sharded over), e the bytes of the compute dtype.
+jaxptd/plan/timing.py); jaxptd/plan/counts.py counts the real model (jax.eval_shape),
+jaxptd/plan/planner.py feeds these formulas, jaxptd/plan/verify.py checks them against
+XLA. Notation as in the PTD-P paper (seeds/000, §3.1): p pipeline, t tensor, d data, v
+chunks, m microbatches per pipeline, b microbatch size, s sequence, h hidden, a heads, l
+layers, V vocabulary, B global batch; g the FSDP group (data ranks one parameter is
+sharded over), e the bytes of the compute dtype.
 
 Memory per device (the empirical study's model, seeds/002 §4.5: (alpha + 2) w + a, with
 our specifics): float32 master weights (4 bytes), float32 gradients (4), the optimizer's

@@ -1,0 +1,116 @@
+"""The real model's parameter counts, whole and on the busiest device, for the planner.
+
+Owns `real_counts`: the parameter tree from `jax.eval_shape` of the model's initialiser and
+its logical sharding rules (jaxptd/sharding.py), nothing allocated and no mesh, so a
+3072-GPU config plans on a laptop. The shards are derived here, not read from
+jaxptd/step.py's Setup: Setup resolves runtime.target against real devices and builds
+NamedShardings, so it needs a mesh of config.num_devices devices, which a plan does not
+have; both apply the same rules (sharding.py's specs_from_logical, fsdp_spec, zero1_spec).
+
+JAX and the model are imported inside the functions: `python -m jaxptd.plan --verify`
+sets XLA_FLAGS and the CPU device count before JAX starts (jaxptd/plan/verify.py).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache, partial
+
+from jaxptd.config import Config
+
+
+@lru_cache(maxsize=16)
+def _abstract_model(model, vocab: int, tensor: int) -> tuple:
+    """((kind, name, global shape, mesh-axis spec), ...) of the real model from
+    jax.eval_shape of its initialiser, nothing allocated; kind: "layers", or which end reads
+    the leaf ("first", "last", "both": a tied embedding, model.ends_readers); name: the
+    leaf's own key (w_qkv, scale, ...)."""
+    import jax
+    from jaxptd import model as models
+    from jaxptd.sharding import is_spec, specs_from_logical
+
+    arch = models.get(model)
+    params = jax.eval_shape(partial(arch.init_params, model, vocab), jax.random.key(0))
+    specs = jax.tree.leaves(specs_from_logical(arch.logical_axes(model, vocab, tensor)),
+                            is_leaf=is_spec)
+    readers = models.ends_readers(model, vocab)
+    return tuple(("layers" if path[0].key == "layers" else
+                  readers[tuple(e.key for e in path)], path[-1].key, tuple(x.shape), spec)
+                 for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs))
+
+
+def real_counts(config: Config) -> dict:
+    """Parameter counts of the real model and of the busiest device's shards (elements):
+    weight_params (masters and gradients: tensor, pipe and FSDP shards), moment_params
+    (the optimizer's moments, config.moments of them: Adam's mu and nu, SGD's momentum;
+    also ZeRO-1's split over the data replicas), compute_params (what the forward reads:
+    tensor and pipe shards), stage_params (the stage's layers of it), layer_params and
+    ends_params (one layer, and the embedding, positions and final norm, tensor-local, not
+    FSDP-split), and under FSDP what a gather materialises: dense_unit_params (with
+    parallel.fsdp_unit=matmul the largest dense() weight of a layer, which `dense` gathers
+    alone) and layer_gathered_params (the rest of a layer, gathered with it; a layer's
+    unit: all of it); layer_weight_params and ends_weight_params (one
+    layer's and the ends' part of weight_params: what offload.optimizer fetches and
+    updates at a time); shared_ends_params (the ends both the embedding and the head
+    read, a tied embedding); layer_grad_params (the stage's reduced layer
+    gradients, split like a moment), tied_params (pipelined: the ends both the first and
+    the last stage read, a tied embedding, whose gradients those two exchange). Layers are
+    split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a
+    dimension past the layer one (sharding.py's rule)."""
+    from jaxptd.mesh import DATA, FSDP, TENSOR
+
+    par, model = config.parallel, config.model
+    vocab = model.padded_vocab(par.tensor)
+    g = par.fsdp_size
+    replicas = par.data // g
+    sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
+    totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
+                            "stage_params", "layer_params", "ends_params", "dense_unit_params",
+                            "layer_gathered_params", "layer_weight_params",
+                            "ends_weight_params", "shared_ends_params", "layer_grad_params",
+                            "tied_params"), 0.0)
+    leaves = _abstract_model(model, vocab, par.tensor)
+
+    def split(spec) -> int:
+        return math.prod(sizes.get(a, 1) for e in spec if e
+                         for a in (e if isinstance(e, tuple) else (e,)))
+
+    for kind, name, shape, spec in leaves:
+        for key, count in _leaf_counts(config, kind, name, shape, spec, split).items():
+            totals[key] = max(totals[key], count) if key == "dense_unit_params" \
+                else totals[key] + count
+    return {**totals, "params_model": sum(math.prod(shape) for _, _, shape, _ in leaves),
+            "vocab_padded": vocab}
+
+
+def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, spec, split) -> dict:
+    """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
+    which real_counts takes the largest of). split(spec): the devices a spec splits it
+    over."""
+    from jaxptd.model.layers import DENSE
+    from jaxptd.sharding import fsdp_spec, zero1_spec
+
+    par, model = config.parallel, config.model
+    g, replicas = par.fsdp_size, par.data // par.fsdp_size
+    is_layer = kind == "layers"
+    skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
+    sharded = fsdp_spec(spec, shape, g, skip)
+    moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 else sharded
+    size = math.prod(shape)
+    tensor_local = size / split(spec)
+    weights = size / split(sharded) / per_pipe
+    moment = size / split(moments) / per_pipe  # one moment (or reduced gradient) of it
+    counts = {"weight_params": weights, "moment_params": config.moments * moment,
+              "compute_params": tensor_local / per_pipe}
+    if not is_layer:
+        both = tensor_local if kind == "both" else 0
+        return {**counts, "ends_params": tensor_local, "ends_weight_params": weights,
+                "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0}
+    one = tensor_local / model.num_layers
+    gathered = sharded != spec  # FSDP splits it: a gather brings it whole
+    by_matmul = par.fsdp_unit == "matmul"  # else the layer is gathered whole
+    return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
+            "layer_params": one, "layer_weight_params": weights * par.pipe / model.num_layers,
+            "dense_unit_params": one if name in DENSE and gathered and by_matmul else 0.0,
+            "layer_gathered_params": one if gathered and not (name in DENSE and by_matmul)
+            else 0.0}
+

@@ -1,0 +1,202 @@
+"""One plan: a config and its PlanInputs -> the JSON-ready report (bytes, seconds).
+
+Owns `plan` and what it needs of the real model beyond the parameter counts
+(jaxptd/plan/counts.py): what a step recomputes, the schedule's bubble and buffer slots
+from the simulator and the lowering (or the formulas above SIMULATE_LIMIT /
+LOWER_LIMIT), and the memory and time models (jaxptd/plan/model.py, timing.py) fed with
+them. `device_memory_bytes` is the one place a run's pre-flight check gets the
+per-device total from.
+
+Device memory is the hardware's `usable` bytes per device, host memory `host_memory`
+per node shared by `gpus_per_node` devices (offloading puts optimizer state and layer
+inputs there); a plan fits when both do. The model registry is imported inside _memory:
+it imports JAX, which --verify must configure first (jaxptd/plan/verify.py).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from jaxptd.config import Config
+from jaxptd.metrics import flops_per_iteration
+from jaxptd.pipeline import schedules
+from jaxptd.pipeline.lowering import lower
+from jaxptd.pipeline.simulate import simulate as simulate_schedule
+from jaxptd.plan import model as pm
+from jaxptd.plan import timing as pt
+from jaxptd.plan.counts import real_counts
+from jaxptd.plan.inputs import PlanInputs
+
+SIMULATE_LIMIT = 200_000  # ranks x actions above which the bubble comes from the formula
+LOWER_LIMIT = 4096  # p m v above which the buffer slots come from the formula
+
+
+def recomputation(config: Config) -> str:
+    """What a step recomputes in its backward pass: "full" with model.remat=full, with
+    offload.activations (a layer keeps only its input, in host memory) or when a pipelined
+    stage is recomputed from its stashed input (parallel.stash=inputs; a selective
+    recomputation inside that one is not counted again), else model.remat."""
+    if config.offload.activations or (config.parallel.pipe > 1
+                                      and config.parallel.stash == "inputs"):
+        return "full"
+    return config.model.remat
+
+
+@lru_cache(maxsize=64)
+def _lowered_slots(kind: str, p: int, m: int, v: int) -> dict:
+    rounds = lower(schedules.make_schedule(kind, p, m, v))
+    return {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
+            "w": rounds.num_w_slots}
+
+
+def schedule_stats(config: Config, simulate: bool = True):
+    """(bubble fraction, buffer slots {stash, grad, w}, (Stats, Schedule) or None).
+
+    The bubble comes from the simulator when asked and small enough, else from the
+    formula. The slots are the executor's (the schedule lowered) when it is small, or
+    when an interleaved m is not a multiple of p; else model.slots_formula."""
+    par = config.parallel
+    if par.pipe == 1:
+        return 0.0, {"stash": 0, "grad": 0, "w": 0}, None
+    p, v, m, kind = par.pipe, par.chunks, par.microbatches, par.schedule
+    irregular = v > 1 and m % p != 0
+    slots = _lowered_slots(kind, p, m, v) if (simulate and p * m * v <= LOWER_LIMIT) \
+        or irregular else pm.slots_formula(kind, p, m, v)
+    if not simulate or p * p * m * v * 3 > SIMULATE_LIMIT:
+        return pt.bubble_formula(p, v, m, kind in schedules.ZERO_BUBBLE), slots, None
+    sched = schedules.make_schedule(kind, p, m, v)
+    stats = simulate_schedule(sched)
+    return stats.bubble_fraction, slots, (stats, sched)
+
+
+def _memory(config: Config, counts: dict, slots: dict, platform: str
+            ) -> tuple[dict, dict, dict]:
+    """(device bytes, host bytes, activation terms) on the busiest device of `platform`
+    ("gpu": model.attention=cudnn is flash attention; "cpu": the XLA path)."""
+    from jaxptd import model as models
+    m_cfg, par = config.model, config.parallel
+    e = pm.DTYPE_BYTES[m_cfg.dtype]
+    acts = pm.activation_memory(
+        b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, a=m_cfg.num_heads,
+        t=par.tensor, e=e, layers_per_stage=m_cfg.num_layers // par.pipe,
+        vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
+        slots=slots, chunks=par.chunks, keep_activations=par.stash == "activations",
+        sp=par.sequence_parallel and par.tensor > 1,
+        flash=m_cfg.attention == "cudnn" and platform == "gpu",
+        offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
+        gated=models.get(m_cfg).GATED_MLP)
+    gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
+                                      m_cfg.dtype, par.fsdp_unit == "layer",
+                                      recomputation(config) == "full") \
+        if par.fsdp_size > 1 else None
+    device, host = pm.device_memory(
+        counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
+        offload_optimizer=config.offload.optimizer,
+        streams=config.offload.optimizer and par.pipe == 1,
+        peeled=par.microbatches if config.peels_last_microbatch else 0,
+        zero1_hook=config.overlaps_grad_reduce and config.optimizer.zero1
+        and par.fsdp_size == 1 and par.data > 1,
+        early_reduced=4.0 * counts["layer_grad_params"] * (par.chunks - 1) / par.chunks
+        if config.reduces_chunks_early else 0.0,
+        reduced_copy=0.0 if par.data == 1 or par.fsdp_size > 1 or config.overlaps_grad_reduce
+        or (par.pipe == 1 and par.microbatches == 1) else  # ZeRO-1: this replica's part
+        1.0 / par.data if config.optimizer.zero1 else 1.0)
+    return device, host, acts
+
+
+def device_memory_bytes(config: Config, platform: str) -> float:
+    """The plan's bytes on the busiest device (the `memory/dev` total) of `platform`,
+    nothing allocated: what a run compares with its devices' memory before compiling."""
+    return _memory(config, real_counts(config), schedule_stats(config)[1], platform)[0]["total"]
+
+
+def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
+         simulate: bool = True) -> dict:
+    """The whole report for one configuration, as a JSON-ready dict (bytes, seconds).
+    counts: real_counts(config), when the caller has them (the search reuses them)."""
+    m_cfg, par = config.model, config.parallel
+    counts = counts or real_counts(config)
+    l, h, a, s = m_cfg.num_layers, m_cfg.hidden_size, m_cfg.num_heads, m_cfg.seq_len
+    V, n, B, b = counts["vocab_padded"], config.num_devices, config.train.global_batch, \
+        config.microbatch_size
+    bubble, slots, stats = schedule_stats(config, simulate)
+    hw = inputs.hardware
+    device, host, acts = _memory(config, counts, slots, inputs.platform)
+    flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
+             "no_recompute": flops_per_iteration(m_cfg, B, V)}
+    executed = flops_per_iteration(m_cfg, B, V, recomputation(config))
+    comm, time = _time(config, inputs, counts, host, executed, bubble)
+    per_node = min(n, hw.gpus_per_node)
+    sp = par.sequence_parallel and par.tensor > 1
+    report = {
+        "params_model": counts["params_model"],
+        "params_formula": pm.params_formula(l, h, m_cfg.vocab_size, s),
+        "params_difference": counts["params_model"] - pm.params_formula(l, h, m_cfg.vocab_size, s),
+        "num_devices": n, "layout": {"data": par.data, "pipe": par.pipe, "tensor": par.tensor,
+                                     "chunks": par.chunks, "microbatches": par.microbatches,
+                                     "microbatch_size": b, "schedule": par.schedule},
+        "options": options(config),
+        "flops_per_iteration": executed, "flops_recompute": flops["recompute"],
+        "flops_no_recompute": flops["no_recompute"],
+        "memory_bytes_per_device": device, "memory_fits": device["total"] <= hw.usable,
+        "host_memory_bytes_per_device": host,
+        "host_memory_fits": host["total"] * per_node <= hw.host_memory,
+        "activation_bytes_per_layer": acts["per_layer"],
+        "korthikanti_activation_bytes_per_layer": pm.korthikanti_layer_bytes(
+            b, s, h, a, par.tensor, sp, m_cfg.remat),
+        "bubble_fraction": bubble, "pipeline_slots": slots,
+        "peak_stash": max(stats[0].peak_stash) if stats else slots["stash"],
+        "comm_bytes": comm, "step_time_s": time,
+        "tflops_per_device_estimate": executed / n / time["total"] / 1e12,
+    }
+    report["fits"] = report["memory_fits"] and report["host_memory_fits"]
+    if inputs.tokens:
+        per_token = flops["recompute"] / (B * s)  # §5.1 counts with recomputation
+        report["days_to_train"] = pt.days_to_train(inputs.tokens, per_token, n, inputs.tflops)
+        report["days_to_train_eq4"] = pt.days_eq4(inputs.tokens, counts["params_model"], n,
+                                                  inputs.tflops)
+    return report
+
+
+def options(config: Config) -> dict:
+    """The memory-saving options a plan was made with (what --search varies)."""
+    par = config.parallel
+    return {"sequence_parallel": par.sequence_parallel and par.tensor > 1,
+            "zero1": config.optimizer.zero1, "fsdp_group": par.fsdp_size if par.fsdp else 0,
+            "offload_optimizer": config.offload.optimizer,
+            "offload_activations": config.offload.activations,
+            "stash": par.stash if par.pipe > 1 else "", "remat": recomputation(config)}
+
+
+def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed: float,
+          bubble: float) -> tuple[dict, dict]:
+    """(communication volumes, step time) of timing.py's model for one configuration."""
+    hw = inputs.hardware
+    m_cfg, par = config.model, config.parallel
+    e = pm.DTYPE_BYTES[m_cfg.dtype]
+    gather = pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype]
+    comm = pt.comm_volumes(
+        b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, t=par.tensor, e=e,
+        layers_per_stage=m_cfg.num_layers // par.pipe, grad_bytes=4 * counts["weight_params"],
+        replicas=par.data // par.fsdp_size, fsdp_group=par.fsdp_size,
+        stage_params=counts["stage_params"], gather_bytes=gather,
+        tied_grad_bytes=counts["tied_params"] * gather,
+        host_per_step=_host_traffic(config, host),
+        host_per_microbatch=2 * host["activations"])
+    time = pt.step_time(
+        flops_device=executed / config.num_devices, bubble=bubble, comm=comm,
+        m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
+        fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
+        device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
+        weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
+        intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link)
+    return comm, time
+
+
+def _host_traffic(config: Config, host: dict) -> float:
+    """Bytes a device moves over its host link a step for offload.optimizer (not the
+    layer inputs: timing.py counts those per microbatch): the update reads the masters
+    and moments and writes them back, reads the gradients twice (the norm, then the
+    update); unpipelined the backward writes the gradients and each layer's masters are
+    fetched for its forward and again for its backward."""
+    fetches = 2 * config.parallel.microbatches if config.parallel.pipe == 1 else 0
+    return (2 + fetches) * host["weights"] + 2 * host["optimizer"] + 3 * host["gradients"]
