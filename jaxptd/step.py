@@ -257,7 +257,10 @@ class Setup:
         return jnp.sqrt(sum(jax.tree.leaves(
             jax.tree_util.tree_map_with_path(self.square_sum, grads))))
 
-    def _fresh_state(self, seed: int, dynamic: bool):
+    def fresh_state(self, seed: int):
+        """The train state at initialisation in the in-memory layout, unplaced: to trace
+        under jit (init_state places it; abstract_state takes its shapes)."""
+        dynamic = self.config.optimizer.loss_scale == "dynamic"
         params = self.to_stacked(self.arch.init_params(self.config.model, self.vocab,
                                                        jax.random.key(seed)))
         return {
@@ -270,15 +273,14 @@ class Setup:
 
     def init_state(self, seed: int):
         """Initialises the state directly into its shardings (no full copy on one host)."""
-        dynamic = self.config.optimizer.loss_scale == "dynamic"
-        return jax.jit(lambda: self._fresh_state(seed, dynamic),
+        return jax.jit(lambda: self.fresh_state(seed),
                        out_shardings=self.state_shardings)()
 
     def abstract_state(self, logical: bool = False):
         """ShapeDtypeStructs with shardings (in-memory or logical layout): what a checkpoint
         restores into."""
         convert = self.to_logical if logical else (lambda state: state)
-        shapes = jax.eval_shape(lambda: convert(self._fresh_state(0, False)))
+        shapes = jax.eval_shape(lambda: convert(self.fresh_state(0)))
         shardings = self.logical_state_shardings if logical else self.state_shardings
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             shapes, shardings)

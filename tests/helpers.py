@@ -45,9 +45,8 @@ def placed_state(setup, seed=0):
     config = setup.config
     key = (config.model, config.optimizer, setup.vocab, seed)
     if key not in _HOST_STATES:
-        dynamic = config.optimizer.loss_scale == "dynamic"
         _HOST_STATES[key] = jax.device_get(jax.jit(
-            lambda: setup.to_logical(setup._fresh_state(seed, dynamic)))())
+            lambda: setup.to_logical(setup.fresh_state(seed)))())
     return jax.device_put(setup.to_stacked(_HOST_STATES[key]), setup.state_shardings)
 
 

@@ -14,6 +14,7 @@ exactly; the planner's memory is the compiled step's within 10%.
 Needs the CUDA compile extra (`pip install -e '.[h100]'`, which .ci/run installs); without
 it these tests skip, unless JAXPTD_REQUIRE_H100 is set (CI sets it: there they must run).
 """
+import functools
 import glob
 import os
 import re
@@ -24,9 +25,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.sharding import SingleDeviceSharding
 
 from jaxptd import compile_check, hlo
+from jaxptd import model as models
 from jaxptd.config import load_config
+from jaxptd.model import gpt
+from jaxptd.model.layers import Layout
 from jaxptd.target import TARGETS, TargetError, topology_devices
 
 H100 = TARGETS["h100"]
@@ -142,6 +147,29 @@ def test_step_compiles_for_h100(name):
         # some pipelines (jaxptd/target.py)
         split = "zb" in par.schedule
         assert all(all(o) if split else any(o) for o in overlapped.values()), overlapped
+
+
+@needs_compiler
+def test_cudnn_attention_only_where_asked():
+    """The model's loss gradient compiled for one H100 (the GPU layout): model.attention=
+    cudnn runs cuDNN flash attention, one forward and one backward a layer; xla none (off a
+    GPU cudnn is the XLA path: tests/test_model.py)."""
+    one = SingleDeviceSharding(topology_devices(H100, 1, 1)[0])
+    for attention in ("xla", "cudnn"):
+        cfg = load_config(None, ["model.num_layers=3", "model.hidden_size=64",
+                                 "model.num_heads=4", "model.seq_len=128", "model.vocab_size=300",
+                                 "model.dtype=bfloat16", f"model.attention={attention}"]).model
+        vocab, layout = cfg.padded_vocab(1), Layout(cfg.padded_vocab(1), platform="gpu")
+        params = jax.eval_shape(functools.partial(gpt.init_params, cfg, vocab),
+                                jax.random.key(0))
+        args = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
+                            (params, jax.ShapeDtypeStruct((2, cfg.seq_len + 1), jnp.int32)))
+        grad = jax.jit(jax.grad(lambda p, b: models.loss_sum(p, b, jax.random.key(0), cfg,
+                                                             layout, True)))
+        module = hlo.parse(grad.lower(*args).compile().as_text())
+        expected = cfg.num_layers if attention == "cudnn" else 0
+        assert [cudnn_launches(module, k) for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")] \
+            == [expected, expected], attention
 
 
 KERNELS_SCRIPT = """

@@ -3,7 +3,7 @@ BertForPreTraining (post-LayerNorm, exact GeLU, [PAD] [CLS] [SEP] [MASK] at 0, 2
 its vocab.txt) and MegatronBertForPreTraining (jaxptd's own BERT: pre-LayerNorm, tanh
 GeLU, the special tokens at the top of the vocabulary) imported give transformers' logits
 of both heads, masked LM and next-sentence (jaxptd: sentence-order) prediction, with
-padding; exported, they load in transformers as the same class and round-trip every
+padding, and its loss; exported, they load in transformers as the same class and round-trip every
 value. A BertForMaskedLM lacks the pooler and the sentence head: they are drawn fresh."""
 import json
 import os
@@ -88,6 +88,43 @@ def test_import_gives_transformers_logits_of_both_heads(imported):
     ids, types = inputs(cfg, 1)
     assert_close(bert_logits(params, cfg, ids, types),
                  torch_logits(model, ids, types, cfg.bert_specials[0]))
+
+
+def test_import_gives_transformers_loss(imported):
+    """jaxptd's loss (each row's mean masked-LM loss plus its sentence-order loss, the mean
+    over rows) is transformers' own (the mean over the batch's predicted tokens plus the
+    next-sentence loss) where every row predicts as many tokens. MegatronBERT's special
+    ids are the top of the vocabulary, which jaxptd never predicts (its masked-LM softmax
+    leaves them out; transformers' does not): there the reference is transformers'
+    logits' loss without those classes."""
+    kind, model, _, out = imported
+    config, params, _ = hf.load_params(out)
+    cfg, reserved = config.model, models.reserved_ids(config.model)
+    assert reserved == {"bert": 0, "megatron-bert": 4}[kind]
+    ids, types = inputs(cfg, 4)
+    rng = np.random.default_rng(4)
+    labels = np.full(ids.shape, -100)  # transformers' "not predicted"; jaxptd's is -1
+    for row in labels:  # 4 a row, all before the second row's padding
+        row[rng.choice(15, 4, replace=False)] = rng.integers(0, HF_VOCAB - reserved, 4)
+    order = rng.integers(0, 2, len(ids))
+    batch = np.concatenate([ids, types, np.maximum(labels, -1), order[:, None]], axis=1)
+    vocab = params["embed"]["wte"].shape[0]
+    ours = models.loss_sum(params, jnp.asarray(batch, jnp.int32), jax.random.key(0), cfg,
+                           Layout(vocab), True) / ids.size
+    with torch.no_grad():
+        theirs = model(input_ids=torch.tensor(ids), token_type_ids=torch.tensor(types),
+                       attention_mask=torch.tensor((ids != cfg.bert_specials[0]).astype(
+                           np.int64)), labels=torch.tensor(labels),
+                       next_sentence_label=torch.tensor(order))
+    expected = theirs.loss.item()
+    if reserved:
+        classes, xent = HF_VOCAB - reserved, torch.nn.functional.cross_entropy
+        without = (xent(theirs.prediction_logits[..., :classes].reshape(-1, classes),
+                        torch.tensor(labels).reshape(-1))
+                   + xent(theirs.seq_relationship_logits, torch.tensor(order))).item()
+        assert abs(without - expected) > 1e-3 * expected  # the classes left out matter
+        expected = without
+    np.testing.assert_allclose(float(ours), expected, rtol=1e-6)
 
 
 def test_export_round_trips_every_value(imported, tmp_path):

@@ -2,12 +2,14 @@
 jaxptd/target.py parses on the installed jaxlib (an unknown flag stops XLA at start-up),
 the template sets the memory fraction the planner assumes, and no PyTorch-only variable
 is left in it."""
+import json
 import os
-import re
 import subprocess
 import sys
 
-from jaxptd.target import GPU_XLA_FLAGS, MEM_FRACTION
+import pytest
+
+from jaxptd.target import GPU_XLA_FLAGS, MEM_FRACTION, TARGETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
@@ -25,9 +27,44 @@ def test_gpu_xla_options_parse_on_this_jaxlib():
                           capture_output=True, timeout=120).returncode != 0
 
 
-def test_sbatch_sets_the_memory_fraction_the_planner_assumes():
-    fraction = re.search(r"XLA_PYTHON_CLIENT_MEM_FRACTION:-([\d.]+)", open(SBATCH).read())
-    assert float(fraction.group(1)) == MEM_FRACTION
+def run_sbatch(tmp_path, env=()) -> dict:
+    """The template run by bash with a stand-in `srun` that records what it was given:
+    {"args": srun's arguments, "env": the environment the training processes get}."""
+    (tmp_path / "srun").write_text(
+        '#!/bin/sh\nprintf "%s\\n" "$@" > "$RECORD.args"\nenv > "$RECORD.env"\n')
+    (tmp_path / "srun").chmod(0o755)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")}
+    done = subprocess.run(["bash", SBATCH, "configs/gpt_tiny.yaml", "train.steps=3"],
+                          env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                               "RECORD": str(tmp_path / "srun"), **dict(env)},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seen = (tmp_path / "srun.env").read_text().splitlines()
+    return {"args": (tmp_path / "srun.args").read_text().splitlines(),
+            "env": dict(line.split("=", 1) for line in seen if "=" in line)}
+
+
+def test_sbatch_sets_the_memory_fraction_the_planner_assumes(tmp_path):
+    """The processes srun starts get XLA_PYTHON_CLIENT_MEM_FRACTION = MEM_FRACTION unless
+    the site sets its own; the planner's H100 budget is that fraction of the device; no
+    XLA_FLAGS (the step passes its own compile options); the config and overrides reach
+    jaxptd.train."""
+    ran = run_sbatch(tmp_path)
+    assert float(ran["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == MEM_FRACTION
+    assert "XLA_FLAGS" not in ran["env"]
+    args = ran["args"]
+    assert args[args.index("-m"):] == ["-m", "jaxptd.train", "--config",
+                                       "configs/gpt_tiny.yaml", "train.steps=3"]
+    site = run_sbatch(tmp_path, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.8"})
+    assert site["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.8"
+    planned = subprocess.run([sys.executable, "-m", "jaxptd.plan", "--config",
+                              os.path.join(ROOT, "configs", "gpt_tiny.yaml"), "--target",
+                              "h100", "--json"], capture_output=True, text=True, timeout=300,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=ROOT)
+    assert planned.returncode == 0, planned.stderr[-500:]
+    assert json.loads(planned.stdout)["memory_limit_gb"] * 1e9 == pytest.approx(
+        MEM_FRACTION * TARGETS["h100"].memory)
     assert "--xla_" not in open(SBATCH).read()  # the step's own compile options, not XLA_FLAGS
 
 

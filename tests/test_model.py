@@ -128,20 +128,24 @@ def test_padded_vocabulary_rows_get_zero_gradient(where, request):
 
 
 def test_cudnn_attention_falls_back_to_xla_off_gpu():
-    """model.attention=cudnn runs cuDNN flash attention on a GPU only; elsewhere the XLA
-    path, so the loss equals model.attention=xla's."""
+    """model.attention=cudnn runs cuDNN flash attention on a GPU only (compiled for an H100
+    it is cuDNN's call, xla's none: tests/test_h100.py); the step on CPU devices lays the
+    model out for the CPU, where the loss equals model.attention=xla's."""
     def config(attention):
         return load_config(None, ["model.num_layers=1", "model.hidden_size=32",
                                   "model.num_heads=4", "model.seq_len=8",
                                   "model.dtype=bfloat16", f"model.attention={attention}"])
 
+    cpu = make_setup(1, 1, 1, ["model.dtype=bfloat16", "model.attention=cudnn"])
+    assert cpu.local_layout.platform == "cpu"
     vocab = config("xla").model.padded_vocab(1)
     params = jax.jit(gpt.init_params, static_argnums=(0, 1))(  # the same for both paths
         config("xla").model, vocab, jax.random.key(0))
     batch = jnp.arange(2 * 9).reshape(2, 9) % 257
     loss_sum = jax.jit(models.loss_sum, static_argnums=(3, 4, 5))
     losses = [float(loss_sum(params, batch, jax.random.key(0), config(attention).model,
-                             Layout(vocab), True)) for attention in ("xla", "cudnn")]
+                             Layout(vocab, platform=cpu.local_layout.platform), True))
+              for attention in ("xla", "cudnn")]
     assert losses[0] == losses[1]
     with pytest.raises(ConfigError, match="needs model.dtype bfloat16"):
         load_config(None, ["model.attention=cudnn"])

@@ -4,6 +4,7 @@ executor's lowered buffers, and XLA's compiled memory on up to 64 simulated devi
 subprocess, since this session has 8)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -123,9 +124,48 @@ def test_json_schema(capsys):
     assert 0 < memory["total"] < 80e9
 
 
+def printed(line: str) -> list:
+    """The numbers of a report line, in order (1,234 read as 1234; not the 2 of p2p)."""
+    return [float(x.replace(",", "")) for x in
+            re.findall(r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?", line)]
+
+
 def test_text_report_names_the_differences(capsys):
-    out = run_main(capsys, ["--config", os.path.join(MEGATRON, "gpt_1.7b.yaml")])
+    """The text report prints the planner's numbers (its --json report, to the digits
+    shown), and they add up: eq. (2)'s difference is our final LayerNorm's 2h (V = 51200
+    needs no padding at t = 8), the step time its parts, TFLOP/s the executed FLOPs over
+    devices x step time."""
+    argv = ["--config", os.path.join(MEGATRON, "gpt3_175b.yaml")]
+    out = run_main(capsys, argv)
+    r = json.loads(run_main(capsys, argv + ["--json"]))
     assert "final LayerNorm" in out and "eq. (2)" in out and "bubble" in out
+    line = {text.split()[0]: printed(text) for text in out.splitlines() if text.strip()}
+    lay, memory, t = r["layout"], r["memory_bytes_per_device"], r["step_time_s"]
+    assert line["layout"] == [lay["pipe"], lay["tensor"], lay["data"], r["num_devices"],
+                              lay["chunks"], lay["microbatches"], lay["microbatch_size"]]
+    model, _, formula, difference = line["parameters"][:4]  # then the note's 2h, 128
+    assert model == pytest.approx(r["params_model"] / 1e9, abs=5e-5)
+    assert formula == pytest.approx(r["params_formula"] / 1e9, abs=5e-5)
+    assert difference == 2 * 12288  # printed whole; eq. (2) is a float, so not exact:
+    assert r["params_difference"] == pytest.approx(difference, abs=0.5)
+    executed, _, recompute, no_recompute = line["FLOPs/iter"]
+    for shown, key in ((executed, "flops_per_iteration"), (recompute, "flops_recompute"),
+                       (no_recompute, "flops_no_recompute")):
+        assert shown == pytest.approx(r[key], rel=5e-4), key
+    device, limit, host = line["memory/dev"][:3]
+    assert device == pytest.approx(memory["total"] / 1e9, abs=5e-4) and host == 0
+    assert limit == pytest.approx(r["memory_limit_gb"], rel=1e-5)
+    for key in ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
+                "gradient_workspace", "total"):
+        assert line[key][0] == pytest.approx(memory[key] / 1e9, abs=5e-4), key
+    assert line["pipeline"] == pytest.approx(
+        [r["bubble_fraction"], r["peak_stash"], *r["pipeline_slots"].values()], abs=5e-5)
+    total, *parts, tflops = line["step"]
+    keys = ("compute", "tensor", "p2p", "fsdp", "data", "host")
+    assert [total, *parts] == pytest.approx([t["total"], *(t[k] for k in keys)], abs=5e-4)
+    assert total == pytest.approx(sum(parts), abs=4e-3) and parts[1] > 0 and parts[2] > 0
+    assert tflops == pytest.approx(
+        r["flops_per_iteration"] / (r["num_devices"] * t["total"]) / 1e12, abs=0.05)
 
 
 def test_search_ranks_layouts_that_fit(capsys):
