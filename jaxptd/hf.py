@@ -220,7 +220,7 @@ def _single_device_setup(config: Config):
 def _save(setup, params, directory: Path) -> None:
     """A step-0 checkpoint in `directory`: `params`, AdamW's initial state, the run's seed."""
     import jax
-    from jaxptd.checkpoint.store import Checkpointer  # Orbax: loaded on use, as JAX
+    from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use, not at start-up
 
     config = setup.config
     state = setup.init_state(config.train.seed)
@@ -246,7 +246,7 @@ def load_params(directory: str, step: int | None = None):
     """(config, global float32 params as numpy (vocabulary padded for tensor = 1), step)
     from a checkpoint directory."""
     import jax
-    from jaxptd.checkpoint.store import Checkpointer  # Orbax: loaded on use, as JAX
+    from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use, not at start-up
 
     ckpt_dir, steps = checkpoint_steps(directory)
     step = steps[-1] if step is None else step
