@@ -37,7 +37,10 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxptd.config import Config, ConfigError, ModelConfig, from_dict
+from jaxptd.checkpoint import CheckpointError
+from jaxptd.checkpoint.files import (complete_steps, find_checkpoints, layout_metadata,
+                                     read_layout)
+from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, from_dict
 from jaxptd.hf_files import check_target, publish, read_hf
 from jaxptd.hf_names import (ARCHITECTURES, PARTS, VOCAB_AXES, HFError, canonical,
                               export_config, extras, names, require)
@@ -203,7 +206,6 @@ def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
 def _single_device_setup(config: Config):
     """Setup on one device (data = pipe = tensor = 1, no ZeRO-1): the logical layout."""
     import jax
-    from jaxptd.config import ParallelConfig
     from jaxptd.mesh import make_mesh
     from jaxptd.step import Setup
 
@@ -218,7 +220,7 @@ def _single_device_setup(config: Config):
 def _save(setup, params, directory: Path) -> None:
     """A step-0 checkpoint in `directory`: `params`, AdamW's initial state, the run's seed."""
     import jax
-    from jaxptd.checkpoint import Checkpointer, layout_metadata
+    from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use, not at start-up
 
     config = setup.config
     state = setup.init_state(config.train.seed)
@@ -230,12 +232,12 @@ def _save(setup, params, directory: Path) -> None:
 
 
 def checkpoint_steps(directory: str) -> tuple[Path, list[int]]:
-    """(checkpoint directory, its complete steps) for a run, import or checkpoint directory."""
-    for candidate in (Path(directory, "checkpoints"), Path(directory)):
-        steps = sorted(int(p.name) for p in candidate.glob("*")
-                       if p.name.isdigit() and (p / "_CHECKPOINT_METADATA").exists())
-        if steps:
-            return candidate, steps
+    """(checkpoint directory, its complete steps) for a run, import, checkpoint or step
+    directory (found as `python -m jaxptd.checkpoint inspect` finds it)."""
+    found = find_checkpoints(str(directory))
+    steps = complete_steps(found) if found else []
+    if steps:
+        return Path(found), steps
     raise HFError(f"{directory}: no complete checkpoint steps (expected the directory "
                   "`import` wrote, a run directory or its checkpoints/)")
 
@@ -244,13 +246,15 @@ def load_params(directory: str, step: int | None = None):
     """(config, global float32 params as numpy (vocabulary padded for tensor = 1), step)
     from a checkpoint directory."""
     import jax
-    from jaxptd.checkpoint import Checkpointer
+    from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use, not at start-up
 
     ckpt_dir, steps = checkpoint_steps(directory)
     step = steps[-1] if step is None else step
     require(step in steps, f"--step {step}: not among the complete steps {steps} of "
             f"{ckpt_dir}")
-    record = json.loads((ckpt_dir / str(step) / "layout" / "metadata").read_text())
+    record = read_layout(str(ckpt_dir / str(step)))
+    require(record is not None, f"{ckpt_dir / str(step)}: its layout record "
+            "(layout/metadata) is unreadable")
     config = from_dict(record["config"])
     setup = _single_device_setup(config)
     ckpt = Checkpointer(str(ckpt_dir), every=0, keep=len(steps), async_save=False)
@@ -292,8 +296,6 @@ def main(argv=None) -> int:
         command.add_argument("--overwrite", action="store_true",
                              help="replace everything in a non-empty output directory")
     args = parser.parse_args(argv)
-    from jaxptd.checkpoint import CheckpointError  # after parsing: it imports JAX
-
     try:
         if args.command == "import":
             path = import_hf(args.hf_dir, args.out_dir, args.overwrite)

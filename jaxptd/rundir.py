@@ -31,9 +31,9 @@ import os
 import socket
 import time
 
-from jaxptd import checkpoint_integrity as integrity
 from jaxptd import distributed, runlog
-from jaxptd.config import ConfigError
+from jaxptd.checkpoint import integrity
+from jaxptd.config import ConfigError, load_config
 from jaxptd.runlog import LOG
 
 LOCK_NAME = ".jaxptd.lock"
@@ -162,7 +162,6 @@ def _steps(directory: str) -> list[dict]:
 
 def _previous_checkpoint_dir(run_dir: str) -> str | None:
     """checkpoint.dir of the config.yaml a run left in `run_dir` (None: none readable)."""
-    from jaxptd.config import load_config
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(path):
         return None

@@ -10,6 +10,9 @@ Owns what goes into `train.run_dir`:
 - `tensorboard/`: event files, tags grouped as train/, val/ and perf/;
 - Weights & Biases, when `train.wandb_project` is set and `wandb` is installed.
 
+Also how jaxptd writes a size or an error inside one line, for every module that prints
+(`human_bytes`, `one_line`).
+
 Only process 0 writes or prints; the other processes' objects are silent.
 
 Invariants:
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -38,6 +42,21 @@ LOG = logging.getLogger("jaxptd")
 PERF_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_time_s",
              "temp_bytes_per_device", "argument_bytes_per_device", "flops_per_iteration",
              "bubble_fraction")
+
+
+def human_bytes(count: float) -> str:
+    """A byte count in decimal units: '512 B', '1.5 GB' (one decimal from KB on)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if count < 1000 or unit == "TB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def one_line(error: BaseException, limit: int = 160) -> str:
+    """An error as one short line: whitespace collapsed, object reprs dropped."""
+    text = re.sub(r"<[^<>]*>", "", " ".join(str(error).split())) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _ConsoleFormat(logging.Formatter):

@@ -20,14 +20,19 @@ stacking dimensions (`fsdp_spec`); `fsdp_dims` says which dimension of each leaf
 layers see it, to all-gather. ZeRO-1 (`optimizer.zero1`) further shards optimizer state
 over the `data` axis (the replicas) on the first free dimension divisible by its size.
 
-Inside the step's manual shard_map, values carry JAX's varying-manual-axes type; the last
-helpers here set it (`mark_varying`) and undo it by reduction (`reduce_to`).
+Inside the step's manual shard_map, values carry JAX's varying-manual-axes (vma) type; the
+last helpers here are jaxptd's one place that reads or sets it: `varying_axes` reads it
+(whichever field this JAX names it by), `mark_varying` sets it, `gather_invariant`
+all-gathers into an invariant value (with a fallback for a JAX without the typed gather)
+and `reduce_to` undoes it by reduction.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -152,6 +157,23 @@ def mark_varying(tree, axes: tuple[str, ...]):
         missing = tuple(a for a in axes if a not in varying_axes(x))
         return lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(cast, tree)
+
+
+# Whether this JAX's all_gather takes `to=` (the typed gather), read from its signature.
+_TYPED_GATHER = "to" in inspect.signature(lax.all_gather).parameters
+
+
+def gather_invariant(x, axis_name: str, axis: int, size: int):
+    """All-gathers x's `axis` over `axis_name` (of `size` ranks), typed "the same on every
+    rank" (a value that meets replicated parameters must be); its transpose takes each
+    rank's own part of the gradient. A JAX without the typed gather: place the part and
+    psum (twice the bytes)."""
+    if _TYPED_GATHER:
+        return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
+    width = x.shape[axis]
+    full = jnp.zeros((*x.shape[:axis], width * size, *x.shape[axis + 1:]), x.dtype)
+    placed = lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(axis_name) * width, axis)
+    return lax.psum(placed, axis_name)
 
 
 def _axes_of(spec: P) -> dict:

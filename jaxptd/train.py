@@ -28,11 +28,11 @@ import numpy as np
 
 from jaxptd import distributed, preflight, rundir, runlog
 from jaxptd import model as models
-from jaxptd.checkpoint import CheckpointError, human_bytes
+from jaxptd.checkpoint import CheckpointError
 from jaxptd.config import Config, ConfigError, describe_keys, load_config
 from jaxptd.data import DataError, TokenDataset
 from jaxptd.preemption import INTERRUPTED, Preemption
-from jaxptd.runlog import LOG
+from jaxptd.runlog import LOG, human_bytes
 from jaxptd.rundir import RunLock
 from jaxptd.storage import StorageError
 
@@ -108,7 +108,7 @@ def continue_schedule(config: Config):
     """(config, note) with the learning-rate schedule of the newest complete step in
     checkpoint.dir kept (config.continued); the config itself when there is none, or it
     is step 0 (`hf import`'s: no step trained on any schedule yet)."""
-    from jaxptd.checkpoint_integrity import inspect
+    from jaxptd.checkpoint.integrity import inspect
     from jaxptd.config import continued
     directory = config.checkpoint_dir
     steps = [r for r in inspect(directory) if r["status"] == "complete"] \
@@ -123,7 +123,8 @@ def restore(jax, setup, given: Config, note: str | None):
     checkpoint.every=0 (which only stops saving), or a new state where starting over
     writes over no earlier run's history (rundir.unrestored_history). `given`: the config
     as the user gave it, whose changes against the restored step's are named."""
-    from jaxptd.checkpoint import Checkpointer, layout_metadata
+    from jaxptd.checkpoint.files import layout_metadata
+    from jaxptd.checkpoint.store import Checkpointer
     from jaxptd.config import changed_keys
     config = setup.config
     ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,

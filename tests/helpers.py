@@ -195,7 +195,7 @@ def damage(path: Path, fault: str) -> None:
 
 def assert_same_state(actual, expected) -> None:
     """Bitwise equality, leaves matched by path (a restored NamedTuple may be a dict)."""
-    from jaxptd.checkpoint_integrity import leaf_name
+    from jaxptd.checkpoint.checksums import leaf_name
     flat = lambda tree: {leaf_name(p): np.asarray(x) for p, x in
                          jax.tree_util.tree_leaves_with_path(jax.device_get(tree))}
     a, e = flat(actual), flat(expected)

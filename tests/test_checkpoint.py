@@ -18,8 +18,10 @@ import jax
 import pytest
 
 from helpers import REPO, assert_same_state, damage, make_setup, walk_faults
-from jaxptd.checkpoint import CheckpointError, Checkpointer, layout_metadata
-from jaxptd.checkpoint_integrity import FILE_LIST, inspect
+from jaxptd.checkpoint import CheckpointError
+from jaxptd.checkpoint.files import FILE_LIST, layout_metadata
+from jaxptd.checkpoint.integrity import inspect
+from jaxptd.checkpoint.store import Checkpointer
 
 EXTRA = ("model.num_layers=2",)
 

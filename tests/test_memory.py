@@ -18,7 +18,7 @@ from jax.extend.core import Literal
 from helpers import (assert_grads_match_single_device, assert_same_state,
                      assert_steps_match_single_device, fixed_batches, make_setup,
                      placed_state, train_cli_records)
-from jaxptd.checkpoint import Checkpointer
+from jaxptd.checkpoint.store import Checkpointer
 from jaxptd.step import build_eval_step, build_grads, build_train_step
 
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from helpers import walk_faults
-from jaxptd.checkpoint import Checkpointer
-from jaxptd.checkpoint_integrity import inspect
+from jaxptd.checkpoint.integrity import inspect
+from jaxptd.checkpoint.store import Checkpointer
 from jaxptd.config import load_config
 from jaxptd.data import TokenDataset, resolve_corpus
 from jaxptd.mesh import make_mesh

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import REPO
 from jaxptd import runlog
-from jaxptd.checkpoint_integrity import TMP_MARK
+from jaxptd.checkpoint.files import TMP_MARK
 from jaxptd.config import load_config
 from jaxptd.rundir import LOCK_NAME, RunDirError, RunLock, unrestored_history
 

@@ -275,7 +275,7 @@ def start_and_wait(env, tmp_path, name, step=2, extra=()):
 
 @pytest.mark.slow
 def test_sigint_saves_the_step_and_exits_130(corpus_env, tmp_path):
-    from jaxptd.checkpoint_integrity import inspect
+    from jaxptd.checkpoint.integrity import inspect
     env, _ = corpus_env
     proc, run_dir = start_and_wait(env, tmp_path, "run")
     proc.send_signal(signal.SIGINT)
@@ -308,7 +308,7 @@ def test_second_sigint_exits_at_once_even_inside_a_long_call():
 def test_full_disk_is_one_error_line_and_earlier_steps_restore(corpus_env, small_disk,
                                                               tmp_path):
     """Checkpoints of ~1.6 MB every step on 4 MB: the third save finds the disk full."""
-    from jaxptd.checkpoint_integrity import inspect
+    from jaxptd.checkpoint.integrity import inspect
     env, _ = corpus_env
     args = [*BASE, "checkpoint.every=1", "train.eval_every=0", f"checkpoint.dir={small_disk}",
             f"train.run_dir={tmp_path / 'run'}"]

@@ -10,11 +10,14 @@
   function of its arguments, rows selectable per process), ``unigram_entropy``.
 - ``megatron.py``: Megatron-LM indexed datasets (``.bin``/``.idx``) read as splits and
   written (``--format megatron``).
+- ``splits.py``: the split names and the val-by-tokens rule both formats share.
+- ``errors.py``: ``DataError``.
 
 Pure numpy; nothing here imports JAX. User-caused problems raise ``DataError``
 (a ValueError) with a one-line message for the entry point to print as ``error:``.
 """
-from jaxptd.data.dataset import DataError, TokenDataset, read_meta, unigram_entropy
+from jaxptd.data.dataset import TokenDataset, read_meta, unigram_entropy
+from jaxptd.data.errors import DataError
 
 _FROM_PREPARE = ("prepare_corpus", "resolve_corpus")
 

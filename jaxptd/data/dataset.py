@@ -24,26 +24,20 @@ Pure numpy: no JAX here, so the data path can be tested and used without a backe
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
 
+from jaxptd.data import megatron
+from jaxptd.data.errors import DataError
+from jaxptd.data.splits import SPLITS
+
 FORMAT_VERSION = 1
-SPLITS = ("train", "val")
 _DTYPES = ("uint16", "uint32")
 _REQUIRED_META = ("format_version", "dtype", "vocab_size", "tokenizer", "eot_id",
                   "train_tokens", "val_tokens", "source")
 # Entropy counting reads the memmap in pieces so memory stays bounded for any corpus.
 _ENTROPY_CHUNK = 1 << 24
-
-
-class DataError(ValueError):
-    """A data problem a user can cause (path, corpus contents, split too short).
-
-    The message is one line naming the value and the rule; entry points print it as
-    ``error: <message>`` and exit with status 2.
-    """
 
 
 def read_meta(directory: str | Path) -> dict:
@@ -112,12 +106,6 @@ def _check_bin_size(directory: Path, meta: dict, split: str) -> None:
                         f"re-prepare the corpus")
 
 
-def val_tail(total: int, fraction: float) -> int:
-    """Tokens at the end of a corpus of `total` (>= 2) that form a val split made by
-    tokens: `fraction` of them rounded up, at least one, and at least one left to train."""
-    return min(max(1, math.ceil(total * fraction)), total - 1)
-
-
 def _open_tokens(directory: Path, meta: dict, split: str) -> np.ndarray:
     """Read-only memmap of one split, shape [split_tokens]; np.memmap refuses empty files."""
     if meta[f"{split}_tokens"] == 0:
@@ -139,8 +127,6 @@ class TokenDataset:
     def __init__(self, directory: str | Path, split: str = "train"):
         if split not in SPLITS:
             raise DataError(f"split={split!r} must be one of {list(SPLITS)}")
-        from jaxptd.data import megatron  # it imports DataError from here
-
         self.directory = Path(directory)
         self.split = split
         if megatron.is_prefix(self.directory):

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from jaxptd.data.dataset import DataError
+from jaxptd.data.errors import DataError
 
 
 def find_documents(inputs: Sequence[str], glob: str,

@@ -30,7 +30,7 @@ least one when there are two or more) are "val", the rest "train", so each split
 contiguous memory-mapped range of PREFIX.bin. Megatron's own `--split` is contiguous in
 the same way. When that leaves a split without tokens (one document, or empty documents
 at the end), the split is by tokens instead, as `prepare` does for a jaxptd corpus: the
-last 0.5% of the tokens (dataset.val_tail) are "val". A Megatron file names no tokenizer
+last 0.5% of the tokens (splits.val_tail) are "val". A Megatron file names no tokenizer
 and no vocabulary: `vocab_size` is one more than the largest id (one pass over the
 tokens, in chunks), `eot_id` and `tokenizer` are None.
 
@@ -50,7 +50,8 @@ from typing import Iterable, NamedTuple
 
 import numpy as np
 
-from jaxptd.data.dataset import DataError, val_tail
+from jaxptd.data.errors import DataError
+from jaxptd.data.splits import val_tail
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D: 34 bytes

@@ -54,8 +54,10 @@ import numpy as np
 
 from jaxptd import storage
 from jaxptd.data import megatron
-from jaxptd.data.dataset import FORMAT_VERSION, SPLITS, DataError, read_meta, val_tail
+from jaxptd.data.dataset import FORMAT_VERSION, read_meta
 from jaxptd.data.documents import find_documents, read_documents
+from jaxptd.data.errors import DataError
+from jaxptd.data.splits import SPLITS, val_tail
 from jaxptd.data.tokenizer import Tokenizer, load_tokenizer
 
 STDLIB_CORPUS = "pystdlib"

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxptd.data.dataset import DataError
+from jaxptd.data.errors import DataError
 
 BYTE_VOCAB_SIZE = 257
 BYTE_EOT_ID = 256

@@ -36,8 +36,9 @@ import numpy as np
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, dense, embedding_dropout,
-                                 enter_tensor, gather_invariant, layer_norm, normal,
-                                 token_block, vocab_parallel_xent, zeros)
+                                 enter_tensor, layer_norm, normal, token_block,
+                                 vocab_parallel_xent, zeros)
+from jaxptd.sharding import gather_invariant
 
 SPECIALS = 4  # [PAD], [CLS], [SEP], [MASK] at vocab_size - 4 ..
 MASK_RATE, SHORT_RATE = 0.15, 0.1

@@ -37,7 +37,6 @@ softmax and the loss run in float32.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -230,22 +229,6 @@ def _tokens(flat, like, split: int):
     """[b n / split * ..., ...] back to [b, n / split * ..., ...] of `like`'s rows."""
     return flat.reshape(like.shape[0], like.shape[1] * flat.shape[0] // (
         like.shape[0] * like.shape[1]), *flat.shape[1:])
-
-
-_GATHER_INVARIANT = "to" in inspect.signature(lax.all_gather).parameters
-
-
-def gather_invariant(x, axis_name: str, axis: int, size: int):
-    """All-gathers x's `axis` over `axis_name` (of `size` ranks), typed "the same on every
-    rank" (a value that meets replicated parameters must be); its transpose takes each
-    rank's own part of the gradient. A JAX without the typed gather: place the part and
-    psum (twice the bytes)."""
-    if _GATHER_INVARIANT:
-        return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying")
-    width = x.shape[axis]
-    full = jnp.zeros((*x.shape[:axis], width * size, *x.shape[axis + 1:]), x.dtype)
-    placed = lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(axis_name) * width, axis)
-    return lax.psum(placed, axis_name)
 
 
 def softmax_reference(scores, scale: float, causal: bool = True, mask=None, dtype=None):

@@ -1,1 +1,1 @@
-"""Pipeline parallelism: schedules as data (schedules.py) and their SPMD executor (executor.py)."""
+"""Pipeline parallelism: schedules as data (schedules/) and their SPMD executor (executor.py)."""

@@ -4,7 +4,7 @@ Owns only drawing: one row per rank, forwards blue, backwards (input gradients, 
 bubble kinds) green and weight gradients orange (darker for the first chunk, lighter for
 later ones, as the legend says), the microbatch number in each box. A long schedule (over WINDOW time units) is drawn as its first and last WINDOW / 2
 units side by side, so boxes stay readable; the steady state between them repeats.
-matplotlib is imported here lazily so that schedules.py and its CLI run without it.
+matplotlib is imported here lazily so that the schedules and their CLI run without it.
 """
 from __future__ import annotations
 

@@ -69,8 +69,7 @@ from jaxptd.mesh import BATCH, PIPE, TENSOR
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds, Segment, chunks_done, lower, segments
-from jaxptd.model.layers import gather_invariant
-from jaxptd.sharding import mark_varying, regather, varying_axes
+from jaxptd.sharding import gather_invariant, mark_varying, regather, varying_axes
 
 FORMS = ("cond", "steady", "masked")
 SLOT_FIELDS = {

@@ -1,6 +1,7 @@
 """Timing a schedule: the lockstep simulator (what the executor runs), an event-driven one
 (each rank runs its order back to back, as Megatron's asynchronous executor would), the
-papers' bubble formulas, and the CLI `python -m jaxptd.pipeline.schedules`.
+papers' bubble formulas, and the CLI `python -m jaxptd.pipeline.schedules` (`main`, run
+by jaxptd/pipeline/schedules/__main__.py).
 
 Lockstep cost model: in a round every rank runs its F, B and W slots back to back and the
 messages of the round are stored at its end, so a round costs the busiest rank's work,
@@ -11,7 +12,7 @@ W runs B + W in its B. Pure Python.
 With uniform costs the lockstep bubble is (p-1)/m for gpipe and 1f1b, (p-1)/(v m) for
 interleaved (m >= p), and for the zero-bubble kinds the paper's (p-1)(t_f+t_b-t_w) /
 (m (t_f+t_b+t_w)): for zb-h1 from m >= p on, for zb-interleaved (divided by v) from
-m >= 2p-2 on; see schedules.py for below that.
+m >= 2p-2 on; see schedules/__init__.py for below that.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import json
 import sys
 from dataclasses import dataclass, field, fields
 
+from jaxptd.pipeline.draw import draw_timeline
 from jaxptd.pipeline.lowering import Rounds, lower
 from jaxptd.pipeline.schedules import (KINDS, ZERO_BUBBLE, Costs, Schedule, ScheduleError,
                                        forward_only, make_schedule)
@@ -177,7 +179,6 @@ def main(argv=None) -> int:
     except ScheduleError as e:
         _fail(str(e))
     if args.png:
-        from jaxptd.pipeline.draw import draw_timeline
         try:
             draw_timeline(stats, schedule, args.png)
         except (ImportError, OSError) as e:

@@ -1,15 +1,8 @@
-"""Checkpoints: Orbax only. Save asynchronously, keep the newest K, restore into any layout.
+"""Saving and restoring the train state with Orbax: asynchronously, the newest K kept,
+restored into any layout.
 
-Owns where the train state goes on disk and how it comes back. `python -m jaxptd.checkpoint
-inspect DIR` (a checkpoint, run or step directory) lists the steps, the layout each was
-written with, whether each passes the cheap checks and which one a run would resume from;
-its exit status says so to scripts (INSPECT_STATUS: 0 all good, 1 resumable with damage
-beside, 2 nothing to resume from).
-
-A step directory holds two Orbax items: `state` (the train state in the logical layout,
-OCDBT, each process writing only its own shards) and `layout` (JSON: data, pipe, tensor,
-chunks, zero1, processes, padded_vocab, the whole config it was written with and the
-arrays' checksums), and `files.json`, the list of its files (checkpoint_integrity.py).
+Owns `Checkpointer`: where the train state goes on disk and how it comes back (the
+directory's format: files.py; the checks: integrity.py and checksums.py).
 
 Invariants:
 
@@ -41,68 +34,32 @@ import json
 import math
 import os
 import shutil
-import sys
-import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxptd import checkpoint_integrity as integrity
 from jaxptd import storage
-from jaxptd.runlog import LOG
-
-TMP_MARK = integrity.TMP_MARK
-LAYOUT_KEYS = ("data", "pipe", "tensor", "chunks")
-
-
-class CheckpointError(ValueError):
-    """A user-caused checkpoint problem (unwritable directory, unreadable step); one line."""
+from jaxptd.checkpoint import CheckpointError
+from jaxptd.checkpoint.checksums import array_checksums, checksum_mismatch, leaf_name
+from jaxptd.checkpoint.files import (TMP_MARK, check_writable, read_layout, step_files,
+                                     write_file_list)
+from jaxptd.checkpoint.integrity import check_step
+from jaxptd.runlog import LOG, human_bytes, one_line
 
 
 class _Damaged(Exception):
     """A step that fails a check (its message is one short line)."""
 
 
-PROBE_BYTES = 1 << 16
-
-
-def check_writable(directory: str, key: str = "checkpoint.dir") -> str:
-    """Creates `directory` if needed and proves that PROBE_BYTES can be written there, so
-    a full disk or a tiny file-size limit is found before the run starts."""
-    directory = os.path.abspath(directory)
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as e:
-        raise CheckpointError(
-            f"{key}={directory}: not a writable directory ({e.strerror})") from None
-    with storage.guard(f"{key}={directory}", f"writing a {human_bytes(PROBE_BYTES)} probe"):
-        try:
-            with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-") as f:
-                f.write(bytes(PROBE_BYTES))
-                f.flush()
-        except OSError as e:
-            if storage.write_failure(e):
-                raise
-            raise CheckpointError(
-                f"{key}={directory}: not a writable directory ({e.strerror})") from None
-    return directory
-
-
-def layout_metadata(config, processes: int) -> dict:
-    """What a step records about how it was written (JSON-serialisable)."""
-    par = config.parallel
-    return {**{k: getattr(par, k) for k in LAYOUT_KEYS}, "zero1": config.optimizer.zero1,
-            "processes": processes, "padded_vocab": config.model.padded_vocab(par.tensor),
-            "config": config.to_dict()}
-
-
 def _all_agree(ok: bool) -> bool:
     """True when `ok` holds on every process (a collective: all processes must call it)."""
-    import jax
-    import numpy as np
     if jax.process_count() == 1:
         return ok
-    from jax.experimental import multihost_utils
     return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
 
 
@@ -117,21 +74,6 @@ def _is_read_error(error: Exception) -> bool:
     chain of causes is examined."""
     return any(isinstance(e, (OSError, UnicodeDecodeError, json.JSONDecodeError))
                or any(code in str(e) for code in READ_ERROR_CODES) for e in storage.causes(error))
-
-
-def one_line(error: BaseException, limit: int = 160) -> str:
-    """An error as one short line: whitespace collapsed, object reprs dropped."""
-    import re
-    text = re.sub(r"<[^<>]*>", "", " ".join(str(error).split())) or type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def human_bytes(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if count < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    raise AssertionError("unreachable")
 
 
 class Checkpointer:
@@ -163,8 +105,8 @@ class Checkpointer:
         for name in os.listdir(self.directory):
             if name.startswith(prefix):
                 path = os.path.join(self.directory, name)
-                integrity.write_file_list(path)
-                size = sum(n or 0 for n in integrity.step_files(path).values())
+                write_file_list(path)
+                size = sum(n or 0 for n in step_files(path).values())
                 self._finished.append((step, self._clock() - started, size))
 
     def completed(self) -> list[tuple[int, float, int]]:
@@ -195,7 +137,7 @@ class Checkpointer:
 
     def _try_restore(self, abstract_state, step: int, vocab_size: int):
         """(state, None) or (None, why the step is damaged), agreed by every process."""
-        problem = integrity.check_step(os.path.join(self.directory, str(step)))
+        problem = check_step(os.path.join(self.directory, str(step)))
         if not _all_agree(problem is None):
             return None, problem or "failed on another process"
         state = None
@@ -215,8 +157,6 @@ class Checkpointer:
 
     def _set_aside(self, step: int, problem: str) -> str:
         """Reports a damaged step and renames it so no later run or save meets it."""
-        import jax
-        from jax.experimental import multihost_utils
         path = os.path.join(self.directory, str(step))
         aside, n = f"{path}.corrupt", 0
         while os.path.exists(aside):
@@ -235,18 +175,17 @@ class Checkpointer:
         """Reads `step` into the shardings of `abstract_state` (the logical layout),
         padding or slicing padded-vocabulary rows when the tensor size changed, and checks
         the arrays against the checksums the save recorded (_Damaged when they differ)."""
-        import jax
         saved = self.manager.item_metadata(step)["state"]
         saved = saved.tree if hasattr(saved, "tree") else saved
         # Saved containers may differ in type (a NamedTuple comes back a dict): match by path.
-        shapes = {integrity.leaf_name(p): leaf.shape for p, leaf in
+        shapes = {leaf_name(p): leaf.shape for p, leaf in
                   jax.tree_util.tree_leaves_with_path(saved)}
         targets = jax.tree_util.tree_map_with_path(
-            lambda path, want: _read_target(path, want, shapes.get(integrity.leaf_name(path)),
+            lambda path, want: _read_target(path, want, shapes.get(leaf_name(path)),
                                             vocab_size), abstract_state)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(targets)))["state"]
-        mismatch = integrity.checksum_mismatch(restored, (self.layout(step) or {}).get(
+        mismatch = checksum_mismatch(restored, (self.layout(step) or {}).get(
             "checksums"))
         if mismatch:
             raise _Damaged(mismatch)
@@ -254,7 +193,7 @@ class Checkpointer:
 
     def layout(self, step: int) -> dict | None:
         """The layout item of `step` (how it was written, its config and checksums)."""
-        return integrity.read_layout(os.path.join(self.directory, str(step)))
+        return read_layout(os.path.join(self.directory, str(step)))
 
     def has(self, step: int) -> bool:
         """True when `step` is on disk (or being saved)."""
@@ -268,14 +207,13 @@ class Checkpointer:
         """Starts a save of the logical `state` at `step` (callers check `due` or `has`
         first, before converting the state); waits for it unless saving asynchronously.
         Raises CheckpointError when this or the previous save finds the disk full."""
-        import jax
         try:
             self.manager.wait_until_finished()  # a failure of the previous save shows here
         except Exception as e:  # noqa: BLE001 - _save_failed re-raises what is not a full disk
             self._save_failed(e)
         nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
         self._pending = (step, self._clock(), nbytes)
-        metadata = {**self.metadata, "checksums": integrity.array_checksums(state)}
+        metadata = {**self.metadata, "checksums": array_checksums(state)}
         try:
             saved = self.manager.save(step, force=True, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), layout=ocp.args.JsonSave(metadata)))
@@ -289,7 +227,6 @@ class Checkpointer:
         """A storage failure (a full disk, a file-size limit: storage.write_failure)
         becomes one CheckpointError saying what to do (the half-written step removed);
         anything else is re-raised."""
-        import jax
         failure = storage.write_failure(error)
         if failure is None:
             raise error
@@ -337,8 +274,6 @@ class Checkpointer:
 def _read_target(path, want, have: tuple | None, vocab_size: int):
     """The ShapeDtypeStruct to read a saved leaf (of shape `have`) into: its saved shape
     when only padded vocabulary rows differ, else the target itself."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
     name = jax.tree_util.keystr(path)
     if have is None:
         raise CheckpointError(f"checkpoint has no leaf {name}: written by a different model")
@@ -360,8 +295,6 @@ def _read_target(path, want, have: tuple | None, vocab_size: int):
 
 def _resize(array, want):
     """Pads with zeros or slices `array` to `want`'s shape, in `want`'s sharding."""
-    import jax
-    import jax.numpy as jnp
     if array.shape == want.shape:
         return array
 
@@ -370,46 +303,3 @@ def _resize(array, want):
         return jnp.pad(x, [(0, w - s) for s, w in zip(x.shape, want.shape)])
 
     return jax.jit(fit, out_shardings=want.sharding)(array)
-
-
-INSPECT_STATUS = """exit status: 0 every step passes the cheap checks and a run resumes from
-the newest; 1 a run resumes from a step that passes them, but some step is damaged,
-half-written or set aside as <step>.corrupt; 2 no step would restore (or no checkpoints
-were found: an error line)"""
-
-
-def main(argv=None) -> int:
-    """`inspect DIR`: lists the steps; the exit status is INSPECT_STATUS's."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m jaxptd.checkpoint")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("inspect", help="list the steps, their layout, whether each passes the "
-                   "cheap checks and which one a run resumes from", epilog=INSPECT_STATUS
-                   ).add_argument("directory", help="a checkpoint directory, a run directory "
-                                  "or one step")
-    args = parser.parse_args(argv)
-    directory = integrity.find_checkpoints(args.directory)
-    if directory is None:
-        print(f"error: {args.directory}: no checkpoints found (looked for step directories "
-              "there, in its checkpoints/ and in its config.yaml's checkpoint.dir)",
-              file=sys.stderr)
-        return 2
-    records = integrity.inspect(directory)
-    resume = max((r["step"] for r in records if r["status"] == "complete"), default=None)
-    print(f"{directory}: {len(records)} step director{'y' if len(records) == 1 else 'ies'}; "
-          + (f"a run resumes from step {resume}" if resume is not None
-             else "none would restore"))
-    for r in records:
-        layout = r["layout"] or {}
-        shape = " ".join(f"{k}={layout[k]}" for k in (*LAYOUT_KEYS, "zero1", "processes")
-                         if k in layout) or "layout unknown"
-        status = f"{r['status']} ({r['problem']})" if r["problem"] else r["status"]
-        mark = "  <- resume" if r["step"] == resume and r["status"] == "complete" else ""
-        print(f"step {r['step']:>8}  {status:<12}  {shape}  {r['path']}{mark}")
-    if resume is None:
-        return 2
-    return 0 if all(r["status"] == "complete" for r in records) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,7 +2,9 @@
 gradient (W) actions, their generators, the rules a schedule must keep, and the greedy
 packing of the orders into the lockstep rounds the JAX executor runs. Pure Python: never
 imports JAX. `lowering.py` turns packed rounds into the executor's slot tables,
-`simulate.py` times them (and is this module's CLI, `python -m jaxptd.pipeline.schedules`).
+`simulate.py` times them and holds the CLI `python -m jaxptd.pipeline.schedules`, which
+runs it through this package's `__main__.py` (a package, so that the CLI sits above
+lowering and simulate instead of in a module they import).
 
 Kinds: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B (PTD-P paper §2.2), and the zero-
 bubble schedules of Qi et al. (ICLR 2024), which split each backward into B, the gradient
@@ -52,7 +54,6 @@ busiest rank at every m, 1F1B's. zb-interleaved (v > 1) keeps the small-m excess
 """
 from __future__ import annotations
 
-import sys
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -419,7 +420,3 @@ def validate(schedule: Schedule, costs: Costs = Costs()) -> list:
             raise ScheduleError(f"rank {r}: {bad[1]} ({rule})\n{grid}")
     return pack_rounds(schedule, costs)
 
-
-if __name__ == "__main__":
-    from jaxptd.pipeline.simulate import main
-    sys.exit(main())
