@@ -1,8 +1,10 @@
 """Configuration: frozen dataclasses read from YAML with dotted ``key=value`` overrides.
 
-Owns every rule a user can break in a config file. All validation happens here, before any
-device work, and every failure is a ``ConfigError`` whose message is one line naming the
-key, the value and the rule; the entry points print it as ``error: ...`` and exit 2.
+Owns every rule a user can break in a config file but a model family's own (its module in
+jaxptd/arch/ declares those, and the options only it reads; `validate` asks the registry).
+All validation happens in `validate`, before any device work and without JAX, and every
+failure is a ``ConfigError`` whose message is one line naming the key, the value and the
+rule; the entry points print it as ``error: ...`` and exit 2.
 
 A YAML file holds only what differs from the defaults below, as sections
 (``model:``, ``parallel:``, ...). Overrides use the same names: ``parallel.tensor=4``.
@@ -442,6 +444,8 @@ def changed_keys(saved: dict, config: Config) -> list[str]:
             if old != value and not dotted.startswith(RESUME_FREE):
                 changes.append(f"{dotted} {old!r} -> {value!r}")
     return changes
+
+
 def from_dict(tree: dict[str, Any]) -> Config:
     """A validated Config from {section: {key: value}} (e.g. a checkpoint's record of its
     config); raises ConfigError like load_config."""
