@@ -66,8 +66,8 @@ class Architecture:
     init_params: Callable  # (cfg, vocab, key) -> global float32 params at padded `vocab`
     logical_axes: Callable  # (cfg, vocab, tensor) -> their logical names (PartitionSpecs)
     embed: Callable  # (ends, batch [b, W], key, cfg, layout, deterministic) -> x [b, s, h]
-    block: Callable  # (cfg, layout) -> one layer, a Flax module (x, deterministic, mask,
-    # cache)
+    # (cfg, layout) -> one layer, a Flax module called (x, deterministic, mask, cache)
+    block: Callable
     head_loss: Callable  # (ends, x, batch, cfg, layout) -> the batch's loss sum
     forward_flops: Callable  # (cfg, vocab) -> matmul FLOPs per token {layer, core, head}
     GATED_MLP: bool  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
