@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
