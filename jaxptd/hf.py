@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxptd.arch import HF_CLASSES, PARTS, VOCAB_AXES, family
 from jaxptd.config import Config, ConfigError, ModelConfig, from_dict
 from jaxptd.hf_files import check_target, publish, read_hf
-from jaxptd.arch import HF_CLASSES, PARTS, VOCAB_AXES, family
 from jaxptd.hf_names import HFError, require
 
 
