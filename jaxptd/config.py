@@ -1,8 +1,10 @@
 """Configuration: frozen dataclasses read from YAML with dotted ``key=value`` overrides.
 
-Owns every rule a user can break in a config file. All validation happens here, before any
-device work, and every failure is a ``ConfigError`` whose message is one line naming the
-key, the value and the rule; the entry points print it as ``error: ...`` and exit 2.
+Owns every rule a user can break in a config file but a model family's own (its module in
+jaxptd/arch/ declares those, and the options only it reads; `validate` asks the registry).
+All validation happens in `validate`, before any device work and without JAX, and every
+failure is a ``ConfigError`` whose message is one line naming the key, the value and the
+rule; the entry points print it as ``error: ...`` and exit 2.
 
 A YAML file holds only what differs from the defaults below, as sections
 (``model:``, ``parallel:``, ...). Overrides use the same names: ``parallel.tensor=4``.
@@ -19,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from jaxptd.arch import FAMILIES
+from jaxptd.pipeline.schedules import ScheduleError, make_schedule
 from jaxptd.target import NAMES as TARGET_NAMES
 
 
@@ -247,7 +251,7 @@ class Config:
 
 
 CHOICES = {
-    "model.arch": ("gpt", "llama", "bert"),
+    "model.arch": tuple(FAMILIES),
     "optimizer.name": ("adamw", "sgd"),
     "optimizer.grad_reduce_dtype": ("float32", "bfloat16"),
     "optimizer.overlap_grad_reduce": ("auto", "true", "false"),
@@ -440,6 +444,8 @@ def changed_keys(saved: dict, config: Config) -> list[str]:
             if old != value and not dotted.startswith(RESUME_FREE):
                 changes.append(f"{dotted} {old!r} -> {value!r}")
     return changes
+
+
 def from_dict(tree: dict[str, Any]) -> Config:
     """A validated Config from {section: {key: value}} (e.g. a checkpoint's record of its
     config); raises ConfigError like load_config."""
@@ -460,6 +466,18 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(config: Config) -> None:
     """Checks every cross-field rule; raises ConfigError naming key, value and rule."""
+    _validate_ranges(config)
+    _validate_options(config.model)
+    _validate_model(config.model, config.parallel)
+    for message in FAMILIES[config.model.arch].config_errors(config.model):
+        raise ConfigError(message)
+    _validate_parallel(config)
+    _validate_training(config)
+    _validate_runtime(config)
+
+
+def _validate_ranges(config: Config) -> None:
+    """One key at a time: CHOICES, POSITIVE, NON_NEGATIVE and the open intervals."""
     for key, choices in CHOICES.items():
         value = _get(config, key)
         _require(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
@@ -467,120 +485,86 @@ def validate(config: Config) -> None:
         _require(_get(config, key) > 0, f"{key}={_get(config, key)}: must be positive")
     for key in NON_NEGATIVE:
         _require(_get(config, key) >= 0, f"{key}={_get(config, key)}: must be >= 0")
-    m, par, tr = config.model, config.parallel, config.train
+    m = config.model
     _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)")
     _require(0.0 <= config.optimizer.momentum < 1.0,
              f"optimizer.momentum={config.optimizer.momentum}: must be in [0, 1)")
+    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be positive")
+
+
+def _validate_options(m: ModelConfig) -> None:
+    """A model key only some families read (Family.options) stays at its default in the
+    others' configs."""
+    own, default = FAMILIES[m.arch].options, ModelConfig()
+    for family in FAMILIES.values():
+        for key, message in family.options.items():
+            value = getattr(m, key)
+            _require(key in own or value == getattr(default, key), message.format(value=value))
+
+
+def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
+    """Attention's kernels and the shapes tensor parallelism splits. Grouped-query
+    attention: key/value heads split over tensor ranks when t divides them, else
+    replicated, which needs t to be a multiple of them (each rank's query heads then share
+    one key/value head)."""
+    tensor = par.tensor
     _require(not (m.attention == "cudnn" and m.dropout > 0),
              f"model.dropout={m.dropout}: model.attention=cudnn has no attention dropout; "
              "set model.dropout=0 or model.attention=xla")
     _require(not (m.attention == "cudnn" and m.dtype == "float32"),
              "model.attention=cudnn: needs model.dtype bfloat16 or float16 (cuDNN flash "
              "attention has no float32 kernel)")
-    _require(
-        m.hidden_size % m.num_heads == 0,
-        f"model.hidden_size={m.hidden_size}: must be divisible by model.num_heads={m.num_heads}",
-    )
-    _require(
-        m.num_heads % par.tensor == 0,
-        f"model.num_heads={m.num_heads}: must be divisible by parallel.tensor={par.tensor}",
-    )
-    _require(
-        not par.sequence_parallel or m.seq_len % par.tensor == 0,
-        f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
-        f"parallel.tensor={par.tensor}",
-    )
-    _require(
-        par.fsdp or not par.fsdp_group,
-        f"parallel.fsdp_group={par.fsdp_group}: needs parallel.fsdp=true",
-    )
-    _require(
-        not par.fsdp_group or par.data % par.fsdp_group == 0,
-        f"parallel.fsdp_group={par.fsdp_group}: must divide parallel.data={par.data}",
-    )
-    _require(
-        not (config.offload.activations and par.pipe > 1),
-        "offload.activations=true: needs parallel.pipe=1 (a pipeline keeps its activations "
-        "in its stash; parallel.stash=inputs keeps only the stage inputs)",
-    )
-    _validate_heads(m, par.tensor)
-    stages = par.pipe * par.chunks
-    _require(
-        m.num_layers % stages == 0,
-        f"model.num_layers={m.num_layers}: must be divisible by parallel.pipe x parallel.chunks"
-        f" = {par.pipe} x {par.chunks} = {stages}",
-    )
-    _require(
-        par.chunks == 1 or "interleaved" in par.schedule,
-        f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
-        f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})",
-    )
-    if par.pipe > 1:  # the schedule's own rules (it never imports JAX)
-        from jaxptd.pipeline.schedules import ScheduleError, make_schedule
-
-        try:
-            make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
-        except ScheduleError as e:
-            raise ConfigError(f"parallel.schedule={par.schedule}: {e}") from None
-    rows = par.data * par.microbatches
-    _require(
-        tr.global_batch % rows == 0,
-        f"train.global_batch={tr.global_batch}: must be divisible by parallel.data x "
-        f"parallel.microbatches = {par.data} x {par.microbatches} = {rows}",
-    )
-    _require(
-        not (m.dtype == "float16" and config.optimizer.loss_scale != "dynamic"),
-        f"model.dtype=float16: needs optimizer.loss_scale=dynamic (got "
-        f"{config.optimizer.loss_scale})",
-    )
-    _require(
-        config.optimizer.min_lr <= config.optimizer.lr,
-        f"optimizer.min_lr={config.optimizer.min_lr}: must be <= optimizer.lr="
-        f"{config.optimizer.lr}",
-    )
-    _validate_runtime(config)
-
-
-def _validate_heads(m: ModelConfig, tensor: int) -> None:
-    """Grouped-query attention: key/value heads split over tensor ranks when t divides them,
-    else replicated, which needs t to be a multiple of them (each rank's query heads then
-    share one key/value head)."""
-    _require(m.num_kv_heads == 0 or m.arch == "llama",
-             f"model.num_kv_heads={m.num_kv_heads}: only model.arch=llama has grouped-query "
-             "attention (0: as many as model.num_heads)")
+    _require(m.hidden_size % m.num_heads == 0, f"model.hidden_size={m.hidden_size}: must be "
+             f"divisible by model.num_heads={m.num_heads}")
+    _require(m.num_heads % tensor == 0, f"model.num_heads={m.num_heads}: must be divisible "
+             f"by parallel.tensor={tensor}")
+    _require(not par.sequence_parallel or m.seq_len % tensor == 0,
+             f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
+             f"parallel.tensor={tensor}")
     _require(m.num_heads % m.kv_heads == 0,
              f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads={m.num_heads}")
     _require(m.kv_heads % tensor == 0 or tensor % m.kv_heads == 0,
              f"model.num_kv_heads={m.kv_heads}: must be a multiple or a divisor of "
              f"parallel.tensor={tensor}")
-    _require(m.arch != "llama" or m.head_dim % 2 == 0,
-             f"model.hidden_size={m.hidden_size}: rotary embeddings need an even head "
-             f"dimension, hidden_size / num_heads = {m.head_dim}")
     _require(m.ffn % tensor == 0,
              f"model.ffn_size={m.ffn}: must be divisible by parallel.tensor={tensor}")
-    _require(m.arch != "bert" or m.seq_len >= 5,
-             f"model.seq_len={m.seq_len}: BERT's rows [CLS] A [SEP] B [SEP] need at least 5")
-    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be positive")
-    _validate_bert(m)
 
 
-def _validate_bert(m: ModelConfig) -> None:
-    """The options only BERT (or only the GeLU models) have."""
-    _require(m.gelu == "tanh" or m.arch != "llama",
-             f"model.gelu={m.gelu}: llama has no GeLU (its MLP is SwiGLU)")
-    _require(m.norm_position == "pre" or m.arch == "bert",
-             f"model.norm_position={m.norm_position}: only model.arch=bert has post-LayerNorm")
-    if not m.special_ids:
-        return
-    _require(m.arch == "bert", f"model.special_ids={m.special_ids!r}: only model.arch=bert "
-             "has special tokens")
-    try:
-        ids = m.bert_specials
-    except ValueError:
-        ids = ()
-    _require(len(ids) == len(set(ids)) == 4 and all(0 <= i < m.vocab_size for i in ids),
-             f"model.special_ids={m.special_ids!r}: must be four different ids PAD,CLS,SEP,"
-             f"MASK in [0, model.vocab_size={m.vocab_size}), e.g. 0,101,102,103")
+def _validate_parallel(config: Config) -> None:
+    """FSDP groups, what a pipeline can offload, stages and the schedule's own rules."""
+    m, par = config.model, config.parallel
+    _require(par.fsdp or not par.fsdp_group,
+             f"parallel.fsdp_group={par.fsdp_group}: needs parallel.fsdp=true")
+    _require(not par.fsdp_group or par.data % par.fsdp_group == 0,
+             f"parallel.fsdp_group={par.fsdp_group}: must divide parallel.data={par.data}")
+    _require(not (config.offload.activations and par.pipe > 1),
+             "offload.activations=true: needs parallel.pipe=1 (a pipeline keeps its "
+             "activations in its stash; parallel.stash=inputs keeps only the stage inputs)")
+    stages = par.pipe * par.chunks
+    _require(m.num_layers % stages == 0,
+             f"model.num_layers={m.num_layers}: must be divisible by parallel.pipe x "
+             f"parallel.chunks = {par.pipe} x {par.chunks} = {stages}")
+    _require(par.chunks == 1 or "interleaved" in par.schedule,
+             f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
+             f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})")
+    if par.pipe > 1:
+        try:
+            make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
+        except ScheduleError as e:
+            raise ConfigError(f"parallel.schedule={par.schedule}: {e}") from None
+
+
+def _validate_training(config: Config) -> None:
+    """The batch's split into microbatches; float16's loss scaling; the learning rates."""
+    par, tr, opt = config.parallel, config.train, config.optimizer
+    rows = par.data * par.microbatches
+    _require(tr.global_batch % rows == 0,
+             f"train.global_batch={tr.global_batch}: must be divisible by parallel.data x "
+             f"parallel.microbatches = {par.data} x {par.microbatches} = {rows}")
+    _require(not (config.model.dtype == "float16" and opt.loss_scale != "dynamic"),
+             f"model.dtype=float16: needs optimizer.loss_scale=dynamic (got {opt.loss_scale})")
+    _require(opt.min_lr <= opt.lr,
+             f"optimizer.min_lr={opt.min_lr}: must be <= optimizer.lr={opt.lr}")
 
 
 def _validate_runtime(config: Config) -> None:

@@ -1,11 +1,12 @@
 """`python -m jaxptd.generate`: greedy and sampled decoding with a KV cache, from a jaxptd
 checkpoint (`--checkpoint DIR`) or a Hugging Face directory (`--hf DIR`).
 
-Owns decoding: the prompt fills the cache in one pass (`arch.decode` over the whole prompt),
-then a `lax.scan` decodes one token at a time, all inside one jitted `shard_map` over the
-mesh's tensor axis (`--tensor T`: the model's own Megatron partitioning, the layer math of
-training). Each rank's [b, V/t] logits are assembled on every rank by a psum of the
-zero-padded slices, so every rank draws the same token from the same key.
+Owns decoding: the prompt fills the cache in one pass (the architecture's `decoder.decode`
+over the whole prompt), then a `lax.scan` decodes one token at a time, all inside one
+jitted `shard_map` over the mesh's tensor axis (`--tensor T`: the model's own Megatron
+partitioning, the layer math of training). Each rank's [b, V/t] logits are assembled on
+every rank by a psum of the zero-padded slices, so every rank draws the same token from
+the same key.
 
 Sampling: `--temperature 0` is greedy (argmax); otherwise logits / temperature, restricted
 to the `--top-k` largest and then to the smallest set whose probability reaches `--top-p`,
@@ -61,6 +62,7 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
     from jaxptd.sharding import mark_varying, specs_from_logical
 
     arch, tensor = get(cfg), mesh.shape[TENSOR]
+    decoder = arch.decoder
     layout = Layout(vocab, tensor, TENSOR)
     pick = partial(sample, temperature=temperature, top_k=top_k, top_p=top_p)
 
@@ -73,15 +75,15 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
         return jnp.where(jnp.arange(vocab) < cfg.vocab_size, lax.psum(placed, TENSOR), -jnp.inf)
 
     def run(params, prompt, key):
-        cache = arch.init_cache(cfg, layout, prompt.shape[0], prompt_len + new_tokens)
+        cache = decoder.init_cache(cfg, layout, prompt.shape[0], prompt_len + new_tokens)
         cache = mark_varying(cache, (TENSOR,))  # each rank's heads
-        logits, cache = arch.decode(params, prompt, cache, 0, cfg, layout)
+        logits, cache = decoder.decode(params, prompt, cache, 0, cfg, layout)
         first = pick(full_logits(logits[:, -1]), jax.random.fold_in(key, 0))
 
         def step(carry, i):
             token, cache = carry
-            logits, cache = arch.decode(params, token[:, None], cache, prompt_len + i, cfg,
-                                        layout)
+            logits, cache = decoder.decode(params, token[:, None], cache, prompt_len + i,
+                                           cfg, layout)
             return (pick(full_logits(logits[:, 0]), jax.random.fold_in(key, i + 1)), cache), token
 
         (last, _), tokens = lax.scan(step, (first, cache), jnp.arange(new_tokens - 1))
@@ -181,7 +183,8 @@ def generate(args) -> tuple[str | None, list[int]]:
     from jaxptd.model import get
 
     model, params, spec = _load(args)
-    if not hasattr(get(model), "decode"):
+    decoder = get(model).decoder
+    if decoder is None:
         raise ConfigError(f"model.arch={model.arch}: an encoder; generation needs a decoder")
     parallel = ParallelConfig(tensor=args.tensor)
     validate(Config(model=model, parallel=parallel))  # heads, kv heads, ffn vs --tensor
@@ -189,7 +192,7 @@ def generate(args) -> tuple[str | None, list[int]]:
         raise ConfigError(f"--tensor {args.tensor}: only {len(jax.devices())} devices")
     tokenizer = load_tokenizer(spec) if spec else None
     ids = _prompt_ids(args, tokenizer, model.vocab_size)
-    limit = getattr(get(model), "max_length", lambda m: None)(model)
+    limit = decoder.max_length(model)
     if limit and len(ids) + args.max_new_tokens > limit:
         raise ConfigError(f"prompt ({len(ids)} tokens) + --max-new-tokens "
                           f"{args.max_new_tokens} exceeds the model's {limit} positions")

@@ -3,8 +3,9 @@
 
 Owns the two directions between a transformers directory (GPT2LMHeadModel,
 LlamaForCausalLM, BertForPreTraining and BertForMaskedLM, their MegatronBert forms) and
-jaxptd's checkpoints; what maps to what is data in jaxptd/hf_names.py, the files and their
-failures are jaxptd/hf_files.py's:
+jaxptd's checkpoints; what maps to what is each family's data (jaxptd/arch/<family>.py,
+found through the registry jaxptd/arch), the files and their failures are
+jaxptd/hf_files.py's:
 
 - import: config.json + *.safetensors -> OUT_DIR/config.yaml (the model section, run and
   checkpoint directories in OUT_DIR) and a real jaxptd checkpoint at step 0 in
@@ -37,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxptd.arch import HF_CLASSES, PARTS, VOCAB_AXES, family
 from jaxptd.checkpoint import CheckpointError
 from jaxptd.checkpoint.files import (complete_steps, find_checkpoints, layout_metadata,
                                      read_layout)
 from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, from_dict
 from jaxptd.hf_files import check_target, publish, read_hf
-from jaxptd.hf_names import (ARCHITECTURES, PARTS, VOCAB_AXES, HFError, canonical,
-                              export_config, extras, names, require)
+from jaxptd.hf_names import HFError, require
 
 
 # --------------------------------------------------------------------------- import
@@ -51,11 +52,11 @@ from jaxptd.hf_names import (ARCHITECTURES, PARTS, VOCAB_AXES, HFError, canonica
 def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
     """HF tensors -> jaxptd's global parameter tree (float32, vocabulary padded to `vocab`).
     Every tensor is accounted for (_expected) and its shape checked against the config."""
-    tensors = _expected(model, canonical(model, tensors))
+    tensors = _expected(model, family(model).hf.canonical(model, tensors))
     shapes = _layer_shapes(model)
     params: dict = {}
     parts: dict = {}  # a leaf's path -> {part index: value}
-    for hf_names, path, to_jax, to_hf in names(model):
+    for hf_names, path, to_jax, to_hf in family(model).hf.names(model):
         want = to_hf(np.zeros(shapes[path])).shape
         values = []
         for hf_name in (hf_names,) if isinstance(hf_names, str) else hf_names:
@@ -75,14 +76,16 @@ def to_params(model: ModelConfig, tensors: dict, vocab: int) -> dict:
 
 
 def _expected(model: ModelConfig, tensors: dict) -> dict:
-    """`tensors` less the tied copies and buffers (hf_names.extras), once every tensor is
-    one the config expects and every expected one is there."""
-    for name, tied in extras(model).items():
+    """`tensors` less the tied copies and buffers (the family's `extras`), once every tensor
+    is one the config expects and every expected one is there."""
+    hf_map = family(model).hf
+    extras = hf_map.extras(model)
+    for name, tied in extras.items():
         if name in tensors and tied is not None and tied in tensors:
             require(np.array_equal(tensors[name], tensors[tied]), f"tensor {name!r} differs "
                     f"from {tied!r}: jaxptd's {model.arch} ties them (one weight)")
-    tensors = {k: v for k, v in tensors.items() if k not in extras(model)}
-    expected = {name for entry in names(model) for name in
+    tensors = {k: v for k, v in tensors.items() if k not in extras}
+    expected = {name for entry in hf_map.names(model) for name in
                 ((entry[0],) if isinstance(entry[0], str) else entry[0])}
     model_name = f"the {model.num_layers}-layer {model.arch} that config.json describes"
     for found, problem in ((set(tensors) - expected, f"hold tensors {model_name} does not "
@@ -133,7 +136,7 @@ def _set(tree: dict, path: tuple, value) -> None:
 def from_params(model: ModelConfig, params: dict) -> dict:
     """jaxptd's global parameters -> {HF name: float32 numpy tensor} (padding dropped)."""
     tensors = {}
-    for hf_names, path, _, to_hf in names(model):
+    for hf_names, path, _, to_hf in family(model).hf.names(model):
         keys = [k for k in path if not isinstance(k, int)]
         value = params
         for key in keys:
@@ -154,7 +157,7 @@ def from_params(model: ModelConfig, params: dict) -> dict:
 def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
     """(jaxptd config tree, its model config, global params padded for tensor = 1)."""
     arch, hf, tensors = read_hf(hf_dir)
-    hf_class = ARCHITECTURES[arch]
+    hf_class = HF_CLASSES[arch]
     try:
         tree = {"model": hf_class.config(hf)}
     except KeyError as e:
@@ -271,7 +274,7 @@ def export_hf(directory: str, hf_dir: str, step: int | None = None,
     out = Path(hf_dir).absolute()
     check_target(out, overwrite, Path(directory))
     config, params, step = load_params(directory, step)
-    hf_config = export_config(config.model)
+    hf_config = family(config.model).hf.export_config(config.model)
 
     def write(target: Path) -> None:
         save_file(from_params(config.model, params), str(target / "model.safetensors"),

@@ -19,7 +19,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from jaxptd.hf_names import ARCHITECTURES, HFError, require
+from jaxptd.arch import HF_CLASSES
+from jaxptd.hf_names import HFError, require
 
 
 def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
@@ -38,9 +39,9 @@ def read_hf(hf_dir: str) -> tuple[str, dict, dict]:
             from None
     require(isinstance(hf, dict), f"{config_path}: not a JSON object of settings")
     arch = (hf.get("architectures") or ["?"])[0]
-    require(arch in ARCHITECTURES, f"{config_path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(ARCHITECTURES)})")
-    tokens = {key: token for key, token in ARCHITECTURES[arch].tokens.items()
+    require(arch in HF_CLASSES, f"{config_path}: architecture {arch!r} is not supported "
+            f"(supported: {', '.join(HF_CLASSES)})")
+    tokens = {key: token for key, token in HF_CLASSES[arch].tokens.items()
               if hf.get(key) is None}
     hf = {**hf, **_token_ids(Path(hf_dir), tokens)} if tokens else hf
     files = sorted(Path(hf_dir).glob("*.safetensors"))

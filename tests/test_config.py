@@ -110,3 +110,14 @@ def test_a_continued_run_keeps_its_learning_rate_schedule():
     assert same.optimizer.decay_steps == 0 and note is None
     explicit = load_config(None, ["train.steps=500", "optimizer.decay_steps=500"])
     assert continued(explicit, saved) == (explicit, None)
+
+
+def test_validation_never_starts_jax():
+    """Config validation asks the architecture registry (jaxptd/arch) for each family's
+    rules without importing a model: `plan --verify` starts JAX itself, after load_config."""
+    import subprocess
+    import sys
+    code = ("import sys; from jaxptd.config import load_config; "
+            "[load_config(None, [f'model.arch={a}']) for a in ('gpt', 'llama', 'bert')]; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

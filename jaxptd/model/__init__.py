@@ -1,41 +1,14 @@
 """The models: shared Flax modules in layers.py and stack.py, one module per architecture
-(gpt.py, llama.py, bert.py), and the interface every part outside model/ uses, so that
-nothing else branches on the architecture.
+(gpt.py, llama.py, bert.py, each with its `ARCH` record: the interface of
+jaxptd/arch/interface.py), and what every part outside model/ uses, so that nothing else
+branches on the architecture.
 
-An architecture module defines, over a parameter tree {'layers': [L, ...] stacked layer
-leaves, plus the "ends" (every other top-level key: embedding, final norm, output layer)}:
-
-    init_params(cfg, vocab, key)                  global float32 parameters, drawn at
-                                                  model.vocab_size and zero-padded to the
-                                                  padded vocabulary `vocab` (stack.py)
-    logical_axes(cfg, vocab, tensor)              their logical axis names (PartitionSpecs;
-                                                  a few depend on the tensor size)
-    embed(ends, batch, key, cfg, layout, deterministic)   batch [b, W] -> x [b, s, h]
-    block(cfg, layout)                            one layer, a Flax module
-                                                  (x, deterministic, mask, cache)
-    head_loss(ends, x, batch, cfg, layout)        -> the batch's loss sum (see below)
-    forward_flops(cfg, vocab)                     matmul FLOPs per token: {layer, core, head}
-
-and, for decoders, `logits(ends, x, cfg, layout)` (final norm and output layer),
-`decode(params, tokens, cache, start, cfg, layout)` and `init_cache(cfg, layout, batch,
-length)` (jaxptd/generate.py). Architectures with their own
-batch rows (BERT) also define `batch_width(cfg)`, `make_batch(tokens, seed, step, first_row,
-cfg)`, `reserved_ids(cfg)` and `attention_mask(batch, cfg)`; the defaults below are the
-decoders'.
-
-A batch row is what the data gives (token rows [s + 1]) turned into the architecture's
-row by `make_batch`; every stage gets the microbatch's rows. The loss convention: the step
-divides the sum of `head_loss` over the global batch by (global batch x seq_len), so a
-decoder returns the sum of its token losses and BERT seq_len x each row's loss.
-
-`Layout` (layers.py) says whether the functions see global parameters or one tensor rank's
-shards. This module adds what is the same for every architecture: `get(cfg)`, the layer
-stack (`apply_layers`, with the zero-bubble taps: `perturbations`, `dense_weight_grads`),
-`loss_sum`, and the weight-decay rule.
+This module adds what is the same for every architecture: `get(cfg)` (model.arch's
+record, through the registry jaxptd/arch), the layer stack (`apply_layers`, with the
+zero-bubble taps: `perturbations`, `dense_weight_grads`), `loss_sum`, the batch rows and
+the weight-decay rule.
 """
 from __future__ import annotations
-
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +17,8 @@ from flax import traverse_util
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxptd.arch import family
+from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, RESIDUAL,
                                  Layout, matmul)
@@ -67,9 +42,9 @@ MINIMAL = jax.checkpoint_policies.save_from_both_policies(
     lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper")
 
 
-def get(cfg: ModelConfig):
-    """The architecture module named by model.arch."""
-    return importlib.import_module(f"jaxptd.model.{cfg.arch}")
+def get(cfg: ModelConfig) -> Architecture:
+    """The architecture model.arch names."""
+    return family(cfg).load()
 
 
 def ends(params) -> dict:
@@ -124,7 +99,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     """
     arch = get(cfg)
     layer = arch.block(cfg, layout)
-    mask = arch.attention_mask(batch, cfg) if hasattr(arch, "attention_mask") else None
+    mask = arch.attention_mask(batch, cfg)
     taped = perturbations is not None
 
     def one_layer(x, xs):
@@ -264,28 +239,25 @@ def forward_logits(params, tokens, cfg: ModelConfig, layout: Layout):
     batch = jnp.pad(tokens, ((0, 0), (0, 1)))  # the rows embed expects: s + 1 tokens
     x = arch.embed(ends(params), batch, key, cfg, layout, True)
     x = apply_layers(params["layers"], x, batch, key, cfg, layout, True)
-    return arch.logits(ends(params), x, cfg, layout)
+    return arch.decoder.logits(ends(params), x, cfg, layout)
 
 
 def batch_width(cfg: ModelConfig) -> int:
     """Columns of a batch row: s + 1 tokens for decoders."""
-    return getattr(get(cfg), "batch_width", lambda c: c.seq_len + 1)(cfg)
+    return get(cfg).batch_width(cfg)
 
 
 def make_batch(tokens: np.ndarray, seed: int, step: int, first_row: int,
                cfg: ModelConfig) -> np.ndarray:
     """Token rows [n, s + 1] (rows first_row.. of batch `step`) -> the architecture's rows
     [n, batch_width] int32, a pure function of its arguments (numpy, on the host)."""
-    arch = get(cfg)
-    if not hasattr(arch, "make_batch"):
-        return tokens
-    return arch.make_batch(tokens, seed, step, first_row, cfg)
+    return get(cfg).make_batch(tokens, seed, step, first_row, cfg)
 
 
 def reserved_ids(cfg: ModelConfig) -> int:
     """Ids at the top of model.vocab_size the architecture keeps for itself (BERT's special
     tokens); the data's ids must stay below them."""
-    return getattr(get(cfg), "reserved_ids", lambda c: 0)(cfg)
+    return get(cfg).reserved_ids(cfg)
 
 
 def weight_decay_mask(params):

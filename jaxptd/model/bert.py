@@ -5,7 +5,8 @@ sublayer's input), with a final LayerNorm before the heads. model.norm_position=
 the original BERT's post-LayerNorm instead (layers.Block says how, with the same
 parameters), and model.gelu=erf its exact GeLU: with both, transformers' BertForPreTraining
 (jaxptd/hf.py imports and exports it; the pre-LN model is its MegatronBertForPreTraining).
-Functions as in jaxptd/model/__init__.py.
+`ARCH`: its functions as the architecture interface (jaxptd/arch/interface.py); its
+config rules and Hugging Face names are jaxptd/arch/bert.py's.
 
 Batch rows (`make_batch`, numpy on the host, a pure function of (seed, step, row)): from
 each data row's first s - 3 tokens, [CLS] A [SEP] B [SEP] [PAD]...: a short sample (10%:
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, dense, embedding_dropout,
@@ -135,9 +137,6 @@ class Heads(nn.Module):
         return (dense(self, "w_sop", pooled, self.w_sop) + self.b_sop).astype(jnp.float32)
 
 
-GATED_MLP = False  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
-
-
 def block(cfg: ModelConfig, layout: Layout) -> Block:
     return Block(cfg, layout, causal=False)
 
@@ -215,3 +214,9 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     h, s = cfg.hidden_size, cfg.seq_len
     return {"layer": 8 * h * h + 4 * h * cfg.ffn + 4 * s * h, "core": 4 * s * h,
             "head": 2 * h * vocab + 2 * h * h + (2 * h * h + 4 * h) / s}
+
+
+ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
+                    block=block, head_loss=head_loss, forward_flops=forward_flops,
+                    GATED_MLP=False, batch_width=batch_width, make_batch=make_batch,
+                    reserved_ids=reserved_ids, attention_mask=attention_mask)

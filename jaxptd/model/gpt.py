@@ -8,21 +8,19 @@ Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
     final_norm/{scale, bias} [h]
 
 Learned positions, LayerNorm, GeLU MLP, biases, and the tied embedding as the output
-layer. The functions follow the architecture interface of jaxptd/model/__init__.py;
+layer. `ARCH` gathers the functions as the architecture interface
+(jaxptd/arch/interface.py; config rules and Hugging Face names: jaxptd/arch/gpt.py);
 `Layout` (layers.py) says how they see the parameters. The model never sees a mesh.
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
+from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import stack
 from jaxptd.model.layers import Block, Embed, Layout, enter_tensor, layer_norm
-
-
-GATED_MLP = False  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
 
 
 def block(cfg: ModelConfig, layout: Layout) -> Block:
@@ -76,3 +74,8 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     h, s = cfg.hidden_size, cfg.seq_len
     return {"layer": 8 * h * h + 4 * h * cfg.ffn + 4 * s * h, "core": 4 * s * h,
             "head": 2 * h * vocab}
+
+
+ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
+                    block=block, head_loss=head_loss, forward_flops=forward_flops,
+                    GATED_MLP=False, decoder=Decoder(logits, decode, init_cache, max_length))

@@ -1,5 +1,7 @@
 """The Llama-style decoder: RMSNorm, rotary position embeddings, SwiGLU MLP, grouped-query
-attention, untied output layer, no biases. Functions as in jaxptd/model/__init__.py.
+attention, untied output layer, no biases. `ARCH`: its functions as the architecture
+interface (jaxptd/arch/interface.py; config rules and Hugging Face names:
+jaxptd/arch/llama.py).
 
 Parameter tree (global shapes; n heads, k key/value heads, d = h / n, f = model.ffn):
 
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, enter_tensor,
@@ -119,9 +122,6 @@ class Head(nn.Module):
         return dense(self, "w_head", enter_tensor(x, self.layout), w_head).astype(jnp.float32)
 
 
-GATED_MLP = True  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
-
-
 def block(cfg: ModelConfig, layout: Layout) -> Block:
     return Block(cfg, layout, attention=Attention, mlp=MLP, norm=rms_norm)
 
@@ -170,3 +170,8 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     h, s = cfg.hidden_size, cfg.seq_len
     return {"layer": 4 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim + 6 * h * cfg.ffn
             + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
+
+
+ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
+                    block=block, head_loss=head_loss, forward_flops=forward_flops,
+                    GATED_MLP=True, decoder=Decoder(logits, decode, init_cache))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Layout
+from jaxptd.model.layers import Layout, embedding_dropout, vocab_parallel_xent
 
 
 def init_layers(block: nn.Module, cfg: ModelConfig, key, x):
@@ -84,7 +84,6 @@ def decoder(embed_module, block, logits):
     """The interface functions every decoder shares, from its embedding module and layer
     (factories of (cfg, layout)) and its `logits(ends, x, cfg, layout)`:
     (embed, head_loss, decode)."""
-    from jaxptd.model.layers import embedding_dropout, vocab_parallel_xent
 
     def embed(ends, batch, key, cfg, layout, deterministic: bool):
         """batch [b, s + 1] int32 (inputs: its first s tokens) -> [b, s, h] in the compute
