@@ -51,6 +51,8 @@ from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
 from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
 from jaxptd.model.layers import DENSE, Layout
+from jaxptd.pipeline.context import Context
+from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
 from jaxptd.sharding import (GATHERED, fsdp_dims, fsdp_spec, is_spec, mark_varying, named,
                              reduce_to, regather, specs_from_logical, zero1_spec)
 
@@ -533,12 +535,10 @@ def _compose(gather, hook, fetch: bool = False):
     return prepare
 
 
-def pipeline_context(setup: Setup):
+def pipeline_context(setup: Setup) -> Context:
     """What the pipeline executor reads (pipeline.context.Context), from the config and
     Setup: the schedule, the stash, the round form for the target, the model's functions,
     the local layout and FSDP's gathers."""
-    from jaxptd.pipeline.context import Context
-    from jaxptd.pipeline.executor import round_form
     par = setup.config.parallel
     gather_ends, gather_layer = setup.gather()
     return Context(
@@ -557,7 +557,6 @@ def build_grads(setup: Setup, deterministic: bool):
     (ZeRO-1: scattered into the optimizer's shards)."""
     config = setup.config
     if config.parallel.pipe > 1:
-        from jaxptd.pipeline.executor import pipeline_grads
         context = pipeline_context(setup)
         reduction = _Reduction(setup)
 
@@ -637,7 +636,6 @@ def build_eval_step(setup: Setup):
     config = setup.config
     gather_ends, gather_layer = setup.gather()
     if config.parallel.pipe > 1:
-        from jaxptd.pipeline.executor import pipeline_loss
         context = pipeline_context(setup)
 
         def local_loss(params, batch):
