@@ -51,6 +51,8 @@ from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
 from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
 from jaxptd.model.layers import DENSE, Layout
+from jaxptd.pipeline.context import Context
+from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
 from jaxptd.sharding import (GATHERED, fsdp_dims, fsdp_spec, is_spec, mark_varying, named,
                              reduce_to, regather, specs_from_logical, zero1_spec)
 
@@ -535,12 +537,29 @@ def _compose(gather, hook, fetch: bool = False):
     return prepare
 
 
+def pipeline_context(setup: Setup) -> Context:
+    """What the pipeline executor reads (pipeline.context.Context), from the config and
+    Setup: the schedule, the stash, the round form for the target, the model's functions,
+    the local layout and FSDP's gathers."""
+    par = setup.config.parallel
+    gather_ends, gather_layer = setup.gather()
+    return Context(
+        schedule=par.schedule, pipe=par.pipe, chunks=par.chunks,
+        microbatches=par.microbatches, stash=par.stash,
+        round_form=round_form(setup.config, setup.target.platform),
+        # PTD-P's scatter/gather splits a message over tensor; with sequence parallelism
+        # the activations are already split over the sequence
+        message_split=1 if setup.local_layout.split_sequence else par.tensor,
+        model=setup.config.model, layout=setup.local_layout, arch=setup.arch,
+        loss_norm=setup.loss_norm, gather_ends=gather_ends, gather_layer=gather_layer)
+
+
 def build_grads(setup: Setup, deterministic: bool):
     """shard_map'd (params, batch, rng, step, scale) -> (grads, loss), reduced over data
     (ZeRO-1: scattered into the optimizer's shards)."""
     config = setup.config
     if config.parallel.pipe > 1:
-        from jaxptd.pipeline.executor import pipeline_grads
+        context = pipeline_context(setup)
         reduction = _Reduction(setup)
 
         early = config.reduces_chunks_early
@@ -548,7 +567,7 @@ def build_grads(setup: Setup, deterministic: bool):
 
         def local_fn(params, batch, key, scale):
             grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
-                                         setup=setup, deterministic=deterministic,
+                                         context=context, deterministic=deterministic,
                                          reduce_chunk=by_chunk if early else None)
             if not early:
                 return reduction.after(grads), loss
@@ -619,10 +638,10 @@ def build_eval_step(setup: Setup):
     config = setup.config
     gather_ends, gather_layer = setup.gather()
     if config.parallel.pipe > 1:
-        from jaxptd.pipeline.executor import pipeline_loss
+        context = pipeline_context(setup)
 
         def local_loss(params, batch):
-            loss = pipeline_loss(mark_varying(params, REDUCED), batch, setup=setup)
+            loss = pipeline_loss(mark_varying(params, REDUCED), batch, context=context)
             return lax.psum(loss, REDUCED)
     else:
         def local_loss(params, batch):

@@ -1,57 +1,62 @@
 """A backward kept from one pipeline slot for a later one, as arrays (the executor's
-parallel.stash=activations)."""
+parallel.stash=activations).
+
+Owns `Kept`: which leaves of a `jax.vjp` backward are stored in the stash and how the
+backward is rebuilt from them and the chunk's weights, passed in again.
+"""
 import jax
-import jax.extend.core as jax_core
 import jax.numpy as jnp
+from jax.tree_util import FlattenedIndexKey, SequenceKey
+
+# The path, in a jax.vjp backward, of the residuals that are its function's first argument:
+# JAX keeps a residual that is one of the primals as that primal, by argument and leaf
+# (the node's first child), apart from the residuals it computed (the second).
+_FIRST_ARGUMENT = (FlattenedIndexKey(0), SequenceKey(0))
 
 
 class Kept:
     """A `jax.vjp` backward kept from one slot for a later one, as arrays.
 
-    `jax.make_jaxpr` traces the backward (a function of its cotangent) into a jaxpr and the
-    values it closes over: every value it reads, boolean and integer ones (attention and
-    dropout masks) included. (`jax.closure_convert` would not do: it bakes the values it
-    deems non-differentiable, those masks, into the converted function as the first
-    trace's.) Closed-over values the later slot has anyway (`given`: the chunk's weights,
-    passed in again) are not stored, nor are the program's constants (not traced), taken
-    from the probe. The probe (the first trace) fixes the jaxpr and the order; every later
-    trace must close over values of the same shapes in it. Public APIs only:
-    `jax.make_jaxpr` and `jax.extend.core`.
+    The backward is a pytree: its leaves are the residuals (boolean and integer ones,
+    attention and dropout masks, included) and its treedef the rest, so
+    `jax.tree.unflatten(treedef, leaves)` is the backward again. It must be the vjp of a
+    function whose first argument is a flat tuple of the chunk's weights (`weights`): the
+    weights among its residuals are found by their place in that tree, (first argument,
+    leaf j), not by comparing values, and are passed in again rather than stored. The
+    probe (the first trace) fixes the treedef and which leaves are weights; every later
+    backward must have the same tree and leaf types. Public APIs only: `jax.vjp`'s
+    backward as a pytree, `jax.tree_util`'s paths.
     """
 
-    def __init__(self, vjp_fn, cotangent, given):
-        closed, outputs = jax.make_jaxpr(vjp_fn, return_shape=True)(cotangent)
-        self.jaxpr, self.outputs = closed.jaxpr, jax.tree.structure(outputs)
-        self.sources = self._sources(closed.consts, given)
-        self.constants = {i: c for i, (c, s) in enumerate(zip(closed.consts, self.sources))
-                          if s == "constant"}
-        self.templates = [jnp.zeros_like(c) for c, s in zip(closed.consts, self.sources)
-                          if s is None]
+    def __init__(self, backward, weights):
+        paths, self.treedef = jax.tree_util.tree_flatten_with_path(backward)
+        # leaf index -> index j of the weight it is
+        self.weights = {i: path[2].idx for i, (path, _) in enumerate(paths)
+                        if path[:2] == _FIRST_ARGUMENT}
+        assert self.weights and all(
+            _aval(paths[i][1]) == _aval(weights[j]) for i, j in self.weights.items()), \
+            "jax.vjp no longer keeps its arguments apart from the residuals it computed"
+        self.templates = [jnp.zeros_like(x) for x in self._stored(backward)]
 
-    @staticmethod
-    def _sources(consts, given):
-        """Per closed-over value: its index in `given`, "constant" (not traced) or None
-        (stored)."""
-        def source(c):
-            if not isinstance(c, jax.core.Tracer):
-                return "constant"
-            return next((i for i, g in enumerate(given) if c is g), None)
-        return tuple(source(c) for c in consts)
+    def _stored(self, backward) -> list:
+        leaves = jax.tree.leaves(backward)
+        assert len(leaves) == self.treedef.num_leaves, "the backward differs from the probe's"
+        return [x for i, x in enumerate(leaves) if i not in self.weights]
 
-    def keep(self, vjp_fn, cotangent, given) -> list:
-        """The closed-over values to store (in buffer order)."""
-        consts = jax.make_jaxpr(vjp_fn)(cotangent).consts
-        sources = self._sources(consts, given)
-        kept = [c for c, s in zip(consts, sources) if s is None]
-        assert sources == self.sources and [(x.shape, x.dtype) for x in kept] == [
-            (t.shape, t.dtype) for t in self.templates], \
-            "the backward closes over different values than the probe's"
+    def keep(self, backward) -> list:
+        """The residuals to store (every leaf but the weights), in buffer order."""
+        kept = self._stored(backward)
+        assert list(map(_aval, kept)) == list(map(_aval, self.templates)), \
+            "the backward keeps different values than the probe's"
         return kept
 
-    def run(self, cotangent, stored, given):
-        """The backward from stored values and the given ones."""
+    def run(self, cotangent, stored, weights):
+        """The backward at `cotangent`, rebuilt from stored residuals and the weights."""
         stored = iter(stored)
-        consts = [self.constants[i] if s == "constant" else next(stored) if s is None
-                  else given[s] for i, s in enumerate(self.sources)]
-        backward = jax_core.jaxpr_as_fun(jax_core.ClosedJaxpr(self.jaxpr, consts))
-        return jax.tree.unflatten(self.outputs, backward(*jax.tree.leaves(cotangent)))
+        leaves = [weights[self.weights[i]] if i in self.weights else next(stored)
+                  for i in range(self.treedef.num_leaves)]
+        return jax.tree.unflatten(self.treedef, leaves)(cotangent)
+
+
+def _aval(x):
+    return x.shape, x.dtype

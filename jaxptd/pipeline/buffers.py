@@ -1,0 +1,107 @@
+"""The executor's slot buffers and stage-to-stage sends.
+
+Owns reading and writing a slot of a [slots, ...] buffer (masked where a slot is idle),
+slicing a chunk's weights out of a rank's [v, 1, Lc, ...] stack and adding its gradients
+back, and the `lax.ppermute` traffic over 'pipe': PTD-P §4.1's scatter/gather (each tensor
+rank sends its 1/t slice of a [b, s, h] message, the receiver all-gathers it over
+'tensor') and the storing of what arrived.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+from jax import lax
+
+from jaxptd.mesh import PIPE, TENSOR
+from jaxptd.sharding import gather_invariant, mark_varying, varying_axes
+
+
+def read(buffer, slot):
+    """buffer[slot] (slot traced)."""
+    return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
+
+
+def write(buffer, slot, value, valid):
+    """buffer[slot] = value where valid (True: unconditionally)."""
+    if valid is not True:
+        value = jnp.where(valid, value, read(buffer, slot))
+    return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
+
+
+def read_tree(buffers, slot):
+    return jax.tree.map(lambda b: read(b, slot), buffers)
+
+
+def write_tree(buffers, slot, values, valid):
+    return jax.tree.map(lambda b, x: write(b, slot, x, valid), buffers, values)
+
+
+def slots(template, count: int):
+    """[count, ...] zeros like every leaf of `template`, varying over the axes the leaf
+    varies over and over pipe: a slot is written at an index that varies over pipe (the
+    rank's table), which makes even an invariant leaf (an empty cuDNN attention residual,
+    shape [0]) varying, and a buffer written in one branch of a conditional only must
+    not change type."""
+    return jax.tree.map(lambda t: mark_varying(
+        jnp.broadcast_to(jnp.zeros_like(t), (count, *t.shape)),
+        (*sorted(varying_axes(t)), PIPE)), template)
+
+
+def masked(tree, valid):
+    """tree where valid, zeros elsewhere (valid True: tree itself)."""
+    return tree if valid is True else jax.tree.map(lambda x: jnp.where(valid, x, 0), tree)
+
+
+def chunk(layers, c):
+    """Chunk c's layers from a local [v, 1, Lc, ...] stack -> [Lc, ...]."""
+    return jax.tree.map(lambda x: lax.dynamic_index_in_dim(x, c, 0, keepdims=False)[0], layers)
+
+
+def chunk_of(row, slot: str, chunks: int):
+    """The chunk a slot works on: the table's, or with one chunk a static 0 (a dynamic
+    index made XLA copy the chunk's weights out of the stack in every slot)."""
+    return row[f"{slot}_chunk"] if chunks > 1 else 0
+
+
+def add_chunk(grads_layers, c, chunk_grads):
+    """grads[c, 0] += chunk_grads for the leaves chunk_grads has (a subtree of the layers)."""
+    flat = traverse_util.flatten_dict(grads_layers)
+
+    def add(total, g):
+        current = lax.dynamic_index_in_dim(total, c, 0, keepdims=True)
+        update = current + g.astype(total.dtype)[None, None]
+        return lax.dynamic_update_index_in_dim(total, update, c, 0)
+    for path, g in traverse_util.flatten_dict(chunk_grads).items():
+        flat[path] = add(flat[path], g)
+    return traverse_util.unflatten_dict(flat)
+
+
+def _scatter(x, tensor: int):
+    """[b, s, h] (same on every tensor rank) -> this rank's [b, s, h/t] slice."""
+    if tensor == 1:
+        return x
+    width = x.shape[-1] // tensor
+    return lax.dynamic_slice_in_dim(x, lax.axis_index(TENSOR) * width, width, axis=-1)
+
+
+def _gather(x, tensor: int):
+    """[b, s, h/t] slices -> [b, s, h], the same (and typed so) on every tensor rank."""
+    return x if tensor == 1 else gather_invariant(x, TENSOR, x.ndim - 1, tensor)
+
+
+def _pairs(p: int, v: int, step: int) -> list:
+    """ppermute (source, destination) pairs r -> r + step over 'pipe': activations (step
+    1) or gradients (step -1); the wrap-around link is used only by interleaving."""
+    return [(r, (r + step) % p) for r in range(p) if v > 1 or 0 <= r + step < p]
+
+
+def send(x, p: int, v: int, step: int, tensor: int):
+    """Starts sending x [b, s, h] along the chain (each tensor rank its 1/t slice; with
+    sequence parallelism, tensor = 1 here: x is already this rank's [b, s/t, h])."""
+    return lax.ppermute(_scatter(x, tensor), PIPE, _pairs(p, v, step))
+
+
+def arrive(buffer, message, valid, slot, tensor: int):
+    """Stores a message that arrived (gathered over tensor) in buffer[slot] where valid."""
+    return write(buffer, slot, _gather(message, tensor), valid > 0)

@@ -1,0 +1,37 @@
+"""What the pipeline executor reads from the run's configuration, as one frozen value.
+
+Owns `Context`: built once per step program by jaxptd/step.py (`pipeline_context`) from
+the config and Setup, so the executor's modules never see the whole Config or Setup.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jaxptd.config import ModelConfig
+from jaxptd.model.layers import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """The schedule, the model's functions and the layout one pipeline program runs with."""
+    schedule: str  # parallel.schedule (schedules.make_schedule's kind)
+    pipe: int  # p: pipeline ranks
+    chunks: int  # v: virtual stages (layer chunks) per rank
+    microbatches: int  # m
+    stash: str  # parallel.stash: 'activations' (keep the vjp) or 'inputs' (recompute)
+    round_form: str  # 'cond', 'steady' or 'masked' ('auto' already resolved)
+    message_split: int  # tensor ranks that split a stage-to-stage message (1 with SP)
+    model: ModelConfig  # passed to the model's functions (dtype, shapes, remat policy)
+    layout: Layout  # one tensor rank's view of the parameters (step.Setup.local_layout)
+    arch: Any  # the model family's module: embed(...) and head_loss(...)
+    loss_norm: float  # 1 / (global batch * seq_len): every loss is a scaled token sum
+    # FSDP's all-gathers inside the shard_map (step.Setup.gather); None without FSDP
+    gather_ends: Callable | None = None
+    gather_layer: Callable | None = None
+
+    @property
+    def last_stage(self) -> int:
+        """The last virtual stage's index, p v - 1 (it runs the head and the loss)."""
+        return self.pipe * self.chunks - 1
+

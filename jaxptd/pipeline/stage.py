@@ -1,0 +1,89 @@
+"""One virtual stage of the pipeline on this rank: [embedding] -> a chunk of layers ->
+[head + loss], and the stage-input buffers its slots read.
+
+Owns how a slot calls the model (its microbatch's tokens and dropout key, FSDP's gathers)
+and where the embedding and the head run: on virtual stage 0 and on the last only, as a
+`lax.cond` on the rank, or (inline) computed by every rank and selected.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxptd import model as models
+from jaxptd.mesh import BATCH, PIPE, TENSOR
+from jaxptd.pipeline.context import Context
+from jaxptd.sharding import mark_varying, regather
+
+
+class Stage:
+    """The pieces of a virtual stage, for one step's batch on this pipe rank.
+
+    `ends` holds the parameters of the pieces at the two ends (model.ends), each leaf
+    [1, ...] this rank's slot (jaxptd/step.py's Setup); `layers` one chunk's stack
+    [Lc, ...]. Virtual stage c p + r runs chunk c on rank r.
+    """
+
+    def __init__(self, context: Context, batch, key, deterministic: bool):
+        self.context, self.model, self.layout = context, context.model, context.layout
+        self.micro = batch.reshape(context.microbatches, -1, batch.shape[-1])  # [m, b, w]
+        self.key, self.rank = key, lax.axis_index(PIPE)
+        self.deterministic = deterministic
+        self.last = context.last_stage
+        gather_ends = context.gather_ends or (lambda ends: ends)  # FSDP: shards -> whole
+        # ends leaves [1, ...]: this stage's slot (zeros where the stage does not read it)
+        self.gather_ends = lambda ends: jax.tree.map(lambda x: x[0], gather_ends(ends))
+        gather_layer = context.gather_layer
+        self.prepare = None if gather_layer is None else (lambda p, _: gather_layer(p))
+        self.keep = gather_layer and regather
+
+    def vstage(self, chunk):
+        return chunk * self.context.pipe + self.rank
+
+    def buffer(self, slots):
+        """Zeros [slots, b, s, h] for stage inputs or their gradients: varying over data and
+        pipe and the same on every tensor rank, like the activations they receive (with
+        sequence parallelism [slots, b, s/t, h], varying over tensor too)."""
+        split = self.layout.split_sequence
+        seq = self.model.seq_len // (self.layout.tensor if split else 1)
+        shape = (slots, self.micro.shape[1], seq, self.model.hidden_size)
+        axes = (*BATCH, PIPE, TENSOR) if split else (*BATCH, PIPE)
+        return mark_varying(jnp.zeros(shape, jnp.dtype(self.model.dtype)), axes)
+
+    def tokens(self, mb):
+        return lax.dynamic_index_in_dim(self.micro, mb, 0, keepdims=False)  # [b, row width]
+
+    def stage_key(self, mb, chunk):
+        return jax.random.fold_in(jax.random.fold_in(self.key, mb), self.vstage(chunk))
+
+    def embed_or_input(self, ends, x_in, mb, chunk, how: str):
+        """Virtual stage 0 embeds its microbatch; the others take the received input.
+        how: 'cond', 'inline' (every rank embeds, stage 0 keeps it) or 'off' (no rank's
+        slot is stage 0)."""
+        def embed():
+            return self.context.arch.embed(self.gather_ends(ends), self.tokens(mb),
+                                           self.stage_key(mb, chunk), self.model,
+                                           self.layout, self.deterministic)
+        if how == "cond":
+            return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
+        return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
+
+    def layers(self, layers, x, mb, chunk, perturbations=None):
+        return models.apply_layers(layers, x, self.tokens(mb), self.stage_key(mb, chunk),
+                                   self.model, self.layout, self.deterministic,
+                                   perturbations, self.prepare, keep=self.keep)
+
+    def head(self, ends, y, mb, chunk, how: str):
+        """The loss contribution (scaled to the global token mean) of the last stage; 0
+        elsewhere. how: as for embed_or_input."""
+        def loss():
+            return self.context.arch.head_loss(self.gather_ends(ends), y, self.tokens(mb),
+                                               self.model, self.layout) * self.context.loss_norm
+
+        def zero():
+            return mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))
+        is_last = self.vstage(chunk) == self.last
+        if how == "cond":
+            return lax.cond(is_last, loss, zero)
+        return jnp.where(is_last, loss(), 0.0) if how == "inline" else zero()

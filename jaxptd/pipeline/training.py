@@ -1,0 +1,212 @@
+"""The per-slot work of a training schedule on this pipe rank: F, B and W.
+
+Owns what each slot computes and keeps. parallel.stash chooses what a stash slot keeps
+between a stage's F and B slot:
+- activations (default): the F slot takes `jax.vjp` of its layer chunk and keeps its
+  backward's residuals as arrays (`kept.Kept`; the chunk's own weights, which the backward
+  reads too, are passed in again instead of kept);
+- inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
+  stage on it, recomputing the forward (per-stage activation recomputation).
+Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
+everything but the dense() weights, keeping each dense() matmul's input and output gradient
+(the model's taps) in a W slot; W computes those weights' gradients from them alone
+(`model.dense_weight_grads`): no second forward.
+
+The first virtual stage also runs the embedding, the last the head and the loss (in the B
+slot, from the kept stage output: the loss is the head's primal there), so a microbatch's
+backward can start in the round its forward ends.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxptd import model as models
+from jaxptd.mesh import BATCH, PIPE
+from jaxptd.pipeline import buffers
+from jaxptd.pipeline.context import Context
+from jaxptd.pipeline.kept import Kept
+from jaxptd.pipeline.lowering import Rounds
+from jaxptd.pipeline.stage import Stage
+from jaxptd.sharding import mark_varying
+
+
+def _cast(tree, dtype):
+    """Master weights -> the compute dtype, done before a vjp so that a kept backward reads
+    the very values it is given again (not a cast copy of them)."""
+    return jax.tree.map(lambda w: w.astype(dtype), tree)
+
+
+class Training:
+    """The slots of a training schedule on this pipe rank: forward, backward and weight,
+    each (carry, row, valid, seg) -> (message, carry). The carry holds the stage-input
+    stash, the received output gradients (gbuf), what F keeps for B (saved: the backward's
+    residuals, the stage output, the dense inputs), what B keeps for W (wsaved: dense inputs
+    and output gradients), the gradient sums and the loss."""
+
+    def __init__(self, context: Context, rounds: Rounds, params, batch, key, loss_scale,
+                 deterministic: bool):
+        self.p, self.v, self.tensor = context.pipe, context.chunks, context.message_split
+        self.rounds = rounds
+        self.stage = Stage(context, batch, key, deterministic)
+        self.params, self.ends, self.loss_scale = params, models.ends(params), loss_scale
+        self.model, self.layout = context.model, context.layout
+        # the dense() weights in the compute dtype, cast once for every round (each F and B
+        # slot cast its chunk's float32 masters again: 1.8 GB a round at (2,2,2) on H100)
+        dense, rest = models.split_dense(params["layers"])
+        self.layers = models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
+        self.keep_activations = context.stash == "activations"
+        self.split = rounds.split_backward
+        self.probe = self._probe() if self.keep_activations or self.split else None
+
+    def chunk_weights(self, chunk):
+        """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
+        return buffers.chunk(self.layers, chunk)
+
+    def vjp_weights(self, chunk):
+        """(the leaves of the chunk's weights as its backward reads them, their treedef).
+        The tree is the chunk's weights, split: (dense() weights, the rest); with unrolled
+        layers a list of per-layer trees, sliced here, outside the vjp: the backward then
+        reads these very values, which the vjp keeps as its argument (sliced inside, each
+        layer's weights were kept in the stash as copies of their own, seen in the compiled
+        H100 program)."""
+        weights = self.chunk_weights(chunk)
+        parts = models.split_dense(weights) if self.split else weights
+        if not models.scans_layers(self.model, self.layout):
+            parts = tuple(map(models.per_layer, parts)) if self.split \
+                else models.per_layer(parts)
+        return jax.tree.flatten(parts)
+
+    def layer_vjp(self, x, mb, chunk):
+        """jax.vjp of the chunk's layers at x -> (y, backward, dense inputs, the weights'
+        leaves). The vjp's first argument is the tuple of those leaves (`kept.Kept` finds
+        them among the residuals there). Split: in (weights, x, perturbations), dense
+        inputs taped (the dense() weights' cotangent is unused: XLA drops it); else in
+        (weights, x), no dense inputs."""
+        given, tree = self.vjp_weights(chunk)
+        if not self.split:
+            y, backward = jax.vjp(lambda w, x: self.stage.layers(
+                jax.tree.unflatten(tree, w), x, mb, chunk), tuple(given), x)
+            return y, backward, None, given
+        added = models.perturbations(self.chunk_weights(chunk), x, self.model, self.layout,
+                                     self.stage.prepare)
+
+        def layers(w, x, added):
+            dense, rest = jax.tree.unflatten(tree, w)
+            merged = [models.merge_dense(d, r) for d, r in zip(dense, rest)] \
+                if isinstance(rest, list) else models.merge_dense(dense, rest)
+            return self.stage.layers(merged, x, mb, chunk, added)
+        y, backward, inputs = jax.vjp(layers, tuple(given), x, added, has_aux=True)
+        return y, backward, inputs, given
+
+    def _probe(self):
+        """Traces one chunk to fix what F keeps for B and B for W (XLA drops its compute)."""
+        index = self.stage.rank * 0  # traced, like the slots' microbatch and chunk
+        x = self.stage.buffer(1)[0]
+        y, backward, inputs, given = self.layer_vjp(x, index, index)
+        kept = Kept(backward, given) if self.keep_activations else None
+        added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
+                                     self.stage.prepare)
+        return kept, y, (inputs, added) if self.split else None
+
+    def initial_carry(self):
+        rounds, stage = self.rounds, self.stage
+        kept, y, wkept = self.probe or (None, None, None)
+        saved = ()
+        if self.keep_activations:
+            saved = buffers.slots((kept.templates, y, wkept[0] if self.split else ()),
+                                  rounds.num_stash_slots)
+        return {"stash": stage.buffer(rounds.num_stash_slots),
+                "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
+                "wsaved": buffers.slots(wkept, rounds.num_w_slots) if self.split else (),
+                "grads": jax.tree.map(jnp.zeros_like, self.params),
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))}
+
+    def forward(self, carry, row, valid, seg):
+        """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
+        mb, chunk, slot = row["f_mb"], buffers.chunk_of(row, "f", self.v), row["f_slot"]
+        x = self.stage.embed_or_input(self.ends, buffers.read(carry["stash"], slot), mb,
+                                      chunk, seg.piece("embed", "F"))
+        if not self.keep_activations:
+            return self.stage.layers(self.chunk_weights(chunk), x, mb, chunk), carry
+        y, backward, inputs, _ = self.layer_vjp(x, mb, chunk)
+        kept = (self.probe[0].keep(backward), y, inputs if self.split else ())
+        return y, {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, valid)}
+
+    def backward(self, carry, row, valid, seg):
+        """B: the input gradient (sent to the previous stage) and the gradients of the ends
+        and of the chunk (split: all but the dense() weights, whose W slot gets the taps)."""
+        mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
+        x_in = buffers.read(carry["stash"], row["b_slot"])
+        is_last = self.stage.vstage(chunk) == self.stage.last
+        g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
+                              (*BATCH, PIPE))
+        g_out = jnp.where(is_last, 0.0, buffers.read(carry["gbuf"], row["b_grad_slot"]))
+        if self.keep_activations:
+            loss, g_ends, g_layers, g_x, taps = self._backward_kept(
+                carry, row, x_in, g_out, g_loss, seg)
+        else:
+            loss, g_ends, g_layers, g_x, taps = self._backward_recomputed(
+                x_in, mb, chunk, g_out, g_loss, seg)
+        grads = carry["grads"]
+        grads = {**{k: jax.tree.map(jnp.add, grads[k], g) for k, g in
+                    buffers.masked(g_ends, valid).items()},
+                 "layers": buffers.add_chunk(grads["layers"], chunk,
+                                             buffers.masked(g_layers, valid))}
+        carry = {**carry, "grads": grads, "loss": carry["loss"] + buffers.masked(loss, valid)}
+        if self.split:
+            carry["wsaved"] = buffers.write_tree(carry["wsaved"], row["b_wslot"], taps, valid)
+        return g_x.astype(x_in.dtype), carry
+
+    def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg):
+        """B from what F kept: the head's vjp, the kept chunk backward, the embedding's."""
+        mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
+        residuals, y, inputs = buffers.read_tree(carry["saved"], row["b_slot"])
+        loss, head_vjp = jax.vjp(
+            lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
+        g_head, g_y = head_vjp(g_loss)
+        given, tree = self.vjp_weights(chunk)
+        g_given, g_x, *g_taps = self.probe[0].run(g_out + g_y.astype(g_out.dtype),
+                                                   residuals, given)
+        g_layers = jax.tree.unflatten(tree, g_given)
+        g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: the rest
+        _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
+            e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
+        g_embed, g_x_in = embed_vjp(g_x)
+        g_ends = jax.tree.map(jnp.add, g_head, g_embed)
+        return loss, g_ends, g_layers, g_x_in, (inputs, g_taps[0]) if self.split else None
+
+    def _backward_recomputed(self, x_in, mb, chunk, g_out, g_loss, seg):
+        """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input
+        (split: in everything but the dense() weights, whose W slot gets the taps)."""
+        weights = self.chunk_weights(chunk)
+        dense, _ = models.split_dense(weights)
+
+        def stage(ends, layers, x_in, added=None):
+            x = self.stage.embed_or_input(ends, x_in, mb, chunk, seg.piece("embed", "B"))
+            w = models.merge_dense(dense, layers) if self.split else layers
+            out = self.stage.layers(w, x, mb, chunk, added)
+            y, inputs = out if self.split else (out, None)
+            return (self.stage.head(ends, y, mb, chunk, seg.piece("head", "B")), y), inputs
+
+        if not self.split:
+            (loss, _), backward, _ = jax.vjp(stage, self.ends, weights, x_in, has_aux=True)
+            g_ends, g_layers, g_x = backward((g_loss, g_out))
+            return loss, g_ends, g_layers, g_x, None
+        added = models.perturbations(weights, x_in, self.model, self.layout,
+                                     self.stage.prepare)
+        rest = models.split_dense(weights)[1]
+        (loss, _), backward, inputs = jax.vjp(stage, self.ends, rest, x_in, added, has_aux=True)
+        g_ends, g_layers, g_x, g_taps = backward((g_loss, g_out))
+        return loss, g_ends, g_layers, g_x, (inputs, g_taps)
+
+    def weight(self, carry, row, valid, seg):
+        """W: the dense() weights' gradients from what the microbatch's B kept."""
+        inputs, g_taps = buffers.read_tree(carry["wsaved"], row["w_slot"])
+        chunk = buffers.chunk_of(row, "w", self.v)
+        dense, _ = models.split_dense(buffers.chunk(self.params["layers"], chunk))
+        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout,
+                                            self.stage.prepare)
+        grads = {**carry["grads"], "layers": buffers.add_chunk(
+            carry["grads"]["layers"], chunk, buffers.masked(g_dense, valid))}
+        return None, {**carry, "grads": grads}
