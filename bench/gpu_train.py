@@ -147,7 +147,7 @@ def compile_for(config):
 
     device = jax.devices()[0]
     setup = Setup(config, make_mesh(config.parallel, [device]))
-    state = setup.init_state(config.train.seed)
+    state = setup.state_layout.init_state(config.train.seed)
     shape = (config.train.global_batch, config.model.seq_len + 1)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape)
     batch = jax.device_put(tokens.astype(np.int32), setup.batch_sharding)

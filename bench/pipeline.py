@@ -79,7 +79,7 @@ def measure(data, pipe, schedule, chunks, micro, stash, form, steps):
         f"parallel.chunks={chunks}", f"parallel.microbatches={micro}",
         f"parallel.stash={stash}", f"parallel.round_form={form}"])
     setup = Setup(config, make_mesh(config.parallel))
-    state = setup.init_state(0)
+    state = setup.state_layout.init_state(0)
     rng = np.random.default_rng(0)
     batch = jax.device_put(rng.integers(0, 512, (32, 129)).astype(np.int32),
                            setup.batch_sharding)

@@ -58,7 +58,7 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
                                  jnp.int32, sharding=setup.batch_sharding)
     began = time.perf_counter()
     try:
-        lowered = build_train_step(setup).lower(setup.abstract_state(), batch)
+        lowered = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch)
         compiled = lowered.compile(setup.compiler_options())
     except Exception as e:  # noqa: BLE001 -- a program that does not trace or compile
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]

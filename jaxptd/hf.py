@@ -226,11 +226,11 @@ def _save(setup, params, directory: Path) -> None:
     from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use, not at start-up
 
     config = setup.config
-    state = setup.init_state(config.train.seed)
-    state["params"] = jax.device_put(params, setup.state_shardings["params"])
+    state = setup.state_layout.init_state(config.train.seed)
+    state["params"] = jax.device_put(params, setup.state_layout.state_shardings["params"])
     ckpt = Checkpointer(str(directory), every=1, keep=1, async_save=False,
                         metadata=layout_metadata(config, 1))
-    ckpt.save(0, setup.state_to_logical(state))
+    ckpt.save(0, setup.state_layout.state_to_logical(state))
     ckpt.close()
 
 
@@ -261,7 +261,7 @@ def load_params(directory: str, step: int | None = None):
     config = from_dict(record["config"])
     setup = _single_device_setup(config)
     ckpt = Checkpointer(str(ckpt_dir), every=0, keep=len(steps), async_save=False)
-    state = ckpt.restore(setup.abstract_state(logical=True), step, config.model.vocab_size)
+    state = ckpt.restore(setup.state_layout.abstract_state(logical=True), step, config.model.vocab_size)
     ckpt.close()
     return config, jax.device_get(state["params"]), step
 

@@ -3,7 +3,7 @@ one layer at a time.
 
 Owns the update when the float32 masters and the optimizer's moments live in host memory
 (pinned_host) for the whole step; unpipelined so do the layers' gradients, which the
-backward sends there as each layer's is done (jaxptd/step.py: Setup.streams). The update
+backward sends there as each layer's is done (jaxptd/step.py: Policy.streams). The update
 goes over units, the ends (embedding, positions, final norm) and then each layer (a slice
 of the stacked layer axis: [L] -> [1], pipelined [v, p, L/(p v)] -> [v, p, 1]): it brings
 the unit's masters, moments and gradients to the device, applies the optax chain of
@@ -57,14 +57,14 @@ def _empty(x, axis: int):
 
 class _Units:
     """Which leaves of the parameter tree and of the optimizer state are the layers', and
-    the views of one unit (Setup.kind: 'layer' leaves are stacked on `axis`)."""
+    the views of one unit (StateLayout.kind: 'layer' leaves are stacked on `axis`)."""
 
-    def __init__(self, setup, opt_state):
-        self.axis = setup.stacked - 1  # the layer axis of a layer leaf in memory
-        self.tx = setup.tx
-        abstract = setup.abstract_params
+    def __init__(self, layout: StateLayout, opt_state):
+        self.axis = layout.stacked - 1  # the layer axis of a layer leaf in memory
+        self.tx = layout.tx
+        abstract = layout.abstract_params
         self.params = jax.tree_util.tree_map_with_path(
-            lambda path, _: setup.kind(path) == "layer", abstract)
+            lambda path, _: layout.kind(path) == "layer", abstract)
         self.state = optax.tree_map_params(self.tx, lambda _, is_layer: is_layer, opt_state,
                                            self.params, transform_non_params=lambda _: None)
         self.layers = next(x.shape[self.axis] for x, is_layer in zip(
@@ -98,10 +98,10 @@ class _Units:
         return self.view(tree, mask, lambda x: _empty(x, self.axis), _to_device)
 
 
-def norm_and_finite(setup, units: _Units, grads, scale):
+def norm_and_finite(layout: StateLayout, units: _Units, grads, scale):
     """(global norm of grads / scale, whether every element is finite), the gradients
     streamed: each layer leaf's sum of squares accumulated layer by layer, then the
-    leaves' sums added in the tree's order (Setup.grad_norm's)."""
+    leaves' sums added in the tree's order (StateLayout.grad_norm's)."""
     flat = jax.tree_util.tree_flatten_with_path(grads)[0]
     is_layer = jax.tree.leaves(units.params)
     layer_leaves = [g for (_, g), m in zip(flat, is_layer) if m]
@@ -120,18 +120,18 @@ def norm_and_finite(setup, units: _Units, grads, scale):
             total.append(next(sums))
         else:
             g = _to_device(g) / scale
-            total.append(setup.square_sum(path, g))
+            total.append(layout.square_sum(path, g))
             finite = finite & optim.all_finite([g])
     return jnp.sqrt(sum(total)), finite
 
 
-def streamed_update(setup, params, opt_state, grads, scale, dynamic: bool):
+def streamed_update(layout: StateLayout, params, opt_state, grads, scale, dynamic: bool):
     """The optimizer step of stored (host) params and opt_state with grads (host, or on
     the device) scaled by `scale`: (new params, new opt_state, grad norm, all finite),
     the new state in the memory the old one was in (module docstring)."""
-    units = _Units(setup, opt_state)
-    norm, finite = norm_and_finite(setup, units, grads, scale)
-    tx = optim.make_optimizer(setup.config, lambda _: norm)
+    units = _Units(layout, opt_state)
+    norm, finite = norm_and_finite(layout, units, grads, scale)
+    tx = optim.make_optimizer(layout.config, lambda _: norm)
 
     def update(p, g, s):  # one unit, on the device
         updates, new_s = tx.update(jax.tree.map(lambda x: x / scale, g), s, p)

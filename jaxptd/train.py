@@ -132,14 +132,14 @@ def restore(jax, setup, given: Config, note: str | None):
                         layout_metadata(config, jax.process_count())
                         ) if config.checkpoint.every or os.path.isdir(config.checkpoint_dir) \
         else None
-    restored = ckpt.restore_latest(setup.abstract_state(logical=True),
+    restored = ckpt.restore_latest(setup.state_layout.abstract_state(logical=True),
                                    config.model.vocab_size) if ckpt else None
     if restored is None:
         refusal = distributed.lead_decides(jax, rundir.unrestored_history(config)
                                            if jax.process_index() == 0 else None)
         if refusal:
             raise rundir.RunDirError(refusal)
-        return ckpt, setup.init_state(config.train.seed)
+        return ckpt, setup.state_layout.init_state(config.train.seed)
     LOG.info(f"resumed from step {restored[1]} in {ckpt.directory}")
     changes = changed_keys((ckpt.layout(restored[1]) or {}).get("config", {}), given)
     if changes:
@@ -147,7 +147,7 @@ def restore(jax, setup, given: Config, note: str | None):
                     f"the new ones: {', '.join(changes)}")
     if note:
         LOG.warning(note)
-    return ckpt, setup.state_from_logical(restored[0])
+    return ckpt, setup.state_layout.state_from_logical(restored[0])
 
 
 def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
@@ -220,7 +220,7 @@ class Run:
                  f"{record['val_ppl']:.2f}")
 
     def save(self, step: int) -> None:
-        self.ckpt.save(step, self.setup.state_to_logical(self.state))
+        self.ckpt.save(step, self.setup.state_layout.state_to_logical(self.state))
 
     def report_saves(self) -> None:
         for step, seconds, size in self.ckpt.completed() if self.ckpt else ():

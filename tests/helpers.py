@@ -38,7 +38,7 @@ _HOST_STATES = {}
 
 
 def placed_state(setup, seed=0):
-    """setup.init_state(seed)'s values placed in the layout's shardings, without compiling
+    """setup.state_layout.init_state(seed)'s values placed in the layout's shardings, without compiling
     an initialiser per layout (that costs seconds for each on 2 cores): the logical state
     is initialised once per model, vocabulary and optimizer (jitted on one device, the
     values sharding-independent: test_parity), kept on the host, reshaped and placed."""
@@ -46,8 +46,8 @@ def placed_state(setup, seed=0):
     key = (config.model, config.optimizer, setup.vocab, seed)
     if key not in _HOST_STATES:
         _HOST_STATES[key] = jax.device_get(jax.jit(
-            lambda: setup.to_logical(setup.fresh_state(seed)))())
-    return jax.device_put(setup.to_stacked(_HOST_STATES[key]), setup.state_shardings)
+            lambda: setup.state_layout.to_logical(setup.state_layout.fresh_state(seed)))())
+    return jax.device_put(setup.state_layout.to_stacked(_HOST_STATES[key]), setup.state_layout.state_shardings)
 
 
 def fixed_batches(config, n, seed=0):
@@ -114,10 +114,10 @@ def assert_grads_match_single_device(setup):
     grads, loss = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
-    params = jax.device_get(setup.to_logical(state["params"]))
+    params = jax.device_get(setup.state_layout.to_logical(state["params"]))
     ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert_trees_close(setup.to_logical(jax.device_get(grads)), ref_grads)
+    assert_trees_close(setup.state_layout.to_logical(jax.device_get(grads)), ref_grads)
     return float(loss)
 
 
@@ -126,7 +126,7 @@ def assert_steps_match_single_device(setup, steps=3):
     from jaxptd.step import build_train_step
 
     state = placed_state(setup)
-    params0 = setup.to_logical(jax.device_get(state["params"]))  # (host memory: numpy)
+    params0 = setup.state_layout.to_logical(jax.device_get(state["params"]))  # (host memory: numpy)
     batches = fixed_batches(setup.config, steps)
     step, losses = build_train_step(setup), []
     for batch in batches:

@@ -32,7 +32,7 @@ def saved(tmp_path_factory):
     setup = make_setup(extra=EXTRA)
     directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
     ckpt = Checkpointer(str(directory), 1, 10, metadata=layout_metadata(setup.config, 1))
-    first = setup.init_state(1)
+    first = setup.state_layout.init_state(1)
     states = {1: first, 2: jax.tree.map(lambda x: x * 2 if x.dtype.kind == "f" else x, first)}
     for step, state in states.items():
         ckpt.save(step, state)
@@ -43,7 +43,7 @@ def saved(tmp_path_factory):
 def restore_latest(setup, directory):
     ckpt = Checkpointer(str(directory), 0, 10)
     try:
-        return ckpt.restore_latest(setup.abstract_state(logical=True),
+        return ckpt.restore_latest(setup.state_layout.abstract_state(logical=True),
                                    setup.config.model.vocab_size)
     finally:
         ckpt.close()
@@ -93,12 +93,12 @@ def test_restore_at_another_tensor_size_is_the_state_initialised_there(tmp_path,
     extra = (*EXTRA, "model.arch=llama", "model.vocab_size=257")
     source = make_setup(1, 1, 2, extra)
     ckpt = Checkpointer(str(tmp_path), 1, 10, metadata=layout_metadata(source.config, 1))
-    ckpt.save(1, source.init_state(0))
+    ckpt.save(1, source.state_layout.init_state(0))
     ckpt.close()
     target = make_setup(1, 1, tensor, extra)
     state, step = restore_latest(target, tmp_path)
     assert step == 1 and state["params"]["head"]["w_head"].shape[1] == target.vocab
-    assert_same_state(state, target.init_state(0))
+    assert_same_state(state, target.state_layout.init_state(0))
 
 
 def run_inspect(target):

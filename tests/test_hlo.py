@@ -115,10 +115,10 @@ def layer_forward_hlo(setup: Setup) -> str:
         return models.apply_layers(layers, x, None, jax.random.key(0), config.model,
                                    setup.local_layout, True)
 
-    fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.param_specs["layers"], P("data")),
+    fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.state_layout.param_specs["layers"], P("data")),
                        out_specs=P("data"))
     x = jax.ShapeDtypeStruct((BATCH, SEQ, H), jnp.float32)
-    return jax.jit(fn).lower(setup.abstract_params["layers"], x).compile().as_text()
+    return jax.jit(fn).lower(setup.state_layout.abstract_params["layers"], x).compile().as_text()
 
 
 def all_reduces(hlo: str):
@@ -171,7 +171,7 @@ def forbidden_shape(shape: tuple[int, ...], setup: Setup) -> str | None:
 
 def step_hlo(setup: Setup) -> str:
     batch = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32, sharding=setup.batch_sharding)
-    return build_train_step(setup).lower(setup.abstract_state(), batch).compile().as_text()
+    return build_train_step(setup).lower(setup.state_layout.abstract_state(), batch).compile().as_text()
 
 
 def test_forbidden_shape_detector_flags_what_it_should():
@@ -233,10 +233,10 @@ def layer_grad_hlo(setup: Setup) -> str:
             return jnp.sum(y * y)
         return jax.grad(loss, argnums=(0, 1))(layers, x)[1]
 
-    fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.param_specs["layers"], x_spec),
+    fn = jax.shard_map(local, mesh=setup.mesh, in_specs=(setup.state_layout.param_specs["layers"], x_spec),
                        out_specs=x_spec)
     x = jax.ShapeDtypeStruct((BATCH, SEQ, H), jnp.float32)
-    return jax.jit(fn).lower(setup.abstract_params["layers"], x).compile().as_text()
+    return jax.jit(fn).lower(setup.state_layout.abstract_params["layers"], x).compile().as_text()
 
 
 def test_sequence_parallel_layer_gathers_and_scatters_activations():

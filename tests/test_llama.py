@@ -69,7 +69,7 @@ def test_replicated_kv_heads_are_not_sharded():
     """kv heads 2 < t 4: w_kv replicated over tensor; kv 4 = t: split over it."""
     for kv, sharded in ((2, False), (4, True)):
         setup = make_setup(2, 1, 4, LLAMA + [f"model.num_kv_heads={kv}"])
-        assert ("tensor" in str(setup.param_specs["layers"]["attn"]["w_kv"])) == sharded
+        assert ("tensor" in str(setup.state_layout.param_specs["layers"]["attn"]["w_kv"])) == sharded
 
 
 def matmul_flops(fn, *args) -> int:

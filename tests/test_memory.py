@@ -78,7 +78,7 @@ def _device_values_of_layer_shape(setup, eval_step=False) -> list:
     """[(shape, primitive)] of the values of the traced train step (or eval step), at any
     depth, that are in device memory and shaped like a stacked layer leaf [L, ...] of the
     state (global, or one device's shard)."""
-    state = setup.abstract_state()
+    state = setup.state_layout.abstract_state()
     shapes = {tuple(shape) for leaf in jax.tree.leaves(state["params"]["layers"])
               for shape in (leaf.shape, leaf.sharding.shard_shape(leaf.shape))}
     batch = jax.ShapeDtypeStruct((setup.config.train.global_batch, 17), jnp.int32,
@@ -134,7 +134,7 @@ def _compiled(setup):
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                  jnp.int32, sharding=setup.batch_sharding)
-    return build_train_step(setup).lower(setup.abstract_state(), batch).compile()
+    return build_train_step(setup).lower(setup.state_layout.abstract_state(), batch).compile()
 
 
 MODEL = ["model.hidden_size=64", "model.num_heads=8", "model.num_layers=2",
@@ -171,7 +171,7 @@ def test_offloaded_optimizer_lives_in_host_memory():
     offload no parameter of the step is on the host."""
     def entry(extra):
         setup = make_setup(2, 1, 4, [*MODEL, *extra])
-        leaves = jax.tree_util.tree_leaves_with_path(setup.abstract_state())
+        leaves = jax.tree_util.tree_leaves_with_path(setup.state_layout.abstract_state())
         found = _entry_parameters(_compiled(setup).as_text())
         assert len(found) == len(leaves) + 1  # the state's leaves, then the batch
         return leaves, found
@@ -212,11 +212,11 @@ def test_fsdp_gathers_one_matmul_weight_at_a_time():
     ahead of its matmul). With the default unit, a layer, none is (the layer's gather may
     run ahead)."""
     setup = make_setup(2, 1, 4, [FSDP, "parallel.fsdp_unit=matmul"])
-    state = setup.abstract_state()
+    state = setup.state_layout.abstract_state()
     batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=setup.batch_sharding)
     gathers = _fsdp_gathers(jax.make_jaxpr(build_grads(setup, True))(
         state["params"], batch, state["rng"], state["step"], jnp.float32(1)).jaxpr)
-    layers = setup.abstract_state()["params"]["layers"]
+    layers = setup.state_layout.abstract_state()["params"]["layers"]
     for block, name in (("attn", "w_qkv"), ("attn", "w_out"), ("mlp", "w_fc1"),
                         ("mlp", "w_fc2")):
         leaf = layers[block][name]
@@ -224,7 +224,7 @@ def test_fsdp_gathers_one_matmul_weight_at_a_time():
         sources = [source for shape, source in gathers if shape == shard]
         assert sources == ["optimization_barrier"] * 2, (name, sources)
     layered = make_setup(2, 1, 4, [FSDP])
-    state = layered.abstract_state()
+    state = layered.state_layout.abstract_state()
     gathers = _fsdp_gathers(jax.make_jaxpr(build_grads(layered, True))(
         state["params"], batch, state["rng"], state["step"], jnp.float32(1)).jaxpr)
     assert gathers and "optimization_barrier" not in [source for _, source in gathers]
@@ -267,7 +267,7 @@ def test_layer_gradient_reduction_waits_for_no_layer_below(extra):
         config = setup.config
         batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                      jnp.int32, sharding=setup.batch_sharding)
-        jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.abstract_state(), batch)
+        jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.state_layout.abstract_state(), batch)
         layers = setup.config.model.num_layers
         return [(inside, any(getattr(v.aval, "shape", ())[:1] == (layers,) for v in e.invars))
                 for e, inside in _data_reductions(jaxpr.jaxpr)]
@@ -305,7 +305,7 @@ def test_pipelined_chunk_reduction_waits_for_no_later_round(kind):
         setup = make_setup(2, 2, 2, [f"parallel.schedule={kind}", "parallel.chunks=2",
                                      "parallel.microbatches=4", "optimizer.zero1=true",
                                      f"optimizer.overlap_grad_reduce={overlap}"])
-        state = setup.abstract_state()
+        state = setup.state_layout.abstract_state()
         batch = jax.ShapeDtypeStruct((16, 17), jnp.int32, sharding=setup.batch_sharding)
         return _reductions_after_scans(jax.make_jaxpr(build_grads(setup, True))(
             state["params"], batch, state["rng"], state["step"], jnp.float32(1)).jaxpr)
@@ -336,13 +336,13 @@ def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reade
     state = build_train_step(source)(placed_state(source), jax.device_put(
         np.zeros((16, 17), np.int32), source.batch_sharding))[0]  # moments nonzero
     ckpt = Checkpointer(str(tmp_path), every=1, keep=1, async_save=False)
-    ckpt.save(1, source.state_to_logical(state))
+    ckpt.save(1, source.state_layout.state_to_logical(state))
     ckpt.close()
     target = make_setup(reader[0], reader[1], reader[2], list(reader[3]))
     restored, step = Checkpointer(str(tmp_path), every=1, keep=1).restore_latest(
-        target.abstract_state(logical=True), target.config.model.vocab_size)
+        target.state_layout.abstract_state(logical=True), target.config.model.vocab_size)
     assert step == 1
-    expected = jax.device_get(source.state_to_logical(state))
+    expected = jax.device_get(source.state_layout.state_to_logical(state))
     got = jax.device_get(restored)
     vocab = target.config.model.vocab_size
     for (path, a), e in zip(jax.tree_util.tree_leaves_with_path(got),
@@ -352,7 +352,7 @@ def test_checkpoints_restore_across_fsdp_zero1_and_plain(tmp_path, writer, reade
         common = tuple(slice(0, min(x, y)) for x, y in zip(a.shape, e.shape))
         np.testing.assert_array_equal(a[common], e[common], err_msg=jax.tree_util.keystr(path))
     step_fn = build_train_step(target)  # and it trains from there
-    in_memory = target.state_from_logical(restored)
+    in_memory = target.state_layout.state_from_logical(restored)
     assert np.isfinite(float(step_fn(in_memory, jax.device_put(
         np.zeros((16, 17), np.int32), target.batch_sharding))[1]["loss"]))
 
@@ -368,11 +368,11 @@ def test_pipelined_save_layout_holds_no_second_state_on_the_device():
     device_bytes = lambda: sum(a.nbytes for a in jax.live_arrays()
                                if a.sharding.memory_kind == "device")
     before = device_bytes()
-    logical = jax.block_until_ready(setup.state_to_logical(state))
+    logical = jax.block_until_ready(setup.state_layout.state_to_logical(state))
     assert device_bytes() <= before
     assert {x.sharding.memory_kind for x in jax.tree.leaves(logical)} == {"pinned_host"}
-    assert_same_state(logical, setup.to_logical(jax.device_get(state)))
-    back = setup.state_from_logical(logical)
+    assert_same_state(logical, setup.state_layout.to_logical(jax.device_get(state)))
+    back = setup.state_layout.state_from_logical(logical)
     assert_same_state(back, state)
     assert all(x.is_deleted() for x in jax.tree.leaves(logical))
 

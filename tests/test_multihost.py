@@ -71,7 +71,7 @@ def reference_losses(args):
     key = tuple(args)
     if key not in _REFERENCE:
         setup = setup_for(args)
-        _REFERENCE[key] = run_steps(setup, setup.init_state(setup.config.train.seed), 0,
+        _REFERENCE[key] = run_steps(setup, setup.state_layout.init_state(setup.config.train.seed), 0,
                                     setup.config.train.steps)
     return _REFERENCE[key]
 
@@ -177,8 +177,8 @@ def test_restore_into_another_layout(launched, target, zero1):
     source = launched(*SOURCE)
     setup = setup_for(overrides(target, zero1))
     ckpt = Checkpointer(str(source / "checkpoints"), 0, 3)
-    state = setup.state_from_logical(
-        ckpt.restore(setup.abstract_state(logical=True), 3, setup.config.model.vocab_size))
+    state = setup.state_layout.state_from_logical(
+        ckpt.restore(setup.state_layout.abstract_state(logical=True), 3, setup.config.model.vocab_size))
     ckpt.close()
     assert int(state["step"]) == 3
     assert state["params"]["embed"]["wte"].shape[-2] == setup.vocab  # ([p,] V, h)
@@ -189,7 +189,7 @@ def _restore_latest(directory):
     setup = setup_for(overrides(LAUNCH_LAYOUTS["pipe1"], True))
     ckpt = Checkpointer(str(directory), 0, 3)
     try:
-        return ckpt.restore_latest(setup.abstract_state(logical=True), 300)
+        return ckpt.restore_latest(setup.state_layout.abstract_state(logical=True), 300)
     finally:
         ckpt.close()
 
@@ -236,7 +236,7 @@ def _restore_step(directory, step):
     setup = setup_for(overrides(LAUNCH_LAYOUTS["pipe1"], True))
     ckpt = Checkpointer(str(directory), 0, 3)
     try:
-        return jax.device_get(ckpt.restore(setup.abstract_state(logical=True), step, 300))
+        return jax.device_get(ckpt.restore(setup.state_layout.abstract_state(logical=True), step, 300))
     finally:
         ckpt.close()
 

@@ -74,7 +74,7 @@ def test_sgd_matches_optax_sgd_on_one_device(data, pipe, tensor, extra):
     setup = make_setup(data, pipe, tensor, ["optimizer.name=sgd", "optimizer.lr=0.1",
                                             "optimizer.weight_decay=0.1", *extra])
     state = placed_state(setup)
-    params0 = jax.device_get(setup.to_logical(state["params"]))
+    params0 = jax.device_get(setup.state_layout.to_logical(state["params"]))
     batches = fixed_batches(setup.config, 3)
     step, losses = build_train_step(setup), []
     for batch in batches:
@@ -82,7 +82,7 @@ def test_sgd_matches_optax_sgd_on_one_device(data, pipe, tensor, extra):
         losses.append(float(metrics["loss"]))
     expected_losses, expected = _optax_sgd_steps(setup, params0, batches)
     np.testing.assert_allclose(losses, expected_losses, rtol=1e-5)
-    assert_trees_close(setup.to_logical(state["params"]), expected)
+    assert_trees_close(setup.state_layout.to_logical(state["params"]), expected)
     assert losses[-1] < losses[0]
 
 
@@ -195,8 +195,8 @@ def test_every_layout_starts_from_the_same_model(arch, data, pipe, tensor, extra
     config = setup.config
     vocab_size = config.model.vocab_size
     axes = setup.arch.logical_axes(config.model, setup.vocab, tensor)
-    state = setup.init_state(config.train.seed)
-    params, padding = vocab_split(setup.to_logical(state["params"]), axes, vocab_size)
+    state = setup.state_layout.init_state(config.train.seed)
+    params, padding = vocab_split(setup.state_layout.to_logical(state["params"]), axes, vocab_size)
     expected, expected_loss = single_device_start(arch)
     assert_same_state(params, expected)
     assert padding and all(np.all(p == 0) for p in padding), setup.vocab
@@ -208,7 +208,7 @@ def test_every_layout_starts_from_the_same_model(arch, data, pipe, tensor, extra
     np.testing.assert_allclose(losses[0], expected_loss, rtol=1e-6)
     adam = state["opt_state"][1][0]  # ScaleByAdamState of the adamw chain
     for tree in (state["params"], adam.mu, adam.nu):
-        _, padding = vocab_split(setup.to_logical(tree), axes, vocab_size)
+        _, padding = vocab_split(setup.state_layout.to_logical(tree), axes, vocab_size)
         assert all(np.all(p == 0) for p in padding)
-    trained = vocab_split(setup.to_logical(state["params"]), axes, vocab_size)[0]
+    trained = vocab_split(setup.state_layout.to_logical(state["params"]), axes, vocab_size)[0]
     assert not np.array_equal(trained["embed"]["wte"], params["embed"]["wte"])  # it trains

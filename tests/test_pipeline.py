@@ -99,9 +99,9 @@ def test_ends_live_where_they_are_read_and_stay_there():
         state["params"], jax.device_put(batches[0], setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
     _, ref_grads = reference_loss_and_grads(
-        setup.config, setup.vocab, jax.device_get(setup.to_logical(state["params"])),
+        setup.config, setup.vocab, jax.device_get(setup.state_layout.to_logical(state["params"])),
         batches[0])
-    np.testing.assert_allclose(float(setup.grad_norm(grads)),
+    np.testing.assert_allclose(float(setup.state_layout.grad_norm(grads)),
                                float(optax.tree.norm(ref_grads)), rtol=1e-5)
     for batch in batches:
         state, _ = step(state, jax.device_put(batch, setup.batch_sharding))
@@ -164,7 +164,7 @@ def test_kept_backward_uses_each_microbatchs_dropout_masks(schedule, chunks):
         batch = jax.device_put(fixed_batches(setup.config, 1)[0], setup.batch_sharding)
         out = jax.jit(build_grads(setup, deterministic=False))(
             state["params"], batch, state["rng"], state["step"], jnp.float32(1))
-        return jax.device_get(setup.to_logical(out[0])), float(out[1])
+        return jax.device_get(setup.state_layout.to_logical(out[0])), float(out[1])
 
     (kept, kept_loss), (recomputed, loss) = grads("activations"), grads("inputs")
     np.testing.assert_allclose(kept_loss, loss, rtol=1e-6)
@@ -176,8 +176,8 @@ def random_params(setup, seed=0):
     stage's weights would show) -> (in-memory params in their shardings, logical params)."""
     rng = np.random.default_rng(seed)
     logical = jax.tree.map(lambda x: rng.normal(0.0, 0.1, x.shape).astype(x.dtype),
-                           jax.eval_shape(setup.to_logical, setup.abstract_params))
-    return jax.device_put(setup.to_stacked(logical), setup.state_shardings["params"]), logical
+                           jax.eval_shape(setup.state_layout.to_logical, setup.state_layout.abstract_params))
+    return jax.device_put(setup.state_layout.to_stacked(logical), setup.state_layout.state_shardings["params"]), logical
 
 
 @pytest.mark.parametrize("case, form", [
@@ -206,7 +206,7 @@ def test_pipelined_eval_runs_no_backward():
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                  jnp.int32, sharding=setup.batch_sharding)
-    params = setup.abstract_state()["params"]
+    params = setup.state_layout.abstract_state()["params"]
     eval_step = build_eval_step(setup)
     assert str(jax.make_jaxpr(eval_step)(params, batch)).count("ppermute[") == 1
     text = eval_step.lower(params, batch).compile().as_text()
@@ -219,10 +219,10 @@ def test_layer_assignment_follows_virtual_stages():
     rank 0 holds layers 1-2 and 9-10 (PTD-P §2.2.2)."""
     setup = pipelined_setup(1, 4, 1, "interleaved", 2, 4, 16)
     logical = jnp.arange(16.0)[:, None] * jnp.ones((16, 3))
-    stacked = setup.to_stacked({"layers": logical})["layers"]  # [v, p, Lc, 3]
+    stacked = setup.state_layout.to_stacked({"layers": logical})["layers"]  # [v, p, Lc, 3]
     rank0 = stacked[:, 0, :, 0].reshape(-1)
     assert rank0.tolist() == [0.0, 1.0, 8.0, 9.0]
-    assert setup.to_logical({"layers": stacked})["layers"].tolist() == logical.tolist()
+    assert setup.state_layout.to_logical({"layers": stacked})["layers"].tolist() == logical.tolist()
 
 
 def compiled_temp_bytes(schedule, micro, chunks=1, stash="activations"):
@@ -230,7 +230,7 @@ def compiled_temp_bytes(schedule, micro, chunks=1, stash="activations"):
                             [f"train.global_batch={micro}", "model.seq_len=64",
                              "model.hidden_size=64", f"parallel.stash={stash}"])
     batch = jax.ShapeDtypeStruct((micro, 65), jnp.int32, sharding=setup.batch_sharding)
-    compiled = build_train_step(setup).lower(setup.abstract_state(), batch).compile()
+    compiled = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes
 
 
@@ -269,7 +269,7 @@ def test_point_to_point_traffic_matches_schedule(chunks, schedule):
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                  jnp.int32, sharding=setup.batch_sharding)
-    text = build_train_step(setup).lower(setup.abstract_state(), batch).compile().as_text()
+    text = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch).compile().as_text()
     tied = f"1,{setup.vocab // t},{config.model.hidden_size}"
     permutes = [x for x in PERMUTE.findall(text) if x[1] != tied]
     [(_, _, ends_pairs)] = [x for x in PERMUTE.findall(text) if x[1] == tied]
@@ -353,7 +353,7 @@ def steady_loops(setup):
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                  jnp.int32, sharding=setup.batch_sharding)
-    text = build_train_step(setup).trace(setup.abstract_state(), batch).lower(
+    text = build_train_step(setup).trace(setup.state_layout.abstract_state(), batch).lower(
         lowering_platforms=("cuda",)).as_text()
     loops = []
     for match in re.finditer(r"stablehlo\.while\(.*?\) : tensor<(\d+)xi32>", text):
@@ -419,7 +419,7 @@ def test_no_matmul_waits_for_its_rounds_messages(schedule, form):
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
                                  jnp.int32, sharding=setup.batch_sharding)
-    jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.abstract_state(), batch).jaxpr
+    jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.state_layout.abstract_state(), batch).jaxpr
     bodies = list(_round_scans(jaxpr))
     assert bodies, "no round loop found"
     for body in bodies:

@@ -40,7 +40,7 @@ def verify(config: Config, report: dict, dump: str | None = None) -> dict:
     batch = jax.ShapeDtypeStruct((config.train.global_batch, batch_width(config.model)),
                                  jnp.int32, sharding=setup.batch_sharding)
     try:
-        compiled = build_train_step(setup).lower(setup.abstract_state(), batch).compile()
+        compiled = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch).compile()
     except Exception as e:  # noqa: BLE001 -- reported, e.g. pipe > 1 before the executor
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"--verify: compiling the step failed: {type(e).__name__}: "
@@ -70,7 +70,7 @@ def _in_host_memory(config: Config, setup):
     import jax
     par, model = config.parallel, config.model
     grads = {tuple(leaf.sharding.shard_shape(leaf.shape))
-             for leaf in jax.tree.leaves(setup.abstract_state()["params"]["layers"])}
+             for leaf in jax.tree.leaves(setup.state_layout.abstract_state()["params"]["layers"])}
     split = par.tensor if par.sequence_parallel else 1
     inputs = (model.num_layers, config.microbatch_size, model.seq_len // split,
               model.hidden_size)
