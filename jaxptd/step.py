@@ -50,7 +50,7 @@ from jaxptd import model as models
 from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
 from jaxptd.mesh import BATCH, DATA, FSDP, PIPE, TENSOR
-from jaxptd.model.layers import DENSE, Layout
+from jaxptd.model.tensor import DENSE, Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
 from jaxptd.sharding import (GATHERED, fsdp_dims, fsdp_spec, is_spec, mark_varying, named,
