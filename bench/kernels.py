@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Layout, attention_core
+from jaxptd.model.layers import attention_core
+from jaxptd.model.tensor import Layout
 from jaxptd.units import GB
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
 from report import cell, result_path

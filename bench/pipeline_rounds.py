@@ -44,7 +44,7 @@ def build(shape: dict, rounds: int, form: str, valid_fraction: float):
 
     from jaxptd import model as models
     from jaxptd.config import load_config
-    from jaxptd.model.layers import Layout
+    from jaxptd.model.tensor import Layout
 
     cfg = load_config(None, [f"model.num_layers={shape['layers']}",
                              f"model.hidden_size={shape['hidden']}",

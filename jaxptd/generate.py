@@ -58,7 +58,8 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
 
     from jaxptd.mesh import TENSOR
     from jaxptd.model import get
-    from jaxptd.model.layers import Layout, vocab_start
+    from jaxptd.model.tensor import Layout
+    from jaxptd.model.vocab import vocab_start
     from jaxptd.sharding import mark_varying, specs_from_logical
 
     arch, tensor = get(cfg), mesh.shape[TENSOR]

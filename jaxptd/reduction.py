@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd import model as models
 from jaxptd.mesh import DATA, FSDP, PIPE
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 from jaxptd.sharding import GATHERED, fsdp_dims, is_spec, mark_varying, reduce_to
 from jaxptd.state import StateLayout
 

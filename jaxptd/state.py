@@ -28,7 +28,7 @@ from jaxptd import model as models
 from jaxptd import optim
 from jaxptd.config import Config
 from jaxptd.mesh import DATA
-from jaxptd.model.layers import DENSE
+from jaxptd.model.tensor import DENSE
 from jaxptd.sharding import fsdp_dims, fsdp_spec, is_spec, named, specs_from_logical, zero1_spec
 
 

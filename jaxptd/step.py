@@ -52,7 +52,7 @@ from jaxptd import model as models
 from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
 from jaxptd.mesh import BATCH, FSDP, TENSOR
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
 from jaxptd.reduction import REDUCED, Reduction, compose, fsdp_gathers

@@ -17,7 +17,7 @@ from jaxptd import optim
 from jaxptd.config import Config, load_config
 from jaxptd.mesh import make_mesh
 from jaxptd import model as models
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 from jaxptd.step import Setup
 
 REPO = Path(__file__).resolve().parents[1]

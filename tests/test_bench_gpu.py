@@ -197,7 +197,7 @@ def test_torch_model_is_the_jaxptd_model():
     from jaxptd import model as models
     from jaxptd.config import load_config
     from jaxptd.model import gpt
-    from jaxptd.model.layers import Layout
+    from jaxptd.model.tensor import Layout
 
     config = load_config(str(ROOT / "configs/gpu/gpt_125m.yaml"), [
         *gpu_train.TOY, "model.vocab_size=512", "model.dtype=float32", "model.attention=xla"])

@@ -16,7 +16,7 @@ from jaxptd import generate
 from jaxptd import model as models
 from jaxptd.config import ParallelConfig
 from jaxptd.mesh import make_mesh
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 250, 3, 99]

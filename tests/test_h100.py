@@ -31,7 +31,7 @@ from jaxptd import compile_check, hlo
 from jaxptd import model as models
 from jaxptd.config import load_config
 from jaxptd.model import gpt
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 from jaxptd.target import TARGETS, TargetError, topology_devices
 
 H100 = TARGETS["h100"]

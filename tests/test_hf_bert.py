@@ -26,7 +26,7 @@ from jaxptd import hf  # noqa: E402
 from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.model import bert  # noqa: E402
-from jaxptd.model.layers import Layout  # noqa: E402
+from jaxptd.model.tensor import Layout  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # norm_position, gelu, special_ids of each import

@@ -20,7 +20,7 @@ from jaxptd import model as models
 from jaxptd.config import ConfigError, load_config
 from jaxptd.data import resolve_corpus, unigram_entropy
 from jaxptd.metrics import flops_per_iteration
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.rope_theta=500.0"]

@@ -14,7 +14,7 @@ from helpers import (assert_trees_close, fixed_batches, make_setup, placed_state
 from jaxptd.config import ConfigError, load_config
 from jaxptd import model as models
 from jaxptd.model import gpt
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 from jaxptd.step import build_grads
 
 SMALL = ["model.num_layers=2", "model.seq_len=8", "train.global_batch=4"]

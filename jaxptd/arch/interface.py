@@ -8,7 +8,7 @@ top-level key: embedding, final norm, output layer)}. A batch row is what the da
 (token rows [s + 1]) turned into the architecture's row by `make_batch`; every stage gets
 the microbatch's rows. The loss convention: the step divides the sum of `head_loss` over
 the global batch by (global batch x seq_len), so a decoder returns the sum of its token
-losses and BERT seq_len x each row's loss. `Layout` (model/layers.py) says whether the
+losses and BERT seq_len x each row's loss. `Layout` (model/tensor.py) says whether the
 functions see global parameters or one tensor rank's shards.
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""The models: shared Flax modules in layers.py and stack.py, one module per architecture
-(gpt.py, llama.py, bert.py, each with its `ARCH` record: the interface of
-jaxptd/arch/interface.py), and what every part outside model/ uses, so that nothing else
-branches on the architecture.
+"""The models: the shared pieces (tensor.py: a tensor rank's view of parameters, matmuls
+and collectives; layers.py: the layer's Flax modules; vocab.py: the vocabulary-parallel
+embedding and loss; stack.py: the layer stack), one module per architecture (gpt.py,
+llama.py, bert.py, each with its `ARCH` record: the interface of jaxptd/arch/interface.py),
+and what every part outside model/ uses, so that nothing else branches on the architecture.
 
 This module adds what is the same for every architecture: `get(cfg)` (model.arch's
 record, through the registry jaxptd/arch), the layer stack (`apply_layers`, with the
@@ -20,8 +21,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxptd.arch import family
 from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, RESIDUAL,
-                                 Layout, matmul)
+from jaxptd.model.layers import RESIDUAL
+from jaxptd.model.tensor import DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, Layout, matmul
 from jaxptd.sharding import mark_varying, varying_axes
 
 
@@ -31,7 +32,7 @@ OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names
     names_which_can_be_saved=(), names_which_can_be_offloaded=(LAYER_INPUT,),
     offload_src="device", offload_dst="pinned_host")
 # model.remat=minimal: a layer keeps its column-parallel matmul outputs (named by
-# layers.dense), the residual stream between its two blocks (so no all-reduce is re-run)
+# tensor.dense), the residual stream between its two blocks (so no all-reduce is re-run)
 # and cuDNN flash attention's own outputs (its context and softmax statistics: the
 # backward never re-runs attention); norms, activations, bias adds and an XLA attention
 # core are recomputed from them. (The cuDNN forward is recognised by its primitive's name,
@@ -196,7 +197,7 @@ def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None
     of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
     forward. Each is the transpose of its matmul in the weight as the layer uses it:
     `prepare`d as apply_layers prepares it (FSDP's layer gather), then as dense()
-    multiplies it (layers.matmul: cast, and an FSDP shard gathered for it alone); the
+    multiplies it (tensor.matmul: cast, and an FSDP shard gathered for it alone); the
     gathers' transposes reduce-scatter the gradient into the shard. XLA drops the matmul's
     unused forward."""
     flat_inputs = traverse_util.flatten_dict(inputs)

@@ -37,9 +37,9 @@ import numpy as np
 from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
-from jaxptd.model.layers import (Block, Embed, Layout, dense, embedding_dropout,
-                                 enter_tensor, layer_norm, normal, token_block,
-                                 vocab_parallel_xent, zeros)
+from jaxptd.model.layers import Block, layer_norm
+from jaxptd.model.tensor import Layout, dense, enter_tensor, normal, token_block, zeros
+from jaxptd.model.vocab import Embed, embedding_dropout, vocab_parallel_xent
 from jaxptd.sharding import gather_invariant
 
 SPECIALS = 4  # [PAD], [CLS], [SEP], [MASK] at vocab_size - 4 ..

@@ -10,7 +10,7 @@ Parameter tree (global shapes; L = num_layers, V = padded vocabulary):
 Learned positions, LayerNorm, GeLU MLP, biases, and the tied embedding as the output
 layer. `ARCH` gathers the functions as the architecture interface
 (jaxptd/arch/interface.py; config rules and Hugging Face names: jaxptd/arch/gpt.py);
-`Layout` (layers.py) says how they see the parameters. The model never sees a mesh.
+`Layout` (tensor.py) says how they see the parameters. The model never sees a mesh.
 """
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ import jax
 from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import stack
-from jaxptd.model.layers import Block, Embed, Layout, enter_tensor, layer_norm
+from jaxptd.model.layers import Block, layer_norm
+from jaxptd.model.tensor import Layout, enter_tensor
+from jaxptd.model.vocab import Embed
 
 
 def block(cfg: ModelConfig, layout: Layout) -> Block:

@@ -30,8 +30,9 @@ from jax.sharding import PartitionSpec as P
 from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
-from jaxptd.model.layers import (Block, Embed, Layout, attend, dense, enter_tensor,
-                                 exit_tensor, normal, residual_std, rms_norm, weight)
+from jaxptd.model.layers import Block, attend, residual_std, rms_norm
+from jaxptd.model.tensor import Layout, dense, enter_tensor, exit_tensor, normal, weight
+from jaxptd.model.vocab import Embed
 
 
 def kv_sharded(cfg: ModelConfig, tensor: int) -> bool:

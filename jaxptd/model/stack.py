@@ -9,7 +9,7 @@ Initialisation does not depend on the layout: every parameter is drawn at the re
 vocabulary (model.vocab_size), and its axes named 'vocab' are then padded with zeros to the
 layout's padded vocabulary (128 x tensor), so one seed gives bitwise the same logical
 parameters at every tensor size. The padding stays zero in training: padded ids are never
-looked up and never take probability (layers.vocab_parallel_xent), so their gradients and
+looked up and never take probability (vocab.vocab_parallel_xent), so their gradients and
 Adam moments are zero, and AdamW's decay of a zero is zero.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Layout, embedding_dropout, vocab_parallel_xent
+from jaxptd.model.tensor import Layout
+from jaxptd.model.vocab import embedding_dropout, vocab_parallel_xent
 
 
 def init_layers(block: nn.Module, cfg: ModelConfig, key, x):

@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any, Callable
 
 from jaxptd.config import ModelConfig
-from jaxptd.model.layers import Layout
+from jaxptd.model.tensor import Layout
 
 
 @dataclasses.dataclass(frozen=True)

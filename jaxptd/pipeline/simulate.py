@@ -12,7 +12,7 @@ W runs B + W in its B. Pure Python.
 With uniform costs the lockstep bubble is (p-1)/m for gpipe and 1f1b, (p-1)/(v m) for
 interleaved (m >= p), and for the zero-bubble kinds the paper's (p-1)(t_f+t_b-t_w) /
 (m (t_f+t_b+t_w)): for zb-h1 from m >= p on, for zb-interleaved (divided by v) from
-m >= 2p-2 on; see schedules/__init__.py for below that.
+m >= 2p-2 on; see schedules/make.py for below that.
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, spec, split
     """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
     which real_counts takes the largest of). split(spec): the devices a spec splits it
     over."""
-    from jaxptd.model.layers import DENSE
+    from jaxptd.model.tensor import DENSE
     from jaxptd.sharding import fsdp_spec, zero1_spec
 
     par, model = config.parallel, config.model

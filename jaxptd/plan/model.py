@@ -221,15 +221,46 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     after tensor, pipe and FSDP sharding), moment_params (the optimizer's moments, also
     split by ZeRO-1), and what one layer and the ends are of them.
     For the whole step: weights (float32 masters), gradients (the float32 accumulator) and
-    optimizer (the moments). Forward and backward phase: activations (kept, plus the
-    larger of a layer's and the head's transient), what FSDP has gathered for them
-    (`gathered`: fsdp_gathered_bytes, None without FSDP), the stash, and with m > 1
-    gradient_workspace, each microbatch's gradient before it is added to the accumulator.
-    Update phase: the reduced gradient the update reads.
+    optimizer (the moments). Forward and backward phase: `_backward_phase` (its arguments
+    are the rest of this function's). Update phase: the reduced gradient the update reads.
     offload.optimizer (jaxptd/offload.py): masters and moments live in host memory, and
     with `streams` (unpipelined) the gradients too: the device holds one layer's masters
     and gradients in the backward (and the ends'), and in the update one unit's state
     (offloaded_state_bytes); pipelined, the masters and gradients whole on the device.
+    """
+    W, M = counts["weight_params"], counts["moment_params"]
+    grads, moments = 4.0 * W, 4.0 * M
+    on_host = offload_optimizer and streams  # the gradients' sums, too
+    offloaded = offloaded_state_bytes(counts, streams) if offload_optimizer else None
+    device = {"weights": offloaded["device"] if on_host else 4.0 * W,
+              "gradients": offloaded["device"] if on_host else grads,
+              "optimizer": 0.0 if offload_optimizer else moments,
+              **_backward_phase(activations, grads, microbatches=microbatches,
+                                gathered=gathered, on_host=on_host, peeled=peeled,
+                                zero1_hook=zero1_hook, early_reduced=early_reduced,
+                                reduced_copy=reduced_copy)}
+    device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
+    device["update_phase"] = offloaded["update"] if offload_optimizer else grads
+    device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
+        else "update"
+    device["total"] = device["weights"] + device["gradients"] + device["optimizer"] \
+        + device[f"{device['peak_phase']}_phase"]
+    host = {"weights": 4.0 * W if offload_optimizer else 0.0,
+            "gradients": grads * (2 if microbatches > 1 else 1) if on_host else 0.0,
+            "optimizer": moments if offload_optimizer else 0.0,
+            "activations": activations["offloaded"]}
+    host["total"] = sum(host.values())
+    return device, host
+
+
+def _backward_phase(activations: dict, grads: float, *, microbatches: int,
+                    gathered: dict | None, on_host: bool, peeled: int, zero1_hook: bool,
+                    early_reduced: float, reduced_copy: float) -> dict:
+    """The device bytes of the forward and backward phase, by category (BACKWARD_PHASE):
+    activations (kept, plus the larger of a layer's and the head's transient), what FSDP
+    has gathered for them (`gathered`: fsdp_gathered_bytes, None without FSDP), the stash,
+    and with m > 1 gradient_workspace, each microbatch's gradient (`grads` bytes) before it
+    is added to the accumulator (none when the gradients stream to the host: `on_host`).
     peeled (unpipelined, jaxptd/step.py: microbatches, or 0 when pipelined): the step runs
     the last microbatch outside the scan over the others, and XLA gives the two their own
     buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
@@ -245,35 +276,16 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     early_reduced (bytes; pipelined, Config.reduces_chunks_early): the reduced gradients of
     the chunks done before the last round, held beside the accumulator until the end.
     """
-    W, M = counts["weight_params"], counts["moment_params"]
-    grads, moments = 4.0 * W, 4.0 * M
     gathered = gathered or {"layer": 0.0, "head": 0.0}
     phase = max(("layer", "head"), key=lambda k: activations[f"{k}_transient"] + gathered[k])
     looped = 2 if peeled > 2 else 1  # the loop body's buffers and the peeled microbatch's
-    on_host = offload_optimizer and streams  # the gradients' sums, too
-    offloaded = offloaded_state_bytes(counts, streams) if offload_optimizer else None
-    device = {"weights": offloaded["device"] if on_host else 4.0 * W,
-              "gradients": offloaded["device"] if on_host else grads,
-              "optimizer": 0.0 if offload_optimizer else moments,
-              "activations": activations["kept"] * (2 if peeled > 1 else 1)
-              + activations[f"{phase}_transient"],
-              "stash": activations["stash"], "fsdp_gathered": gathered[phase] * looped,
-              "gradient_workspace": (grads * looped if microbatches > 1 and not on_host
-                                     else 0.0)
-              + (grads if zero1_hook else 0.0) + early_reduced
-              + (0.0 if early_reduced else reduced_copy * grads)}
-    device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
-    device["update_phase"] = offloaded["update"] if offload_optimizer else grads
-    device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
-        else "update"
-    device["total"] = device["weights"] + device["gradients"] + device["optimizer"] \
-        + device[f"{device['peak_phase']}_phase"]
-    host = {"weights": 4.0 * W if offload_optimizer else 0.0,
-            "gradients": grads * (2 if microbatches > 1 else 1) if on_host else 0.0,
-            "optimizer": moments if offload_optimizer else 0.0,
-            "activations": activations["offloaded"]}
-    host["total"] = sum(host.values())
-    return device, host
+    return {"activations": activations["kept"] * (2 if peeled > 1 else 1)
+            + activations[f"{phase}_transient"],
+            "stash": activations["stash"], "fsdp_gathered": gathered[phase] * looped,
+            "gradient_workspace": (grads * looped if microbatches > 1 and not on_host
+                                   else 0.0)
+            + (grads if zero1_hook else 0.0) + early_reduced
+            + (0.0 if early_reduced else reduced_copy * grads)}
 
 
 BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace")

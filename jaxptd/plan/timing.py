@@ -8,7 +8,7 @@ DAY = 86400.0
 
 def bubble_formula(p: int, v: int, m: int, zero_bubble: bool = False) -> float:
     """§2.2: (p - 1) / (v m) for 1F1B and interleaved; GPipe has the same bubble. Zero-bubble
-    kinds (uniform t_f = t_b = t_w, lockstep; jaxptd/pipeline/schedules.py): the ZB-H1
+    kinds (uniform t_f = t_b = t_w, lockstep; jaxptd/pipeline/schedules/make.py): the ZB-H1
     paper's (p - 1) / (3 m) for v = 1 from m >= p, (p - 1 + p - m) / (3 m) below;
     (p - 1 + max(0, 2p - 2 - m)) / (3 v m) for v > 1 and m >= p."""
     if zero_bubble and v == 1:

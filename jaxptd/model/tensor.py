@@ -1,0 +1,225 @@
+"""One tensor-parallel rank's view of the model: `Layout`, parameter creation, every matmul
+with a weight (`dense`, with FSDP's gather) and the collectives of Megatron's intra-layer
+partitioning (Megatron-LM 2019, §3, Fig. 3) and of sequence parallelism.
+
+Parameter shapes are *local*: a module built with `layout.tensor = t` holds 1/t of the
+heads, of the MLP columns and of the vocabulary. Global parameters are created with t = 1;
+inside the training step's manual shard_map each rank applies the same modules with t = mesh
+size on its shards. Collectives run over `layout.tensor_axis` (None: one device, none):
+
+- f, `enter_tensor`, before a column-parallel linear: identity forward, all-reduce backward,
+  implicit in JAX's varying-axes typing (an activation that is the same on every tensor rank
+  meeting a rank-local weight is broadcast, and the transpose of that is the all-reduce);
+- g, `exit_tensor`, after the row-parallel attention output and second MLP layer: the
+  explicit all-reduce, exactly two per layer in the forward pass.
+With sequence parallelism (`layout.sequence_parallel`; Korthikanti et al. 2022) the
+activations outside attention and the MLP are split over the tokens on the tensor axis,
+[b, s/t, h]: f becomes an all-gather of the tokens (a reduce-scatter in the backward, as
+the transpose of a tiled all-gather) and g a reduce-scatter (an all-gather backward); the
+LayerNorms, dropouts and residual adds work on 1/t of the tokens, with dropout masks that
+differ per tensor rank. A rank's part is a block of the microbatch's b s tokens in row
+order (rank k: tokens k b s / t onwards), shaped [b, s/t, h]: Megatron splits its
+[s, b, h] activations on the leading axis for the same reason, a gather or scatter of a
+contiguous block (a split of the sequence axis of [b, s, h] made XLA transpose around
+every collective: 8 GB a step at (2,1,4) on H100). The ops between them are token-wise;
+only the positions a rank's tokens have depend on the split (`token_positions`).
+
+Every matmul with a weight goes through `dense`, which names it by its weight and keeps its
+einsum as data (`DENSE`): with the zero-bubble split of the backward (pipeline executor),
+`dense` records its input (collection 'dense_inputs') and takes a zero perturbation on its
+output (collection 'perturbations', whose gradient is the output gradient), so a weight
+gradient can be computed later from those two alone, without another forward.
+
+Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
+Master weights are float32; each op casts them to the compute dtype at use.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the model functions see the parameters: global (tensor=1, no collectives) for the
+    single-device reference and initialisation, or one tensor rank's shards inside the
+    manual shard_map (tensor=t, collectives over `tensor_axis`)."""
+    vocab: int  # padded vocabulary (global); the real one to draw parameters (stack.boxed_init)
+    tensor: int = 1  # parameter shapes are global / tensor
+    tensor_axis: str | None = None  # collectives over this axis; None: a single device
+    sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]
+    offload_activations: bool = False  # each layer's checkpointed input in host memory
+    platform: str = "cpu"  # the target's (jaxptd/target.py): "gpu" takes cuDNN and Triton
+    # FSDP: ((dense name, dimension), ...) of the layer weights held as shards over
+    # `fsdp_axis`, split on that dimension, which `dense` gathers in `fsdp_dtype`
+    fsdp: tuple[tuple[str, int], ...] = ()
+    fsdp_axis: str | None = None
+    fsdp_dtype: str = "float32"
+
+    @property
+    def split_sequence(self) -> bool:
+        """True when activations between the tensor-parallel blocks are [b, s/t, h]."""
+        return self.sequence_parallel and self.tensor_axis is not None
+
+    def fsdp_dim(self, name: str) -> int | None:
+        """The dimension on which the dense() weight `name` is an FSDP shard (None: whole)."""
+        return dict(self.fsdp).get(name)
+
+
+def normal(std: float, names: tuple[str, ...]):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), names)
+
+
+def zeros(names: tuple[str, ...]):
+    return nn.with_logical_partitioning(nn.initializers.zeros, names)
+
+
+def psum(x, axis: str | None):
+    return x if axis is None else lax.psum(x, axis)
+
+
+# name -> einsum of (input, weight) for every weight-bearing matmul of the layers.
+DENSE = {
+    # q, k and v side by side: the GEMM's own output layout [b s, 3 n d] (a leading c made
+    # XLA transpose it, and transpose the gradient back: two copies a layer)
+    "w_qkv": "bsh,hcnd->bscnd",  # column-parallel (by heads)
+    "w_out": "bqnd,ndh->bqh",  # row-parallel: a partial sum over this rank's heads
+    "w_fc1": "bsh,hf->bsf",  # column-parallel
+    "w_fc2": "bsf,fh->bsh",  # row-parallel: a partial sum over this rank's ffn/t
+    # Llama (llama.py)
+    "w_q": "bsh,hnd->bsnd",  # column-parallel (by heads)
+    "w_kv": "bsh,hcnd->bscnd",  # column-parallel by key/value heads (or replicated)
+    "w_o": "bqnd,ndh->bqh",  # row-parallel
+    "w_gate": "bsh,hf->bsf",  # column-parallel
+    "w_up": "bsh,hf->bsf",  # column-parallel
+    "w_down": "bsf,fh->bsh",  # row-parallel
+    "w_head": "bsh,hv->bsv",  # untied output layer, column-parallel (by vocabulary)
+    # BERT's heads (bert.py), replicated
+    "w_mlm": "bsh,hk->bsk",
+    "w_pool": "bh,hk->bk",
+    "w_sop": "bh,hc->bc",
+}
+# Row-parallel matmuls: their output is a partial sum that the all-reduce after them (g)
+# completes; model.remat=minimal keeps the residual stream after it, not the partial sum.
+ROW_PARALLEL = ("w_out", "w_fc2", "w_o", "w_down")
+DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
+# checkpoint name of what model.remat=minimal keeps of the matmuls: every other dense()
+# output (the residual stream it also keeps is layers.RESIDUAL)
+DENSE_OUTPUT = "dense_output"
+PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
+
+
+def dense(module: nn.Module, name: str, x, w):
+    """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast
+    (an FSDP shard is gathered for this matmul alone: `matmul`).
+
+    Records x and perturbs the output when the caller asks (see the module docstring);
+    otherwise exactly the einsum.
+    """
+    module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    y = matmul(name, module.layout)(x, w)
+    if name not in ROW_PARALLEL:
+        y = checkpoint_name(y, DENSE_OUTPUT)
+    return module.perturb(name, y, collection=PERTURBATIONS)
+
+
+def weight(module: nn.Module, name: str, init, shape: tuple[int, ...]):
+    """The dense() weight `name` of a layer, float32 [shape] (one tensor rank's). Under FSDP
+    (layout.fsdp names it) the layer holds its shard, which `dense` gathers where it
+    multiplies: read as it is, past Flax's check that a parameter has `shape`."""
+    if module.layout.fsdp_dim(name) is None or module.is_initializing():
+        return module.param(name, init, shape, jnp.float32)
+    return module.get_variable("params", name)
+
+
+def matmul(name: str, layout: Layout):
+    """(x, w) -> x times the weight `name` as dense() multiplies it: einsum DENSE[name] with
+    w cast to x's dtype, and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul)."""
+    dim = layout.fsdp_dim(name)
+    if dim is None:
+        return lambda x, w: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+    return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str):
+    """einsum(spec, x, w) for w this rank's FSDP shard, split on `dim` over `axis`: the
+    weight is all-gathered in `dtype`, cast to x's, for this one matmul, and gathered again
+    for its backward, whose weight gradient the gather's transpose reduce-scatters into the
+    shard (float32). One matmul's weight (seeds/003 wrapped each linear, 4 h^2 at most, in
+    its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization barriers tie
+    the forward's gather to x and the backward's to the output gradient, so XLA cannot
+    gather ahead (no prefetch: the gather is not overlapped with the matmul before it)."""
+    def gathered(w, like):
+        whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
+        return jnp.einsum(spec, like, whole.astype(like.dtype))
+
+    @jax.custom_vjp
+    def fsdp_matmul(x, w):
+        x, w = lax.optimization_barrier((x, w))
+        return gathered(w, x)
+
+    def forward(x, w):
+        return fsdp_matmul(x, w), (x, w)  # the shard, not the gathered weight, is kept
+
+    def backward(kept, g):
+        x, w = kept
+        g, w = lax.optimization_barrier((g, w))
+        return jax.vjp(lambda x, w: gathered(w, x), x, w)[1](g)  # (its forward: unused)
+
+    fsdp_matmul.defvjp(forward, backward)
+    return fsdp_matmul
+
+
+def enter_tensor(x, layout: "Layout"):
+    """f: the activation entering a column-parallel linear: identity, or with sequence
+    parallelism the all-gather of the token blocks [b, s/t, h] -> [b, s, h] (see the
+    module docstring)."""
+    if not layout.split_sequence:
+        return x
+    return _tokens(lax.all_gather(_flat(x), layout.tensor_axis, axis=0, tiled=True), x, 1)
+
+
+def exit_tensor(x, layout: "Layout"):
+    """g: a row-parallel linear's partial sums [b, s, h] -> their sum over tensor ranks
+    [b, s, h], or with sequence parallelism its reduce-scatter into token blocks
+    [b, s/t, h]."""
+    if not layout.split_sequence:
+        return psum(x, layout.tensor_axis)
+    part = lax.psum_scatter(_flat(x), layout.tensor_axis, scatter_dimension=0, tiled=True)
+    return _tokens(part, x, layout.tensor)
+
+
+def token_block(x, layout: "Layout"):
+    """This tensor rank's token block [b, s/t, ...] of a value [b, s, ...] that is the
+    same on every rank (all of it without sequence parallelism)."""
+    if not layout.split_sequence:
+        return x
+    part = x.shape[0] * x.shape[1] // layout.tensor
+    block = lax.dynamic_slice_in_dim(_flat(x), lax.axis_index(layout.tensor_axis) * part,
+                                     part, 0)
+    return _tokens(block, x, layout.tensor)
+
+
+def token_positions(batch: int, seq: int, layout: "Layout"):
+    """The position in its row of every token this rank holds: [b, s/t] int32 (without
+    sequence parallelism [b, s], each row 0..s-1)."""
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    return token_block(positions, layout)
+
+
+def _flat(x):
+    """[b, n, ...] -> [b n, ...]: tokens in row order."""
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _tokens(flat, like, split: int):
+    """[b n / split * ..., ...] back to [b, n / split * ..., ...] of `like`'s rows."""
+    return flat.reshape(like.shape[0], like.shape[1] * flat.shape[0] // (
+        like.shape[0] * like.shape[1]), *flat.shape[1:])
