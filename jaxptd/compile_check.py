@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 
 from jaxptd import hlo
 from jaxptd.config import Config, ConfigError
+from jaxptd.metrics import flops_per_iteration
 from jaxptd.target import Target, TargetError, topology_devices
 from jaxptd.units import GB, MB, GiB, KiB, MiB, TiB
 
@@ -40,7 +41,7 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
     gpus_per_node devices each (the mesh puts tensor inside a host)."""
     import jax
     import jax.numpy as jnp
-    from jaxptd.mesh import make_mesh
+    from jaxptd.mesh import make_mesh  # JAX: after --verify's XLA_FLAGS, never for --help
     from jaxptd.model import batch_width
     from jaxptd.step import Setup, build_train_step
 
@@ -175,8 +176,6 @@ def cost_report(config: Config, module: hlo.Module, target: Target) -> dict:
     """The static cost report (jaxptd/hlo/): time, FLOPs, bytes and launches by kernel
     category and by phase, kernels a layer, and the MFU ceiling: PTD-P eq. (3)'s model
     FLOPs without recomputation per device over the roofline time at the target's peak."""
-    from jaxptd.metrics import flops_per_iteration
-
     peak, bandwidth = target.peak_bf16, target.hbm
     kernels = hlo.cost(module, peak, bandwidth)
     by = {"category": defaultdict(lambda: [0.0] * 4), "phase": defaultdict(lambda: [0.0] * 4)}

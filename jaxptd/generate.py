@@ -25,7 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxptd.config import ConfigError, ModelConfig
+from jaxptd import hf
+from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from jaxptd.data import DataError
+from jaxptd.data.prepare import corpus_tokenizer
+from jaxptd.data.tokenizer import load_tokenizer
+from jaxptd.hf_names import HFError
 
 
 def sample(logits, key, temperature: float, top_k: int, top_p: float):
@@ -56,6 +61,7 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
+    # JAX and Flax on use: --help and bad arguments answer without starting them (~0.6 s)
     from jaxptd.mesh import TENSOR
     from jaxptd.model import get
     from jaxptd.model.tensor import Layout
@@ -124,9 +130,6 @@ def _parse(argv):
 
 def _load(args):
     """(model config, global params, tokenizer spec or None) of --checkpoint or --hf."""
-    from jaxptd import hf
-    from jaxptd.data.prepare import corpus_tokenizer
-
     if args.checkpoint:
         config, params, _ = hf.load_params(args.checkpoint, args.step)
         return config.model, params, args.tokenizer or corpus_tokenizer(config.data.path)
@@ -155,9 +158,6 @@ def _prompt_ids(args, tokenizer, vocab_size: int) -> list[int]:
 
 
 def main(argv=None) -> int:
-    from jaxptd.data import DataError
-    from jaxptd.hf import HFError
-
     try:
         args = _parse(sys.argv[1:] if argv is None else argv)
         import jax  # after parsing: the CPU device count must be set before the backend
@@ -177,10 +177,7 @@ def generate(args) -> tuple[str | None, list[int]]:
     """(prompt + continuation as text when a tokenizer is known, the new ids)."""
     import jax
     import jax.numpy as jnp
-    from jaxptd.config import Config, ParallelConfig, validate
-    from jaxptd.data.tokenizer import load_tokenizer
-    from jaxptd.hf import pad_vocab
-    from jaxptd.mesh import make_mesh
+    from jaxptd.mesh import make_mesh  # JAX and Flax on use, as in build
     from jaxptd.model import get
 
     model, params, spec = _load(args)
@@ -201,7 +198,7 @@ def generate(args) -> tuple[str | None, list[int]]:
     mesh = make_mesh(parallel, jax.devices()[: args.tensor])
     run = build(model, mesh, vocab, len(ids), args.max_new_tokens, args.temperature,
                 args.top_k, args.top_p)
-    new = run(pad_vocab(params, vocab), jnp.asarray([ids], jnp.int32),
+    new = run(hf.pad_vocab(params, vocab), jnp.asarray([ids], jnp.int32),
               jax.random.key(args.seed))
     new = np.asarray(new)[0].tolist()
     return (tokenizer.decode(ids + new) if tokenizer else None), new

@@ -111,7 +111,7 @@ def _layer_shapes(model: ModelConfig) -> dict:
     """jaxptd path -> the shape of one HF tensor's jaxptd value (one layer's for layer
     leaves, one part's for the paths ending in its index), unpadded vocabulary."""
     import jax
-    from jaxptd.model import get
+    from jaxptd.model import get  # JAX, Flax: ~0.6 s that --help and import's checks skip
 
     abstract = jax.eval_shape(lambda: get(model).init_params(model, model.vocab_size,
                                                              jax.random.key(0)))
@@ -179,7 +179,7 @@ def load_hf(hf_dir: str) -> tuple[dict, ModelConfig, dict]:
 def _fresh(model: ModelConfig, hf_names: tuple) -> dict:
     """{HF name: a fresh model's value} (jaxptd's initialisation, seed 0) of `hf_names`."""
     import jax
-    from jaxptd.model import get
+    from jaxptd.model import get  # JAX, Flax: ~0.6 s that --help and import's checks skip
 
     params = get(model).init_params(model, model.padded_vocab(1), jax.random.key(0))
     return {name: value for name, value in from_params(model, jax.device_get(params)).items()
@@ -209,7 +209,7 @@ def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
 def _single_device_setup(config: Config):
     """Setup on one device (data = pipe = tensor = 1, no ZeRO-1): the logical layout."""
     import jax
-    from jaxptd.mesh import make_mesh
+    from jaxptd.mesh import make_mesh  # JAX, Flax, optax: on use, as in _layer_shapes
     from jaxptd.step import Setup
 
     config = dataclasses.replace(

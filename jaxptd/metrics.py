@@ -29,7 +29,7 @@ def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
     recompute: "none", "minimal" (with XLA attention its core again), "selective" (the
     attention core again) or "full" (every layer's forward again: equation (3) itself).
     """
-    from jaxptd.model import get
+    from jaxptd.model import get  # JAX, Flax: the planner imports this module JAX-free
     per_token = get(model).forward_flops(model, vocab)
     layers = model.num_layers * per_token["layer"]
     core = model.num_layers * per_token["core"]

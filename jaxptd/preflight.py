@@ -1,6 +1,6 @@
 """Checks before work starts: every user error a run can meet, found before it trains.
 
-Owns the checks that need more than the config (config.py has those): the corpus and its
+Owns the checks that need more than the config (config/rules.py has those): the corpus and its
 splits against `model.seq_len`, the run and checkpoint directories (and their removal,
 while still empty, when the run fails: `new_directories`), the platform's devices, and
 whether the model fits in the devices' memory. Each failure is one

@@ -26,11 +26,15 @@ import time
 
 import numpy as np
 
-from jaxptd import distributed, preflight, rundir, runlog
+from jaxptd import distributed, metrics, preflight, rundir, runlog
 from jaxptd import model as models
 from jaxptd.checkpoint import CheckpointError
-from jaxptd.config import Config, ConfigError, describe_keys, load_config
+from jaxptd.checkpoint.files import layout_metadata
+from jaxptd.checkpoint.integrity import inspect
+from jaxptd.config import (Config, ConfigError, changed_keys, check_device_count, continued,
+                           describe_keys, load_config)
 from jaxptd.data import DataError, TokenDataset
+from jaxptd.mesh import describe, make_mesh
 from jaxptd.preemption import INTERRUPTED, Preemption
 from jaxptd.runlog import LOG, human_bytes
 from jaxptd.rundir import RunLock
@@ -80,10 +84,8 @@ def start(config: Config, lock: RunLock):
     (restored or new) -> (jax, config, setup, ckpt, state, the devices' memory); the
     config is the one the run trains with (`continue_schedule`)."""
     jax, hosts = distributed.start(config)
-    from jaxptd.config import check_device_count
-    from jaxptd.mesh import describe, make_mesh
-    from jaxptd.plan import device_memory_bytes
-    from jaxptd.step import Setup
+    from jaxptd.plan import device_memory_bytes  # the whole planner: ~40 ms of --help
+    from jaxptd.step import Setup  # optax and the pipeline executor: ~70 ms of --help
 
     devices = preflight.devices(jax, config)  # the first use of the backend
     check_device_count(config, len(devices), "devices found")
@@ -108,8 +110,6 @@ def continue_schedule(config: Config):
     """(config, note) with the learning-rate schedule of the newest complete step in
     checkpoint.dir kept (config.continued); the config itself when there is none, or it
     is step 0 (`hf import`'s: no step trained on any schedule yet)."""
-    from jaxptd.checkpoint.integrity import inspect
-    from jaxptd.config import continued
     directory = config.checkpoint_dir
     steps = [r for r in inspect(directory) if r["status"] == "complete"] \
         if os.path.isdir(directory) else []
@@ -123,9 +123,7 @@ def restore(jax, setup, given: Config, note: str | None):
     checkpoint.every=0 (which only stops saving), or a new state where starting over
     writes over no earlier run's history (rundir.unrestored_history). `given`: the config
     as the user gave it, whose changes against the restored step's are named."""
-    from jaxptd.checkpoint.files import layout_metadata
-    from jaxptd.checkpoint.store import Checkpointer
-    from jaxptd.config import changed_keys
+    from jaxptd.checkpoint.store import Checkpointer  # Orbax: ~150 ms of --help
     config = setup.config
     ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
                         config.checkpoint.async_save,
@@ -154,9 +152,8 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
     """Compiles the step ahead of time, checks its memory against `available` (bytes,
     where from) and records its cost once in `metrics_log` (each when given)
     -> (step, FLOPs/iter). bench/gpu_train.py compiles through here too."""
-    from jaxptd import metrics
-    from jaxptd.plan import recomputation, schedule_stats
-    from jaxptd.step import build_train_step
+    from jaxptd.plan import recomputation, schedule_stats  # the planner: ~40 ms of --help
+    from jaxptd.step import build_train_step  # optax, the pipeline: ~70 ms of --help
 
     config = setup.config
     train_step = build_train_step(setup).lower(state, batch).compile(setup.compiler_options())
@@ -183,8 +180,7 @@ class Run:
 
     def __init__(self, config: Config, train: TokenDataset, val: TokenDataset,
                  lock: RunLock):
-        from jaxptd import metrics
-        from jaxptd.step import build_eval_step
+        from jaxptd.step import build_eval_step  # optax, the pipeline: ~70 ms of --help
         self.began = time.monotonic()
         self.train, self.val = train, val
         self.jax, self.config, self.setup, self.ckpt, self.state, self.available = \
@@ -200,7 +196,6 @@ class Run:
 
     def log_step(self, done: int, since: int, out, flops: float) -> None:
         """Waits for step `done` and logs it: metrics record and a progress line."""
-        from jaxptd import metrics
         out = self.jax.device_get(out)  # synchronises: the timer covers finished work
         step_time = self.timer.lap(done - since)
         record = {"step": done, "loss": float(out["loss"]), "lr": float(out["lr"]),

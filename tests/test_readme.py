@@ -1,6 +1,6 @@
 """The README's claims, checked against the program they describe.
 
-Fast: the config reference against `jaxptd/config.py` (every key both ways, each default,
+Fast: the config reference against `jaxptd/config/` (every key both ways, each default,
 each choice); every `python -m jaxptd.X` command and `--flag` the README names against that
 CLI's `--help`; every `section.key=value` it names against the config; the set-up
 section's install line, packages and test command against `pyproject.toml` and `.ci/run`;

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from jaxptd.hf_names import HFMap
 
-if TYPE_CHECKING:  # (config.py imports the registry)
+if TYPE_CHECKING:  # (config/rules.py imports the registry)
     from jaxptd.config import ModelConfig
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from jaxptd.config import ConfigError
+from jaxptd.pipeline.draw import draw_timeline
 from jaxptd.plan.model import BACKWARD_PHASE
 from jaxptd.target import Target
 from jaxptd.units import GB, MB
@@ -209,7 +210,6 @@ def draw(report: dict, path: str, timeline_stats=None) -> None:
         fig.savefig(path, dpi=120)
         print(f"wrote {path} (memory per device)", file=sys.stderr)
         if timeline_stats:
-            from jaxptd.pipeline.draw import draw_timeline
             timeline = path.rsplit(".", 1)[0] + "-timeline.png"
             draw_timeline(timeline_stats[0], timeline_stats[1], timeline)
             print(f"wrote {timeline} (the pipeline schedule)", file=sys.stderr)

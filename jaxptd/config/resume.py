@@ -1,0 +1,56 @@
+"""A resumed run's config against the one its checkpoint was written with: which keys it
+may change without a warning (RESUME_FREE), the ones it changed (`changed_keys`), and the
+learning-rate schedule's length it keeps (`continued`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from jaxptd.config.schema import Config
+
+# Keys a resumed run may change without a warning: the layout, where files go, how often
+# to log, save and evaluate, and how long to train.
+RESUME_FREE = ("parallel.", "runtime.", "checkpoint.", "train.steps", "train.run_dir",
+               "train.log_every", "train.eval_every", "train.eval_batches",
+               "train.wandb_project", "model.kernels", "model.attention", "model.remat",
+               "model.scan_layers")
+
+
+def continued(config: Config, saved: dict) -> tuple[Config, str | None]:
+    """`config` for a run that continues one written with the config `saved` (a
+    to_dict()), and a note when that changed it.
+
+    The learning-rate schedule keeps its length: with optimizer.decay_steps 0 (decay over
+    train.steps) it is set to the saved run's decay length, so raising train.steps to go
+    on does not stretch the cosine under the steps already trained (their logged rates
+    stay the schedule's); past that length the rate stays at optimizer.min_lr. A
+    decay_steps given explicitly wins, as Megatron's --lr-decay-iters does. Setting it
+    explicitly also carries the length into the config.yaml and checkpoints this run
+    writes, so later resumes keep it too.
+    """
+    old = saved.get("optimizer", {})
+    length = old.get("decay_steps") or saved.get("train", {}).get("steps")
+    if config.optimizer.decay_steps or not length or (
+            length == config.train.steps and not old.get("decay_steps")):
+        return config, None
+    kept = dataclasses.replace(config, optimizer=dataclasses.replace(
+        config.optimizer, decay_steps=int(length)))
+    if length == config.train.steps:
+        return kept, None
+    return kept, (f"train.steps={config.train.steps}: the learning-rate schedule keeps the "
+                  f"length of the run this one continues (optimizer.decay_steps={length}), so"
+                  f" the rate stays at optimizer.min_lr after step {length}; set "
+                  "optimizer.decay_steps to decay over another length")
+
+
+def changed_keys(saved: dict, config: Config) -> list[str]:
+    """'key old -> new' for every setting that differs from the saved config's `saved`
+    (a to_dict()), other than RESUME_FREE ones."""
+    changes = []
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            dotted = f"{section}.{key}"
+            old = saved.get(section, {}).get(key, value)
+            if old != value and not dotted.startswith(RESUME_FREE):
+                changes.append(f"{dotted} {old!r} -> {value!r}")
+    return changes

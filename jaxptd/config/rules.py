@@ -1,0 +1,194 @@
+"""The config's validation rules: every rule a user can break in a config file but a model
+family's own (its module in jaxptd/arch/ declares those, and the options only it reads;
+`validate` asks the registry).
+
+Single keys (CHOICES, POSITIVE, NON_NEGATIVE, the open intervals), then the cross-field
+rules of the model, the parallel layout, training and the runtime. Every failure is a
+`ConfigError` whose message is one line naming the key, the value and the rule. The
+device-count rule (data x pipe x tensor == devices) is checked here against
+``runtime.cpu_devices`` when it is set, and by the caller (`check_device_count`) against
+the real device count. JAX-free.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from jaxptd.arch import FAMILIES
+from jaxptd.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
+from jaxptd.pipeline.schedules import ScheduleError, make_schedule
+from jaxptd.target import NAMES as TARGET_NAMES
+
+CHOICES = {
+    "model.arch": tuple(FAMILIES),
+    "optimizer.name": ("adamw", "sgd"),
+    "optimizer.grad_reduce_dtype": ("float32", "bfloat16"),
+    "optimizer.overlap_grad_reduce": ("auto", "true", "false"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.kernels": ("xla", "pallas"),
+    "model.attention": ("xla", "cudnn"),
+    "model.remat": ("none", "minimal", "selective", "full"),
+    "model.scan_layers": ("auto", "true", "false"),
+    "parallel.fsdp_unit": ("layer", "matmul"),
+    "model.gelu": ("tanh", "erf"),
+    "model.norm_position": ("pre", "post"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
+    "parallel.stash": ("activations", "inputs"),
+    "parallel.round_form": ("auto", "cond", "steady", "masked"),
+    "optimizer.loss_scale": ("none", "dynamic"),
+    "runtime.target": TARGET_NAMES,
+}
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
+    "model.vocab_size", "parallel.data", "parallel.pipe", "parallel.tensor",
+    "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
+    "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
+    "runtime.heartbeat_timeout_s",
+)
+NON_NEGATIVE = (
+    "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
+    "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
+    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices", "model.ffn_size",
+    "model.num_kv_heads", "parallel.fsdp_group",
+    "runtime.num_processes",
+)
+
+
+def _get(config: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(config, section), key)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    """Checks every cross-field rule; raises ConfigError naming key, value and rule."""
+    _validate_ranges(config)
+    _validate_options(config.model)
+    _validate_model(config.model, config.parallel)
+    for message in FAMILIES[config.model.arch].config_errors(config.model):
+        raise ConfigError(message)
+    _validate_parallel(config)
+    _validate_training(config)
+    _validate_runtime(config)
+
+
+def _validate_ranges(config: Config) -> None:
+    """One key at a time: CHOICES, POSITIVE, NON_NEGATIVE and the open intervals."""
+    for key, choices in CHOICES.items():
+        value = _get(config, key)
+        _require(value in choices, f"{key}={value!r}: must be one of {', '.join(choices)}")
+    for key in POSITIVE:
+        _require(_get(config, key) > 0, f"{key}={_get(config, key)}: must be positive")
+    for key in NON_NEGATIVE:
+        _require(_get(config, key) >= 0, f"{key}={_get(config, key)}: must be >= 0")
+    m = config.model
+    _require(0.0 <= m.dropout < 1.0, f"model.dropout={m.dropout}: must be in [0, 1)")
+    _require(0.0 <= config.optimizer.momentum < 1.0,
+             f"optimizer.momentum={config.optimizer.momentum}: must be in [0, 1)")
+    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta}: must be positive")
+
+
+def _validate_options(m: ModelConfig) -> None:
+    """A model key only some families read (Family.options) stays at its default in the
+    others' configs."""
+    own, default = FAMILIES[m.arch].options, ModelConfig()
+    for family in FAMILIES.values():
+        for key, message in family.options.items():
+            value = getattr(m, key)
+            _require(key in own or value == getattr(default, key), message.format(value=value))
+
+
+def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
+    """Attention's kernels and the shapes tensor parallelism splits. Grouped-query
+    attention: key/value heads split over tensor ranks when t divides them, else
+    replicated, which needs t to be a multiple of them (each rank's query heads then share
+    one key/value head)."""
+    tensor = par.tensor
+    _require(not (m.attention == "cudnn" and m.dropout > 0),
+             f"model.dropout={m.dropout}: model.attention=cudnn has no attention dropout; "
+             "set model.dropout=0 or model.attention=xla")
+    _require(not (m.attention == "cudnn" and m.dtype == "float32"),
+             "model.attention=cudnn: needs model.dtype bfloat16 or float16 (cuDNN flash "
+             "attention has no float32 kernel)")
+    _require(m.hidden_size % m.num_heads == 0, f"model.hidden_size={m.hidden_size}: must be "
+             f"divisible by model.num_heads={m.num_heads}")
+    _require(m.num_heads % tensor == 0, f"model.num_heads={m.num_heads}: must be divisible "
+             f"by parallel.tensor={tensor}")
+    _require(not par.sequence_parallel or m.seq_len % tensor == 0,
+             f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
+             f"parallel.tensor={tensor}")
+    _require(m.num_heads % m.kv_heads == 0,
+             f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads={m.num_heads}")
+    _require(m.kv_heads % tensor == 0 or tensor % m.kv_heads == 0,
+             f"model.num_kv_heads={m.kv_heads}: must be a multiple or a divisor of "
+             f"parallel.tensor={tensor}")
+    _require(m.ffn % tensor == 0,
+             f"model.ffn_size={m.ffn}: must be divisible by parallel.tensor={tensor}")
+
+
+def _validate_parallel(config: Config) -> None:
+    """FSDP groups, what a pipeline can offload, stages and the schedule's own rules."""
+    m, par = config.model, config.parallel
+    _require(par.fsdp or not par.fsdp_group,
+             f"parallel.fsdp_group={par.fsdp_group}: needs parallel.fsdp=true")
+    _require(not par.fsdp_group or par.data % par.fsdp_group == 0,
+             f"parallel.fsdp_group={par.fsdp_group}: must divide parallel.data={par.data}")
+    _require(not (config.offload.activations and par.pipe > 1),
+             "offload.activations=true: needs parallel.pipe=1 (a pipeline keeps its "
+             "activations in its stash; parallel.stash=inputs keeps only the stage inputs)")
+    stages = par.pipe * par.chunks
+    _require(m.num_layers % stages == 0,
+             f"model.num_layers={m.num_layers}: must be divisible by parallel.pipe x "
+             f"parallel.chunks = {par.pipe} x {par.chunks} = {stages}")
+    _require(par.chunks == 1 or "interleaved" in par.schedule,
+             f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
+             f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})")
+    if par.pipe > 1:
+        try:
+            make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
+        except ScheduleError as e:
+            raise ConfigError(f"parallel.schedule={par.schedule}: {e}") from None
+
+
+def _validate_training(config: Config) -> None:
+    """The batch's split into microbatches; float16's loss scaling; the learning rates."""
+    par, tr, opt = config.parallel, config.train, config.optimizer
+    rows = par.data * par.microbatches
+    _require(tr.global_batch % rows == 0,
+             f"train.global_batch={tr.global_batch}: must be divisible by parallel.data x "
+             f"parallel.microbatches = {par.data} x {par.microbatches} = {rows}")
+    _require(not (config.model.dtype == "float16" and opt.loss_scale != "dynamic"),
+             f"model.dtype=float16: needs optimizer.loss_scale=dynamic (got {opt.loss_scale})")
+    _require(opt.min_lr <= opt.lr,
+             f"optimizer.min_lr={opt.min_lr}: must be <= optimizer.lr={opt.lr}")
+
+
+def _validate_runtime(config: Config) -> None:
+    """runtime.cpu_devices counts one process's devices; the mesh spans all processes."""
+    rt = config.runtime
+    _require(rt.process_id >= -1, f"runtime.process_id={rt.process_id}: must be >= 0 (-1: unset)")
+    _require(rt.num_processes == 0 or rt.process_id < rt.num_processes,
+             f"runtime.process_id={rt.process_id}: must be < runtime.num_processes="
+             f"{rt.num_processes}")
+    if rt.cpu_devices and (rt.num_processes or rt.cpu_devices > config.num_devices):
+        processes = max(rt.num_processes, 1)
+        check_device_count(config, rt.cpu_devices * processes,
+                           f"runtime.cpu_devices x {processes} processes")
+    elif rt.cpu_devices:
+        _require(config.num_devices % rt.cpu_devices == 0,
+                 f"runtime.cpu_devices={rt.cpu_devices}: the devices of one process must "
+                 f"divide data x pipe x tensor = {config.num_devices}")
+
+
+def check_device_count(config: Config, devices: int, source: str) -> None:
+    """The mesh rule: data x pipe x tensor must equal the number of devices."""
+    par = config.parallel
+    _require(
+        config.num_devices == devices,
+        f"parallel.data x parallel.pipe x parallel.tensor = {par.data} x {par.pipe} x "
+        f"{par.tensor} = {config.num_devices}: must equal the device count {devices} "
+        f"({source})",
+    )

@@ -1,0 +1,238 @@
+"""The config's schema: its frozen dataclasses, one per YAML section, their defaults and
+the values derived from them (`Config.microbatch_size`, `ModelConfig.padded_vocab`, ...),
+and `ConfigError`, the one exception every config rule raises.
+
+Each field's comment says what the key means; the annotations ('int', 'float', 'str',
+'bool') are what `load.py` coerces a YAML or override value to.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user-caused configuration error; its message is one line."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = "gpt"  # gpt (the papers' GPT-2-shaped decoder) | llama | bert
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    seq_len: int = 128
+    vocab_size: int = 257  # the tokenizer's vocabulary; padded for tensor parallelism
+    dropout: float = 0.0
+    dtype: str = "float32"  # compute dtype; master weights are always float32
+    kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
+    attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
+    # activation recomputation: none | minimal (keep matmul outputs and flash attention's
+    # own residuals, recompute norms and activations) | selective (attention core) | full
+    remat: str = "none"
+    # layers as one scan (true: one layer's program, per-layer stacks of kept values) or
+    # unrolled (false: no stacks to fill and copy, longer compiles); auto: unrolled on a GPU
+    scan_layers: str = "auto"
+    init_std: float = 0.02
+    layernorm_eps: float = 1e-5  # LayerNorm's (RMSNorm's for llama) epsilon
+    ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
+    num_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: num_heads
+    rope_theta: float = 10000.0  # llama: base of the rotary position embedding
+    gelu: str = "tanh"  # gpt, bert: tanh (GPT-2's, Megatron's approximation) | erf (exact)
+    # bert: pre (Megatron's rearranged LayerNorm, its Figure 7) | post (the original
+    # BERT's, transformers' BertModel; as Megatron's apply_residual_connection_post_layernorm)
+    norm_position: str = "pre"
+    special_ids: str = ""  # bert: "PAD,CLS,SEP,MASK" ids; "": the top 4 of vocab_size
+
+    @property
+    def ffn(self) -> int:
+        """The MLP's hidden width."""
+        return self.ffn_size or 4 * self.hidden_size
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (fewer than num_heads: grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def bert_specials(self) -> tuple[int, ...]:
+        """BERT's [PAD], [CLS], [SEP], [MASK] ids: model.special_ids, else the top 4 ids of
+        vocab_size (which the data then may not use)."""
+        if not self.special_ids:
+            return tuple(range(self.vocab_size - 4, self.vocab_size))
+        return tuple(int(i) for i in self.special_ids.split(","))
+
+    def padded_vocab(self, tensor: int) -> int:
+        """Vocabulary rounded up to a multiple of 128 x tensor, as Megatron pads it."""
+        multiple = 128 * tensor
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    data: int = 1
+    pipe: int = 1
+    tensor: int = 1
+    microbatches: int = 1  # per data-parallel rank and step
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-interleaved (pipe > 1)
+    chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedules)
+    stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
+    round_form: str = "auto"  # pipe > 1: cond | steady | masked (auto: cond on CPU, steady GPU)
+    sequence_parallel: bool = False  # activations outside attention/MLP split [b, s/t, h]
+    fsdp: bool = False  # ZeRO-3: parameters, gradients, optimizer state sharded over data
+    fsdp_group: int = 0  # data ranks per FSDP sharding group (HSDP); 0: all of them
+    # what FSDP gathers at once: a layer (gathered ahead of its use, beside the layer
+    # before: overlapped) or one matmul's weight (seeds/003's unit: a quarter of a GPT
+    # layer's memory, gathered where it is used: not overlapped)
+    fsdp_unit: str = "layer"
+
+    @property
+    def fsdp_size(self) -> int:
+        """Data ranks one FSDP group shards over (1 without FSDP)."""
+        return (self.fsdp_group or self.data) if self.fsdp else 1
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = "pystdlib"  # a prepared token directory, or the built-in corpus name
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    # adamw (two float32 moments a parameter) | sgd (with momentum: one; without: none;
+    # weight_decay as L2 added to the gradient, torch.optim.SGD's)
+    name: str = "adamw"
+    momentum: float = 0.9  # sgd: heavy-ball momentum (0: plain SGD)
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    decay_steps: int = 0  # 0: decay over train.steps
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    zero1: bool = False  # shard optimizer state over the data axis
+    loss_scale: str = "none"  # none | dynamic (required for model.dtype float16)
+    grad_reduce_dtype: str = "float32"  # data-parallel gradient reductions (and FSDP gathers)
+    # reduce each layer's gradient inside the last microbatch's backward (pipe = 1): auto =
+    # when it costs no memory (one microbatch); true also with several (a second copy of
+    # the layer stack's buffers: XLA keeps the accumulation loop's and the last one's apart)
+    overlap_grad_reduce: str = "auto"
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: bool = False  # optimizer state and float32 masters in host memory
+    activations: bool = False  # each layer's checkpointed input in host memory (pipe = 1)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    global_batch: int = 16  # sequences per step
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 10
+    eval_every: int = 50  # 0 disables validation
+    eval_batches: int = 4
+    wandb_project: str = ""  # also log to Weights & Biases (needs `pip install wandb`)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <train.run_dir>/checkpoints
+    every: int = 100  # 0 disables saving
+    keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    cpu_devices: int = 0  # simulated CPU devices per process; 0: data x pipe x tensor / processes
+    # the hardware (jaxptd/target.py): auto = what the process sees; a named target must be
+    # of the devices' platform (cpu, or a GPU: gpu = any, h100, h200, a100, a100-40)
+    target: str = "auto"
+    # Multi-process start (jaxptd/distributed.py). Unset keys fall back to JAXPTD_COORDINATOR,
+    # JAXPTD_NUM_PROCESSES, JAXPTD_PROCESS_ID, then to SLURM's environment under srun, then
+    # to a single process.
+    coordinator: str = ""  # host:port of process 0
+    num_processes: int = 0  # 0: from the environment, else 1
+    process_id: int = -1  # -1: from the environment
+    init_timeout_s: int = 300  # how long processes wait for each other at start
+    heartbeat_timeout_s: int = 30  # a silent process is declared dead after this
+    collective_logs: bool = False  # show the collectives' (gloo's) connection messages
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.train.run_dir, "checkpoints")
+
+    @property
+    def decay_length(self) -> int:
+        """Steps the learning rate's cosine decay spans (optimizer.decay_steps, else
+        train.steps; see `continued` for a resumed run)."""
+        return self.optimizer.decay_steps or self.train.steps
+
+    @property
+    def num_devices(self) -> int:
+        return self.parallel.data * self.parallel.pipe * self.parallel.tensor
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch on one data-parallel rank (b in the PTD-P paper)."""
+        return self.train.global_batch // (self.parallel.data * self.parallel.microbatches)
+
+    @property
+    def peels_last_microbatch(self) -> bool:
+        """Whether the unpipelined step runs its last microbatch outside the accumulation
+        scan, to reduce each layer's gradient in its backward (optimizer.overlap_grad_reduce
+        with several microbatches)."""
+        return (self.parallel.pipe == 1 and self.parallel.microbatches > 1
+                and self.optimizer.overlap_grad_reduce == "true")
+
+    @property
+    def overlaps_grad_reduce(self) -> bool:
+        """Whether the unpipelined step reduces gradients inside the backward."""
+        setting = self.optimizer.overlap_grad_reduce
+        return self.parallel.pipe == 1 and (setting == "true" or (
+            setting == "auto" and self.parallel.microbatches == 1))
+
+    @property
+    def reduces_chunks_early(self) -> bool:
+        """Whether the pipelined step reduces each chunk's layer gradients as soon as every
+        rank has run the chunk's last backward slot, beside the rounds after it
+        (optimizer.overlap_grad_reduce true, or auto with ZeRO-1, where the reduced chunk
+        held beside the accumulator is 1/data of it). It matters with chunks > 1: chunk 0
+        ends last."""
+        setting = self.optimizer.overlap_grad_reduce
+        return self.parallel.pipe > 1 and (setting == "true" or (
+            setting == "auto" and self.optimizer.zero1 and self.parallel.data > 1))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def moments(self) -> int:
+        """float32 optimizer-state arrays per parameter: Adam's two, SGD's momentum (or
+        none without it)."""
+        opt = self.optimizer
+        return 2 if opt.name == "adamw" else int(opt.momentum > 0)
