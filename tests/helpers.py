@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxptd import optim
 from jaxptd.config import Config, load_config
+from jaxptd.data import prepare_corpus
 from jaxptd.mesh import make_mesh
 from jaxptd import model as models
 from jaxptd.model.tensor import Layout
@@ -292,3 +293,27 @@ def save_tiny_bert(kind: str, directory):
         words = BERT_WORDPIECES + [f"w{i}" for i in range(len(BERT_WORDPIECES), HF_VOCAB)]
         (Path(directory) / "vocab.txt").write_text("\n".join(words) + "\n")
     return model
+
+
+def train_a_step_from_import(out, tmp_path, overrides: list) -> tuple[str, dict]:
+    """`python -m jaxptd.train` one step from a Hugging Face import `out` (copied to a run
+    directory) on a small prepared corpus at the layout `overrides` give; returns (the
+    corpus, the step's metrics record) after checking the run resumed from step 0."""
+    from jaxptd.data import prepare_corpus
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(4):
+        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
+    corpus = prepare_corpus([str(docs)], tmp_path / "corpus", val_fraction=0.3)
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    overrides = [*overrides, "train.steps=1", "train.log_every=1", "train.eval_every=0",
+                 f"data.path={corpus}", f"train.run_dir={run}",
+                 f"checkpoint.dir={run / 'checkpoints'}"]
+    result = subprocess.run([sys.executable, "-m", "jaxptd.train", "--config",
+                             str(run / "config.yaml"), *overrides], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from step 0" in result.stdout
+    record = [json.loads(line) for line in open(run / "metrics.jsonl") if '"loss"' in line][0]
+    return corpus, record

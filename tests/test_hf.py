@@ -7,8 +7,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,14 +19,13 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
 from helpers import (HF_VOCAB, assert_trees_close, damage, reference_loss,  # noqa: E402
-                     tiny_hf_model)
+                     tiny_hf_model, train_a_step_from_import)
 from jaxptd import generate, hf  # noqa: E402
 from jaxptd.config import Config  # noqa: E402
 from jaxptd import model as models  # noqa: E402
-from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
+from jaxptd.data import TokenDataset  # noqa: E402
 from jaxptd.model.tensor import Layout  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = HF_VOCAB
 
 
@@ -89,23 +86,9 @@ def test_training_resumes_from_an_import_at_another_layout(imported, tmp_path):
     kind, model, _, out = imported
     if kind != "llama":
         pytest.skip("one architecture is enough: the restore path does not depend on it")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(4):
-        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
-    corpus = prepare_corpus([str(docs)], tmp_path / "corpus", val_fraction=0.3)
-    run = tmp_path / "run"
-    shutil.copytree(out, run)
-    overrides = ["parallel.pipe=3", "parallel.tensor=2", "parallel.microbatches=2",
-                 "model.seq_len=16", "train.global_batch=4", "train.steps=1",
-                 "train.log_every=1", "train.eval_every=0", f"data.path={corpus}",
-                 f"train.run_dir={run}", f"checkpoint.dir={run / 'checkpoints'}"]
-    result = subprocess.run([sys.executable, "-m", "jaxptd.train", "--config",
-                             str(run / "config.yaml"), *overrides], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from step 0" in result.stdout
-    record = [json.loads(line) for line in open(run / "metrics.jsonl") if '"loss"' in line][0]
+    corpus, record = train_a_step_from_import(out, tmp_path, [
+        "parallel.pipe=3", "parallel.tensor=2", "parallel.microbatches=2", "model.seq_len=16",
+        "train.global_batch=4"])
     batch = TokenDataset(corpus, "train").batch(0, 0, 4, 16).astype(np.int64)
     with torch.no_grad():
         expected = model(torch.tensor(batch), labels=torch.tensor(batch)).loss.item()

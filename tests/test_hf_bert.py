@@ -8,8 +8,6 @@ value. A BertForMaskedLM lacks the pooler and the sentence head: they are drawn 
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,14 +19,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
-from helpers import HF_VOCAB, assert_trees_close, save_tiny_bert, tiny_hf_model  # noqa: E402
+from helpers import (HF_VOCAB, assert_trees_close, save_tiny_bert, tiny_hf_model,  # noqa: E402
+                     train_a_step_from_import)
 from jaxptd import hf  # noqa: E402
-from jaxptd.data import TokenDataset, prepare_corpus  # noqa: E402
+from jaxptd.data import TokenDataset  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.model import bert  # noqa: E402
 from jaxptd.model.tensor import Layout  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 # norm_position, gelu, special_ids of each import
 EXPECTED = {"bert": ("post", "erf", "0,2,3,4"), "megatron-bert": ("pre", "tanh", "")}
 
@@ -184,23 +182,9 @@ def test_training_resumes_from_a_bert_import_at_another_layout(imported, tmp_pat
     kind, model, _, out = imported
     if kind != "bert":
         pytest.skip("one BERT is enough: the restore path does not depend on it")
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for i in range(4):
-        (docs / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
-    corpus = prepare_corpus([str(docs)], tmp_path / "corpus", val_fraction=0.3)
-    run = tmp_path / "run"
-    shutil.copytree(out, run)
-    overrides = ["parallel.pipe=3", "parallel.data=2", "parallel.microbatches=2",
-                 "train.global_batch=4", "train.steps=1", "train.log_every=1",
-                 "train.eval_every=0", "model.dropout=0", f"data.path={corpus}",
-                 f"train.run_dir={run}", f"checkpoint.dir={run / 'checkpoints'}"]
-    result = subprocess.run([sys.executable, "-m", "jaxptd.train", "--config",
-                             str(run / "config.yaml"), *overrides], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "resumed from step 0" in result.stdout
-    record = [json.loads(line) for line in open(run / "metrics.jsonl") if '"loss"' in line][0]
+    corpus, record = train_a_step_from_import(out, tmp_path, [
+        "parallel.pipe=3", "parallel.data=2", "parallel.microbatches=2", "train.global_batch=4",
+        "model.dropout=0"])
     cfg = hf.load_params(out)[0].model
     s = cfg.seq_len
     rows = models.make_batch(TokenDataset(corpus, "train").batch(0, 0, 4, s), 0, 0, 0, cfg)
