@@ -8,7 +8,6 @@ value. A BertForMaskedLM lacks the pooler and the sentence head: they are drawn 
 import json
 import os
 import shutil
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
