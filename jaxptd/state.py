@@ -12,12 +12,16 @@ embedding's gradient is summed over the two stages that read it, not all p, and 
 replica's update is the same. With pipe = 1 the two layouts are the same. FSDP shards both
 layouts over the fsdp axis the same way (fsdp_spec); ZeRO-1 splits the optimizer's moments
 over the data replicas; with offload.optimizer the masters and moments are in host memory.
+Those decisions for the logical layout need no mesh, only the config's axis sizes
+(`LogicalLayout`): StateLayout and the planner (jaxptd/plan/counts.py) both read them.
 The optimizer (its state is part of this state) is made here, with the gradient norm that
 counts each parameter once in this layout.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 from jaxptd import model as models
 from jaxptd import optim
 from jaxptd.config import Config
-from jaxptd.mesh import DATA
 from jaxptd.model.tensor import DENSE
 from jaxptd.sharding import fsdp_dims, fsdp_spec, is_spec, named, specs_from_logical, zero1_spec
 
@@ -43,6 +46,62 @@ def _map_layers(fn, tree, other=lambda x: x):
         lambda path, x: fn(x) if _is_layer_leaf(path) else other(x), tree, is_leaf=is_spec)
 
 
+def _fsdp(config: Config, specs, shapes, stacked: int):
+    """With parallel.fsdp, every leaf's spec also shards it over the fsdp axis, past a layer
+    leaf's `stacked` leading dimensions."""
+    group = config.parallel.fsdp_size
+    if group == 1:
+        return specs
+    return jax.tree_util.tree_map_with_path(
+        lambda path, spec, x: fsdp_spec(spec, x.shape, group,
+                                        stacked if _is_layer_leaf(path) else 0),
+        specs, shapes, is_leaf=is_spec)
+
+
+def _zero1(config: Config, specs, shapes, stacked: int):
+    """With optimizer.zero1: specs also split over the data replicas (the mesh's data axis,
+    data / fsdp_size), on a dimension past the layer-stacking ones (so each layer's part is
+    its own)."""
+    replicas = config.parallel.data // config.parallel.fsdp_size
+    if not config.optimizer.zero1 or replicas == 1:
+        return specs
+    return jax.tree_util.tree_map_with_path(
+        lambda path, spec, x: zero1_spec(spec, x.shape, replicas,
+                                         stacked if _is_layer_leaf(path) else 0),
+        specs, shapes, is_leaf=is_spec)
+
+
+@lru_cache(maxsize=16)
+def _logical_model(arch, model, vocab: int, tensor: int) -> tuple:
+    """(ShapeDtypeStructs of the logical parameters, jax.eval_shape of the initialiser,
+    nothing allocated; their logical axis names). Cached: the planner's search asks for
+    the same model at many layouts."""
+    params = jax.eval_shape(lambda: arch.init_params(model, vocab, jax.random.key(0)))
+    return params, arch.logical_axes(model, vocab, tensor)
+
+
+@dataclass(frozen=True)
+class LogicalLayout:
+    """The logical (checkpoint) layout's decisions, from the config's axis sizes (tensor,
+    pipe, fsdp group, data replicas), no mesh: what StateLayout builds its shardings from
+    and the planner counts a 3072-GPU config's shards by. Trees like the parameters; a
+    layer leaf [L, ...] is split over pipe in contiguous blocks (stage r for v = 1)."""
+    params: Any  # ShapeDtypeStructs of the logical parameters
+    axes: Any  # their logical axis names (PartitionSpecs; arch.logical_axes)
+    tensor_specs: Any  # PartitionSpecs of the sharding rules (tensor; layers over pipe)
+    param_specs: Any  # ... also over fsdp (parallel.fsdp): the masters and gradients
+    moment_specs: Any  # ... also over the data replicas (optimizer.zero1): the moments
+
+    @classmethod
+    def of(cls, config: Config, arch, vocab: int) -> "LogicalLayout":
+        params, axes = _logical_model(arch, config.model, vocab, config.parallel.tensor)
+        layers = "stages" if config.parallel.pipe > 1 else "layers"
+        tensor_specs = specs_from_logical(_map_layers(lambda names: P(layers, *names[1:]), axes))
+        param_specs = _fsdp(config, tensor_specs, params, 1)
+        return cls(params, axes, tensor_specs, param_specs,
+                   _zero1(config, param_specs, params, 1))
+
+
 class StateLayout:
     """The state's layouts and shardings on a mesh (the module docstring), decided once."""
 
@@ -50,36 +109,22 @@ class StateLayout:
         self.config, self.mesh, self.arch, self.vocab = config, mesh, arch, vocab
         model, par = config.model, config.parallel
         self.pipelined = par.pipe > 1
-        logical = arch.logical_axes(model, vocab, par.tensor)
         self.ends_readers = models.ends_readers(model, vocab) if self.pipelined else {}
-        # Checkpoints: layers split over pipe in contiguous blocks (stage r for v = 1).
-        logical_params = jax.eval_shape(lambda: arch.init_params(model, vocab,
-                                                                 jax.random.key(0)))
-        self.logical_param_specs = self._fsdp(specs_from_logical(
-            _map_layers(lambda names: P(*(("stages",) if self.pipelined else ("layers",)),
-                                        *names[1:]), logical)), logical_params, 1)
-        self.abstract_params = jax.eval_shape(self.to_stacked, logical_params)
+        self.logical = LogicalLayout.of(config, arch, vocab)
+        self.logical_param_specs = self.logical.param_specs
+        self.abstract_params = jax.eval_shape(self.to_stacked, self.logical.params)
         self.stacked = 3 if self.pipelined else 1  # leading dims of a layer leaf in memory
-        self.param_specs = self._fsdp(specs_from_logical(_map_layers(
-            lambda names: P("chunks", "stages", *names), logical,
+        self.param_specs = _fsdp(config, specs_from_logical(_map_layers(
+            lambda names: P("chunks", "stages", *names), self.logical.axes,
             lambda names: P("stages", *names))), self.abstract_params,
             self.stacked) if self.pipelined else self.logical_param_specs
         self.tx = optim.make_optimizer(config, self.grad_norm)
-        self.state_specs = self._state_specs(self.param_specs, self.abstract_params)
+        self.state_specs = self._state_specs(self.param_specs, self.abstract_params,
+                                             self.grads_specs)
         self.state_shardings = self._shardings(self.state_specs, config.offload.optimizer)
         self.device_state_shardings = self._shardings(self.state_specs, False)
         self.logical_state_shardings = self._shardings(self._state_specs(
-            self.logical_param_specs, logical_params, 1), False)
-
-    def _fsdp(self, specs, shapes, stacked: int):
-        """With parallel.fsdp, every leaf's spec also shards it over the fsdp axis."""
-        group = self.config.parallel.fsdp_size
-        if group == 1:
-            return specs
-        return jax.tree_util.tree_map_with_path(
-            lambda path, spec, x: fsdp_spec(spec, x.shape, group,
-                                            stacked if _is_layer_leaf(path) else 0),
-            specs, shapes, is_leaf=is_spec)
+            self.logical_param_specs, self.logical.params, self.logical.moment_specs), False)
 
     def dense_shards(self) -> tuple[tuple[str, int], ...]:
         """((dense name, FSDP dimension as a layer sees it), ...) of the layer weights that
@@ -93,9 +138,7 @@ class StateLayout:
         assert len(shards) == sum(path[-1] in DENSE for path in dims if dims[path] is not None)
         return tuple(sorted(shards.items()))
 
-    def _state_specs(self, param_specs, abstract_params, stacked: int | None = None):
-        moments = self._zero1(param_specs, abstract_params,
-                              self.stacked if stacked is None else stacked)
+    def _state_specs(self, param_specs, abstract_params, moments):
         return {
             "params": param_specs,
             "opt_state": optim.optimizer_specs(self.tx, abstract_params, moments),
@@ -113,22 +156,11 @@ class StateLayout:
                      memory_kind="pinned_host")
         return {**device, **host}
 
-    def _zero1(self, specs, shapes, stacked: int):
-        """With optimizer.zero1: specs also split over the data replicas, on a dimension
-        past the layer-stacking ones (so each layer's part is its own)."""
-        replicas = self.mesh.shape[DATA]
-        if not self.config.optimizer.zero1 or replicas == 1:
-            return specs
-        return jax.tree_util.tree_map_with_path(
-            lambda path, spec, x: zero1_spec(spec, x.shape, replicas,
-                                             stacked if _is_layer_leaf(path) else 0),
-            specs, shapes, is_leaf=is_spec)
-
     @property
     def grads_specs(self):
         """Where the reduced gradients land: like the optimizer's moments (with ZeRO-1
         reduce-scattered over the data replicas, else like the parameters)."""
-        return self._zero1(self.param_specs, self.abstract_params, self.stacked)
+        return _zero1(self.config, self.param_specs, self.abstract_params, self.stacked)
 
     def kind(self, path) -> str | None:
         """How a leaf of the state (or of its parameters, moments, gradients), by its path,

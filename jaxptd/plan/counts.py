@@ -1,11 +1,10 @@
 """The real model's parameter counts, whole and on the busiest device, for the planner.
 
-Owns `real_counts`: the parameter tree from `jax.eval_shape` of the model's initialiser and
-its logical sharding rules (jaxptd/sharding.py), nothing allocated and no mesh, so a
-3072-GPU config plans on a laptop. The shards are derived here, not read from
-jaxptd/step.py's Setup: Setup resolves runtime.target against real devices and builds
-NamedShardings, so it needs a mesh of config.num_devices devices, which a plan does not
-have; both apply the same rules (sharding.py's specs_from_logical, fsdp_spec, zero1_spec).
+Owns `real_counts`: the parameter tree and its shards as jaxptd/state.py's LogicalLayout
+decides them (the logical layout's specs: tensor, FSDP, ZeRO-1), from the config's axis
+sizes with nothing allocated and no mesh, so a 3072-GPU config plans on a laptop. The
+step, checkpoints and the H100 check read the same decisions through StateLayout, which
+adds the mesh (NamedShardings) and the in-memory layout.
 
 JAX and the model are imported inside the functions: `python -m jaxptd.plan --verify`
 sets XLA_FLAGS and the CPU device count before JAX starts (jaxptd/plan/verify.py).
@@ -13,29 +12,40 @@ sets XLA_FLAGS and the CPU device count before JAX starts (jaxptd/plan/verify.py
 from __future__ import annotations
 
 import math
-from functools import lru_cache, partial
+from functools import lru_cache
 
 from jaxptd.config import Config
 
 
-@lru_cache(maxsize=16)
-def _abstract_model(model, vocab: int, tensor: int) -> tuple:
-    """((kind, name, global shape, mesh-axis spec), ...) of the real model from
-    jax.eval_shape of its initialiser, nothing allocated; kind: "layers", or which end reads
-    the leaf ("first", "last", "both": a tied embedding, model.ends_readers); name: the
-    leaf's own key (w_qkv, scale, ...)."""
+def _leaves(config: Config, vocab: int) -> tuple:
+    """((kind, name, global shape, (tensor spec, weight spec, moment spec)), ...) of the real
+    model, the specs as jaxptd/state.py's LogicalLayout decides them; kind: "layers", or
+    which end reads the leaf ("first", "last", "both": a tied embedding,
+    model.ends_readers); name: the leaf's own key (w_qkv, scale, ...)."""
+    # imported here, not at the top: jaxptd.state imports JAX, which --verify must not
+    # start before it sets XLA_FLAGS (the module docstring)
     import jax
     from jaxptd import model as models
-    from jaxptd.sharding import is_spec, specs_from_logical
+    from jaxptd.sharding import is_spec
+    from jaxptd.state import LogicalLayout
 
-    arch = models.get(model)
-    params = jax.eval_shape(partial(arch.init_params, model, vocab), jax.random.key(0))
-    specs = jax.tree.leaves(specs_from_logical(arch.logical_axes(model, vocab, tensor)),
-                            is_leaf=is_spec)
-    readers = models.ends_readers(model, vocab)
+    layout = LogicalLayout.of(config, models.get(config.model), vocab)
+    specs = zip(*(jax.tree.leaves(tree, is_leaf=is_spec) for tree in
+                  (layout.tensor_specs, layout.param_specs, layout.moment_specs)))
+    readers = _ends_readers(config.model, vocab)
     return tuple(("layers" if path[0].key == "layers" else
                   readers[tuple(e.key for e in path)], path[-1].key, tuple(x.shape), spec)
-                 for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(params), specs))
+                 for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(layout.params),
+                                            specs))
+
+
+@lru_cache(maxsize=16)
+def _ends_readers(model, vocab: int) -> dict:
+    """models.ends_readers (it traces the embedding and the head), once per model: the
+    search plans one model at many layouts."""
+    from jaxptd import model as models  # imports JAX: lazily (the module docstring)
+
+    return models.ends_readers(model, vocab)
 
 
 def real_counts(config: Config) -> dict:
@@ -54,8 +64,8 @@ def real_counts(config: Config) -> dict:
     read, a tied embedding); layer_grad_params (the stage's reduced layer
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
     the last stage read, a tied embedding, whose gradients those two exchange). Layers are
-    split over pipe whether or not a leaf's layout names 'stages'; FSDP and ZeRO-1 pick a
-    dimension past the layer one (sharding.py's rule)."""
+    split over pipe whether or not a leaf's layout names 'stages' (pipe is not in `split`);
+    FSDP and ZeRO-1 pick a dimension past the layer one (sharding.py's rule)."""
     from jaxptd.mesh import DATA, FSDP, TENSOR
 
     par, model = config.parallel, config.model
@@ -68,33 +78,30 @@ def real_counts(config: Config) -> dict:
                             "layer_gathered_params", "layer_weight_params",
                             "ends_weight_params", "shared_ends_params", "layer_grad_params",
                             "tied_params"), 0.0)
-    leaves = _abstract_model(model, vocab, par.tensor)
+    leaves = _leaves(config, vocab)
 
     def split(spec) -> int:
         return math.prod(sizes.get(a, 1) for e in spec if e
                          for a in (e if isinstance(e, tuple) else (e,)))
 
-    for kind, name, shape, spec in leaves:
-        for key, count in _leaf_counts(config, kind, name, shape, spec, split).items():
+    for kind, name, shape, specs in leaves:
+        for key, count in _leaf_counts(config, kind, name, shape, specs, split).items():
             totals[key] = max(totals[key], count) if key == "dense_unit_params" \
                 else totals[key] + count
     return {**totals, "params_model": sum(math.prod(shape) for _, _, shape, _ in leaves),
             "vocab_padded": vocab}
 
 
-def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, spec, split) -> dict:
+def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, split) -> dict:
     """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
-    which real_counts takes the largest of). split(spec): the devices a spec splits it
-    over."""
+    which real_counts takes the largest of). specs: its (tensor, weight, moment) specs
+    (_leaves); split(spec): the devices a spec splits it over."""
     from jaxptd.model.tensor import DENSE
-    from jaxptd.sharding import fsdp_spec, zero1_spec
 
     par, model = config.parallel, config.model
-    g, replicas = par.fsdp_size, par.data // par.fsdp_size
+    spec, sharded, moments = specs
     is_layer = kind == "layers"
-    skip, per_pipe = (1, par.pipe) if is_layer else (0, 1)
-    sharded = fsdp_spec(spec, shape, g, skip)
-    moments = zero1_spec(sharded, shape, replicas, skip) if config.optimizer.zero1 else sharded
+    per_pipe = par.pipe if is_layer else 1
     size = math.prod(shape)
     tensor_local = size / split(spec)
     weights = size / split(sharded) / per_pipe
