@@ -111,20 +111,19 @@ class StateLayout:
         self.pipelined = par.pipe > 1
         self.ends_readers = models.ends_readers(model, vocab) if self.pipelined else {}
         self.logical = LogicalLayout.of(config, arch, vocab)
-        self.logical_param_specs = self.logical.param_specs
         self.abstract_params = jax.eval_shape(self.to_stacked, self.logical.params)
         self.stacked = 3 if self.pipelined else 1  # leading dims of a layer leaf in memory
         self.param_specs = _fsdp(config, specs_from_logical(_map_layers(
             lambda names: P("chunks", "stages", *names), self.logical.axes,
             lambda names: P("stages", *names))), self.abstract_params,
-            self.stacked) if self.pipelined else self.logical_param_specs
+            self.stacked) if self.pipelined else self.logical.param_specs
         self.tx = optim.make_optimizer(config, self.grad_norm)
         self.state_specs = self._state_specs(self.param_specs, self.abstract_params,
                                              self.grads_specs)
         self.state_shardings = self._shardings(self.state_specs, config.offload.optimizer)
         self.device_state_shardings = self._shardings(self.state_specs, False)
         self.logical_state_shardings = self._shardings(self._state_specs(
-            self.logical_param_specs, self.logical.params, self.logical.moment_specs), False)
+            self.logical.param_specs, self.logical.params, self.logical.moment_specs), False)
 
     def dense_shards(self) -> tuple[tuple[str, int], ...]:
         """((dense name, FSDP dimension as a layer sees it), ...) of the layer weights that
