@@ -261,7 +261,8 @@ def load_params(directory: str, step: int | None = None):
     config = from_dict(record["config"])
     setup = _single_device_setup(config)
     ckpt = Checkpointer(str(ckpt_dir), every=0, keep=len(steps), async_save=False)
-    state = ckpt.restore(setup.state_layout.abstract_state(logical=True), step, config.model.vocab_size)
+    state = ckpt.restore(setup.state_layout.abstract_state(logical=True), step,
+                         config.model.vocab_size)
     ckpt.close()
     return config, jax.device_get(state["params"]), step
 

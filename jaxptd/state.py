@@ -128,7 +128,8 @@ class StateLayout:
     def dense_shards(self) -> tuple[tuple[str, int], ...]:
         """((dense name, FSDP dimension as a layer sees it), ...) of the layer weights that
         FSDP shards and `dense` gathers itself, one matmul's weight at a time
-        (parallel.fsdp_unit=matmul; with `layer`, none: `gather` brings the layer whole)."""
+        (parallel.fsdp_unit=matmul; with `layer`, none: reduction.fsdp_gathers brings the
+        layer whole)."""
         if self.config.parallel.fsdp_unit != "matmul":
             return ()
         dims = traverse_util.flatten_dict(fsdp_dims(self.param_specs["layers"], self.stacked))

@@ -1,6 +1,6 @@
 """The training step: one jitted SPMD program over the (data, fsdp, pipe, tensor) mesh.
 
-Owns the train state, its shardings, and the step. The step has two parts:
+Owns the step's parts (`Setup`, `Policy`) and its programs. The step has two parts:
 
 1. Gradients, inside a fully manual `shard_map` over all axes. Each device holds its
    parameter shards and its data-parallel rows; tensor-parallel collectives are written
@@ -122,7 +122,8 @@ class Setup:
 def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
     """Unpipelined gradients: a scan over the microbatches, reduced after it, or (config
     .overlaps_grad_reduce) over those before the last, whose local sums the last one's
-    backward adds in and reduces layer by layer (reduction.Reduction). Runs inside the shard_map.
+    backward adds in and reduces layer by layer (reduction.Reduction). Runs inside the
+    shard_map.
 
     params: local shards, invariant over data; batch [rows, s + 1] local rows.
     Returns (reduced gradients, local loss sum), both scaled to the global token mean.

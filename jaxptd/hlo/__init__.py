@@ -3,8 +3,8 @@
 The package owns the static analysis the deviceless GPU check prints
 (jaxptd/compile_check.py): a parser of the optimized HLO text (`parse`), the static cost
 report (`cost`), where asynchronous collectives start and finish and what runs between
-(`collectives`), and the loops with the conditionals inside them (`loops`). Text in, numbers out: no JAX, so the
-tests can feed it any program.
+(`collectives`), and the loops with the conditionals inside them (`loops`). Text in,
+numbers out: no JAX, so the tests can feed it any program.
 
 The cost report counts as shared/DESIGN.md describes (so its figures compare with the
 H100 issue's): walk the scheduled program from ENTRY; a while body counts times its trip

@@ -40,7 +40,8 @@ def verify(config: Config, report: dict, dump: str | None = None) -> dict:
     batch = jax.ShapeDtypeStruct((config.train.global_batch, batch_width(config.model)),
                                  jnp.int32, sharding=setup.batch_sharding)
     try:
-        compiled = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch).compile()
+        abstract = setup.state_layout.abstract_state()
+        compiled = build_train_step(setup).lower(abstract, batch).compile()
     except Exception as e:  # noqa: BLE001 -- reported, e.g. pipe > 1 before the executor
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise ConfigError(f"--verify: compiling the step failed: {type(e).__name__}: "
