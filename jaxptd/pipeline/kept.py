@@ -24,11 +24,13 @@ class Kept:
     weights among its residuals are found by their place in that tree, (first argument,
     leaf j), not by comparing values, and are passed in again rather than stored. The
     probe (the first trace) fixes the treedef and which leaves are weights; every later
-    backward must have the same tree and leaf types. The calls are public (`jax.vjp`,
-    `jax.tree_util`), but where the weights sit in the backward's tree is how jax 0.10.2
-    builds it, not a documented layout (shared/DESIGN.md warns against flattening what
-    `jax.vjp` returns): the probe asserts it, so a JAX that lays it out otherwise fails at
-    trace time rather than storing the weights.
+    backward must have the same tree and leaf types. That `jax.vjp`'s backward is a pytree
+    of its residuals, to be carried, inspected and edited, is documented (JAX's "First-class
+    VJPs"); where the weights sit in it is how jax 0.10.2 builds it, not a documented layout:
+    the probe asserts it, so a JAX that lays it out otherwise fails at trace time rather
+    than storing the weights. (Newer JAX's `jax.vjp(..., saveable_args=...)` leaves argument
+    values such as weights out of the residuals directly: the way to go once the project's
+    JAX has it.)
     """
 
     def __init__(self, backward, weights):
