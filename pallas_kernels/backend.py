@@ -19,6 +19,8 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxptd.sharding import varying_axes  # the one reading of JAX's varying-axes type
+
 try:  # Triton backend; its CompilerParams was named TritonCompilerParams before 0.5.
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as _triton
@@ -90,14 +92,6 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
-def _varying_axes(x) -> frozenset:
-    """Manual mesh axes over which the array x varies (empty outside shard_map)."""
-    aval = jax.typeof(x)
-    if hasattr(aval, "manual_axis_type"):
-        return frozenset(aval.manual_axis_type.varying)
-    return frozenset(getattr(aval, "vma", ()))
-
-
 def call(kernel_call, *operands, interpret: bool):
     """Apply a pallas_call; its result varies over the manual axes of `operands[0]`.
 
@@ -109,7 +103,7 @@ def call(kernel_call, *operands, interpret: bool):
     the main operand's varying axes. Callers sit inside a custom_vjp, so nothing
     differentiates through the cast. Compiled Triton lowering needs none of this.
     """
-    axes = set().union(*map(_varying_axes, operands))
+    axes = set().union(*map(varying_axes, operands))
     if not interpret or not axes:
         return kernel_call(*operands)
     def erased(*args):  # under check_vma=False an add's result type has no varying axes
@@ -119,4 +113,4 @@ def call(kernel_call, *operands, interpret: bool):
         erased, mesh=jax.sharding.get_abstract_mesh(), in_specs=P(), out_specs=P(),
         axis_names=set(), check_vma=False)
     result = unchecked(*operands)
-    return jax.lax.pcast(result, tuple(sorted(_varying_axes(operands[0]))), to="varying")
+    return jax.lax.pcast(result, tuple(sorted(varying_axes(operands[0]))), to="varying")
