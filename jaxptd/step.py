@@ -156,7 +156,7 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
 
     def sums(count):
         """(local gradient sums, loss sum) of the first `count` microbatches: a scan from
-        zeros, or with Setup.streams from the first one's gradients (the sums live in host
+        zeros, or with Policy.streams from the first one's gradients (the sums live in host
         memory, where zeros would be made on the device and moved)."""
         if not setup.policy.streams:
             zeros = jax.tree.map(jnp.zeros_like, varying)
