@@ -11,6 +11,8 @@ the weight-decay rule.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,10 +55,12 @@ def ends(params) -> dict:
     return {k: v for k, v in params.items() if k != "layers"}
 
 
+@lru_cache(maxsize=16)
 def ends_readers(cfg: ModelConfig, vocab: int) -> dict:
     """{key path of an ends leaf (a tuple of dict keys): 'first', 'last' or 'both'}: which
     end of the model reads it, the embedding, the head and loss, or both (a tied
-    embedding: GPT's, BERT's), read off the two traced programs, nothing computed."""
+    embedding: GPT's, BERT's), read off the two traced programs, nothing computed. Cached
+    (read it, don't change it): the planner's search asks at many layouts."""
     arch = get(cfg)
     the_ends = ends(jax.eval_shape(lambda: arch.init_params(cfg, vocab, jax.random.key(0))))
     layout = Layout(vocab)

@@ -12,7 +12,6 @@ sets XLA_FLAGS and the CPU device count before JAX starts (jaxptd/plan/verify.py
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 from jaxptd.config import Config
 
@@ -32,20 +31,11 @@ def _leaves(config: Config, vocab: int) -> tuple:
     layout = LogicalLayout.of(config, models.get(config.model), vocab)
     specs = zip(*(jax.tree.leaves(tree, is_leaf=is_spec) for tree in
                   (layout.tensor_specs, layout.param_specs, layout.moment_specs)))
-    readers = _ends_readers(config.model, vocab)
+    readers = models.ends_readers(config.model, vocab)
     return tuple(("layers" if path[0].key == "layers" else
                   readers[tuple(e.key for e in path)], path[-1].key, tuple(x.shape), spec)
                  for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(layout.params),
                                             specs))
-
-
-@lru_cache(maxsize=16)
-def _ends_readers(model, vocab: int) -> dict:
-    """models.ends_readers (it traces the embedding and the head), once per model: the
-    search plans one model at many layouts."""
-    from jaxptd import model as models  # imports JAX: lazily (the module docstring)
-
-    return models.ends_readers(model, vocab)
 
 
 def real_counts(config: Config) -> dict:
