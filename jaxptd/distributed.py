@@ -16,7 +16,7 @@ Invariants:
   process 0 on the coordinator's host at port (coordinator port - 1). JAX's own start-up
   timeout aborts without saying who is missing; the roll-call names the processes that
   never arrived within `runtime.init_timeout_s` and every process exits with an `error:`.
-- `runtime.cpu_devices` is per process (default: data x pipe x tensor / processes); the
+- `runtime.cpu_devices` is per process (default: data x pipe x context x tensor / processes); the
   device-count rule is checked by the caller against the global `jax.device_count()`.
 - A process that dies is noticed by the others within `runtime.heartbeat_timeout_s`: the
   coordination service ends them with a message naming the dead task.

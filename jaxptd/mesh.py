@@ -1,10 +1,15 @@
-"""The device mesh: axes (data, fsdp, pipe, tensor), laid onto hosts as PTD-P prescribes.
+"""The device mesh: axes (data, fsdp, pipe, context, tensor), laid onto hosts as PTD-P
+prescribes.
 
 Owns the mesh-axis names and the device order. Devices are ordered by (process, local id)
-and reshaped to [data, fsdp, pipe, tensor], so the tensor axis is innermost: a tensor-
-parallel group is `tensor` consecutive devices of one process (one host), never spanning
-hosts (PTD-P Takeaway #1); pipe comes next and may cross hosts; the data-parallel ranks are
-outermost. They form two axes: `fsdp`, the g = parallel.fsdp_size ranks of one FSDP
+and reshaped to [data, fsdp, pipe, context, tensor], so the tensor axis is innermost: a
+tensor-parallel group is `tensor` consecutive devices of one process (one host), never
+spanning hosts (PTD-P Takeaway #1). Context parallelism comes next (Megatron-Core's order
+puts it right after tensor too): its ranks pass every layer's keys and values round a ring,
+2 b s/c k d bytes per step and c - 1 steps a layer, far more than the pipeline's one
+activation per microbatch and stage, so it takes the next-fastest links (the rest of the
+node, or the neighbouring nodes); pipe comes next and may cross hosts; the data-parallel
+ranks are outermost. They form two axes: `fsdp`, the g = parallel.fsdp_size ranks of one FSDP
 sharding group (consecutive data ranks: with tensor = pipe = 1 and g = GPUs per node, one
 node), and `data`, the d / g groups that replicate each other (HSDP); without FSDP g = 1.
 BATCH names both: the batch is split over all d data ranks in (data, fsdp) order, the order
@@ -19,25 +24,26 @@ from jax.sharding import AxisType, Mesh
 
 from jaxptd.config import ConfigError, ParallelConfig
 
-DATA, FSDP, PIPE, TENSOR = "data", "fsdp", "pipe", "tensor"
-AXES = (DATA, FSDP, PIPE, TENSOR)
+DATA, FSDP, PIPE, CONTEXT, TENSOR = "data", "fsdp", "pipe", "context", "tensor"
+AXES = (DATA, FSDP, PIPE, CONTEXT, TENSOR)
 BATCH = (DATA, FSDP)  # every data-parallel rank
+TOKENS = (DATA, FSDP, CONTEXT)  # the axes a step's tokens are split over: rows, sequence
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """Builds the (data, fsdp, pipe, tensor) mesh over `devices` (default: all devices).
+    """Builds the (data, fsdp, pipe, context, tensor) mesh over `devices` (default: all).
 
     Raises ConfigError when the axis sizes do not multiply to the device count, or when a
     tensor group would span processes.
     """
     devices = list(jax.devices() if devices is None else devices)
-    shape = (parallel.data, parallel.pipe, parallel.tensor)
+    shape = (parallel.data, parallel.pipe, parallel.context, parallel.tensor)
     total = int(np.prod(shape))
     if total != len(devices):
         raise ConfigError(
-            f"parallel.data x parallel.pipe x parallel.tensor = {' x '.join(map(str, shape))}"
-            f" = {total}: must equal the device count {len(devices)}"
-        )
+            "parallel.data x parallel.pipe x parallel.context x parallel.tensor = "
+            f"{' x '.join(map(str, shape))} = {total}: must equal the device count "
+            f"{len(devices)}")
     devices.sort(key=lambda d: (d.process_index, d.id))
     local = sum(1 for d in devices if d.process_index == devices[0].process_index)
     if local % parallel.tensor:
@@ -47,7 +53,7 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
         )
     g = parallel.fsdp_size
     grid = np.array(devices, dtype=object).reshape(
-        (parallel.data // g, g, parallel.pipe, parallel.tensor))
+        (parallel.data // g, g, parallel.pipe, parallel.context, parallel.tensor))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

@@ -13,12 +13,12 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd import model as models
-from jaxptd.mesh import DATA, FSDP, PIPE
+from jaxptd.mesh import DATA, FSDP, PIPE, TOKENS
 from jaxptd.model.tensor import Layout
 from jaxptd.sharding import GATHERED, fsdp_dims, is_spec, mark_varying, reduce_to
 from jaxptd.state import StateLayout
 
-REDUCED = (DATA, FSDP, PIPE)  # the axes gradients are reduced over
+REDUCED = (*TOKENS, PIPE)  # the axes gradients are reduced over
 
 
 def fsdp_gathers(state: StateLayout, layout: Layout):

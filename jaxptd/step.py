@@ -51,7 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxptd import model as models
 from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
-from jaxptd.mesh import BATCH, FSDP, TENSOR
+from jaxptd.mesh import BATCH, CONTEXT, FSDP, TENSOR
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
@@ -105,7 +105,9 @@ class Setup:
         self.local_layout = Layout(self.vocab, par.tensor, TENSOR, par.sequence_parallel,
                                    config.offload.activations, self.target.platform,
                                    fsdp=self.state_layout.dense_shards(), fsdp_axis=FSDP,
-                                   fsdp_dtype=config.optimizer.grad_reduce_dtype)
+                                   fsdp_dtype=config.optimizer.grad_reduce_dtype,
+                                   context=par.context, context_axis=CONTEXT,
+                                   context_attention=par.context_attention)
         self.policy = Policy.of(config)
         self.lr_schedule = optim.lr_schedule(config)
         self.batch_sharding = NamedSharding(mesh, P(BATCH))
@@ -219,7 +221,7 @@ def build_grads(setup: Setup, deterministic: bool):
 
     def local(params, batch, rng, step, scale):
         key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
-        key = jax.random.fold_in(key, lax.axis_index(BATCH))
+        key = jax.random.fold_in(key, lax.axis_index(BATCH))  # (context: model/layers.py)
         grads, loss = local_fn(params, batch, key, scale)
         return grads, lax.psum(loss, REDUCED)
 

@@ -36,7 +36,7 @@ def no_reserved_ids(cfg: ModelConfig) -> int:
     return 0
 
 
-def no_mask(batch, cfg: ModelConfig):
+def no_mask(batch, cfg: ModelConfig, layout):
     """Attention masks nothing beyond causality."""
     return None
 
@@ -77,7 +77,10 @@ class Architecture:
     # pure function of its arguments (numpy, on the host)
     make_batch: Callable = token_rows
     reserved_ids: Callable = no_reserved_ids  # (cfg) -> ids at the top of vocab_size kept
-    attention_mask: Callable = no_mask  # (batch, cfg) -> [b, 1, 1, s] True = masked, or None
+    # (batch, cfg, layout) -> what every layer's attention gets beyond x: None, a padding
+    # mask [b, 1, 1, s] (True = masked) or model/sequence.py's Rows (context parallelism,
+    # packed rows)
+    attention_mask: Callable = no_mask
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ family's own (its module in jaxptd/arch/ declares those, and the options only it
 Single keys (CHOICES, POSITIVE, NON_NEGATIVE, the open intervals), then the cross-field
 rules of the model, the parallel layout, training and the runtime. Every failure is a
 `ConfigError` whose message is one line naming the key, the value and the rule. The
-device-count rule (data x pipe x tensor == devices) is checked here against
+device-count rule (data x pipe x context x tensor == devices) is checked here against
 ``runtime.cpu_devices`` when it is set, and by the caller (`check_device_count`) against
 the real device count. JAX-free.
 """
@@ -34,13 +34,14 @@ CHOICES = {
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
+    "parallel.context_attention": ("ring", "allgather"),
     "optimizer.loss_scale": ("none", "dynamic"),
     "runtime.target": TARGET_NAMES,
 }
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
     "model.vocab_size", "parallel.data", "parallel.pipe", "parallel.tensor",
-    "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
+    "parallel.context",    "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
     "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
     "runtime.heartbeat_timeout_s",
 )
@@ -117,9 +118,6 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
              f"divisible by model.num_heads={m.num_heads}")
     _require(m.num_heads % tensor == 0, f"model.num_heads={m.num_heads}: must be divisible "
              f"by parallel.tensor={tensor}")
-    _require(not par.sequence_parallel or m.seq_len % tensor == 0,
-             f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
-             f"parallel.tensor={tensor}")
     _require(m.num_heads % m.kv_heads == 0,
              f"model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads={m.num_heads}")
     _require(m.kv_heads % tensor == 0 or tensor % m.kv_heads == 0,
@@ -127,6 +125,22 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
              f"parallel.tensor={tensor}")
     _require(m.ffn % tensor == 0,
              f"model.ffn_size={m.ffn}: must be divisible by parallel.tensor={tensor}")
+    c = par.context
+    _require(m.seq_len % (2 * c) == 0 or c == 1,
+             f"model.seq_len={m.seq_len}: parallel.context={c} needs it divisible by "
+             f"2 x context = {2 * c} (each rank holds two chunks)")
+    _require(not par.sequence_parallel or m.seq_len % (c * tensor) == 0,
+             f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
+             f"parallel.context x parallel.tensor = {c * tensor}")
+    _require(c == 1 or m.arch != "bert",
+             f"parallel.context={c}: model.arch=bert has no context parallelism yet (its "
+             "pooled [CLS] and per-row MLM mean need the whole row); set parallel.context=1")
+    _require(m.document_end < 0 or m.arch != "bert",
+             f"model.document_end={m.document_end}: packed rows are for decoders; BERT's "
+             "rows are single documents (set -1)")
+    _require(m.document_end < m.vocab_size,
+             f"model.document_end={m.document_end}: must be a token id below "
+             f"model.vocab_size={m.vocab_size} (-1: none)")
 
 
 def _validate_parallel(config: Config) -> None:
@@ -180,15 +194,15 @@ def _validate_runtime(config: Config) -> None:
     elif rt.cpu_devices:
         _require(config.num_devices % rt.cpu_devices == 0,
                  f"runtime.cpu_devices={rt.cpu_devices}: the devices of one process must "
-                 f"divide data x pipe x tensor = {config.num_devices}")
+                 f"divide data x pipe x context x tensor = {config.num_devices}")
 
 
 def check_device_count(config: Config, devices: int, source: str) -> None:
-    """The mesh rule: data x pipe x tensor must equal the number of devices."""
+    """The mesh rule: data x pipe x context x tensor must equal the number of devices."""
     par = config.parallel
     _require(
         config.num_devices == devices,
-        f"parallel.data x parallel.pipe x parallel.tensor = {par.data} x {par.pipe} x "
-        f"{par.tensor} = {config.num_devices}: must equal the device count {devices} "
-        f"({source})",
+        f"parallel.data x parallel.pipe x parallel.context x parallel.tensor = {par.data} x "
+        f"{par.pipe} x {par.context} x {par.tensor} = {config.num_devices}: must equal the "
+        f"device count {devices} ({source})",
     )

@@ -46,6 +46,10 @@ class ModelConfig:
     # BERT's, transformers' BertModel; as Megatron's apply_residual_connection_post_layernorm)
     norm_position: str = "pre"
     special_ids: str = ""  # bert: "PAD,CLS,SEP,MASK" ids; "": the top 4 of vocab_size
+    # decoders: the id that ends a document in packed rows (data.pack: the corpus's eot id,
+    # set by jaxptd.train); attention never crosses it, positions restart after it and the
+    # target after it takes no loss. -1: rows are one stream (attention spans documents)
+    document_end: int = -1
 
     @property
     def ffn(self) -> int:
@@ -86,6 +90,10 @@ class ParallelConfig:
     stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
     round_form: str = "auto"  # pipe > 1: cond | steady | masked (auto: cond on CPU, steady GPU)
     sequence_parallel: bool = False  # activations outside attention/MLP split [b, s/t, h]
+    # context parallelism: every activation's sequence split over `context` ranks (the mesh
+    # axis between pipe and tensor), each holding chunks i and 2c-1-i (causal balance)
+    context: int = 1
+    context_attention: str = "ring"  # ring (key/value blocks passed round) | allgather
     fsdp: bool = False  # ZeRO-3: parameters, gradients, optimizer state sharded over data
     fsdp_group: int = 0  # data ranks per FSDP sharding group (HSDP); 0: all of them
     # what FSDP gathers at once: a layer (gathered ahead of its use, beside the layer
@@ -156,7 +164,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    cpu_devices: int = 0  # simulated CPU devices per process; 0: data x pipe x tensor / processes
+    cpu_devices: int = 0  # simulated CPU devices per process; 0: all devices / processes
     # the hardware (jaxptd/target.py): auto = what the process sees; a named target must be
     # of the devices' platform (cpu, or a GPU: gpu = any, h100, h200, a100, a100-40)
     target: str = "auto"
@@ -194,7 +202,8 @@ class Config:
 
     @property
     def num_devices(self) -> int:
-        return self.parallel.data * self.parallel.pipe * self.parallel.tensor
+        par = self.parallel
+        return par.data * par.pipe * par.context * par.tensor
 
     @property
     def microbatch_size(self) -> int:

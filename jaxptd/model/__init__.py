@@ -104,7 +104,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     """
     arch = get(cfg)
     layer = arch.block(cfg, layout)
-    mask = arch.attention_mask(batch, cfg)
+    mask = arch.attention_mask(batch, cfg, layout)
     taped = perturbations is not None
 
     def one_layer(x, xs):

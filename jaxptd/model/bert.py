@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
-from jaxptd.model import fused, stack
+from jaxptd.model import fused, sequence, stack
 from jaxptd.model.layers import Block, layer_norm
 from jaxptd.model.tensor import Layout, dense, enter_tensor, normal, token_block, zeros
 from jaxptd.model.vocab import Embed, embedding_dropout, vocab_parallel_xent
@@ -165,10 +165,10 @@ def embed(ends, batch, key, cfg: ModelConfig, layout: Layout, deterministic: boo
     x = _embed(cfg, layout).apply({"params": ends["embed"]}, ids)
     types = Heads(cfg, layout).apply({"params": ends["heads"]}, types, method=Heads.types)
     x = x + token_block(types, layout)  # [b, s/t, h] with sequence parallelism
-    return embedding_dropout(x, key, cfg, layout, deterministic)
+    return embedding_dropout(sequence.vary(x, layout), key, cfg, layout, deterministic)
 
 
-def attention_mask(batch, cfg: ModelConfig):
+def attention_mask(batch, cfg: ModelConfig, layout: Layout):
     """Keys at [PAD] positions are masked out of every attention: [b, 1, 1, s], True =
     masked (jaxptd.model.apply_layers gives it to every layer)."""
     ids = _columns(batch, cfg)[0]

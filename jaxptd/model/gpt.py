@@ -58,7 +58,7 @@ def logits(ends, x, cfg: ModelConfig, layout: Layout):
                                      method=Embed.logits)
 
 
-embed, head_loss, decode = stack.decoder(_embed, block, logits)
+embed, head_loss, decode, attention_rows = stack.decoder(_embed, block, logits)
 
 
 def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
@@ -80,4 +80,5 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
 
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
                     block=block, head_loss=head_loss, forward_flops=forward_flops,
+                    attention_mask=attention_rows,
                     GATED_MLP=False, decoder=Decoder(logits, decode, init_cache, max_length))

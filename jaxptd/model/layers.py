@@ -21,7 +21,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.config import ModelConfig
-from jaxptd.model import fused
+from jaxptd.model import context as context_attention, fused
+from jaxptd.model.sequence import Rows
 from jaxptd.model.tensor import Layout, dense, enter_tensor, exit_tensor, normal, weight, zeros
 
 # checkpoint name of the residual stream between a layer's attention and MLP blocks, which
@@ -85,7 +86,8 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
 
     Picks cuDNN flash attention when asked and possible, else `attention_core` with its
     dropout key and selective recomputation. mask: True = masked, broadcastable to
-    [b, n/t, s, sk] (BERT's padding). cache: (k_cache, v_cache [b, S, nk/t, d], start) of
+    [b, n/t, s, sk] (BERT's padding), or a sequence.Rows of the tokens' positions and
+    segments (context parallelism, packed rows: model/context.py attends). cache: (k_cache, v_cache [b, S, nk/t, d], start) of
     decoding: k, v are written at positions start.. and the queries (at those positions)
     attend to every cached key up to their own; the updated (k_cache, v_cache) is returned
     (None without a cache).
@@ -99,6 +101,8 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         cache = (k, v)
         positions = start + jnp.arange(q.shape[1])
         mask, causal = jnp.arange(k.shape[1])[None, :] > positions[:, None], False
+    if isinstance(mask, Rows):
+        return _attend_rows(module, q, k, v, deterministic, mask, causal, scale), cache
     padding = mask is not None and mask.ndim == 4 and mask.shape[1:3] == (1, 1)
     if (cfg.attention == "cudnn" and layout.platform == "gpu" and cache is None
             and (mask is None or padding)):
@@ -112,13 +116,39 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
     key = None
     if cfg.dropout and not deterministic:
         # Each tensor rank holds different heads: its dropout mask must differ.
-        rank = 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis)
-        key = jax.random.fold_in(module.make_rng("dropout"), rank)
+        key = jax.random.fold_in(module.make_rng("dropout"), _rank(layout))
     core = functools.partial(attention_core, cfg=cfg, layout=layout, scale=scale,
                              causal=causal)
     if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
         core = jax.checkpoint(core)
     return core(q, k, v, key, mask=mask), cache
+
+
+def _attend_rows(module: nn.Module, q, k, v, deterministic: bool, rows: Rows, causal: bool,
+                 scale: float):
+    """Attention with the mask of the tokens' positions and segments, across the context
+    ranks when there are several (model/context.py); cuDNN where layers.attend takes it."""
+    cfg, layout = module.cfg, module.layout
+    key = None
+    if cfg.dropout and not deterministic:
+        key = jax.random.fold_in(module.make_rng("dropout"), _rank(layout))
+    core = functools.partial(attention_core, key=key, cfg=cfg, layout=layout, scale=scale,
+                             causal=False)
+    if cfg.remat == "selective":
+        core = jax.checkpoint(core)
+    return context_attention.attention(
+        q, k, v, rows, layout, causal=causal, scale=scale,
+        cudnn=cfg.attention == "cudnn" and layout.platform == "gpu",
+        core=lambda q, k, v, mask: core(q, k, v, mask=mask))
+
+
+def _rank(layout: Layout):
+    """This rank's number among the tensor x context ranks, whose attention dropout masks
+    must differ (each holds other heads or other tokens)."""
+    rank = 0 if layout.tensor_axis is None else lax.axis_index(layout.tensor_axis)
+    if layout.context_axis is not None and layout.context > 1:
+        rank = rank + layout.tensor * lax.axis_index(layout.context_axis)
+    return rank
 
 
 class Attention(nn.Module):
@@ -255,6 +285,8 @@ class Block(nn.Module):
         key = self.make_rng("dropout")
         if self.layout.split_sequence:
             key = jax.random.fold_in(key, lax.axis_index(self.layout.tensor_axis))
+        if self.layout.context > 1 and self.layout.context_axis is not None:
+            key = jax.random.fold_in(key, lax.axis_index(self.layout.context_axis))
         return dropout(x, self.cfg.dropout, key)
 
 

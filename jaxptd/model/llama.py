@@ -31,6 +31,7 @@ from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import Block, attend, residual_std, rms_norm
+from jaxptd.model.sequence import Rows, local_positions
 from jaxptd.model.tensor import Layout, dense, enter_tensor, exit_tensor, normal, weight
 from jaxptd.model.vocab import Embed
 
@@ -41,12 +42,12 @@ def kv_sharded(cfg: ModelConfig, tensor: int) -> bool:
 
 
 def rotary(x, positions, theta: float):
-    """x [b, s, heads, d] rotated by positions [s] (float32 math, x's dtype out)."""
+    """x [b, s, heads, d] rotated by positions [s] or [b, s] (float32 math, x's dtype out)."""
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [d/2]
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [s, d/2]
-    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[:, None]  # [s, 1, d]
-    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[:, None]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(b,) s, d/2]
+    cos = jnp.cos(jnp.concatenate([angles, angles], -1))[..., None, :]  # [(b,) s, 1, d]
+    sin = jnp.sin(jnp.concatenate([angles, angles], -1))[..., None, :]
     x32 = x.astype(jnp.float32)
     half = jnp.concatenate([-x32[..., d // 2:], x32[..., : d // 2]], -1)
     return (x32 * cos + half * sin).astype(x.dtype)
@@ -83,9 +84,11 @@ class Attention(nn.Module):
             k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
         start = 0 if cache is None else cache[2]
         positions = start + jnp.arange(x_in.shape[1])  # the whole sequence (SP: gathered)
+        if isinstance(mask, Rows):  # context parallelism, packed rows: [b, s (/ c)]
+            positions = local_positions(mask, layout)
         q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
         context, cache = attend(self, q, k, v, deterministic, causal=self.causal,
-                                cache=cache)
+                                mask=mask, cache=cache)
         out = dense(self, "w_o", context, w_o)  # partial sum over this rank's heads
         return exit_tensor(out, layout), cache  # g: all-reduce #1
 
@@ -157,7 +160,7 @@ def logits(ends, x, cfg: ModelConfig, layout: Layout):
     return Head(cfg, layout).apply({"params": ends["head"]}, x)
 
 
-embed, head_loss, decode = stack.decoder(Embed, block, logits)
+embed, head_loss, decode, attention_rows = stack.decoder(Embed, block, logits)
 
 
 def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
@@ -175,4 +178,5 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
 
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
                     block=block, head_loss=head_loss, forward_flops=forward_flops,
+                    attention_mask=attention_rows,
                     GATED_MLP=True, decoder=Decoder(logits, decode, init_cache))

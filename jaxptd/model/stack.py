@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
+from jaxptd.model import sequence
 from jaxptd.model.tensor import Layout
 from jaxptd.model.vocab import embedding_dropout, vocab_parallel_xent
 
@@ -84,19 +85,28 @@ def _pad_vocab(box: nn.Partitioned, vocab: int) -> nn.Partitioned:
 def decoder(embed_module, block, logits):
     """The interface functions every decoder shares, from its embedding module and layer
     (factories of (cfg, layout)) and its `logits(ends, x, cfg, layout)`:
-    (embed, head_loss, decode)."""
+    (embed, head_loss, decode, attention_rows)."""
 
     def embed(ends, batch, key, cfg, layout, deterministic: bool):
         """batch [b, s + 1] int32 (inputs: its first s tokens) -> [b, s, h] in the compute
-        dtype, with dropout on the embedding."""
-        x = embed_module(cfg, layout).apply({"params": ends["embed"]}, batch[:, :-1])
-        return embedding_dropout(x, key, cfg, layout, deterministic)
+        dtype, with dropout on the embedding (context parallelism: this rank's s / c
+        tokens, model/sequence.py)."""
+        inputs = batch[:, :-1]
+        rows = sequence.decoder_rows(inputs, cfg, layout)
+        x = embed_module(cfg, layout).apply({"params": ends["embed"]},
+                                            sequence.split(inputs, layout), 0,
+                                            None if rows is None else
+                                            sequence.local_positions(rows, layout))
+        return embedding_dropout(sequence.vary(x, layout), key, cfg, layout, deterministic)
 
     def head_loss(ends, x, batch, cfg, layout):
         """x [b, s, h], batch [b, s + 1] (targets: its last s tokens) -> the sum of the
-        token losses (vocab-parallel cross-entropy)."""
-        return jnp.sum(vocab_parallel_xent(logits(ends, x, cfg, layout), batch[:, 1:], cfg,
-                                           layout))
+        token losses (vocab-parallel cross-entropy; packed rows: not the target after a
+        document end)."""
+        losses = vocab_parallel_xent(logits(ends, x, cfg, layout),
+                                     sequence.split(batch[:, 1:], layout), cfg, layout)
+        counted = sequence.loss_mask(batch[:, :-1], cfg, layout)
+        return jnp.sum(losses if counted is None else jnp.where(counted, losses, 0.0))
 
     def decode(params, tokens, cache, start, cfg, layout):
         """tokens [b, q] at positions start.. -> (logits [b, q, V/t] float32, cache)."""
@@ -104,4 +114,8 @@ def decoder(embed_module, block, logits):
         x, cache = decode_layers(block(cfg, layout), params["layers"], x, cache, start)
         return logits(params, x, cfg, layout), cache
 
-    return embed, head_loss, decode
+    def attention_rows(batch, cfg, layout):
+        """What every layer's attention gets: sequence.Rows of the input tokens, or None."""
+        return sequence.decoder_rows(batch[:, :-1], cfg, layout)
+
+    return embed, head_loss, decode, attention_rows

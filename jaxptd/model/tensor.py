@@ -61,6 +61,11 @@ class Layout:
     fsdp: tuple[tuple[str, int], ...] = ()
     fsdp_axis: str | None = None
     fsdp_dtype: str = "float32"
+    # context parallelism: each rank holds s / context of every row's tokens
+    # (model/sequence.py), attention across `context_axis` by `context_attention`
+    context: int = 1
+    context_axis: str | None = None
+    context_attention: str = "ring"
 
     @property
     def split_sequence(self) -> bool:

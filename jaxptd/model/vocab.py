@@ -13,7 +13,7 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import dropout
-from jaxptd.model.tensor import Layout, exit_tensor, normal, psum, token_positions
+from jaxptd.model.tensor import Layout, exit_tensor, normal, psum, token_block, token_positions
 
 
 class Embed(nn.Module):
@@ -33,8 +33,9 @@ class Embed(nn.Module):
             self.wpe = self.param("wpe", normal(cfg.init_std, ("positions", "embed")),
                                   (self.positions, cfg.hidden_size))
 
-    def __call__(self, tokens, start=0):
-        # tokens: [b, s] int32 at positions start.. -> [b, s, h] ([b, s/t, h] with SP).
+    def __call__(self, tokens, start=0, positions=None):
+        # tokens: [b, s] int32 at positions start.. (or at `positions` [b, s]: context
+        # parallelism, packed rows) -> [b, s, h] ([b, s/t, h] with SP).
         # Megatron's lookup: ids outside this rank's rows give zeros; the all-reduce (with
         # SP the reduce-scatter) sums the one rank that holds each id.
         local = tokens - vocab_start(self.layout)
@@ -42,7 +43,8 @@ class Embed(nn.Module):
         rows = jnp.take(self.wte, jnp.clip(local, 0, self.vocab - 1), axis=0)
         x = exit_tensor(jnp.where(inside[..., None], rows, 0.0), self.layout)
         if self.positions:
-            where = start + token_positions(*tokens.shape, self.layout)  # [b, s(/t)]
+            where = start + token_positions(*tokens.shape, self.layout) if positions is None \
+                else token_block(positions, self.layout)  # [b, s(/t)]
             x = x + jnp.take(self.wpe, where, axis=0)
         return x.astype(self.cfg.dtype)
 

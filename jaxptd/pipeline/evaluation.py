@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd import model as models
-from jaxptd.mesh import BATCH, PIPE
+from jaxptd.mesh import PIPE, TOKENS
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.lowering import Rounds
@@ -29,7 +29,7 @@ class Evaluation:
 
     def initial_carry(self):
         return {"stash": self.stage.buffer(self.rounds.num_stash_slots),
-                "loss": mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))}
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))}
 
     def forward(self, carry, row, valid, seg):
         mb, chunk = row["f_mb"], buffers.chunk_of(row, "f", self.v)

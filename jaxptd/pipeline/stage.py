@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd import model as models
-from jaxptd.mesh import BATCH, PIPE, TENSOR
+from jaxptd.mesh import PIPE, TENSOR, TOKENS
 from jaxptd.pipeline.context import Context
 from jaxptd.sharding import mark_varying, regather
 
@@ -42,13 +42,14 @@ class Stage:
         return chunk * self.context.pipe + self.rank
 
     def buffer(self, slots):
-        """Zeros [slots, b, s, h] for stage inputs or their gradients: varying over data and
-        pipe and the same on every tensor rank, like the activations they receive (with
-        sequence parallelism [slots, b, s/t, h], varying over tensor too)."""
+        """Zeros [slots, b, s/c, h] for stage inputs or their gradients (c: context ranks):
+        varying over data, context and pipe and the same on every tensor rank, like the
+        activations they receive (with sequence parallelism [slots, b, s/(c t), h], varying
+        over tensor too)."""
         split = self.layout.split_sequence
-        seq = self.model.seq_len // (self.layout.tensor if split else 1)
+        seq = self.model.seq_len // self.layout.context // (self.layout.tensor if split else 1)
         shape = (slots, self.micro.shape[1], seq, self.model.hidden_size)
-        axes = (*BATCH, PIPE, TENSOR) if split else (*BATCH, PIPE)
+        axes = (*TOKENS, PIPE, TENSOR) if split else (*TOKENS, PIPE)
         return mark_varying(jnp.zeros(shape, jnp.dtype(self.model.dtype)), axes)
 
     def tokens(self, mb):
@@ -82,7 +83,7 @@ class Stage:
                                                self.model, self.layout) * self.context.loss_norm
 
         def zero():
-            return mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))
+            return mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))
         is_last = self.vstage(chunk) == self.last
         if how == "cond":
             return lax.cond(is_last, loss, zero)

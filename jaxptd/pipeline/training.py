@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd import model as models
-from jaxptd.mesh import BATCH, PIPE
+from jaxptd.mesh import PIPE, TOKENS
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.kept import Kept
@@ -120,7 +120,7 @@ class Training:
                 "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
                 "wsaved": buffers.slots(wkept, rounds.num_w_slots) if self.split else (),
                 "grads": jax.tree.map(jnp.zeros_like, self.params),
-                "loss": mark_varying(jnp.zeros((), jnp.float32), (*BATCH, PIPE))}
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))}
 
     def forward(self, carry, row, valid, seg):
         """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
@@ -140,7 +140,7 @@ class Training:
         x_in = buffers.read(carry["stash"], row["b_slot"])
         is_last = self.stage.vstage(chunk) == self.stage.last
         g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
-                              (*BATCH, PIPE))
+                              (*TOKENS, PIPE))
         g_out = jnp.where(is_last, 0.0, buffers.read(carry["gbuf"], row["b_grad_slot"]))
         if self.keep_activations:
             loss, g_ends, g_layers, g_x, taps = self._backward_kept(
