@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxptd.arch.interface import Architecture, Family
+from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
 from jaxptd.hf_names import SAME, HFClass, HFMap, each_layer, gelu, require, reshaped
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ def _canonical(m: ModelConfig, tensors: dict) -> dict:
 
 
 FAMILY = Family(
-    name="gpt", load=_load,
+    name="gpt", load=_load, options=PACKED_ROWS,
     hf=HFMap(classes={"GPT2LMHeadModel": HFClass(_from_hf)}, export_config=_to_hf,
              names=_names, extras=_extras, parts={"w_qkv": 1, "b_qkv": 0},
              vocab_axes={("embed", "wte"): 0}, canonical=_canonical))

@@ -46,6 +46,11 @@ def no_rules(m: ModelConfig) -> Iterator[str]:
     return iter(())
 
 
+# a decoder's option: packed rows (model/sequence.py)
+PACKED_ROWS = {"document_end": "model.document_end={value}: packed rows are for the "
+               "decoders (gpt, llama); set -1"}
+
+
 def unlimited(cfg: ModelConfig) -> None:
     """A decoder without learned positions reads any length."""
     return None
@@ -94,3 +99,5 @@ class Family:
     # model keys only this family reads: {key: the message when another family's config
     # sets it off its default ({value}: the value)}
     options: dict[str, str] = field(default_factory=dict)
+    # whether its model splits a row's tokens over context ranks (parallel.context > 1)
+    context_parallel: bool = True

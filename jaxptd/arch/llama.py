@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from jaxptd.arch.interface import Architecture, Family
+from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
 from jaxptd.hf_names import SAME, HFClass, HFMap, each_layer, linear, require
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def _canonical(m: ModelConfig, tensors: dict) -> dict:
 FAMILY = Family(
     name="llama", load=_load, config_errors=_config_errors,
     options={"num_kv_heads": "model.num_kv_heads={value}: only model.arch=llama has "
-             "grouped-query attention (0: as many as model.num_heads)"},
+             "grouped-query attention (0: as many as model.num_heads)", **PACKED_ROWS},
     hf=HFMap(classes={"LlamaForCausalLM": HFClass(_from_hf)}, export_config=_to_hf,
              names=_names, extras=_extras, parts={"w_kv": 1},
              vocab_axes={("embed", "wte"): 0, ("head", "w_head"): 1}, canonical=_canonical))

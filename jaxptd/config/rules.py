@@ -132,12 +132,9 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
     _require(not par.sequence_parallel or m.seq_len % (c * tensor) == 0,
              f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
              f"parallel.context x parallel.tensor = {c * tensor}")
-    _require(c == 1 or m.arch != "bert",
-             f"parallel.context={c}: model.arch=bert has no context parallelism yet (its "
-             "pooled [CLS] and per-row MLM mean need the whole row); set parallel.context=1")
-    _require(m.document_end < 0 or m.arch != "bert",
-             f"model.document_end={m.document_end}: packed rows are for decoders; BERT's "
-             "rows are single documents (set -1)")
+    _require(c == 1 or FAMILIES[m.arch].context_parallel,
+             f"parallel.context={c}: model.arch={m.arch} has no context parallelism; set "
+             "parallel.context=1")
     _require(m.document_end < m.vocab_size,
              f"model.document_end={m.document_end}: must be a token id below "
              f"model.vocab_size={m.vocab_size} (-1: none)")
