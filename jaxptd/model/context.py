@@ -9,9 +9,12 @@ methods (parallel.context_attention):
   block (with its tokens' positions and segments) to the next rank with `ppermute`, so the
   send of step j + 1's block runs beside step j's scores. Blocks are combined with the
   online softmax (each block's output and log-sum-exp, rescaled to the running maximum);
-  each block's [n, n] scores are recomputed in the backward (jax.checkpoint), whose
+  each block's scores are recomputed in the backward (jax.checkpoint), whose
   ppermutes, the transposes of the forward's, pass the key/value gradients back round the
-  ring. Memory: the c blocks the backward reads, no [n, s] scores.
+  ring. Under the causal mask a block from another rank is half visible (`_visible_half`)
+  and only that half is computed: a rank's score entries are n^2 + (c-1) n^2 / 2 against
+  the n s / 2 + n^2 / 2 a causal mask leaves (n = s / c), the same on every rank. Memory:
+  the c blocks the backward reads, no [n, s] scores.
 - allgather: the keys and values of all ranks gathered (Llama 3's choice; with grouped-query
   attention they are small: 2 s k d against the queries' s n d), one masked attention of the
   local queries over all s keys; the gather's transpose reduce-scatters their gradients.
@@ -77,13 +80,35 @@ def _ring(q, k, v, rows: Rows, mine: Rows, layout: Layout, *, causal, scale):
         kv = block
         if step + 1 < size:  # the next block's send, independent of this block's scores
             block = send(block)
-        source = rows.take(local_index(seq, layout, (rank - step) % size))
-        o_j, lse_j = _block(q, kv[0], kv[1], blocked(mine, source, causal), scale)
+        origin = (rank - step) % size
+        mask = blocked(mine, rows.take(local_index(seq, layout, origin)), causal)
+        if causal and step > 0:
+            o_j, lse_j = _visible_half(q, kv, mask, scale, later=origin < rank)
+        else:
+            o_j, lse_j = _block(q, kv[0], kv[1], mask, scale)
         new = jnp.logaddexp(lse, lse_j)  # finite: every query sees itself at step 0
         safe = jnp.where(jnp.isneginf(new), 0.0, new)
         out = (out * jnp.exp(lse - safe)[..., None] + o_j * jnp.exp(lse_j - safe)[..., None])
         lse = new
     return out.astype(q.dtype)
+
+
+def _visible_half(q, kv, mask, scale, later):
+    """A causal ring step's block from another rank: of the [n, n] scores only half can be
+    visible, so only that half is computed. Rank r holds chunks (r, 2c-1-r); a block from
+    rank o < r (`later`: r's chunks come after o's first) is seen by all of r's queries
+    in its first chunk only, and its second chunk (2c-1-o > 2c-1-r) by none; a block from
+    o > r is seen whole by r's second chunk only. The mask still applies (packed rows)."""
+    half = q.shape[1] // 2
+
+    def keys_first_half(_):
+        return _block(q, kv[0][:, :half], kv[1][:, :half], mask[..., :half], scale)
+
+    def queries_second_half(_):
+        o, lse = _block(q[:, half:], kv[0], kv[1], mask[:, :, half:], scale)
+        return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
+                jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
+    return lax.cond(later, keys_first_half, queries_second_half, None)
 
 
 def _pass_on(block, *, axis: str, size: int, cpu: bool):
