@@ -101,6 +101,20 @@ def test_restore_at_another_tensor_size_is_the_state_initialised_there(tmp_path,
     assert_same_state(state, target.state_layout.init_state(0))
 
 
+@pytest.mark.parametrize("context", [1, 4])
+def test_restore_at_another_context_size_is_the_state_initialised_there(tmp_path, context):
+    """A state saved at context 2 restores at context 1 and 4 as the state initialised
+    there: nothing in a checkpoint depends on how the sequence is split."""
+    source = make_setup(1, 1, 1, (*EXTRA, "parallel.context=2"))
+    ckpt = Checkpointer(str(tmp_path), 1, 10, metadata=layout_metadata(source.config, 1))
+    ckpt.save(1, source.state_layout.init_state(0))
+    ckpt.close()
+    target = make_setup(1, 1, 1, (*EXTRA, f"parallel.context={context}"))
+    state, step = restore_latest(target, tmp_path)
+    assert step == 1
+    assert_same_state(state, target.state_layout.init_state(0))
+
+
 def run_inspect(target):
     return subprocess.run([sys.executable, "-m", "jaxptd.checkpoint", "inspect", str(target)],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
