@@ -1,9 +1,10 @@
 """Checks before work starts: every user error a run can meet, found before it trains.
 
 Owns the checks that need more than the config (config/rules.py has those): the corpus and its
-splits against `model.seq_len`, the eot id packed rows end documents with (`packing`), the run and checkpoint directories (and their removal,
-while still empty, when the run fails: `new_directories`), the platform's devices, and
-whether the model fits in the devices' memory. Each failure is one
+splits against `model.seq_len`, the id that ends its documents in packed rows (`packing`),
+the run and checkpoint directories (and their removal, while still empty, when the run
+fails: `new_directories`), the platform's devices, and whether the model fits in the
+devices' memory. Each failure is one
 ConfigError / DataError / CheckpointError line naming the key, the value and the rule.
 
 Memory: the planner's per-device total (`plan.device_memory_bytes`, the same model
