@@ -112,6 +112,28 @@ def test_a_continued_run_keeps_its_learning_rate_schedule():
     assert continued(explicit, saved) == (explicit, None)
 
 
+def test_registry_finds_every_family_module(tmp_path):
+    """jaxptd/arch/__init__.py lists no family: a module of the package defining FAMILY is
+    one (here a copy of the package with a toy family beside gpt), in module-name order,
+    a model.arch choice at once; the registry stays JAX-free."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copytree(os.path.join(ROOT, "jaxptd"), tmp_path / "jaxptd",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "jaxptd" / "arch" / "toy.py").write_text(
+        "import dataclasses\nfrom jaxptd.arch import gpt\n"
+        "FAMILY = dataclasses.replace(gpt.FAMILY, name='toy')\n")
+    code = ("import sys; from jaxptd.arch import FAMILIES; "
+            "from jaxptd.config import load_config; "
+            "assert load_config(None, ['model.arch=toy']).model.arch == 'toy'; "
+            "assert 'jax' not in sys.modules, 'jax imported'; print(*FAMILIES)")
+    found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                           text=True, check=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}
+                           ).stdout.split()
+    assert found == ["bert", "gpt", "llama", "toy"]
+
+
 def test_validation_never_starts_jax():
     """Config validation asks the architecture registry (jaxptd/arch) for each family's
     rules without importing a model: `plan --verify` starts JAX itself, after load_config."""
