@@ -67,6 +67,9 @@ def test_vocab_padded_to_multiple_of_128_times_tensor():
     (["model.arch=bert", "model.special_ids=a,b,c,d"], "must be four different ids"),
     (["optimizer.name=lamb"], "optimizer.name='lamb': must be one of adamw, sgd"),
     (["optimizer.name=sgd", "optimizer.momentum=1"], "optimizer.momentum=1.0: must be in [0, 1)"),
+    (["model.arch=bert", "data.pack=true"], "data.pack=true: model.arch=bert has no packed rows"),
+    (["data.eod_id=257"], "data.eod_id=257: must be a token id below model.vocab_size=257"),
+    (["data.eod_id=-2"], "data.eod_id=-2: must be a token id below"),
 ])
 def test_rules_refuse_with_one_line_naming_key_value_rule(overrides, fragment):
     with pytest.raises(ConfigError) as info:
