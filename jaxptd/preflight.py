@@ -1,9 +1,10 @@
 """Checks before work starts: every user error a run can meet, found before it trains.
 
 Owns the checks that need more than the config (config/rules.py has those): the corpus and its
-splits against `model.seq_len`, the run and checkpoint directories (and their removal,
-while still empty, when the run fails: `new_directories`), the platform's devices, and
-whether the model fits in the devices' memory. Each failure is one
+splits against `model.seq_len`, the id that ends its documents in packed rows (`packing`),
+the run and checkpoint directories (and their removal, while still empty, when the run
+fails: `new_directories`), the platform's devices, and whether the model fits in the
+devices' memory. Each failure is one
 ConfigError / DataError / CheckpointError line naming the key, the value and the rule.
 
 Memory: the planner's per-device total (`plan.device_memory_bytes`, the same model
@@ -16,6 +17,7 @@ that. XLA's own out-of-memory at compile or run time is turned into one line as 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from contextlib import contextmanager
@@ -48,6 +50,33 @@ def check_files(config: Config):
     if config.checkpoint.every:
         check_writable(config.checkpoint_dir)
     return train, val
+
+
+def packing(config: Config, train: TokenDataset) -> Config:
+    """The config the run trains with: with data.pack, model.document_end set to the id
+    ending the corpus's documents (a directory's meta.json eot_id; data.eod_id for a
+    Megatron dataset, which records none). ConfigError when there is none, or when
+    model.document_end or data.eod_id names another."""
+    data, recorded = config.data, train.eot_id  # recorded: None for a Megatron dataset
+    if recorded is not None and data.eod_id not in (-1, recorded):
+        raise ConfigError(f"data.eod_id={data.eod_id}: the corpus {data.path} records its eot "
+                          f"id {recorded} (meta.json); set data.eod_id=-1, it is for "
+                          "Megatron data")
+    if recorded is None and data.eod_id >= train.vocab_size:
+        raise ConfigError(f"data.eod_id={data.eod_id}: the Megatron dataset {data.path} holds "
+                          f"no id above {train.vocab_size - 1}, so it ends no document there")
+    if not data.pack:
+        return config
+    eot = data.eod_id if recorded is None else recorded
+    if eot < 0:
+        raise ConfigError(f"data.pack=true: the Megatron dataset {data.path} does not record "
+                          "which id ends its documents; set data.eod_id to its --append-eod "
+                          "token's id")
+    if config.model.document_end not in (-1, eot):
+        raise ConfigError(f"model.document_end={config.model.document_end}: data.pack=true "
+                          f"sets it to the corpus's eot id {eot}; set it to -1 or {eot}")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                 document_end=eot))
 
 
 @contextmanager

@@ -1,12 +1,13 @@
 """`python -m jaxptd.train --config FILE [section.key=value ...]`: the training loop, thin.
 
-Order of work: config -> preflight (corpus, both splits against model.seq_len, the run
-and checkpoint directories: all user errors caught before any device work) -> processes
-(jaxptd/distributed.py) -> devices, and the planner's memory against theirs -> the run's
-directories locked (jaxptd/rundir.py) -> mesh -> state (restored, or initialised into its
-shardings where that overwrites no earlier run's history) -> config.yaml -> compile
-(XLA's memory against the devices') -> loop of step / log / evaluate / save -> summary.
-A run refused before it wrote anything leaves no directory it created behind.
+Order of work: config -> preflight (corpus, both splits against model.seq_len, data.pack's
+eot id into model.document_end, the run and checkpoint directories: all user errors caught
+before any device work) -> processes (jaxptd/distributed.py) -> devices, and the
+planner's memory against theirs -> the run's directories locked (jaxptd/rundir.py) -> mesh
+-> state (restored, or initialised into its shardings where that overwrites no earlier
+run's history) -> config.yaml -> compile (XLA's memory against the devices') -> loop of
+step / log / evaluate / save -> summary. A run refused before it wrote anything leaves no
+directory it created behind.
 
 A user error prints one line `error: ...` on stderr and exits 2; so do an out-of-memory
 and a storage failure (a full disk, a file-size limit) in any of the run's writers
@@ -99,6 +100,10 @@ def start(config: Config, lock: RunLock):
     config, note = continue_schedule(given)
     mesh = make_mesh(config.parallel)
     LOG.info(describe(mesh))
+    if config.data.pack:
+        LOG.info(f"packed rows (data.pack): documents end at eot id "
+                 f"{config.model.document_end}; attention stays inside each document and "
+                 "positions restart after it")
     setup = Setup(config, mesh)
     ckpt, state = restore(jax, setup, given, note)
     if jax.process_index() == 0:  # the run continues this directory's history, or has none
@@ -317,6 +322,7 @@ def main(argv=None) -> int:
         config = load_config(args.config, args.overrides)
         with preflight.new_directories(config), RunLock(config) as lock:
             train, val = preflight.check_files(config)
+            config = preflight.packing(config, train)  # what the step, logs and saves see
             return Run(config, train, val, lock)()
     except (ConfigError, DataError, CheckpointError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -67,6 +67,9 @@ def test_vocab_padded_to_multiple_of_128_times_tensor():
     (["model.arch=bert", "model.special_ids=a,b,c,d"], "must be four different ids"),
     (["optimizer.name=lamb"], "optimizer.name='lamb': must be one of adamw, sgd"),
     (["optimizer.name=sgd", "optimizer.momentum=1"], "optimizer.momentum=1.0: must be in [0, 1)"),
+    (["model.arch=bert", "data.pack=true"], "data.pack=true: model.arch=bert has no packed rows"),
+    (["data.eod_id=257"], "data.eod_id=257: must be a token id below model.vocab_size=257"),
+    (["data.eod_id=-2"], "data.eod_id=-2: must be a token id below"),
 ])
 def test_rules_refuse_with_one_line_naming_key_value_rule(overrides, fragment):
     with pytest.raises(ConfigError) as info:
@@ -110,6 +113,28 @@ def test_a_continued_run_keeps_its_learning_rate_schedule():
     assert same.optimizer.decay_steps == 0 and note is None
     explicit = load_config(None, ["train.steps=500", "optimizer.decay_steps=500"])
     assert continued(explicit, saved) == (explicit, None)
+
+
+def test_registry_finds_every_family_module(tmp_path):
+    """jaxptd/arch/__init__.py lists no family: a module of the package defining FAMILY is
+    one (here a copy of the package with a toy family beside gpt), in module-name order,
+    a model.arch choice at once; the registry stays JAX-free."""
+    import shutil
+    import subprocess
+    import sys
+    shutil.copytree(os.path.join(ROOT, "jaxptd"), tmp_path / "jaxptd",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "jaxptd" / "arch" / "toy.py").write_text(
+        "import dataclasses\nfrom jaxptd.arch import gpt\n"
+        "FAMILY = dataclasses.replace(gpt.FAMILY, name='toy')\n")
+    code = ("import sys; from jaxptd.arch import FAMILIES; "
+            "from jaxptd.config import load_config; "
+            "assert load_config(None, ['model.arch=toy']).model.arch == 'toy'; "
+            "assert 'jax' not in sys.modules, 'jax imported'; print(*FAMILIES)")
+    found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                           text=True, check=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}
+                           ).stdout.split()
+    assert found == ["bert", "gpt", "llama", "toy"]
 
 
 def test_validation_never_starts_jax():

@@ -1,24 +1,44 @@
 """The architecture registry: model.arch -> its `Family` (jaxptd/arch/interface.py says
-what a family declares). The one place that lists the families; nothing else branches on an
-architecture's name. JAX-free: config validation and the Hugging Face bridge ask it before
-JAX may start, and a family's model (`Family.load`, jaxptd/model/<name>.py) is imported
-only when asked for (jaxptd.model.get).
+what a family declares), collected from this package's modules. The one place that knows
+the families; nothing else branches on an architecture's name. JAX-free: config validation
+and the Hugging Face bridge ask it before JAX may start, and a family's model
+(`Family.load`, jaxptd/model/<name>.py) is imported only when asked for
+(jaxptd.model.get).
 
-A new family is a module here (its config rules, options, Hugging Face map), its model in
-jaxptd/model/, and its line below.
+A new family is two files: a module here defining `FAMILY` (its config rules, options,
+Hugging Face map), found by `_discover`, and its model in jaxptd/model/.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import TYPE_CHECKING
 
-from jaxptd.arch import bert, gpt, llama
 from jaxptd.arch.interface import Family
 from jaxptd.hf_names import HFClass
 
 if TYPE_CHECKING:
     from jaxptd.config import ModelConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (gpt.FAMILY, llama.FAMILY, bert.FAMILY)}
+
+def _discover() -> dict[str, Family]:
+    """model.arch -> Family of every module of this package that defines `FAMILY`, in
+    module-name order (the order --help and the model.arch choices list them)."""
+    families: dict[str, Family] = {}
+    for module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+        if module == "interface":  # the types every family module imports
+            continue
+        declared = getattr(importlib.import_module(f"{__name__}.{module}"), "FAMILY", None)
+        if declared is None:
+            continue
+        if declared.name in families:
+            raise ImportError(f"jaxptd/arch/{module}.py: model.arch {declared.name!r} is "
+                              "declared twice")
+        families[declared.name] = declared
+    return families
+
+
+FAMILIES: dict[str, Family] = _discover()
 
 # Every family's transformers classes: config.json's class name -> what import needs
 HF_CLASSES: dict[str, HFClass] = {name: hf_class for f in FAMILIES.values()

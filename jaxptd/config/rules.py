@@ -73,6 +73,7 @@ def validate(config: Config) -> None:
         raise ConfigError(message)
     _validate_parallel(config)
     _validate_training(config)
+    _validate_data(config)
     _validate_runtime(config)
 
 
@@ -175,6 +176,19 @@ def _validate_training(config: Config) -> None:
              f"model.dtype=float16: needs optimizer.loss_scale=dynamic (got {opt.loss_scale})")
     _require(opt.min_lr <= opt.lr,
              f"optimizer.min_lr={opt.min_lr}: must be <= optimizer.lr={opt.lr}")
+
+
+def _validate_data(config: Config) -> None:
+    """Packed rows are for the families that read model.document_end (Family.options);
+    data.eod_id is a token id (the corpus's own rules are preflight.py's)."""
+    data, m = config.data, config.model
+    packing = [name for name, f in FAMILIES.items() if "document_end" in f.options]
+    _require(not data.pack or m.arch in packing,
+             f"data.pack=true: model.arch={m.arch} has no packed rows (they are for "
+             f"{', '.join(packing)}); set data.pack=false")
+    _require(-1 <= data.eod_id < m.vocab_size,
+             f"data.eod_id={data.eod_id}: must be a token id below model.vocab_size="
+             f"{m.vocab_size} (-1: none)")
 
 
 def _validate_runtime(config: Config) -> None:

@@ -46,8 +46,8 @@ class ModelConfig:
     # BERT's, transformers' BertModel; as Megatron's apply_residual_connection_post_layernorm)
     norm_position: str = "pre"
     special_ids: str = ""  # bert: "PAD,CLS,SEP,MASK" ids; "": the top 4 of vocab_size
-    # decoders: the id that ends a document in packed rows (data.pack: the corpus's eot id,
-    # set by jaxptd.train); attention never crosses it, positions restart after it and the
+    # decoders: the id that ends a document in packed rows (set by data.pack to the
+    # corpus's eot id, or directly); attention never crosses it, positions restart after it and the
     # target after it takes no loss. -1: rows are one stream (attention spans documents)
     document_end: int = -1
 
@@ -110,6 +110,12 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = "pystdlib"  # a prepared token directory, or the built-in corpus name
+    # rows hold several documents that do not see each other: model.document_end is set to
+    # the corpus's eot id (a directory's meta.json; data.eod_id for Megatron data)
+    pack: bool = False
+    # the id ending each document of a Megatron dataset (its --append-eod token; the format
+    # does not record it): what data.pack needs there. -1: unknown
+    eod_id: int = -1
 
 
 @dataclass(frozen=True)

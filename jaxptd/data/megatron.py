@@ -32,7 +32,8 @@ the same way. When that leaves a split without tokens (one document, or empty do
 at the end), the split is by tokens instead, as `prepare` does for a jaxptd corpus: the
 last 0.5% of the tokens (splits.val_tail) are "val". A Megatron file names no tokenizer
 and no vocabulary: `vocab_size` is one more than the largest id (one pass over the
-tokens, in chunks), `eot_id` and `tokenizer` are None.
+tokens, in chunks), `eot_id` and `tokenizer` are None (packed rows take the eod id from
+the config's data.eod_id).
 
 Writing (`write`): tokens of each document (eot included by the caller, none for an empty
 one) to PREFIX.bin, uint16 when the vocabulary fits (Megatron's choice below 65500 ids)
