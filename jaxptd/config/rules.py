@@ -31,6 +31,7 @@ CHOICES = {
     "parallel.fsdp_unit": ("layer", "matmul"),
     "model.gelu": ("tanh", "erf"),
     "model.norm_position": ("pre", "post"),
+    "model.rope_scaling": ("none", "llama3"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
@@ -40,7 +41,9 @@ CHOICES = {
 }
 POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.seq_len",
-    "model.vocab_size", "parallel.data", "parallel.pipe", "parallel.tensor",
+    "model.vocab_size", "model.rope_factor", "model.rope_low_freq_factor",
+    "model.rope_high_freq_factor", "model.rope_original_seq_len", "parallel.data",
+    "parallel.pipe", "parallel.tensor",
     "parallel.context",    "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
     "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
     "runtime.heartbeat_timeout_s",

@@ -41,6 +41,14 @@ class ModelConfig:
     ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
     num_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: num_heads
     rope_theta: float = 10000.0  # llama: base of the rotary position embedding
+    # llama: rotary frequency scaling, none | llama3 (Llama 3.1's: frequencies whose
+    # wavelength exceeds rope_original_seq_len / rope_low_freq_factor divided by rope_factor,
+    # those below rope_original_seq_len / rope_high_freq_factor kept, interpolated between)
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0  # llama3: how much longer the context than in pretraining
+    rope_low_freq_factor: float = 1.0  # llama3: bounds the scaled (low) frequencies
+    rope_high_freq_factor: float = 4.0  # llama3: bounds the kept (high) ones; > low
+    rope_original_seq_len: int = 8192  # llama3: the context length of pretraining
     gelu: str = "tanh"  # gpt, bert: tanh (GPT-2's, Megatron's approximation) | erf (exact)
     # bert: pre (Megatron's rearranged LayerNorm, its Figure 7) | post (the original
     # BERT's, transformers' BertModel; as Megatron's apply_residual_connection_post_layernorm)

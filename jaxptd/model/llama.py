@@ -17,9 +17,12 @@ Parameter tree (global shapes; n heads, k key/value heads, d = h / n, f = model.
     head/w_head [h, V]                   column-parallel by vocabulary
 
 Rotary embeddings rotate the two halves of each head (Hugging Face's `rotate_half`
-convention, so its q/k weights need no permutation), frequencies theta^(-2i/d).
+convention, so its q/k weights need no permutation), frequencies theta^(-2i/d), scaled as
+Llama 3.1's with model.rope_scaling=llama3 (`inverse_frequencies`).
 """
 from __future__ import annotations
+
+import math
 
 import flax.linen as nn
 import jax
@@ -41,10 +44,28 @@ def kv_sharded(cfg: ModelConfig, tensor: int) -> bool:
     return cfg.kv_heads % tensor == 0
 
 
-def rotary(x, positions, theta: float):
-    """x [b, s, heads, d] rotated by positions [s] or [b, s] (float32 math, x's dtype out)."""
+def inverse_frequencies(cfg: ModelConfig):
+    """The rotary frequencies [d/2] float32: theta^(-2i/d), and with rope_scaling=llama3
+    transformers' `_compute_llama3_parameters`: wavelengths 2 pi / f longer than
+    original / low_freq_factor slowed by `factor`, shorter than original / high_freq_factor
+    kept, those between interpolated (smooth = (original / wavelength - low) / (high - low))."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    original = cfg.rope_original_seq_len
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    between = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return jnp.where(wavelength > original / low, inv_freq / factor,
+                     jnp.where(wavelength < original / high, inv_freq, between))
+
+
+def rotary(x, positions, inv_freq):
+    """x [b, s, heads, d] rotated by positions [s] or [b, s] at frequencies inv_freq [d/2]
+    (float32 math, x's dtype out)."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [d/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [(b,) s, d/2]
     cos = jnp.cos(jnp.concatenate([angles, angles], -1))[..., None, :]  # [(b,) s, 1, d]
     sin = jnp.sin(jnp.concatenate([angles, angles], -1))[..., None, :]
@@ -86,7 +107,8 @@ class Attention(nn.Module):
         positions = start + jnp.arange(x_in.shape[1])  # the whole sequence (SP: gathered)
         if isinstance(mask, Rows):  # context parallelism, packed rows: [b, s (/ c)]
             positions = local_positions(mask, layout)
-        q, k = rotary(q, positions, cfg.rope_theta), rotary(k, positions, cfg.rope_theta)
+        inv_freq = inverse_frequencies(cfg)
+        q, k = rotary(q, positions, inv_freq), rotary(k, positions, inv_freq)
         context, cache = attend(self, q, k, v, deterministic, causal=self.causal,
                                 mask=mask, cache=cache)
         out = dense(self, "w_o", context, w_o)  # partial sum over this rank's heads
