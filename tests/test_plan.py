@@ -181,7 +181,7 @@ def test_search_ranks_layouts_that_fit(capsys):
     speeds = [r["tflops_per_device_estimate"] for r in rows]
     assert speeds == sorted(speeds, reverse=True)
     for r in rows:
-        assert r["data"] * r["pipe"] * r["tensor"] == 16 and r["memory_gb"] <= 40
+        assert r["data"] * r["pipe"] * r["context"] * r["tensor"] == 16 and r["memory_gb"] <= 40
         assert r["tensor"] <= 8 and 64 % (r["data"] * r["microbatches"]) == 0
     tiny = json.loads(run_main(capsys, argv[:-2] + ["--memory-gb", "0.2"], status=1))
     assert tiny == []
