@@ -9,7 +9,8 @@ needs it; --verify configures JAX first):
                 `jax.eval_shape` of the initialiser and the logical sharding rules (no
                 mesh, no memory, so a 3072-GPU config plans on a laptop)
     model.py    the memory model: parameters, activations, device and host bytes
-    timing.py   the time model: bubble, communication volumes, step time, training days
+    timing.py   the time model: bubble, communication volumes, step time, training days,
+                context parallelism's traffic, overlap, balance and attention work
     planner.py  one plan: the schedule's bubble and buffers from the simulator and the
                 lowering, memory and time for a config -> the report
     search.py   --search N: the layouts and memory options that fit, ranked
@@ -27,8 +28,9 @@ the per-device total from.
 from jaxptd.plan.cli import main
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.inputs import PlanInputs
-from jaxptd.plan.planner import device_memory_bytes, plan, recomputation, schedule_stats
+from jaxptd.plan.planner import (device_memory_bytes, executed_flops, plan, recomputation,
+                                 schedule_stats)
 from jaxptd.plan.verify import verify
 
-__all__ = ["PlanInputs", "device_memory_bytes", "main", "plan", "real_counts",
+__all__ = ["PlanInputs", "device_memory_bytes", "executed_flops", "main", "plan", "real_counts",
            "recomputation", "schedule_stats", "verify"]

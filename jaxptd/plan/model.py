@@ -37,6 +37,14 @@ Megatron's fused 16-bit layer (Korthikanti et al. 2022, eqs. 1-2: sbh (10 + 24/t
 5as/(ht)) without, sbh/t (34 + 5as/h) with sequence parallelism) is
 `korthikanti_layer_bytes`, for comparison: ours keeps no dropout masks (none without
 dropout) nor the GeLU output.
+
+Context parallelism (c ranks, jaxptd/model/context.py) splits every [b, s, ...] above to
+[b, n, ...], n = s/c (with SP [b, n/t, h]); attention is what `attention_terms` says of
+the method: allgather keeps the gathered keys and values [b, s, k/t, d] twice and the
+[b, a/t, n, s] probabilities; the ring keeps its c key/value blocks [2, b, n, k/t, d] and
+each step's float32 output [b, n, a/t, d] for the online softmax's backward, and its
+blocks' [b, a/t, n, n] scores are recomputed in every backward (jax.checkpoint), one
+block at a time, on every platform (no flash kernel).
 """
 from __future__ import annotations
 
@@ -51,34 +59,60 @@ def params_formula(l: int, h: int, V: int, s: int) -> float:
 # --------------------------------------------------------------------------- activations
 
 
-def scores_bytes(b, s, a, t, e, flash: bool = False) -> float:
-    """What one layer keeps of its attention core: the [b, a/t, s, s] probabilities in
-    the compute dtype (what selective recomputation drops; the softmax keeps only its
-    output: jaxptd/model/fused.py), or with flash attention only the float32 log-sum-exp
-    [b, a/t, s]."""
-    return 4 * b * a / t * s if flash else a * s * s * b / t * e
+def scores_bytes(b, s, a, t, e, flash: bool = False, keys: int = 0) -> float:
+    """What one layer keeps of its attention core: the [b, a/t, s, keys] probabilities
+    (keys: 0 = s) in the compute dtype (what selective recomputation drops; the softmax
+    keeps only its output: jaxptd/model/fused.py), or with flash attention only the float32
+    log-sum-exp [b, a/t, s]."""
+    return 4 * b * a / t * s if flash else a * s * (keys or s) * b / t * e
+
+
+def attention_terms(b, s, h, a, t, e, c: int = 1, method: str = "ring",
+                    flash: bool = False, kv_heads: int = 0) -> dict:
+    """One layer's attention core by what its memory needs, bytes, one microbatch of b
+    rows of s tokens over c context ranks (n = s/c queries a rank):
+    kept: the probabilities (or flash statistics) a layer without recomputation keeps;
+    unit: one float32-or-compute-dtype score tensor of the softmax backward (it makes two:
+    the probabilities' and the scores' gradients), one ring block's; keys: what the
+    context keeps for the backward beside q, k, v (allgather: the gathered [b, s, k/t, d]
+    keys and values; ring: its c blocks, as many, and each step's float32 output
+    [b, n, a/t, d]); recomputed: the ring recomputes its blocks' probabilities whatever
+    model.remat says (one block at a time)."""
+    n = s // c
+    if c == 1:
+        scores = scores_bytes(b, s, a, t, e, flash)
+        return {"kept": scores, "unit": scores, "keys": 0.0, "recomputed": False}
+    gathered = 2 * b * s * h * (kv_heads or a) / a / t * e  # k and v [b, s, kv/t, d]
+    if method == "allgather":
+        scores = scores_bytes(b, n, a, t, e, flash, keys=s)
+        return {"kept": scores, "unit": scores, "keys": gathered, "recomputed": False}
+    return {"kept": 0.0, "unit": scores_bytes(b, n, a, t, 4, keys=n),  # float32 in _block
+            "keys": gathered + c * 4 * b * n * h / t, "recomputed": True}
 
 
 def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False,
                            remat: str = "none", ffn: int = 0, kv_heads: int = 0,
-                           gated: bool = False) -> float:
+                           gated: bool = False, c: int = 1, method: str = "ring") -> float:
     """Bytes one layer keeps for its backward pass, one microbatch (module docstring).
     ffn: the MLP width (0: 4h); kv_heads: key/value heads (0: a); gated: SwiGLU's two
-    first matmuls."""
-    sbh, ffn, kv_heads = s * b * h, ffn or 4 * h, kv_heads or a
+    first matmuls; c, method: context parallelism (attention_terms); s is the whole
+    sequence, of which a rank holds s/c tokens."""
+    n = s // c
+    flash = flash and not (c > 1 and method == "ring")  # the ring's blocks are XLA's
+    sbh, ffn, kv_heads = n * b * h, ffn or 4 * h, kv_heads or a
     stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention
     if remat == "full":
         return stream / 2
     qkv = sbh * (1 + 2 * kv_heads / a) * e / t
     mlp = sbh * ffn / h * (2 if gated else 1) * e / t
     context = sbh * e / t
-    if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed)
-        return stream + qkv + context + mlp + (scores_bytes(b, s, a, t, e, True) if flash
-                                               else 0.0)
+    attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
+    if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed;
+        # so are the context's gathered keys or blocks: no matmul outputs)
+        return stream + qkv + context + mlp + (attention["kept"] if flash else 0.0)
     norms = 2 * sbh * e  # the two norm outputs (with SP: gathered, whole)
-    kept = stream + norms + qkv + 2 * context + mlp
-    return kept + (scores_bytes(b, s, a, t, e, flash) if remat != "selective" or flash
-                   else 0.0)
+    kept = stream + norms + qkv + 2 * context + mlp + attention["keys"]
+    return kept + (attention["kept"] if remat != "selective" or flash else 0.0)
 
 
 def korthikanti_layer_bytes(b, s, h, a, t, sp: bool = False, remat: str = "none") -> float:
@@ -117,7 +151,8 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
 
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
-                      offload=False, ffn=0, kv_heads=0, gated=False) -> dict:
+                      offload=False, ffn=0, kv_heads=0, gated=False, c=1,
+                      method="ring") -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -140,11 +175,17 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     backward of everything but the dense() weights keeps about as much, its dense() inputs
     included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
     dense_tap_bytes.
+    c, method: context parallelism; every [b, s, ...] above is [b, s/c, ...] (s stays the
+    whole sequence) and the attention core's terms are attention_terms': the ring adds one
+    recomputed block's probabilities to every layer's backward (its jax.checkpoint).
     """
-    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated)
+    flash = flash and not (c > 1 and method == "ring")  # the ring's blocks are XLA's
+    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method)
     layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash, **shape)
-    scores = scores_bytes(b, s, a, t, e, flash)
-    stage_input = b * s * h * e / (t if sp else 1)
+    attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
+    scores = attention["unit"]
+    n = s // c  # the tokens of a rank
+    stage_input = b * n * h * e / (t if sp else 1)
     chunk_layers = layers_per_stage // chunks
     if offload:
         remat = "full"
@@ -152,20 +193,22 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
     transient = {"none": 0.5 * layer, "minimal": 1.5 * layer - kept,
                  "selective": 0.5 * layer + scores, "full": 1.5 * layer}[remat]
+    if attention["recomputed"] and remat != "selective":  # the ring's block, again
+        transient += scores
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients
         transient += 2 * scores
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0
     if pipe > 1:
         slots = slots or {}
-        taped = dense_input_bytes(b, s, h, t, e) if slots.get("w") else 0.0
+        taped = dense_input_bytes(b, n, h, t, e) if slots.get("w") else 0.0
         per_slot = stage_input + (chunk_layers * (kept + taped) + stage_input
                                   if keep_activations else 0.0)
         stash = (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
-                 + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, s, h, t, e))
+                 + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, n, h, t, e))
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
             "layer_transient": transient,
-            "head_transient": head_activation_bytes(b, s, h, vocab_local, e, t if sp else 1),
+            "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1),
             "stash": stash, "offloaded": span * stage_input if offload else 0.0}
 
 

@@ -83,7 +83,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         sp=par.sequence_parallel and par.tensor > 1,
         flash=m_cfg.attention == "cudnn" and platform == "gpu",
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
-        gated=models.get(m_cfg).GATED_MLP)
+        gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention)
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full") \
@@ -123,8 +123,8 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
     device, host, acts = _memory(config, counts, slots, inputs.platform)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
-    executed = flops_per_iteration(m_cfg, B, V, recomputation(config))
-    comm, time = _time(config, inputs, counts, host, executed, bubble)
+    executed = executed_flops(config, V)
+    comm, time, context = _time(config, inputs, counts, host, executed, bubble)
     per_node = min(n, hw.gpus_per_node)
     sp = par.sequence_parallel and par.tensor > 1
     report = {
@@ -132,6 +132,8 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
         "params_formula": pm.params_formula(l, h, m_cfg.vocab_size, s),
         "params_difference": counts["params_model"] - pm.params_formula(l, h, m_cfg.vocab_size, s),
         "num_devices": n, "layout": {"data": par.data, "pipe": par.pipe, "tensor": par.tensor,
+                                     "context": par.context,
+                                     "context_attention": par.context_attention,
                                      "chunks": par.chunks, "microbatches": par.microbatches,
                                      "microbatch_size": b, "schedule": par.schedule},
         "options": options(config),
@@ -142,10 +144,10 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
         "host_memory_fits": host["total"] * per_node <= hw.host_memory,
         "activation_bytes_per_layer": acts["per_layer"],
         "korthikanti_activation_bytes_per_layer": pm.korthikanti_layer_bytes(
-            b, s, h, a, par.tensor, sp, m_cfg.remat),
+            b, s // par.context, h, a, par.tensor, sp, m_cfg.remat),
         "bubble_fraction": bubble, "pipeline_slots": slots,
         "peak_stash": max(stats[0].peak_stash) if stats else slots["stash"],
-        "comm_bytes": comm, "step_time_s": time,
+        "comm_bytes": comm, "step_time_s": time, "context": context,
         "tflops_per_device_estimate": executed / n / time["total"] / 1e12,
     }
     report["fits"] = report["memory_fits"] and report["host_memory_fits"]
@@ -155,6 +157,27 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
         report["days_to_train_eq4"] = pt.days_eq4(inputs.tokens, counts["params_model"], n,
                                                   inputs.tflops)
     return report
+
+
+def executed_flops(config: Config, vocab: int) -> float:
+    """The iteration's matmul FLOPs as executed: equation (3) with what the step
+    recomputes (recomputation), and with the ring (parallel.context > 1) its attention
+    cores at timing.context_core_fraction of the model count, run once more for the
+    backward's recomputed blocks (the ring's jax.checkpoint) beside the forward, the
+    backward's two and model.remat's: a layer's forward again with full or minimal (the
+    ring's output is no matmul output), none more with selective (the ring is its own
+    recomputation). allgather computes every score: equation (3)'s count."""
+    from jaxptd.model import get  # JAX: --verify configures it first
+    m_cfg, par = config.model, config.parallel
+    B, remat = config.train.global_batch, recomputation(config)
+    executed = flops_per_iteration(m_cfg, B, vocab, remat)
+    if par.context == 1 or par.context_attention != "ring":
+        return executed
+    core = B * m_cfg.seq_len * m_cfg.num_layers * get(m_cfg).forward_flops(m_cfg, vocab)["core"]
+    counted = 3 + (remat in ("selective", "full")
+                   or (remat == "minimal" and m_cfg.attention != "cudnn"))
+    ring = 4 + (remat in ("full", "minimal"))
+    return executed + core * (ring * pt.context_core_fraction(par.context, "ring") - counted)
 
 
 def options(config: Config) -> dict:
@@ -168,28 +191,46 @@ def options(config: Config) -> dict:
 
 
 def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed: float,
-          bubble: float) -> tuple[dict, dict]:
-    """(communication volumes, step time) of timing.py's model for one configuration."""
+          bubble: float) -> tuple[dict, dict, dict]:
+    """(communication volumes, step time, context parallelism's terms) of timing.py's
+    model for one configuration. The context ranks sit next to tensor's in the mesh: a
+    context group's c t devices use the node's links when they fit in one."""
     hw = inputs.hardware
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     gather = pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype]
+    b, s, h, c = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, par.context
+    layers = m_cfg.num_layers // par.pipe
+    again = recomputation(config) in ("full", "minimal")
     comm = pt.comm_volumes(
-        b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, t=par.tensor, e=e,
-        layers_per_stage=m_cfg.num_layers // par.pipe, grad_bytes=4 * counts["weight_params"],
-        replicas=par.data // par.fsdp_size, fsdp_group=par.fsdp_size,
+        b=b, s=s, h=h, t=par.tensor, e=e,
+        layers_per_stage=layers, grad_bytes=4 * counts["weight_params"],
+        replicas=par.data // par.fsdp_size * c, fsdp_group=par.fsdp_size,
         stage_params=counts["stage_params"], gather_bytes=gather,
         tied_grad_bytes=counts["tied_params"] * gather,
         host_per_step=_host_traffic(config, host),
-        host_per_microbatch=2 * host["activations"])
+        host_per_microbatch=2 * host["activations"], c=c,
+        context=pt.context_volumes(b=b, s=s, h=h, a=m_cfg.num_heads, t=par.tensor, e=e, c=c,
+                                   kv_heads=m_cfg.kv_heads, layers_per_stage=layers,
+                                   forward_again=again))
+    link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
+    overlap = pt.context_overlap(
+        comm=comm, c=c, method=par.context_attention, layers_per_stage=layers,
+        block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
+        device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
     time = pt.step_time(
         flops_device=executed / config.num_devices, bubble=bubble, comm=comm,
         m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
         fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
         weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
-        intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link)
-    return comm, time
+        intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link, c=c,
+        context_exposed_s=overlap["exposed_s"])
+    context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
+               "core_fraction": pt.context_core_fraction(c, par.context_attention),
+               "imbalance": pt.context_imbalance(c),
+               "imbalance_contiguous": pt.context_imbalance(c, pairs=False)}
+    return comm, time, context
 
 
 def _host_traffic(config: Config, host: dict) -> float:

@@ -41,19 +41,21 @@ def format_report(r: dict, hw: Target) -> str:
         "counts tied embeddings, learned positions and biases)",
         f"FLOPs/iter  {r['flops_per_iteration']:.4g} executed   eq. (3) with recompute "
         f"{r['flops_recompute']:.4g}, without {r['flops_no_recompute']:.4g}",
+        _context_line(r),
     ] + _memory_lines(r, hw) + [
         f"pipeline    bubble {r['bubble_fraction']:.4f}   peak stash {r['peak_stash']} "
         f"microbatch-stages   buffers {r['pipeline_slots']['stash']} stash, "
         f"{r['pipeline_slots']['grad']} grad, {r['pipeline_slots']['w']} W slots",
         f"comm/dev    p2p {comm['p2p_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"tensor {comm['tensor_per_microbatch'] / MB:.2f} MB/microbatch, "
+        f"context {comm['context_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"FSDP {comm['fsdp_per_microbatch'] / GB:.3f} GB/microbatch, "
         f"data {comm['data_per_step'] / GB:.3f} GB/step, tied embedding "
         f"{comm['tied_per_step'] / GB:.3f} GB/step (first <-> last stage), host "
         f"{(comm['host_per_step'] + lay['microbatches'] * comm['host_per_microbatch']) / GB:.3f}"
         " GB/step",
         f"step time   {t['total']:.3f} s = compute {t['compute']:.3f} (bubble incl.) + tensor "
-        f"{t['tensor']:.3f} + p2p {t['p2p']:.3f} + FSDP {t['fsdp']:.3f} + data "
+        f"{t['tensor']:.3f} + context {t['context']:.3f} + p2p {t['p2p']:.3f} + FSDP {t['fsdp']:.3f} + data "
         f"{t['data']:.3f} + host {t['host']:.3f}   ~ "
         f"{r['tflops_per_device_estimate']:.1f} TFLOP/s per device",
     ]
@@ -63,6 +65,23 @@ def format_report(r: dict, hw: Target) -> str:
     if "verify" in r:
         lines += _format_verify(r["verify"])
     return "\n".join(lines)
+
+
+def _context_line(r: dict) -> str:
+    """Context parallelism: the ranks and method, the balance of the chunk pairs, the
+    attention core executed, and whether the ring's permutes hide behind its blocks."""
+    c = r["context"]
+    if c["ranks"] == 1:
+        return "context     c=1: off (every rank holds whole sequences)"
+    if c["method"] == "ring":
+        overlap = (f"a block's permute {c['permute_s'] * 1e3:.3f} ms vs its matmuls "
+                   f"{c['block_s'] * 1e3:.3f} ms: {'hidden' if c['hidden'] else 'EXPOSED'}")
+    else:
+        overlap = "keys/values gathered before attention: not overlapped"
+    return (f"context     c={c['ranks']} {c['method']} over {c['link']}-node links; "
+            f"imbalance {c['imbalance']:.2f} with chunk pairs r, 2c-1-r (contiguous chunks: "
+            f"{c['imbalance_contiguous']:.2f}); attention core executed "
+            f"{c['core_fraction']:.3f} x the model count; {overlap}")
 
 
 def _options(o: dict) -> str:
@@ -149,15 +168,16 @@ def format_search(rows: list, hw: Target, n: int, top: int) -> str:
     if not rows:
         return (f"no layout fits {n} GPUs with {hw.usable / GB:g} GB each "
                 f"(and {hw.host_memory / GB:g} GB of host memory per node)")
-    head = f"{'p':>4} {'t':>3} {'d':>5} {'v':>3} {'m':>5} {'b':>4} {'schedule':>14} " \
+    head = f"{'p':>4} {'t':>3} {'c':>3} {'d':>5} {'v':>3} {'m':>5} {'b':>4} {'schedule':>14} " \
            f"{'options':<22} {'GB':>6} {'host GB':>8} {'bubble':>7} {'step s':>8} {'TFLOP/s':>8}"
-    body = [f"{r['pipe']:>4} {r['tensor']:>3} {r['data']:>5} {r['chunks']:>3} "
+    body = [f"{r['pipe']:>4} {r['tensor']:>3} {r['context']:>3} {r['data']:>5} {r['chunks']:>3} "
             f"{r['microbatches']:>5} {r['microbatch_size']:>4} {r['schedule']:>14} "
-            f"{short_options(r['options']):<22} {r['memory_gb']:>6.1f} "
+            f"{_row_options(r):<22} {r['memory_gb']:>6.1f} "
             f"{r['host_memory_gb']:>8.1f} {r['bubble_fraction']:>7.4f} "
             f"{r['step_time_s']:>8.3f} {r['tflops_per_device_estimate']:>8.1f}"
             + _compiled_cell(r) for r in rows[:top]]
-    legend = ("options: sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
+    legend = ("c: context ranks; options: ag allgather attention (c > 1; else the ring), "
+              "sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
               "offopt/offact offload of the optimizer state / layer inputs, "
               "inputs: stash stage inputs only")
     return "\n".join([f"{len(rows)} layouts fit; best {min(top, len(rows))} by "
@@ -171,6 +191,14 @@ def _compiled_cell(row: dict) -> str:
         return ""
     return (f"   compiled {c['gb']:.1f} GB: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
             f"MFU ceiling {c['mfu_ceiling']:.2f}")
+
+
+def _row_options(row: dict) -> str:
+    """A search row's options, "ag" first with allgather attention (format_search)."""
+    options = short_options(row["options"])
+    if row["context"] == 1 or row["context_attention"] != "allgather":
+        return options
+    return "ag" if options == "-" else "ag+" + options
 
 
 def short_options(o: dict) -> str:

@@ -1,8 +1,10 @@
 """`python -m jaxptd.plan --search N`: the layouts and memory options that fit, ranked.
 
-Owns the search space. A base layout is (p, t, d, v, b, schedule), chosen as the PTD-P
+Owns the search space. A base layout is (p, t, c, d, v, b, schedule), chosen as the PTD-P
 paper's takeaways say: t a power of two up to the GPUs per node (#1), p dividing the
-layers, the rest data (#2), every microbatch size b dividing B / d (#3); the schedules are
+layers, the rest data (#2), every microbatch size b dividing B / d (#3); context
+parallelism c in CONTEXTS where 2c divides the sequence (and the family has it), with
+both attention methods (ring, allgather) for c > 1; the schedules are
 1F1B and ZB-H1 (v = 1) or interleaved and zero-bubble interleaved (v in 2, 4; m a multiple
 of p, as Megatron requires). Each base layout is planned with each memory option set of
 OPTION_SETS (sequence parallelism, ZeRO-1, FSDP over a node's data ranks (HSDP) or all of
@@ -22,6 +24,8 @@ from jaxptd.plan.counts import real_counts
 from jaxptd.plan.inputs import PlanInputs
 from jaxptd.plan.planner import plan
 from jaxptd.units import GB
+
+CONTEXTS = (1, 2, 4, 8)  # context ranks the search tries
 
 # (name, sequence parallel, ZeRO-1, FSDP group: 0 none / "node" / "all", offload optimizer,
 #  offload activations), cheapest first
@@ -44,9 +48,10 @@ def search(config: Config, inputs: PlanInputs, n: int) -> list:
     cache, rows = {}, []
     tensors = [t for t in pm.divisors(inputs.hardware.gpus_per_node) if t & (t - 1) == 0
                and model.num_heads % t == 0 and n % t == 0]
-    for t in tensors:
-        for p in (p for p in pm.divisors(model.num_layers) if n % (t * p) == 0):
-            d = n // (t * p)
+    contexts = [c for c in CONTEXTS if c == 1 or model.seq_len % (2 * c) == 0]
+    for t, c in ((t, c) for t in tensors for c in contexts if n % (t * c) == 0):
+        for p in (p for p in pm.divisors(model.num_layers) if n % (t * c * p) == 0):
+            d = n // (t * c * p)
             if B % d:
                 continue
             chunks = [1] if p == 1 else [v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
@@ -56,9 +61,11 @@ def search(config: Config, inputs: PlanInputs, n: int) -> list:
                     if v > 1 and m % p:
                         continue
                     for kind in _schedules(p, v):
-                        row = _best_options(config, inputs, cache, p, t, d, v, m, kind)
-                        if row:
-                            rows.append(row)
+                        for method in ("ring", "allgather") if c > 1 else ("ring",):
+                            row = _best_options(config, inputs, cache, (p, t, c, d, v, m),
+                                                kind, method)
+                            if row:
+                                rows.append(row)
     return sorted(rows, key=lambda r: -r["tflops_per_device_estimate"])
 
 
@@ -68,10 +75,14 @@ def _schedules(p: int, v: int) -> tuple:
     return ("1f1b", "zb-h1") if v == 1 else ("interleaved", "zb-interleaved")
 
 
-def _best_options(config, inputs, cache, p, t, d, v, m, kind):
-    """The fastest option set of one base layout that fits, as a search row (or None).
-    cache: real_counts by what they depend on, shared by the whole search."""
-    parallel = dataclasses.replace(config.parallel, data=d, pipe=p, tensor=t, chunks=v,
+def _best_options(config, inputs, cache, layout, kind, method):
+    """The fastest option set of one base layout (p, t, c, d, v, m) with this schedule
+    and context attention method that fits, as a search row (or None). cache:
+    real_counts by what they depend on (not the context ranks, over which the parameters
+    are replicated), shared by the whole search."""
+    p, t, c, d, v, m = layout
+    parallel = dataclasses.replace(config.parallel, data=d, pipe=p, tensor=t, context=c,
+                                   context_attention=method, chunks=v,
                                    microbatches=m, schedule=kind, sequence_parallel=False,
                                    fsdp=False, fsdp_group=0)
     base = dataclasses.replace(config, parallel=parallel,
@@ -106,8 +117,9 @@ def _best_options(config, inputs, cache, p, t, d, v, m, kind):
 def overrides(config: Config) -> list:
     """The section.key=value settings a search row varies, to reproduce it (or compile it:
     `plan --search N --verify --target h100`)."""
-    par, fields = config.parallel, ("data", "pipe", "tensor", "chunks", "microbatches",
-                                    "schedule", "sequence_parallel", "fsdp", "fsdp_group")
+    par, fields = config.parallel, ("data", "pipe", "tensor", "context", "context_attention",
+                                    "chunks", "microbatches", "schedule",
+                                    "sequence_parallel", "fsdp", "fsdp_group")
     return ([f"parallel.{f}={getattr(par, f)}" for f in fields]
             + [f"optimizer.zero1={config.optimizer.zero1}",
                f"offload.optimizer={config.offload.optimizer}",
@@ -117,11 +129,12 @@ def overrides(config: Config) -> list:
 def _with_options(base: Config, gpus_per_node: int):
     """base with each applicable option set of OPTION_SETS, cheapest first."""
     par = base.parallel
-    node_group = gpus_per_node // (par.tensor * par.pipe)
+    node_group = gpus_per_node // (par.tensor * par.context * par.pipe)
     seen = set()
     for _, sp, zero1, group, offload_opt, offload_act in OPTION_SETS:
         g = {0: 0, "node": node_group, "all": par.data}[group]
-        if (sp and (par.tensor == 1 or base.model.seq_len % par.tensor)) or (offload_act and par.pipe > 1) or \
+        if (sp and (par.tensor == 1 or base.model.seq_len % (par.tensor * par.context))) \
+                or (offload_act and par.pipe > 1) or \
                 (group and (g < 2 or par.data % g)) or (group == "node" and g == par.data):
             continue
         zero1 = zero1 and par.data // max(g, 1) > 1

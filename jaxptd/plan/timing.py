@@ -1,5 +1,17 @@
 """The planner's time model: pipeline bubble, communication volumes, step time, training
-days. No JAX. Notation as in jaxptd/plan/model.py (the PTD-P paper's, seeds/000 §3.1).
+days, and context parallelism's attention work, traffic and balance. No JAX. Notation as
+in jaxptd/plan/model.py (the PTD-P paper's, seeds/000 §3.1); c context ranks, n = s/c
+tokens a rank, k key/value heads.
+
+Context parallelism (jaxptd/model/context.py): a rank's n queries attend to all s keys.
+allgather gathers the keys and values (each rank receives (c - 1) blocks [2, b, n, k/t,
+d]) before its one attention and reduce-scatters their gradients after it: not overlapped.
+The ring passes a block c - 1 times a layer forward and the gradients c - 1 times
+backward, each permute beside one block's attention: hidden when a block's bytes cross
+the context link in less time than its matmuls take. The ring computes its own block
+(n x n, causal) and the visible half of every other (n x n/2): n^2 (c + 1)/2 scores a
+row and head against allgather's n s (every score computed, then masked), of the
+model count's n s a rank (eq. 3's 4 s h a token: no causal halving).
 """
 from __future__ import annotations
 
@@ -18,24 +30,74 @@ def bubble_formula(p: int, v: int, m: int, zero_bubble: bool = False) -> float:
     return (p - 1) / (v * m)
 
 
+def context_chunks(rank: int, c: int, pairs: bool = True) -> tuple:
+    """The chunks (of 2c) context rank `rank` holds: r and 2c-1-r (pairs, as
+    jaxptd/model/sequence.local_index lays them), or contiguous 2r and 2r+1."""
+    return (rank, 2 * c - 1 - rank) if pairs else (2 * rank, 2 * rank + 1)
+
+
+def context_imbalance(c: int, pairs: bool = True) -> float:
+    """Max over the context ranks / mean of the causal attention work of their chunks:
+    chunk i's queries see i whole chunks and half of their own, i + 1/2 chunk areas.
+    Pairs: every rank 2c, 1.0; contiguous chunks: (2c - 1)/c."""
+    work = [sum(i + 0.5 for i in context_chunks(r, c, pairs)) for r in range(c)]
+    return max(work) / (sum(work) / c)
+
+
+def context_core_fraction(c: int, method: str) -> float:
+    """The attention-core FLOPs a context rank executes over the model count (n s scores
+    a row and head): the ring's n^2 + (c - 1) n^2/2 = (c + 1)/(2c) of it, allgather's n s
+    all of it (module docstring)."""
+    return (c + 1) / (2 * c) if c > 1 and method == "ring" else 1.0
+
+
+def ring_block_flops(b, s, h, t, c) -> float:
+    """The forward matmul FLOPs of one of the ring's visible half blocks on a rank:
+    q k^T and p v over n x n/2 scores of a/t heads of d = h/a, 2 b n^2 h / t."""
+    n = s / c
+    return 4 * b * n * (n / 2) * h / t
+
+
+def context_volumes(*, b, s, h, a, t, e, c, kv_heads, layers_per_stage,
+                    forward_again: bool = False) -> dict:
+    """Context traffic per device: `block`, a key/value block [2, b, n, k/t, d] in the
+    compute dtype; `per_microbatch`, what the stage's layers move for one microbatch:
+    (c - 1) blocks a layer forward (the ring's permutes, or what allgather receives),
+    as much backward (the ring's gradients passed back; allgather's reduce-scatter), and
+    again forward with `forward_again` (model.remat full or minimal: the attention's
+    inputs are no matmul outputs, so the layer's forward and its context traffic rerun).
+    The two methods move the same bytes; they differ in what hides them (step_time)."""
+    if c == 1:
+        return {"block": 0.0, "per_microbatch": 0.0}
+    block = 2 * b * (s / c) * h * (kv_heads or a) / a / t * e
+    runs = 3 if forward_again else 2
+    return {"block": block, "per_microbatch": layers_per_stage * (c - 1) * block * runs}
+
+
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
                  stage_params=0.0, gather_bytes=4, tied_grad_bytes=0.0, host_per_step=0.0,
-                 host_per_microbatch=0.0) -> dict:
+                 host_per_microbatch=0.0, c=1, context=None) -> dict:
     """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
     stages (b s h / t with scatter/gather, §4.1, or sequence parallelism); tensor
     8 b s h (t - 1) / t per layer per microbatch (forward + backward; sequence parallelism's
-    all-gathers and reduce-scatters move the same, Korthikanti et al. §4.2.2); data: ring
+    all-gathers and reduce-scatters move the same, Korthikanti et al. §4.2.2); with c
+    context ranks each of these carries s/c tokens, and `context` (context_volumes) is
+    the attention's traffic; data: ring
     all-reduce 2 (r - 1) / r of the float32 gradients over the r data replicas once per
-    step (§3.3.1; ZeRO-1's reduce-scatter and all-gather move the same). FSDP over g ranks:
+    step (§3.3.1; ZeRO-1's reduce-scatter and all-gather move the same; r counts the
+    context ranks too, which hold the same parameters). FSDP over g ranks:
     per microbatch each layer is gathered for the forward and again for the backward and
     its gradient reduce-scattered, 3 (g - 1) / g of the stage's parameters. Embedding
     (pipelined, tied): the first and last stage send each other their gradient of it
     once per step (§3.3.1's embedding group of two; jaxptd/step.py). Host: what
     offloading moves over PCIe (the optimizer state per step, layer inputs per microbatch).
     """
+    n, context = s / c, context or {"block": 0.0, "per_microbatch": 0.0}
     return {
-        "p2p_per_microbatch": b * s * h * e / t,
-        "tensor_per_microbatch": layers_per_stage * 8 * b * s * h * (t - 1) / t * e,
+        "p2p_per_microbatch": b * n * h * e / t,
+        "tensor_per_microbatch": layers_per_stage * 8 * b * n * h * (t - 1) / t * e,
+        "context_per_microbatch": context["per_microbatch"],
+        "context_block": context["block"],
         "fsdp_per_microbatch": 3 * (fsdp_group - 1) / fsdp_group * stage_params * gather_bytes,
         "data_per_step": 2 * (replicas - 1) / replicas * grad_bytes if replicas > 1 else 0.0,
         "tied_per_step": tied_grad_bytes,
@@ -43,28 +105,52 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     }
 
 
+def context_overlap(*, comm, c, method, layers_per_stage, block_flops, device_flops,
+                    bandwidth, forward_again: bool = False) -> dict:
+    """Seconds of context traffic per microbatch: `permute_s` one block over the context
+    link, `block_s` one visible half block's forward matmuls at device_flops; the ring is
+    `hidden` when permute_s <= block_s (a backward block does twice the matmuls: hidden
+    sooner) and otherwise exposes the difference at each of its permutes; allgather's
+    traffic is all exposed (its attention waits for the gather). `exposed_s` per
+    microbatch."""
+    if c == 1:
+        return {"permute_s": 0.0, "block_s": 0.0, "hidden": True, "exposed_s": 0.0}
+    permute, block = comm["context_block"] / bandwidth, block_flops / device_flops
+    if method == "allgather":
+        return {"permute_s": permute, "block_s": block, "hidden": False,
+                "exposed_s": comm["context_per_microbatch"] / bandwidth}
+    forwards = 2 if forward_again else 1
+    per_layer = (c - 1) * (forwards * max(0.0, permute - block)
+                           + max(0.0, permute - 2 * block))
+    return {"permute_s": permute, "block_s": block, "hidden": permute <= block,
+            "exposed_s": layers_per_stage * per_layer}
+
+
 def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_per_node,
               device_flops, hbm_bytes_per_s, weight_bytes_per_microbatch, intra_bw, inter_bw,
-              host_bw=25e9) -> dict:
+              host_bw=25e9, c=1, context_exposed_s=0.0) -> dict:
     """Seconds per iteration: compute (roofline per microbatch: its FLOPs at device_flops
     or its weight reads from memory, whichever is slower) stretched by the bubble, plus
     communication that is not overlapped: tensor (intra-node when t <= gpus_per_node),
-    point-to-point forward and backward (inter-node when a stage spans beyond a node)
+    context (context_exposed_s a microbatch, context_overlap's), point-to-point forward
+    and backward (inter-node when a stage spans beyond a node)
     and the tied embedding's exchange between the first and last stage,
-    FSDP's gathers (intra-node when a group's g p t devices fit in a node), the data-
+    FSDP's gathers (intra-node when a group's g p c t devices fit in a node), the data-
     parallel reduction (inter-node unless the whole job fits in one node) and host
-    transfers at host_bw.
+    transfers at host_bw. The mesh is [data, fsdp, pipe, context, tensor], tensor
+    innermost: a group of an axis spans the axes inside it.
     """
     per_microbatch = max(flops_device / m / device_flops,
                          weight_bytes_per_microbatch / hbm_bytes_per_s)
     compute = m * per_microbatch * (1 + bubble)
     tensor_bw = intra_bw if t <= gpus_per_node else inter_bw
-    p2p_bw = intra_bw if t * p <= gpus_per_node else inter_bw
-    fsdp_bw = intra_bw if fsdp_group * p * t <= gpus_per_node else inter_bw
-    data_bw = intra_bw if t * p * d <= gpus_per_node else inter_bw
+    p2p_bw = intra_bw if t * c * p <= gpus_per_node else inter_bw
+    fsdp_bw = intra_bw if fsdp_group * p * c * t <= gpus_per_node else inter_bw
+    data_bw = intra_bw if t * c * p * d <= gpus_per_node else inter_bw
     parts = {
         "compute": compute,
         "tensor": m * comm["tensor_per_microbatch"] / tensor_bw,
+        "context": m * context_exposed_s,
         "p2p": (2 * m * v * comm["p2p_per_microbatch"] + comm["tied_per_step"]) / p2p_bw
         if p > 1 else 0.0,
         "fsdp": m * comm["fsdp_per_microbatch"] / fsdp_bw,

@@ -98,7 +98,7 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     """What XLA's cost analysis counts: it counts a while loop's body once, so the
     microbatch scan and the layer scan contribute one microbatch through one layer
     (forward, backward and what model.remat recomputes; Appendix) plus the logit
-    layer (6 b s h V), per device. A step that reduces gradients inside the last
+    layer (6 b s h V), per device (a context rank's s/c tokens). A step that reduces gradients inside the last
     microbatch's backward runs that microbatch outside the scan: two microbatches."""
     from jaxptd.model import get
     m_cfg, par = config.model, config.parallel
@@ -107,7 +107,7 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     forward, core = per_token["layer"], per_token["core"]
     layer = 3 * forward + {"none": 0, "selective": core, "full": forward}[recomputation(config)]
     bodies = 2 if config.peels_last_microbatch else 1
-    return bodies * tokens * (layer + 3 * per_token["head"]) / par.tensor
+    return bodies * tokens * (layer + 3 * per_token["head"]) / (par.tensor * par.context)
 
 
 def cpu_backend(config: Config) -> str | None:
