@@ -86,29 +86,41 @@ def _ring(q, k, v, rows: Rows, mine: Rows, layout: Layout, *, causal, scale):
             o_j, lse_j = _visible_half(q, kv, mask, scale, later=origin < rank)
         else:
             o_j, lse_j = _block(q, kv[0], kv[1], mask, scale)
-        new = jnp.logaddexp(lse, lse_j)  # finite: every query sees itself at step 0
-        safe = jnp.where(jnp.isneginf(new), 0.0, new)
-        out = (out * jnp.exp(lse - safe)[..., None] + o_j * jnp.exp(lse_j - safe)[..., None])
-        lse = new
+        out, lse = _merge(out, lse, o_j, lse_j)
     return out.astype(q.dtype)
 
 
 def _visible_half(q, kv, mask, scale, later):
-    """A causal ring step's block from another rank: of the [n, n] scores only half can be
-    visible, so only that half is computed. Rank r holds chunks (r, 2c-1-r); a block from
-    rank o < r (`later`: r's chunks come after o's first) is seen by all of r's queries
-    in its first chunk only, and its second chunk (2c-1-o > 2c-1-r) by none; a block from
-    o > r is seen whole by r's second chunk only. The mask still applies (packed rows)."""
+    """A causal ring step's block from another rank: of its [n, n] scores only half can be
+    visible, and only that half is computed, as two [n/2, n/2] quarters. Rank r holds
+    chunks (r, 2c-1-r) as halves (q1, q2) and the block from rank o its (k1, k2): for
+    o < r (`later`) q1 and q2 see k1 and neither sees k2; for o > r only q2 sees, k1 and k2.
+    (q2, k1) is computed either way and the other quarter is picked by selects, not a
+    conditional (which would stop the next block's send from overlapping it). The mask
+    still applies (packed rows)."""
     half = q.shape[1] // 2
+    k, v = kv[0], kv[1]
 
-    def keys_first_half(_):
-        return _block(q, kv[0][:, :half], kv[1][:, :half], mask[..., :half], scale)
+    def pick(a, b):
+        return jnp.where(later, a, b)
+    other = _block(pick(q[:, :half], q[:, half:]), pick(k[:, :half], k[:, half:]),
+                   pick(v[:, :half], v[:, half:]),
+                   pick(mask[:, :, :half, :half], mask[:, :, half:, half:]), scale)
+    shared = _block(q[:, half:], k[:, :half], v[:, :half], mask[:, :, half:, :half], scale)
+    unseen = jnp.full_like(other[1], -jnp.inf)
+    first = (other[0], pick(other[1], unseen))  # q1: the other quarter if o < r, else none
+    second = _merge(*shared, other[0], pick(unseen, other[1]))
+    return (jnp.concatenate([first[0], second[0]], axis=1),
+            jnp.concatenate([first[1], second[1]], axis=1))
 
-    def queries_second_half(_):
-        o, lse = _block(q[:, half:], kv[0], kv[1], mask[:, :, half:], scale)
-        return (jnp.concatenate([jnp.zeros_like(o), o], axis=1),
-                jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
-    return lax.cond(later, keys_first_half, queries_second_half, None)
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Two partial attentions of the same queries over disjoint keys, (weighted values
+    [b, n, heads, d] float32, log-sum-exp [b, n, heads]) -> the attention over both."""
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isneginf(lse), 0.0, lse)  # no key in either: zeros
+    return (out_a * jnp.exp(lse_a - safe)[..., None]
+            + out_b * jnp.exp(lse_b - safe)[..., None]), lse
 
 
 def _pass_on(block, *, axis: str, size: int, cpu: bool):
