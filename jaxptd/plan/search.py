@@ -3,7 +3,8 @@
 Owns the search space. A base layout is (p, t, c, d, v, b, schedule), chosen as the PTD-P
 paper's takeaways say: t a power of two up to the GPUs per node (#1), p dividing the
 layers, the rest data (#2), every microbatch size b dividing B / d (#3); context
-parallelism c in CONTEXTS where 2c divides the sequence (and the family has it), with
+parallelism c in CONTEXTS where 2c divides the sequence and leaves each rank at least
+MIN_CONTEXT_TOKENS (and the family has it), with
 both attention methods (ring, allgather) for c > 1; the schedules are
 1F1B and ZB-H1 (v = 1) or interleaved and zero-bubble interleaved (v in 2, 4; m a multiple
 of p, as Megatron requires). Each base layout is planned with each memory option set of
@@ -26,6 +27,12 @@ from jaxptd.plan.planner import plan
 from jaxptd.units import GB
 
 CONTEXTS = (1, 2, 4, 8)  # context ranks the search tries
+# ... where each rank keeps at least this many tokens: a ring block's matmuls (2 b n^2 h/t
+# FLOPs) hide its send (2 b n h (k/a)/t e bytes) only from n ~ 1,100 (k/a = 1/4) to 4,400
+# (k = a) tokens on an H100's NVLink (the planner's overlap model, timing.py), and below
+# that sequence parallelism splits the activations for less. It also keeps --search at
+# short sequences as fast as without context parallelism (7 x the plans otherwise).
+MIN_CONTEXT_TOKENS = 1024
 
 # (name, sequence parallel, ZeRO-1, FSDP group: 0 none / "node" / "all", offload optimizer,
 #  offload activations), cheapest first
@@ -48,7 +55,8 @@ def search(config: Config, inputs: PlanInputs, n: int) -> list:
     cache, rows = {}, []
     tensors = [t for t in pm.divisors(inputs.hardware.gpus_per_node) if t & (t - 1) == 0
                and model.num_heads % t == 0 and n % t == 0]
-    contexts = [c for c in CONTEXTS if c == 1 or model.seq_len % (2 * c) == 0]
+    contexts = [c for c in CONTEXTS if c == 1 or (model.seq_len % (2 * c) == 0 and
+                                                  model.seq_len // c >= MIN_CONTEXT_TOKENS)]
     for t, c in ((t, c) for t in tensors for c in contexts if n % (t * c) == 0):
         for p in (p for p in pm.divisors(model.num_layers) if n % (t * c * p) == 0):
             d = n // (t * c * p)
