@@ -37,22 +37,21 @@ CASES = {
     "c2 ring": ((1, 1, 1), cp(2)),
     "c2 allgather t2 sp": ((1, 1, 2), cp(2, "allgather", "parallel.sequence_parallel=true")),
     "c4 ring llama": ((1, 1, 1), cp(4, "ring", *LLAMA)),
-    "c2 ring d2 zero1": ((2, 1, 1), cp(2, "ring", "optimizer.zero1=true")),
-    "c2 ring d2 fsdp": ((2, 1, 1), cp(2, "ring", "parallel.fsdp=true")),
-    "c2 ring t2 remat": ((1, 1, 2), cp(2, "ring", "model.remat=full")),
-    "c2 ring selective offload": ((1, 1, 1), cp(2, "ring", "model.remat=selective",
-                                                "offload.activations=true")),
+    "c2 ring d2 t2 zero1 remat": ((2, 1, 2), cp(2, "ring", "optimizer.zero1=true",
+                                                "model.remat=full")),
+    "c2 ring d2 fsdp selective offload": ((2, 1, 1), cp(2, "ring", "parallel.fsdp=true",
+                                                        "model.remat=selective",
+                                                        "offload.activations=true")),
     "c2 ring p2 t2 1f1b": ((1, 2, 2), cp(2, "ring", "parallel.microbatches=2")),
     "c2 allgather p2 zb-h1 llama": ((1, 2, 1), cp(2, "allgather", *LLAMA,
                                                    "parallel.microbatches=4",
                                                    "parallel.schedule=zb-h1")),
-    "c2 ring p2 interleaved": ((1, 2, 1), cp(2, "ring", "parallel.microbatches=4",
-                                             "parallel.schedule=interleaved",
-                                             "parallel.chunks=2")),
-    "c4 allgather p2 llama": ((1, 2, 1), cp(4, "allgather", *LLAMA,
-                                            "parallel.microbatches=2")),
+    "c4 allgather p2 interleaved llama": ((1, 2, 1), cp(4, "allgather", *LLAMA,
+                                                        "parallel.microbatches=4",
+                                                        "parallel.schedule=interleaved",
+                                                        "parallel.chunks=2")),
 }
-FAST = ("c2 ring", "c2 allgather t2 sp", "c4 ring llama")
+FAST = ("c2 ring", "c4 ring llama")
 
 
 def packed_batch(config, seed=0):
@@ -91,7 +90,7 @@ def _documents(rng, lengths, vocab):
     return docs
 
 
-@pytest.mark.parametrize("arch", ["gpt", "llama"])
+@pytest.mark.parametrize("arch", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_packed_row_gives_each_document_its_own_logits_and_loss(arch):
     """A row of three documents: each document's logits are those it has as a row of its
     own (positions restart, no attention across), the row's loss is the documents' summed
@@ -124,6 +123,7 @@ def test_packed_row_gives_each_document_its_own_logits_and_loss(arch):
     assert not np.allclose(logits(row, stream)[:, 7:], packed[:, 7:], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_packed_rows_under_context_parallelism_are_their_documents():
     """The loss of a packed batch under context 2 (ring, tensor 2) is the sum of its
     documents' losses, each run alone on one device: the step's loss times its

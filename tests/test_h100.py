@@ -9,7 +9,8 @@ backward (grouped-query heads included, nothing re-run by recomputation); no con
 in any pipeline round loop; in steady rounds the stage-to-stage sends have a GEMM or
 attention scheduled while they are in flight (all of them with a W slot after the B slot;
 otherwise the forward's); the static cost report counts a known program
-exactly; the planner's memory is the compiled step's within 10%.
+exactly; the planner's memory is the compiled step's within 10%; context parallelism's
+ring sends overlap its blocks, its all-gather and packed rows run cuDNN.
 
 Needs the CUDA compile extra (`pip install -e '.[h100]'`, which .ci/run installs); without
 it these tests skip, unless JAXPTD_REQUIRE_H100 is set (CI sets it: there they must run).
@@ -147,6 +148,49 @@ def test_step_compiles_for_h100(name):
         # some pipelines (jaxptd/target.py)
         split = "zb" in par.schedule
         assert all(all(o) if split else any(o) for o in overlapped.values()), overlapped
+
+
+# context parallelism on a Llama with grouped-query attention, tensor 2 (8 H100s: c = 4)
+CONTEXT = ["model.arch=llama", "model.num_kv_heads=2", "model.seq_len=1024",
+           "parallel.tensor=2", "train.global_batch=2"]
+
+
+def opcodes(module, opcode) -> int:
+    found = 0
+
+    def visit(comp, instr, count):
+        nonlocal found
+        found += instr.opcode == opcode
+    hlo.walk(module, visit)
+    return found
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_context_ring_sends_overlap_its_blocks():
+    """Ring attention at context 4: c - 1 sends a layer forward and as many backward (their
+    transposes), every one with a GEMM in flight (the next block's send beside this
+    block's scores), and no conditional (the half-visible blocks are picked by selects)."""
+    config, _, report, module = compiled("parallel.context=4", *CONTEXT)
+    assert report["fits"]
+    sends = [c for c in hlo.collectives(module) if c.kind == "collective-permute"]
+    assert len(sends) == 2 * config.model.num_layers * (4 - 1)
+    assert all(set(c.overlap) & {"gemm", "attention"} for c in sends), sends
+    assert opcodes(module, "conditional") == 0
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_context_allgather_and_packed_rows_run_cudnn():
+    """All-gathered keys and values, and packed rows, attend with one cuDNN flash attention
+    a layer (its masked kernel: the mask as a bias), forward and backward."""
+    for extra in (["parallel.context=2", "parallel.context_attention=allgather"],
+                  ["model.document_end=7"]):
+        config, _, report, module = compiled(*extra, *CONTEXT)
+        assert report["fits"]
+        layers = config.model.num_layers
+        assert cudnn_launches(module, "fmhaScaleBiasSoftmax") == layers
+        assert cudnn_launches(module, "fmhaScaleBiasSoftmaxBackward") == layers
 
 
 @needs_compiler
