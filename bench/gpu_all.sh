@@ -11,6 +11,8 @@
 #   sizes       bench/gpu_train.py: GPT 1.3B, 350M, 125M as configured, each with
 #               the PyTorch baseline (bench/torch_gpt.py) when torch is importable
 #   llama       the Llama-style sizes (skipped, with a note, until model.arch=llama exists)
+#   long        Llama-1.3B at an 8k sequence: one stream, packed rows (cuDNN's masked
+#               kernel), and with 2 GPUs or more context parallelism 2 (ring, all-gather)
 #   variants    GPT-1.3B: attention xla/cudnn x kernels xla/pallas x remat
 #               none/minimal/selective/full, scanned layers (the GPU default unrolls them),
 #               one change at a time from the config
@@ -32,7 +34,7 @@
 # 2-layer models, eager PyTorch): what CI runs (tests/test_bench_gpu.py).
 set -u -o pipefail
 
-ALL_PARTS=(env kernels sizes llama variants microbatch profile pipeline)
+ALL_PARTS=(env kernels sizes llama long variants microbatch profile pipeline)
 usage="usage: bench/gpu_all.sh [--toy] OUT_DIR [PART ...]; parts: ${ALL_PARTS[*]}"
 TOY=""
 if [ "${1:-}" = "--toy" ]; then TOY=1; shift; fi
@@ -61,11 +63,12 @@ BUDGET=${GPU_ALL_BUDGET_S:-500}
 PART_TIMEOUT=${GPU_ALL_PART_TIMEOUT_S:-580}
 
 if [ -n "$TOY" ]; then
-  BIG=gpt-toy; MID=gpt-toy; SMALL=gpt-toy; LLAMA=llama-toy
+  BIG=gpt-toy; MID=gpt-toy; SMALL=gpt-toy; LLAMA=llama-toy; LONG=llama-toy; SEQ=64
   TRAIN=(--steps 2 --warmup 1 --budget-s "$BUDGET" --out-dir "$OUT")
   KERNELS=(--toy --reps 2)
 else
   BIG=gpt-1.3B; MID=gpt-350M; SMALL=gpt-125M; LLAMA=llama-125M,llama-350M,llama-1.3B
+  LONG=llama-1.3B; SEQ=8192
   TRAIN=(--budget-s "$BUDGET" --out-dir "$OUT" --previous bench/results)
   KERNELS=()
 fi
@@ -82,6 +85,15 @@ for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'torch', 'triton
 part_kernels() { $PY bench/kernels.py "${KERNELS[@]}" --out-dir "$OUT"; }
 part_sizes() { $PY bench/gpu_train.py --models "$BIG,$MID,$SMALL" "${TRAIN[@]}"; }
 part_llama() { $PY bench/gpu_train.py --models "$LLAMA" "${TRAIN[@]}"; }
+part_long() {
+  local variants=("seq=$SEQ,b=1" "seq=$SEQ,b=1,pack=0")
+  if [ "$($PY -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
+    variants+=("seq=$SEQ,b=1,context=2")
+  else
+    echo "one device: no context parallelism rows"
+  fi
+  $PY bench/gpu_train.py --models "$LONG" --variants "${variants[@]}" "${TRAIN[@]}"
+}
 part_variants() {
   $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants \
     attention=xla,b=2 attention=xla,kernels=pallas,b=2 attention=xla,remat=selective \

@@ -58,7 +58,8 @@ TOY = ("model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
        "model.seq_len=32", "model.vocab_size=500")
 ARCHS = {"gpt": (), "llama": ("model.arch=llama",)}
 VARIANT_KEYS = {"attention": "model.attention", "kernels": "model.kernels",
-                "remat": "model.remat", "scan": "model.scan_layers"}
+                "remat": "model.remat", "scan": "model.scan_layers", "seq": "model.seq_len",
+                "pack": "model.document_end", "context": "parallel.context"}
 RUN_TIMEOUT_S = 300
 
 

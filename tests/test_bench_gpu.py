@@ -270,7 +270,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     profile = json.loads((out / "profile_gpt-toy_cpu.json").read_text())
     assert profile["ops"] and profile["categories"] and profile["op_time_ms"] > 0
     log = (out / "gpu_all.log").read_text()
-    for part in ("env", "kernels", "sizes", "llama", "variants", "microbatch", "profile",
-                 "pipeline"):
+    for part in ("env", "kernels", "sizes", "llama", "long", "variants", "microbatch",
+                 "profile", "pipeline"):
         assert f"==== part {part}" in log and f"\n{part:<11} ok" in log
     assert "reproduce: bench/gpu_all.sh --toy OUT_DIR env kernels" in log
