@@ -1,9 +1,9 @@
 """Context parallelism and packed rows (jaxptd/model/sequence.py, jaxptd/model/context.py).
 
 fp32 parity: at context 2 and 4, by ring and all-gather, alone and with data, tensor
-(with and without sequence parallelism), pipe (several schedules), FSDP, ZeRO-1 and
-recomputation, the loss and every gradient equal the single-device program's (rtol 1e-5),
-on packed rows. Packed rows give each document the logits and loss it has alone (the
+(with and without sequence parallelism), pipe (several schedules), FSDP, ZeRO-1,
+recomputation and offload, the loss and every gradient equal the single-device program's
+(rtol 1e-5), on packed rows (the decoders) and on BERT's padded bidirectional rows. Packed rows give each document the logits and loss it has alone (the
 independent reference: each document run as its own row), under context parallelism too.
 The chunk pairs balance the causal work (a checkpoint restores across a change of context:
 tests/test_checkpoint.py).
@@ -46,6 +46,9 @@ CASES = {
     "c2 allgather p2 zb-h1 llama": ((1, 2, 1), cp(2, "allgather", *LLAMA,
                                                    "parallel.microbatches=4",
                                                    "parallel.schedule=zb-h1")),
+    "c2 ring p2 bert": ((1, 2, 1), ["parallel.context=2", "model.arch=bert",
+                                    "model.vocab_size=304", "model.init_std=0.2",
+                                    "parallel.microbatches=2"]),
     "c4 allgather p2 interleaved llama": ((1, 2, 1), cp(4, "allgather", *LLAMA,
                                                         "parallel.microbatches=4",
                                                         "parallel.schedule=interleaved",

@@ -157,8 +157,6 @@ def _canonical(m: ModelConfig, tensors: dict) -> dict:
 
 FAMILY = Family(
     name="bert", load=_load, config_errors=_config_errors,
-    # its pooled [CLS] token and each row's masked-LM mean need the whole row
-    context_parallel=False,
     options={"norm_position": "model.norm_position={value}: only model.arch=bert has "
              "post-LayerNorm",
              "special_ids": "model.special_ids={value!r}: only model.arch=bert has special "

@@ -99,5 +99,4 @@ class Family:
     # model keys only this family reads: {key: the message when another family's config
     # sets it off its default ({value}: the value)}
     options: dict[str, str] = field(default_factory=dict)
-    # whether its model splits a row's tokens over context ranks (parallel.context > 1)
-    context_parallel: bool = True
+

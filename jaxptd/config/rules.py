@@ -136,9 +136,6 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
     _require(not par.sequence_parallel or m.seq_len % (c * tensor) == 0,
              f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
              f"parallel.context x parallel.tensor = {c * tensor}")
-    _require(c == 1 or FAMILIES[m.arch].context_parallel,
-             f"parallel.context={c}: model.arch={m.arch} has no context parallelism; set "
-             "parallel.context=1")
     _require(m.document_end < m.vocab_size,
              f"model.document_end={m.document_end}: must be a token id below "
              f"model.vocab_size={m.vocab_size} (-1: none)")

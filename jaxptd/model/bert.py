@@ -33,11 +33,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, sequence, stack
 from jaxptd.model.layers import Block, layer_norm
+from jaxptd.model.sequence import Rows
 from jaxptd.model.tensor import Layout, dense, enter_tensor, normal, token_block, zeros
 from jaxptd.model.vocab import Embed, embedding_dropout, vocab_parallel_xent
 from jaxptd.sharding import gather_invariant
@@ -162,17 +164,24 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
 def embed(ends, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool):
     """BERT rows [b, 3 s + 1] -> token + position + type embeddings [b, s, h], dropout."""
     ids, types, _, _ = _columns(batch, cfg)
-    x = _embed(cfg, layout).apply({"params": ends["embed"]}, ids)
-    types = Heads(cfg, layout).apply({"params": ends["heads"]}, types, method=Heads.types)
+    rows = attention_mask(batch, cfg, layout)  # context parallelism: this rank's tokens
+    positions = sequence.local_positions(rows, layout) if isinstance(rows, Rows) else None
+    x = _embed(cfg, layout).apply({"params": ends["embed"]}, sequence.split(ids, layout), 0,
+                                  positions)
+    types = Heads(cfg, layout).apply({"params": ends["heads"]}, sequence.split(types, layout),
+                                     method=Heads.types)
     x = x + token_block(types, layout)  # [b, s/t, h] with sequence parallelism
     return embedding_dropout(sequence.vary(x, layout), key, cfg, layout, deterministic)
 
 
 def attention_mask(batch, cfg: ModelConfig, layout: Layout):
     """Keys at [PAD] positions are masked out of every attention: [b, 1, 1, s], True =
-    masked (jaxptd.model.apply_layers gives it to every layer)."""
+    masked, or with context parallelism the rows' sequence.Rows with that padding
+    (jaxptd.model.apply_layers gives it to every layer)."""
     ids = _columns(batch, cfg)[0]
-    return (ids == _specials(cfg)[0])[:, None, None, :]
+    padding = ids == _specials(cfg)[0]
+    rows = sequence.rows_of(ids, cfg, layout, padding)
+    return padding[:, None, None, :] if rows is None else rows
 
 
 def output_logits(ends, x, cfg: ModelConfig, layout: Layout):
@@ -196,15 +205,21 @@ def output_logits(ends, x, cfg: ModelConfig, layout: Layout):
 def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
     """seq_len x (mean masked-LM loss + SOP loss), summed over the rows (module docstring)."""
     _, _, labels, sop = _columns(batch, cfg)
+    labels = sequence.split(labels, layout)  # context parallelism: this rank's tokens
     logits, sop_logits = output_logits(ends, x, cfg, layout)
     # the specials at the top of the vocabulary are never predicted
     token_loss = vocab_parallel_xent(logits, jnp.maximum(labels, 0), cfg, layout,
                                      classes=cfg.vocab_size - reserved_ids(cfg))
     predicted = labels >= 0
-    mlm = jnp.sum(jnp.where(predicted, token_loss, 0.0), -1) / jnp.maximum(
-        jnp.sum(predicted, -1), 1)
+    count = jnp.sum(predicted, -1)
     sop_loss = jax.nn.logsumexp(sop_logits, -1) - jnp.take_along_axis(
         sop_logits, sop[:, None], -1)[:, 0]
+    if layout.context > 1 and layout.context_axis is not None:
+        # each context rank sums its tokens' losses over the row's count; the [CLS] token,
+        # pooled for SOP, is rank 0's first (the step sums the ranks' losses)
+        count = lax.psum(count, layout.context_axis)
+        sop_loss = jnp.where(lax.axis_index(layout.context_axis) == 0, sop_loss, 0.0)
+    mlm = jnp.sum(jnp.where(predicted, token_loss, 0.0), -1) / jnp.maximum(count, 1)
     return cfg.seq_len * jnp.sum(mlm + sop_loss)
 
 

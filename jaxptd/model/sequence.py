@@ -15,8 +15,9 @@ the row and its position restarts at each document's first token; attention neve
 a segment, and the target after a document end (the next document's first token) takes no
 loss (Megatron's reset_attention_mask, reset_position_ids and eod_mask_loss).
 
-`Rows` carries this per local token to the layers; it is None when neither applies (and
-BERT's padding alone), so the layers keep their plain causal path and its kernels.
+`Rows` carries this per token to the layers (with BERT's padding under context
+parallelism); it is None when neither applies, so the layers keep their plain causal (or
+padding-masked) path and its kernels.
 """
 from __future__ import annotations
 
@@ -89,9 +90,10 @@ def needs_rows(cfg: ModelConfig, layout: Layout) -> bool:
     return packed(cfg) or (layout.context > 1 and layout.context_axis is not None)
 
 
-def decoder_rows(inputs, cfg: ModelConfig, layout: Layout, padding=None) -> Rows | None:
+def rows_of(inputs, cfg: ModelConfig, layout: Layout, padding=None) -> Rows | None:
     """inputs [b, s] int32 (a row's input tokens, all of them) -> their `Rows`, or None
-    when attention needs none (needs_rows). padding: [b, s] True at keys to ignore."""
+    when attention needs none (needs_rows). padding: [b, s] True at keys to ignore (BERT's;
+    without `Rows` its mask goes to attention as it is)."""
     if not needs_rows(cfg, layout):
         return None
     b, s = inputs.shape

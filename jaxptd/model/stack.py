@@ -92,7 +92,7 @@ def decoder(embed_module, block, logits):
         dtype, with dropout on the embedding (context parallelism: this rank's s / c
         tokens, model/sequence.py)."""
         inputs = batch[:, :-1]
-        rows = sequence.decoder_rows(inputs, cfg, layout)
+        rows = sequence.rows_of(inputs, cfg, layout)
         x = embed_module(cfg, layout).apply({"params": ends["embed"]},
                                             sequence.split(inputs, layout), 0,
                                             None if rows is None else
@@ -116,6 +116,6 @@ def decoder(embed_module, block, logits):
 
     def attention_rows(batch, cfg, layout):
         """What every layer's attention gets: sequence.Rows of the input tokens, or None."""
-        return sequence.decoder_rows(batch[:, :-1], cfg, layout)
+        return sequence.rows_of(batch[:, :-1], cfg, layout)
 
     return embed, head_loss, decode, attention_rows
