@@ -115,7 +115,10 @@ def decoder(embed_module, block, logits):
         return logits(params, x, cfg, layout), cache
 
     def attention_rows(batch, cfg, layout):
-        """What every layer's attention gets: sequence.Rows of the input tokens, or None."""
+        """What every layer's attention gets: sequence.Rows of the input tokens, or None
+        (then no batch is needed)."""
+        if not sequence.needs_rows(cfg, layout):
+            return None
         return sequence.rows_of(batch[:, :-1], cfg, layout)
 
     return embed, head_loss, decode, attention_rows
