@@ -138,13 +138,15 @@ def assert_steps_match_single_device(setup, steps=3):
 
 
 def assert_trees_close(actual, expected, rtol=1e-5):
-    """Elementwise rtol, with an absolute floor of rtol x the leaf's largest magnitude."""
+    """Elementwise rtol, with an absolute floor of rtol x the leaf's largest magnitude; the
+    reference must be finite (NaN would match NaN)."""
     flat_a = jax.tree_util.tree_leaves_with_path(jax.device_get(actual))
     flat_e = jax.tree_util.tree_leaves(jax.device_get(expected))
     assert len(flat_a) == len(flat_e)
     for (path, a), e in zip(flat_a, flat_e):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape, (jax.tree_util.keystr(path), a.shape, e.shape)
+        assert np.isfinite(e).all(), jax.tree_util.keystr(path)
         np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * np.abs(e).max() + 1e-12,
                                    err_msg=jax.tree_util.keystr(path))
 

@@ -72,8 +72,9 @@ def packed_batch(config, seed=0):
 def test_losses_and_gradients_match_single_device(name, monkeypatch):
     (data, pipe, tensor), extra = CASES[name]
     setup = make_setup(data, pipe, tensor, extra)
-    monkeypatch.setattr("helpers.fixed_batches",
-                        lambda config, n, seed=0: [packed_batch(config, seed)])
+    if setup.config.model.document_end >= 0:  # (BERT: its own rows)
+        monkeypatch.setattr("helpers.fixed_batches",
+                            lambda config, n, seed=0: [packed_batch(config, seed)])
     assert_grads_match_single_device(setup)
 
 
