@@ -117,6 +117,7 @@ def assert_grads_match_single_device(setup):
         state["step"], jnp.float32(1))
     params = jax.device_get(setup.state_layout.to_logical(state["params"]))
     ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
+    assert np.isfinite(float(ref_loss))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(setup.state_layout.to_logical(jax.device_get(grads)), ref_grads)
     return float(loss)
