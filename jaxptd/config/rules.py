@@ -44,7 +44,8 @@ POSITIVE = (
     "model.vocab_size", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_seq_len", "parallel.data",
     "parallel.pipe", "parallel.tensor",
-    "parallel.context",    "parallel.microbatches", "parallel.chunks", "train.steps", "train.global_batch",
+    "parallel.context", "parallel.microbatches", "parallel.chunks", "train.steps",
+    "train.global_batch",
     "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
     "runtime.heartbeat_timeout_s",
 )

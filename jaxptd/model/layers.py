@@ -87,10 +87,10 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
     Picks cuDNN flash attention when asked and possible, else `attention_core` with its
     dropout key and selective recomputation. mask: True = masked, broadcastable to
     [b, n/t, s, sk] (BERT's padding), or a sequence.Rows of the tokens' positions and
-    segments (context parallelism, packed rows: model/context.py attends). cache: (k_cache, v_cache [b, S, nk/t, d], start) of
-    decoding: k, v are written at positions start.. and the queries (at those positions)
-    attend to every cached key up to their own; the updated (k_cache, v_cache) is returned
-    (None without a cache).
+    segments (context parallelism, packed rows: model/context.py attends).
+    cache: (k_cache, v_cache [b, S, nk/t, d], start) of decoding: k, v are written at
+    positions start.. and the queries (at those positions) attend to every cached key up
+    to their own; the updated (k_cache, v_cache) is returned (None without a cache).
     """
     cfg, layout = module.cfg, module.layout
     scale = 1.0 / math.sqrt(q.shape[-1])

@@ -149,6 +149,15 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
     return s * b * (3 * 4 * h / t_sp + 2 * 4 * vocab_local) + gathered
 
 
+def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n, h, t, e):
+    """The pipeline executor's buffers (activation_memory's `slots`)."""
+    taped = dense_input_bytes(b, n, h, t, e) if slots.get("w") else 0.0
+    per_slot = stage_input + (chunk_layers * (kept + taped) + stage_input
+                              if keep_activations else 0.0)
+    return (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
+            + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, n, h, t, e))
+
+
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
@@ -165,10 +174,11 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     without recomputation (the cotangents of the layer being differentiated), plus what it
     recomputes: its probabilities (selective, and minimal with XLA attention), the rest
     of the layer (minimal), the whole layer (full); with XLA attention also the softmax
-    backward's float32 gradients of the probabilities and the scores. pipe = 1: one microbatch through all layers.
-    offload (pipe = 1): each layer's input waits in host memory and the layer is
-    recomputed, whatever remat says. (FSDP gathers a layer's weights again for its
-    backward: a layer keeps none.) pipe > 1: one microbatch through one chunk, plus the executor's buffers, `slots`
+    backward's float32 gradients of the probabilities and the scores. pipe = 1: one
+    microbatch through all layers. offload (pipe = 1): each layer's input waits in host
+    memory and the layer is recomputed, whatever remat says. (FSDP gathers a layer's
+    weights again for its backward: a layer keeps none.) pipe > 1: one microbatch through
+    one chunk, plus the executor's buffers, `slots`
     = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
     in the compute dtype: a stash slot holds a stage input and, with parallel.stash =
     activations, what the chunk's backward keeps and its output (zero-bubble kinds: the
@@ -198,14 +208,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients
         transient += 2 * scores
     span = chunk_layers if pipe > 1 else layers_per_stage
-    stash = 0.0
-    if pipe > 1:
-        slots = slots or {}
-        taped = dense_input_bytes(b, n, h, t, e) if slots.get("w") else 0.0
-        per_slot = stage_input + (chunk_layers * (kept + taped) + stage_input
-                                  if keep_activations else 0.0)
-        stash = (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
-                 + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, n, h, t, e))
+    stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers, kept,
+                                               keep_activations, b, n, h, t, e)
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
             "layer_transient": transient,
             "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1),

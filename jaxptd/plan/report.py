@@ -55,7 +55,8 @@ def format_report(r: dict, hw: Target) -> str:
         f"{(comm['host_per_step'] + lay['microbatches'] * comm['host_per_microbatch']) / GB:.3f}"
         " GB/step",
         f"step time   {t['total']:.3f} s = compute {t['compute']:.3f} (bubble incl.) + tensor "
-        f"{t['tensor']:.3f} + context {t['context']:.3f} + p2p {t['p2p']:.3f} + FSDP {t['fsdp']:.3f} + data "
+        f"{t['tensor']:.3f} + context {t['context']:.3f} + p2p {t['p2p']:.3f} + FSDP "
+        f"{t['fsdp']:.3f} + data "
         f"{t['data']:.3f} + host {t['host']:.3f}   ~ "
         f"{r['tflops_per_device_estimate']:.1f} TFLOP/s per device",
     ]

@@ -98,8 +98,9 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     """What XLA's cost analysis counts: it counts a while loop's body once, so the
     microbatch scan and the layer scan contribute one microbatch through one layer
     (forward, backward and what model.remat recomputes; Appendix) plus the logit
-    layer (6 b s h V), per device (a context rank's s/c tokens). A step that reduces gradients inside the last
-    microbatch's backward runs that microbatch outside the scan: two microbatches."""
+    layer (6 b s h V), per device (a context rank's s/c tokens). A step that reduces
+    gradients inside the last microbatch's backward runs that microbatch outside the scan:
+    two microbatches."""
     from jaxptd.model import get
     m_cfg, par = config.model, config.parallel
     tokens = config.microbatch_size * m_cfg.seq_len
