@@ -113,7 +113,7 @@ LAYOUTS = {
                         "parallel.sequence_parallel=true"),
     "bert": layout(2, 1, 4, 1, "model.arch=bert", "model.vocab_size=1004"),
 }
-FAST = ("1f1b", "llama gqa")
+FAST = ("llama gqa",)  # (1f1b and the rest: the full suite)
 
 
 @needs_compiler
