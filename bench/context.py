@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
+
+from report import time_steps
 
 MODEL = ["model.arch=llama", "model.num_layers=2", "model.hidden_size=128",
          "model.num_heads=8", "model.num_kv_heads=2", "model.vocab_size=512",
@@ -40,19 +40,11 @@ def measure(c: int, method: str, seq: int, reps: int) -> dict:
     state = setup.state_layout.init_state(0)
     rows = np.random.default_rng(0).integers(0, 500, (2, seq + 1)).astype(np.int32)
     batch = jax.device_put(rows, setup.batch_sharding)
-    step = build_train_step(setup)
-    compiled = step.lower(state, batch).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
-    state, metrics = step(state, batch)  # warm-up
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(reps):
-        began = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - began)
-    return {"context": c, "method": method, "temp_bytes": temp,
-            "step_s": statistics.median(times), "loss": float(metrics["loss"])}
+    compiled = build_train_step(setup).lower(state, batch).compile()  # (run: no recompile)
+    _, seconds, metrics = time_steps(compiled, state, batch, warmup=1, reps=reps)
+    return {"context": c, "method": method,
+            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
+            "step_s": seconds, "loss": float(metrics["loss"])}
 
 
 def main(argv=None) -> int:

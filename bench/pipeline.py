@@ -17,7 +17,6 @@ not the bubble. Quote only ratios from one run on a shared CPU.
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -37,6 +36,7 @@ from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
 from jaxptd.pipeline.simulate import simulate  # noqa: E402
 from jaxptd.step import Setup, build_train_step  # noqa: E402
 from jaxptd.units import MB  # noqa: E402
+from report import time_steps  # noqa: E402
 
 MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8",
          "model.seq_len=128", "model.vocab_size=512", "train.global_batch=32"]
@@ -84,16 +84,8 @@ def measure(data, pipe, schedule, chunks, micro, stash, form, steps):
     batch = jax.device_put(rng.integers(0, 512, (32, 129)).astype(np.int32),
                            setup.batch_sharding)
     compiled = build_train_step(setup).lower(state, batch).compile()
-    for _ in range(2):  # warm up
-        state, out = compiled(state, batch)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        state, out = compiled(state, batch)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-    row = {"step_s": statistics.median(times),
+    state, seconds, _ = time_steps(compiled, state, batch, warmup=2, reps=steps)
+    row = {"step_s": seconds,
            "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
            "bubble": 0.0, "sent_bytes": 0}
     if pipe > 1:

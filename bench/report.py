@@ -1,4 +1,4 @@
-"""How the bench scripts name their result files and print their tables.
+"""How the bench scripts name their result files, print their tables and time a step.
 
 A result file is <out_dir>/<prefix>_<device kind>.json, the device kind with every run of
 characters other than letters, digits and '.' made one '_' (e.g.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pathlib
 import re
+import statistics
+import time
 
 
 def result_path(out_dir, prefix: str, device_kind: str) -> pathlib.Path:
@@ -20,3 +22,20 @@ def result_path(out_dir, prefix: str, device_kind: str) -> pathlib.Path:
 def cell(value, fmt: str, width: int) -> str:
     """One table cell: blank for None; text left-aligned, numbers right-aligned."""
     return " " * width if value is None else format(value, f"{width}{fmt}")
+
+
+def time_steps(step, state, batch, warmup: int, reps: int):
+    """(state after the runs, median seconds of `reps` runs of state, out = step(state,
+    batch) after `warmup` untimed ones, the last out), each run waited for."""
+    import jax
+
+    for _ in range(warmup):
+        state, out = step(state, batch)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        state, out = step(state, batch)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - start)
+    return state, statistics.median(times), out

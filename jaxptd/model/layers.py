@@ -101,8 +101,11 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         cache = (k, v)
         positions = start + jnp.arange(q.shape[1])
         mask, causal = jnp.arange(k.shape[1])[None, :] > positions[:, None], False
-    if isinstance(mask, Rows):
-        return _attend_rows(module, q, k, v, deterministic, mask, causal, scale), cache
+    if isinstance(mask, Rows):  # the mask of positions and segments, across context ranks
+        return context_attention.attention(
+            q, k, v, mask, layout, causal=causal, scale=scale,
+            cudnn=cfg.attention == "cudnn" and layout.platform == "gpu",
+            core=_xla_core(module, deterministic, scale, causal=False)), cache
     padding = mask is not None and mask.ndim == 4 and mask.shape[1:3] == (1, 1)
     if (cfg.attention == "cudnn" and layout.platform == "gpu" and cache is None
             and (mask is None or padding)):
@@ -113,33 +116,22 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                             key_value_seq_lengths=lengths,
                                             implementation="cudnn"), cache
-    key = None
-    if cfg.dropout and not deterministic:
-        # Each tensor rank holds different heads: its dropout mask must differ.
-        key = jax.random.fold_in(module.make_rng("dropout"), _rank(layout))
-    core = functools.partial(attention_core, cfg=cfg, layout=layout, scale=scale,
-                             causal=causal)
-    if cfg.remat == "selective":  # keep q, k, v; recompute the [s, s] part
-        core = jax.checkpoint(core)
-    return core(q, k, v, key, mask=mask), cache
+    return _xla_core(module, deterministic, scale, causal)(q, k, v, mask), cache
 
 
-def _attend_rows(module: nn.Module, q, k, v, deterministic: bool, rows: Rows, causal: bool,
-                 scale: float):
-    """Attention with the mask of the tokens' positions and segments, across the context
-    ranks when there are several (model/context.py); cuDNN where layers.attend takes it."""
+def _xla_core(module: nn.Module, deterministic: bool, scale: float, causal: bool):
+    """(q, k, v, mask) -> `attention_core` with the layer's dropout key (its own on every
+    tensor and context rank: each holds other heads or other tokens) and, with
+    model.remat=selective, under jax.checkpoint (keep q, k, v; recompute the [s, s] part)."""
     cfg, layout = module.cfg, module.layout
     key = None
     if cfg.dropout and not deterministic:
         key = jax.random.fold_in(module.make_rng("dropout"), _rank(layout))
-    core = functools.partial(attention_core, key=key, cfg=cfg, layout=layout, scale=scale,
-                             causal=False)
+    core = functools.partial(attention_core, cfg=cfg, layout=layout, scale=scale,
+                             causal=causal)
     if cfg.remat == "selective":
         core = jax.checkpoint(core)
-    return context_attention.attention(
-        q, k, v, rows, layout, causal=causal, scale=scale,
-        cudnn=cfg.attention == "cudnn" and layout.platform == "gpu",
-        core=lambda q, k, v, mask: core(q, k, v, mask=mask))
+    return lambda q, k, v, mask: core(q, k, v, key, mask=mask)
 
 
 def _rank(layout: Layout):
