@@ -1,0 +1,169 @@
+"""The planner's model of context parallelism (jaxptd/plan/): activations split over the
+context ranks, the ring's and the all-gather's bytes and whether the ring's sends hide
+behind its blocks, the chunk pairs' balance and executed attention FLOPs, `--search`
+splitting a long sequence, and the activation memory against the compiled step."""
+import json
+
+import pytest
+
+from jaxptd import metrics, plan
+from jaxptd.config import load_config
+from jaxptd.plan import model as plan_model
+from jaxptd.plan import timing as plan_time
+
+from test_plan import SMALL, run_main, verify_in_subprocess
+
+
+def test_context_halves_activations():
+    """Two context ranks hold half of every [b, s, ...] activation: with full
+    recomputation (a layer keeps its input) the kept layers, the stash, the head and a
+    layer's recomputation halve exactly; without recomputation the layer halves but for
+    its attention: allgather's gathered keys and values [b, s, k/t, d] (whole), the
+    [b, a/t, s/2, s] probabilities (half), by hand."""
+    common = dict(b=2, s=1024, h=512, a=8, t=2, e=2, layers_per_stage=4, vocab_local=500,
+                  pipe=2, slots={"stash": 3, "grad": 1, "w": 0}, sp=True)
+    for method in ("ring", "allgather"):
+        one = plan_model.activation_memory(remat="full", **common)
+        two = plan_model.activation_memory(remat="full", c=2, method=method, **common)
+        for key in ("kept", "stash", "head_transient"):
+            assert two[key] == pytest.approx(one[key] / 2), (method, key)
+    b, s, h, a, t, e = 2, 1024, 512, 8, 2, 2
+    layer = plan_model.layer_activation_bytes
+    scores = a / t * s * s * b * e
+    gathered = 2 * b * s * h / t * e  # k and v, every head a key/value head
+    assert layer(b, s, h, a, t, e, c=2, method="allgather") == pytest.approx(
+        (layer(b, s, h, a, t, e) - scores) / 2 + scores / 2 + gathered)
+    # the ring keeps no probabilities: its two blocks (as many bytes) and two float32
+    # outputs [b, s/2, a/t, d]
+    assert layer(b, s, h, a, t, e, c=2) == pytest.approx(
+        (layer(b, s, h, a, t, e) - scores) / 2 + gathered + 2 * 4 * b * s / 2 * h / t)
+
+
+def test_context_ring_bytes_and_overlap_by_hand(capsys):
+    """Llama with 8 key/value heads of 32 (d = 128), t = 2, c = 4, s = 8192, b = 1,
+    bfloat16: a block [2, 1, 2048, 4, 128] is 4 MiB; each of a stage's 2 layers passes 3
+    of them forward and 3 gradients back (6 with full recomputation: 9). On an H100 node
+    (450 GB/s) a block crosses in 9.3 us, a half block's matmuls (2 b n^2 h / t = 17.2
+    GFLOP) take 34.7 us at 495 TFLOP/s: hidden; with tensor x context = 16 > 8 GPUs the
+    ring crosses nodes (50 GB/s: 83.9 us) and shows."""
+    block = 2 * 1 * 2048 * 4 * 128 * 2
+    volumes = plan_time.context_volumes(b=1, s=8192, h=4096, a=32, t=2, e=2, c=4,
+                                        kv_heads=8, layers_per_stage=2)
+    assert volumes == {"block": block, "per_microbatch": 2 * 3 * 2 * block}
+    assert plan_time.context_volumes(b=1, s=8192, h=4096, a=32, t=2, e=2, c=4, kv_heads=8,
+                                     layers_per_stage=2, forward_again=True)[
+        "per_microbatch"] == 2 * 3 * 3 * block
+    assert plan_time.ring_block_flops(1, 8192, 4096, 2, 4) == 2 * 2048 ** 2 * 4096 / 2
+    llama = ["model.arch=llama", "model.num_layers=4", "model.hidden_size=4096",
+             "model.num_heads=32", "model.num_kv_heads=8", "model.seq_len=8192",
+             "model.vocab_size=1000", "model.dtype=bfloat16", "train.global_batch=1",
+             "parallel.pipe=2", "parallel.tensor=2", "parallel.context=4",
+             "parallel.microbatches=1"]
+    flags = ["--target", "h100", "--json"]
+    report = json.loads(run_main(capsys, llama + flags, status=None))
+    context, comm = report["context"], report["comm_bytes"]
+    assert comm["context_block"] == block
+    assert comm["context_per_microbatch"] == 2 * 3 * 2 * block
+    assert context["link"] == "intra" and context["hidden"]
+    assert context["permute_s"] == pytest.approx(block / 450e9)
+    assert report["step_time_s"]["context"] == 0
+    inter = json.loads(run_main(capsys, llama + flags + ["--gpus-per-node", "4"],
+                                status=None))
+    assert inter["context"]["link"] == "inter" and not inter["context"]["hidden"]
+    exposed = 2 * 3 * (block / 50e9 - inter["context"]["block_s"]) + 2 * 3 * max(
+        0, block / 50e9 - 2 * inter["context"]["block_s"])
+    assert inter["step_time_s"]["context"] == pytest.approx(exposed)
+    # allgather moves the same bytes, none hidden: all of them in the step time
+    gather = json.loads(run_main(capsys, llama + ["parallel.context_attention=allgather"]
+                                 + flags, status=None))
+    assert gather["comm_bytes"]["context_per_microbatch"] == 2 * 3 * 2 * block
+    assert gather["step_time_s"]["context"] == pytest.approx(2 * 3 * 2 * block / 450e9)
+    # the gradients are all-reduced over data x context: 4 replicas of the parameters
+    grads = 4 * plan.real_counts(load_config(None, llama))["weight_params"]
+    assert comm["data_per_step"] == pytest.approx(2 * 3 / 4 * grads)
+
+
+def test_context_balance_and_attention_flops():
+    """The chunk pairs r, 2c-1-r are jaxptd/model/sequence.py's (its local_index), and
+    give every rank the same causal work; contiguous chunks give the last rank
+    (2c - 1)/c times the mean. The ring executes (c + 1)/(2c) of the model's attention
+    core (n^2 + (c - 1) n^2 / 2 of n s scores) four times (forward, backward's two,
+    the recomputed block), allgather the model count three."""
+    from jaxptd.model.sequence import local_index
+    from jaxptd.model.tensor import Layout
+    for c in (2, 4, 8):
+        layout = Layout(vocab=1000, context=c, context_axis="context")
+        for r in range(c):
+            chunks = sorted(set(int(i) // 4 for i in local_index(8 * c, layout, r)))
+            assert tuple(chunks) == tuple(sorted(plan_time.context_chunks(r, c)))
+        assert plan_time.context_imbalance(c) == 1.0
+        assert plan_time.context_imbalance(c, pairs=False) == pytest.approx((2 * c - 1) / c)
+        n = 1024 // c
+        assert plan_time.context_core_fraction(c, "ring") == pytest.approx(
+            (n * n + (c - 1) * n * n / 2) / (n * 1024))
+        assert plan_time.context_core_fraction(c, "allgather") == 1.0
+    base = SMALL + ["parallel.context=4", "parallel.data=1"]
+    V = plan.real_counts(load_config(None, base))["vocab_padded"]
+    m = load_config(None, base).model
+    core = 64 * m.seq_len * m.num_layers * 4 * m.seq_len * m.hidden_size  # B s l 4 s h
+    gather = plan.executed_flops(load_config(None, base + [
+        "parallel.context_attention=allgather"]), V)
+    assert gather == metrics.flops_per_iteration(m, 64, V)
+    ring = plan.executed_flops(load_config(None, base), V)
+    assert ring - gather == pytest.approx(core * (4 * 5 / 8 - 3))
+
+
+def test_search_splits_a_long_sequence_over_context_ranks(capsys):
+    """A 16k-token sequence on 8 GPUs: the least memory a layout without context
+    parallelism needs is more than one with it needs; with the device memory between
+    the two, every row the search returns splits the sequence (the ring among them:
+    allgather's [s/c, s] scores need more), and the table prints c and the method."""
+    argv = ["model.num_layers=4", "model.hidden_size=1024", "model.num_heads=16",
+            "model.seq_len=16384", "model.vocab_size=1000", "model.dtype=bfloat16",
+            "train.global_batch=8", "--search", "8", "--top", "1000"]
+    rows = json.loads(run_main(capsys, argv + ["--json", "--memory-gb", "1000"]))
+    least = {c: min(r["memory_gb"] for r in rows if (r["context"] > 1) == c)
+             for c in (False, True)}
+    assert least[True] < least[False]
+    limit = ["--memory-gb", str((least[True] + least[False]) / 2)]
+    split = json.loads(run_main(capsys, argv + ["--json"] + limit))
+    assert split and all(r["context"] > 1 for r in split)
+    assert {r["context_attention"] for r in rows if r["context"] > 1} == {"ring", "allgather"}
+    assert "ring" in {r["context_attention"] for r in split}  # [n, n] blocks, no [n, s]
+    assert all(f"parallel.context={r['context']}" in r["overrides"] for r in split)
+    table = run_main(capsys, argv + limit).splitlines()
+    assert table[1].split()[:3] == ["p", "t", "c"] and "ag allgather" in table[-1]
+
+
+@pytest.mark.slow
+def test_context_activation_memory_matches_compiled_step():
+    """--verify on 4 simulated devices, the ring and allgather at context 2 beside the
+    same rows unsplit (data 4): the activations (what the compiled step's temporaries
+    grow by from 8 rows a microbatch to 16, state and gradients cancel) shrink from
+    context 1 to 2 as the plan says, the ring's to 10% (measured: XLA 0.61, plan 0.62)
+    and allgather's to 15% (XLA 0.55, plan 0.63: XLA keeps less of its gathered keys
+    and values than the plan's two copies); each whole step within 15% at 8 rows.
+    (At 16 rows the plan's total is 18% over XLA's for this unsplit, non-SP CPU layout,
+    whatever the context: its gradient workspace is over, its activations under; the
+    scaling is what context parallelism changes.)"""
+    rows = {"ring": ["parallel.data=2", "parallel.context=2"],
+            "allgather": ["parallel.data=2", "parallel.context=2",
+                          "parallel.context_attention=allgather"],
+            "whole": ["parallel.data=4"]}
+    layouts = {(name, b): layout + ["parallel.microbatches=2", "train.global_batch="
+                                    f"{b * 2 * (4 if name == 'whole' else 2)}"]
+               for name, layout in rows.items() for b in (8, 16)}
+    reports = dict(zip(layouts, verify_in_subprocess(list(layouts.values()))))
+    assert len(reports) == len(layouts)
+
+    def grown(name, xla: bool):  # temporaries from 8 rows a microbatch to 16
+        temp = [reports[(name, b)]["verify"] for b in (16, 8)]
+        temp = [v["xla_memory"]["temp"] if xla else v["planned_temp"] for v in temp]
+        return temp[0] - temp[1]
+
+    for name, tolerance in (("ring", 0.1), ("allgather", 0.15)):
+        assert reports[(name, 8)]["verify"]["memory_ratio"] == pytest.approx(1.0, abs=0.15)
+        xla = grown(name, True) / grown("whole", True)
+        planned = grown(name, False) / grown("whole", False)
+        assert planned == pytest.approx(xla, rel=tolerance), name
+        assert 0.5 < planned < 0.7
