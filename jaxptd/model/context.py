@@ -7,7 +7,8 @@ methods (parallel.context_attention):
 
 - ring: c steps; at each a rank attends to the key/value block it holds and passes the
   block (with its tokens' positions and segments) to the next rank with `ppermute`, so the
-  send of step j + 1's block runs beside step j's scores. Blocks are combined with the
+  send of step j + 1's block runs beside step j's scores (an optimization barrier ties
+  the received block to them). Blocks are combined with the
   online softmax (each block's output and log-sum-exp, rescaled to the running maximum);
   each block's scores are recomputed in the backward (jax.checkpoint), whose
   ppermutes, the transposes of the forward's, pass the key/value gradients back round the
@@ -86,6 +87,12 @@ def _ring(q, k, v, rows: Rows, mine: Rows, layout: Layout, *, causal, scale):
             o_j, lse_j = _visible_half(q, kv, mask, scale, later=origin < rank)
         else:
             o_j, lse_j = _block(q, kv[0], kv[1], mask, scale)
+        if step + 1 < size:
+            # The next block is read only after this block's scores: without the barrier
+            # XLA's GPU scheduler starts the send after them and finishes it beside a few
+            # small ops (Llama-3-8B at 32k, context 2: the forward's and recomputation's
+            # sends overlapped no GEMM, 64 of 96); with it each send runs beside a block.
+            block, o_j, lse_j = lax.optimization_barrier((block, o_j, lse_j))
         out, lse = _merge(out, lse, o_j, lse_j)
     return out.astype(q.dtype)
 
