@@ -201,10 +201,16 @@ def cost_report(config: Config, module: hlo.Module, target: Target) -> dict:
             "mfu_ceiling": model_flops / config.num_devices / (seconds * peak)}
 
 
-def overlap_report(module: hlo.Module) -> dict:
+def covered(c: hlo.Collective, target: Target) -> bool:
+    """The kernels in flight take, statically, at least the message's time over the node's
+    links (bytes / target.intra: a lower bound of any collective's transfer)."""
+    return c.in_flight_s(target.peak_bf16, target.hbm) >= c.bytes / target.intra
+
+
+def overlap_report(module: hlo.Module, target: Target) -> dict:
     """Collectives by kind: launches a step, bytes a step, how many are asynchronous and how
-    many have a GEMM, attention or a loop scheduled while they are in flight; and the
-    largest ones that overlap nothing."""
+    many have a GEMM, attention or a loop scheduled while they are in flight, and how many
+    are covered (`covered`); and the largest ones that overlap nothing."""
     kinds: dict = defaultdict(lambda: Counter())
     lonely = []
     for c in hlo.collectives(module):
@@ -212,6 +218,7 @@ def overlap_report(module: hlo.Module) -> dict:
         row["launches"] += c.count
         row["bytes"] += c.bytes * c.count
         row["overlapped"] += c.count if c.overlap else 0
+        row["covered"] += c.count if covered(c, target) else 0
         if not c.overlap:
             lonely.append((c.bytes, c.kind, c.name, c.op_name))
     return {"by_kind": {k: dict(v) for k, v in kinds.items()},
@@ -248,7 +255,7 @@ def analyse(config: Config, compiled, target: Target, seconds: float,
         "margin_bytes": usable - mem["total"],
         "planned_bytes": planned, "planned_ratio": planned / mem["total"] if planned else None,
         "largest_buffers": largest_buffers(dump_dir, module, dimension_names(config)),
-        "collectives": overlap_report(module),
+        "collectives": overlap_report(module, target),
         "loops": [vars(loop) for loop in hlo.loops(module)],
         "calls": calls(module),
         "cost": cost_report(config, module, target),
@@ -277,12 +284,13 @@ def format_report(report: dict) -> str:
         lines.append("  largest buffers (XLA's memory report):")
         lines += [f"    {size / GiB:8.3f} GiB  {shapes}  {what[:90]}"
                   for size, shapes, what in report["largest_buffers"]]
-    lines.append("collectives a step (async overlapped = a GEMM, attention or loop runs while "
-                 "in flight):")
+    lines.append("collectives a step (overlapped: a GEMM, attention or loop runs while in "
+                 "flight; covered: the kernels in flight take, statically, at least the "
+                 "bytes over NVLink):")
     for kind, row in sorted(report["collectives"]["by_kind"].items()):
         lines.append(f"  {kind:<20} {row.get('launches', 0):8.0f} launches "
                      f"{row.get('bytes', 0) / GB:9.3f} GB   overlapped "
-                     f"{row.get('overlapped', 0):.0f}")
+                     f"{row.get('overlapped', 0):.0f}   covered {row.get('covered', 0):.0f}")
     lines += [f"  overlaps nothing: {kind} {size / MB:.1f} MB  {op[-80:]}"
               for size, kind, _, op in report["collectives"]["not_overlapped"]]
     lines.append("loops: " + ", ".join(

@@ -10,7 +10,8 @@ in any pipeline round loop; in steady rounds the stage-to-stage sends have a GEM
 attention scheduled while they are in flight (all of them with a W slot after the B slot;
 otherwise the forward's); the static cost report counts a known program
 exactly; the planner's memory is the compiled step's within 10%; context parallelism's
-ring sends overlap its blocks, its all-gather and packed rows run cuDNN.
+ring sends overlap and cover its blocks (recomputation too), its all-gather and packed rows
+run cuDNN.
 
 Needs the CUDA compile extra (`pip install -e '.[h100]'`, which .ci/run installs); without
 it these tests skip, unless JAXPTD_REQUIRE_H100 is set (CI sets it: there they must run).
@@ -168,14 +169,18 @@ def opcodes(module, opcode) -> int:
 @needs_compiler
 @pytest.mark.slow
 def test_context_ring_sends_overlap_its_blocks():
-    """Ring attention at context 4: c - 1 sends a layer forward and as many backward (their
-    transposes), every one with a GEMM in flight (the next block's send beside this
-    block's scores), and no conditional (the half-visible blocks are picked by selects)."""
-    config, _, report, module = compiled("parallel.context=4", *CONTEXT)
+    """Ring attention at context 4 under full recomputation: c - 1 sends a layer forward,
+    as many in the recomputed forward and in the backward (their transposes), every one
+    with a GEMM in flight (the next block's send beside this block's scores) that covers
+    it (compile_check.covered), and no conditional (the half-visible blocks are picked by
+    selects)."""
+    config, _, report, module = compiled("parallel.context=4", "model.remat=full", *CONTEXT)
     assert report["fits"]
     sends = [c for c in hlo.collectives(module) if c.kind == "collective-permute"]
-    assert len(sends) == 2 * config.model.num_layers * (4 - 1)
-    assert all(set(c.overlap) & {"gemm", "attention"} for c in sends), sends
+    assert len(sends) == 3 * config.model.num_layers * (4 - 1)
+    lonely = [c.op_name for c in sends if not (set(c.overlap) & {"gemm", "attention"}
+                                                and compile_check.covered(c, H100))]
+    assert not lonely, lonely
     assert opcodes(module, "conditional") == 0
 
 

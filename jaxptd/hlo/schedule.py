@@ -18,8 +18,13 @@ class Collective:
     bytes: float
     count: float  # times a step
     overlap: tuple  # what runs between start and done: 'gemm', 'attention', 'loop'
-    between: int  # kernels scheduled between start and done
+    kernels: tuple  # the Kernels scheduled between start and done (not inside loops/calls)
     op_name: str
+
+    def in_flight_s(self, peak: float, bandwidth: float) -> float:
+        """Static seconds of the kernels in flight (each Kernel.seconds): whether they can
+        hide the transfer, where `overlap` says only what kind of work is there."""
+        return sum(k.seconds(peak, bandwidth) for k in self.kernels)
 
 
 def _between(comp: Computation, start: int, done: int | None) -> list:
@@ -57,7 +62,7 @@ def collectives(module: Module) -> list:
         if kind is None:
             if instr.base in COLLECTIVES and not instr.opcode.endswith("-done"):
                 found.append(Collective(instr.name, instr.base, comp.name, nbytes(instr.type),
-                                        count, (), 0, instr.op_name))  # synchronous
+                                        count, (), (), instr.op_name))  # synchronous
             return
         position = comp.instrs.index(instr)
         done = next((j for j, i in enumerate(comp.instrs)
@@ -66,7 +71,8 @@ def collectives(module: Module) -> list:
         found.append(Collective(
             instr.name, kind, comp.name, _message_bytes(module, instr), count,
             tuple(sorted(_compute_in(module, comp, between))),
-            sum(counts_as_kernel(module, i) for i in between), instr.op_name))
+            tuple(kernel(module, comp, i, 1) for i in between if counts_as_kernel(module, i)),
+            instr.op_name))
     walk(module, visit)
     return found
 
