@@ -3,7 +3,9 @@
 fp32 parity: at context 2 and 4, by ring and all-gather, alone and with data, tensor
 (with and without sequence parallelism), pipe (several schedules), FSDP, ZeRO-1,
 recomputation and offload, the loss and every gradient equal the single-device program's
-(rtol 1e-5), on packed rows (the decoders) and on BERT's padded bidirectional rows. Packed rows give each document the logits and loss it has alone (the
+(rtol 1e-5), on packed rows (the decoders) and on BERT's padded bidirectional rows. The
+ring alone (its own backward) against a dense masked attention of the whole rows, output
+and vjp. Packed rows give each document the logits and loss it has alone (the
 independent reference: each document run as its own row), under context parallelism too.
 The chunk pairs balance the causal work (a checkpoint restores across a change of context:
 tests/test_checkpoint.py).
@@ -14,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from helpers import assert_grads_match_single_device, fixed_batches, make_setup, placed_state
 
 from jaxptd import model as models
 from jaxptd.config import ModelConfig
-from jaxptd.model.sequence import local_index
+from jaxptd.model import context
+from jaxptd.model.sequence import Rows, local_index
 from jaxptd.model.tensor import Layout
 from jaxptd.step import build_grads
 
@@ -76,6 +80,68 @@ def test_losses_and_gradients_match_single_device(name, monkeypatch):
         monkeypatch.setattr("helpers.fixed_batches",
                             lambda config, n, seed=0: [packed_batch(config, seed)])
     assert_grads_match_single_device(setup)
+
+
+def _dense(q, k, v, hidden, scale):
+    """Plain softmax attention of q [b, s, heads, d] over k, v [b, s, kv_heads, d] (each
+    key/value head repeated for its group) with hidden [b, s, s] True = masked."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.where(hidden[:, None], -jnp.inf, jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+
+@pytest.mark.parametrize("kind", ["causal", "causal segments", "bidirectional padding"])
+def test_ring_attention_and_its_vjp_match_dense_attention(kind):
+    """The ring (context 4, its own backward) against one dense attention of the whole rows
+    with the mask built from row indices: the output and the vjp for q, k, v of a random
+    cotangent. Grouped-query heads (4 over 2); packed documents (segments, positions
+    restarting) or BERT's padded keys."""
+    c, b, s, heads, kv_heads, d = 4, 2, 32, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q, d_out = (rng.normal(size=(b, s, heads, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(b, s, kv_heads, d)).astype(np.float32) for _ in range(2))
+    index = np.arange(s)
+    causal = kind.startswith("causal")
+    hidden = np.broadcast_to(index[None, :] > index[:, None], (b, s, s)) if causal else \
+        np.zeros((b, s, s), bool)
+    positions, segments, padding = np.broadcast_to(index, (b, s)).astype(np.int32), None, None
+    if "segments" in kind:  # documents ending at random places, not at the chunk edges
+        starts = np.zeros((b, s), np.int32)
+        for row in starts:
+            row[rng.choice(np.arange(1, s), 4, replace=False)] = 1
+        segments = np.cumsum(starts, axis=1).astype(np.int32)
+        first = np.maximum.accumulate(np.where(starts > 0, index, 0), axis=1)
+        positions = (index - first).astype(np.int32)
+        hidden = hidden | (segments[:, None, :] != segments[:, :, None])
+    if "padding" in kind:
+        padding = index[None, :] >= np.array([[s - 5], [s - 11]])  # each row's tail
+        hidden = hidden | padding[:, None, :]
+    rows = Rows(jnp.asarray(positions), None if segments is None else jnp.asarray(segments),
+                None if padding is None else jnp.asarray(padding))
+    scale = d ** -0.5
+    expected, vjp = jax.vjp(lambda *a: _dense(*a, jnp.asarray(hidden), scale), q, k, v)
+    expected_grads = vjp(jnp.asarray(d_out))
+
+    layout = Layout(128, context=c, context_axis="context", context_attention="ring")
+    order = np.concatenate([np.asarray(local_index(s, layout, r)) for r in range(c)])
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:c]), ("context",))
+    ring = jax.shard_map(
+        lambda q, k, v, rows: context.attention(q, k, v, rows, layout, causal=causal,
+                                                scale=scale, cudnn=False, core=None),
+        mesh=mesh, in_specs=(P(None, "context"),) * 3 + (P(),), out_specs=P(None, "context"))
+    held = [jnp.asarray(x[:, order]) for x in (q, k, v)]  # rank r's tokens: its chunk pair
+
+    @jax.jit
+    def run(held, cotangent):
+        out, pullback = jax.vjp(lambda *a: ring(*a, rows), *held)
+        return out, pullback(cotangent)
+    out, grads = run(held, jnp.asarray(d_out[:, order]))
+    back = np.argsort(order)
+    np.testing.assert_allclose(np.asarray(out)[:, back], expected, rtol=1e-5, atol=1e-6)
+    for name, got, want in zip("qkv", grads, expected_grads):
+        np.testing.assert_allclose(np.asarray(got)[:, back], want, rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
 
 
 def _alone(doc, width):

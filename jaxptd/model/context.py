@@ -6,29 +6,38 @@ Each context rank holds its queries, keys and values for its n = s / c tokens
 methods (parallel.context_attention):
 
 - ring: c steps; at each a rank attends to the key/value block it holds and passes the
-  block (with its tokens' positions and segments) to the next rank with `ppermute`, so the
-  send of step j + 1's block runs beside step j's scores (an optimization barrier ties
-  the received block to them). Blocks are combined with the
-  online softmax (each block's output and log-sum-exp, rescaled to the running maximum);
-  each block's scores are recomputed in the backward (jax.checkpoint), whose
-  ppermutes, the transposes of the forward's, pass the key/value gradients back round the
-  ring. Under the causal mask a block from another rank is half visible (`_visible_half`)
-  and only that half is computed: a rank's score entries are n^2 + (c-1) n^2 / 2 against
-  the n s / 2 + n^2 / 2 a causal mask leaves (n = s / c), the same on every rank. Memory:
-  the c blocks the backward reads, no [n, s] scores.
+  block to the next rank with `ppermute` (c - 1 sends), so the send of step j + 1's block
+  runs beside step j's scores (an optimization barrier ties the received block to them).
+  Blocks are combined with the online softmax (each block's normalized float32 output and
+  log-sum-exp, rescaled to the running one). Under the causal mask a block from another
+  rank is half visible (`_visible_half`) and only that half is computed: a rank's score
+  entries are n^2 + (c-1) n^2 / 2 against the n s / 2 + n^2 / 2 a causal mask leaves, the
+  same on every rank.
+  The ring has its own backward (jax.custom_vjp, flash attention's): the forward keeps
+  only q, k, v, the output O (in q's dtype: it is the output itself, as flash attention
+  keeps it) and the final log-sum-exp L [b, n, heads]; no per-block tensor. The backward
+  takes D = rowsum(dO O) and goes round the ring again, c steps: at step j a rank holds
+  the block of origin (rank - j) mod c and computes that block's contributions from the
+  global L and D (P = exp(S - L), dV = P^T dO, dS = P (dO V^T - D), dQ = dS K, dK = dS^T Q;
+  the same visible quarters), adds dQ to its own and dK, dV to the block's running
+  gradients, which came from the previous rank, and passes those on: c - 1 sends of the
+  key/value blocks (each beside a block, as in the forward) and c of their float32
+  gradients (each beside the next block; the last brings every block's gradients home).
+  Memory: q, k, v, O, L a layer, and one block's [b, heads, n, n] scores at a time.
 - allgather: the keys and values of all ranks gathered (Llama 3's choice; with grouped-query
   attention they are small: 2 s k d against the queries' s n d), one masked attention of the
   local queries over all s keys; the gather's transpose reduce-scatters their gradients.
   On a GPU with model.attention=cudnn this is one cuDNN flash attention with a mask.
 
-The ring computes its blocks with XLA on every platform: cuDNN's public attention drops the
-cotangent of the log-sum-exp it returns, and the ring's combination differentiates through
-it. The mask of every block comes from the tokens' positions and segments
-(sequence.blocked), so load balancing and packed documents need nothing more here.
+The ring computes its blocks with XLA on every platform (`_block_fwd`, `_block_bwd`: the
+narrow interface a flash kernel would take). The mask of every block comes from the
+tokens' positions and segments (sequence.blocked), so load balancing and packed documents
+need nothing more here.
 """
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +65,7 @@ def attention(q, k, v, rows: Rows, layout: Layout, *, causal: bool, scale: float
         order = jnp.concatenate([local_index(seq, layout, r) for r in range(c)])
         return _masked(q, k_all, v_all, blocked(mine, rows.take(order), causal), scale,
                        cudnn, core)
-    return _ring(q, k, v, rows, mine, layout, causal=causal, scale=scale)
+    return _ring(_Ring(layout, causal, scale), q, k, v, rows)
 
 
 def _masked(q, k, v, mask, scale, cudnn: bool, core):
@@ -67,26 +76,61 @@ def _masked(q, k, v, mask, scale, cudnn: bool, core):
     return core(q, k, v, mask)
 
 
-def _ring(q, k, v, rows: Rows, mine: Rows, layout: Layout, *, causal, scale):
-    """The ring: one ppermute a step of the key/value block stacked [2, b, n, kv, d]; the
-    block's tokens are read off the whole rows by the rank it came from."""
-    size, axis = layout.context, layout.context_axis
-    send = functools.partial(_pass_on, axis=axis, size=size, cpu=layout.platform == "cpu")
+class _Ring(NamedTuple):
+    """The ring's static arguments (hashable: custom_vjp's nondiff argument)."""
+    layout: Layout
+    causal: bool
+    scale: float
+
+    def send(self, block):
+        """Each rank's block to the next rank (`_pass_on`)."""
+        layout = self.layout
+        return _pass_on(block, axis=layout.context_axis, size=layout.context,
+                        cpu=layout.platform == "cpu")
+
+    def blocks(self, rows: Rows):
+        """(rank, mask): mask(step) -> (later, [b, 1, n, n] bool) for the block a rank
+        holds at `step`, of origin (rank - step) mod c, read off the whole rows; later:
+        whether that origin is below the rank (which quarters `_visible_half` takes)."""
+        layout, seq = self.layout, rows.positions.shape[1]
+        rank = lax.axis_index(layout.context_axis)
+        mine = rows.take(local_index(seq, layout))
+
+        def mask(step):
+            origin = (rank - step) % layout.context
+            theirs = rows.take(local_index(seq, layout, origin))
+            return origin < rank, blocked(mine, theirs, self.causal)
+        return mask
+
+    def halved(self, step: int) -> bool:
+        """Whether step's block is another rank's under the causal mask: half visible."""
+        return self.causal and step > 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: _Ring, q, k, v, rows: Rows):
+    """The ring: q [b, n, heads, d], k, v [b, n, kv_heads, d] -> [b, n, heads, d] in q's
+    dtype; differentiable in q, k, v (rows: integers, no cotangent)."""
+    return _ring_fwd(ring, q, k, v, rows)[0]
+
+
+def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
+    """c steps, one ppermute a step but the last of the key/value block stacked
+    [2, b, n, kv, d]; the residuals: q, k, v, rows, the output and its log-sum-exp."""
     b, n, heads, d = q.shape
-    rank, seq = lax.axis_index(axis), rows.positions.shape[1]
+    size, mask_at = ring.layout.context, ring.blocks(rows)
     out = jnp.zeros((b, n, heads, d), jnp.float32)
     lse = jnp.full((b, n, heads), -jnp.inf, jnp.float32)
     block = jnp.stack([k, v])
     for step in range(size):
         kv = block
         if step + 1 < size:  # the next block's send, independent of this block's scores
-            block = send(block)
-        origin = (rank - step) % size
-        mask = blocked(mine, rows.take(local_index(seq, layout, origin)), causal)
-        if causal and step > 0:
-            o_j, lse_j = _visible_half(q, kv, mask, scale, later=origin < rank)
+            block = ring.send(block)
+        later, mask = mask_at(step)
+        if ring.halved(step):
+            o_j, lse_j = _visible_half(q, kv, mask, ring.scale, later)
         else:
-            o_j, lse_j = _block(q, kv[0], kv[1], mask, scale)
+            o_j, lse_j = _block_fwd(q, kv[0], kv[1], mask, ring.scale)
         if step + 1 < size:
             # The next block is read only after this block's scores: without the barrier
             # XLA's GPU scheduler starts the send after them and finishes it beside a few
@@ -94,7 +138,49 @@ def _ring(q, k, v, rows: Rows, mine: Rows, layout: Layout, *, causal, scale):
             # sends overlapped no GEMM, 64 of 96); with it each send runs beside a block.
             block, o_j, lse_j = lax.optimization_barrier((block, o_j, lse_j))
         out, lse = _merge(out, lse, o_j, lse_j)
-    return out.astype(q.dtype)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, rows, out, lse)
+
+
+def _ring_bwd(ring: _Ring, residuals, d_out):
+    """c steps round the ring again (module docstring): the key/value block sent on as in
+    the forward (c - 1 sends) and, after each step, the block's float32 gradients
+    [2, b, n, kv, d] (c sends: the last returns them to the block's owner)."""
+    q, k, v, rows, out, lse = residuals
+    size, mask_at = ring.layout.context, ring.blocks(rows)
+    # D = rowsum(dO O) [b, n, heads]
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    block, grads = jnp.stack([k, v]), None  # grads: the received block's dk, dv so far
+    for step in range(size):
+        kv = block
+        if step + 1 < size:
+            block = ring.send(block)
+        later, mask = mask_at(step)
+        if ring.halved(step):
+            dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, lse,
+                                                 delta, d_out)
+        else:
+            dq_j, dk_j, dv_j = _block_bwd(q, kv[0], kv[1], mask, ring.scale, lse, delta,
+                                          d_out)
+        dkv_j = jnp.stack([dk_j, dv_j])
+        # as in the forward: the next block and the previous rank's gradients (sent after
+        # its last block) are read only after this block, so both sends run beside it
+        tied = (block if step + 1 < size else None, grads)
+        tied, dq_j, dkv_j = lax.optimization_barrier((tied, dq_j, dkv_j))
+        block, grads = tied
+        dq = dq + dq_j
+        grads = ring.send(dkv_j if grads is None else grads + dkv_j)
+    return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _half(x, later, axis: int):
+    """x's first half along `axis` if `later`, else its second (a select, no conditional)."""
+    first, second = jnp.split(x, 2, axis=axis)
+    return jnp.where(later, first, second)
 
 
 def _visible_half(q, kv, mask, scale, later):
@@ -107,18 +193,40 @@ def _visible_half(q, kv, mask, scale, later):
     still applies (packed rows)."""
     half = q.shape[1] // 2
     k, v = kv[0], kv[1]
-
-    def pick(a, b):
-        return jnp.where(later, a, b)
-    other = _block(pick(q[:, :half], q[:, half:]), pick(k[:, :half], k[:, half:]),
-                   pick(v[:, :half], v[:, half:]),
-                   pick(mask[:, :, :half, :half], mask[:, :, half:, half:]), scale)
-    shared = _block(q[:, half:], k[:, :half], v[:, :half], mask[:, :, half:, :half], scale)
+    other = _block_fwd(_half(q, later, 1), _half(k, later, 1), _half(v, later, 1),
+                       _half(_half(mask, later, 2), later, 3), scale)
+    shared = _block_fwd(q[:, half:], k[:, :half], v[:, :half], mask[:, :, half:, :half],
+                        scale)
     unseen = jnp.full_like(other[1], -jnp.inf)
-    first = (other[0], pick(other[1], unseen))  # q1: the other quarter if o < r, else none
-    second = _merge(*shared, other[0], pick(unseen, other[1]))
+    first = (other[0], jnp.where(later, other[1], unseen))  # q1: the other quarter if o < r
+    second = _merge(*shared, other[0], jnp.where(later, unseen, other[1]))
     return (jnp.concatenate([first[0], second[0]], axis=1),
             jnp.concatenate([first[1], second[1]], axis=1))
+
+
+def _visible_half_bwd(q, kv, mask, scale, later, lse, delta, d_out):
+    """`_visible_half`'s quarters in the backward: (dq [b, n, heads, d], dk, dv
+    [b, n, kv_heads, d]) float32 of the block, zero where a quarter is not computed. The
+    other quarter, (q1, k1) if `later` else (q2, k2), and (q2, k1), picked by selects."""
+    half = q.shape[1] // 2
+    k, v = kv[0], kv[1]
+    dq_o, dk_o, dv_o = _block_bwd(
+        _half(q, later, 1), _half(k, later, 1), _half(v, later, 1),
+        _half(_half(mask, later, 2), later, 3), scale, _half(lse, later, 1),
+        _half(delta, later, 1), _half(d_out, later, 1))
+    dq_s, dk_s, dv_s = _block_bwd(q[:, half:], k[:, :half], v[:, :half],
+                                  mask[:, :, half:, :half], scale, lse[:, half:],
+                                  delta[:, half:], d_out[:, half:])
+
+    def place(shared, other, into_first):
+        """[b, n, ...]: the shared quarter's gradient at half `into_first` (0: the first
+        half, 1: the second), the other quarter's at the first half if later, else the
+        second."""
+        none = jnp.zeros_like(other)
+        halves = [jnp.where(later, other, none), jnp.where(later, none, other)]
+        halves[into_first] = halves[into_first] + shared
+        return jnp.concatenate(halves, axis=1)
+    return place(dq_s, dq_o, 1), place(dk_s, dk_o, 0), place(dv_s, dv_o, 0)
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -142,18 +250,23 @@ def _pass_on(block, *, axis: str, size: int, cpu: bool):
     return lax.dynamic_index_in_dim(lax.all_gather(block, axis), source, 0, keepdims=False)
 
 
-@functools.partial(jax.checkpoint, static_argnums=(4,))
-def _block(q, k, v, mask, scale):
-    """(softmax-weighted values [b, n, heads, d] float32, log-sum-exp [b, n, heads]) of q
-    over one key block; a query with no visible key there gets zeros and -inf."""
+def _grouped(x, kv_heads: int):
+    """[b, n, heads, ...] -> [b, n, kv_heads, heads / kv_heads, ...]: a key/value head's
+    group of query heads (grouped-query attention)."""
+    b, n, heads = x.shape[:3]
+    return x.reshape(b, n, kv_heads, heads // kv_heads, *x.shape[3:])
+
+
+def _block_fwd(q, k, v, mask, scale):
+    """q [b, nq, heads, d] over one key block k, v [b, nk, kv_heads, d] with mask
+    [b, 1, nq, nk] (True = masked) -> (softmax-weighted values [b, nq, heads, d] float32,
+    log-sum-exp [b, nq, heads]); a query with no visible key there gets zeros and -inf."""
     b, n, heads, d = q.shape
-    kv_heads = k.shape[2]
-    grouped = q.reshape(b, n, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k,
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", _grouped(q, k.shape[2]), k,
                         preferred_element_type=jnp.float32) * scale
     hidden = mask[:, :, None]  # [b, 1, 1, nq, nk]
     scores = jnp.where(hidden, _NEG, scores)
-    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.where(hidden, 0.0, jnp.exp(scores - row_max))
     total = jnp.sum(probs, axis=-1)  # [b, kv, g, nq]
     seen = total > 0
@@ -164,3 +277,31 @@ def _block(q, k, v, mask, scale):
     lse = jnp.where(seen, row_max[..., 0] + jnp.log(norm), -jnp.inf)
     return (values.reshape(b, n, heads, d),
             jnp.moveaxis(lse, -1, 1).reshape(b, n, heads))
+
+
+def _block_bwd(q, k, v, mask, scale, lse, delta, d_out):
+    """The gradients (dq [b, nq, heads, d], dk, dv [b, nk, kv_heads, d]) float32 of one key
+    block's part of the attention, from the whole attention's log-sum-exp and
+    delta = rowsum(dO O) [b, nq, heads] and its output's cotangent d_out [b, nq, heads, d]
+    (flash attention's backward): P = exp(S - L), 0 where masked (and in a row with no
+    visible key, L = -inf); dV = P^T dO; dS = P (dO V^T - D); dQ = scale dS K;
+    dK = scale dS^T Q, summed over each key/value head's group of query heads."""
+    b, n, heads, d = q.shape
+    kv_heads = k.shape[2]
+    grouped, d_grouped = _grouped(q, kv_heads), _grouped(d_out, kv_heads)
+
+    def per_row(x):  # [b, nq, heads] -> [b, kv, g, nq, 1], the scores' rows
+        return jnp.moveaxis(_grouped(x, kv_heads), 1, -1)[..., None]
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped, k,
+                        preferred_element_type=jnp.float32) * scale
+    safe = jnp.where(jnp.isneginf(lse), 0.0, lse)
+    probs = jnp.where(mask[:, :, None], 0.0, jnp.exp(scores - per_row(safe)))
+    dv = jnp.einsum("bkgqs,bqkgd->bskd", probs.astype(d_out.dtype), d_grouped,
+                    preferred_element_type=jnp.float32)
+    d_probs = jnp.einsum("bqkgd,bskd->bkgqs", d_grouped, v,
+                         preferred_element_type=jnp.float32)
+    d_scores = (probs * (d_probs - per_row(delta))).astype(q.dtype)
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", d_scores, k, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", d_scores, grouped,
+                    preferred_element_type=jnp.float32)
+    return dq.reshape(b, n, heads, d) * scale, dk * scale, dv
