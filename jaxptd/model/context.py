@@ -16,13 +16,13 @@ methods (parallel.context_attention):
   The ring has its own backward (jax.custom_vjp, flash attention's): the forward keeps
   only q, k, v, the output O (in q's dtype: it is the output itself, as flash attention
   keeps it) and the final log-sum-exp L [b, n, heads]; no per-block tensor. The backward
-  takes D = rowsum(dO O) and goes round the ring again, c steps: at step j a rank holds
-  the block of origin (rank - j) mod c and computes that block's contributions from the
-  global L and D (P = exp(S - L), dV = P^T dO, dS = P (dO V^T - D), dQ = dS K, dK = dS^T Q;
-  the same visible quarters), adds dQ to its own and dK, dV to the block's running
-  gradients, which came from the previous rank, and passes those on: c - 1 sends of the
-  key/value blocks (each beside a block, as in the forward) and c of their float32
-  gradients (each beside the next block; the last brings every block's gradients home).
+  takes D = rowsum(dO O) [b, n, heads] and goes round the ring again, c steps, each
+  block's contributions computed from the global L and D (P = exp(S - L), dV = P^T dO,
+  dS = P (dO V^T - D), dQ = dS K, dK = dS^T Q; the same visible quarters): dQ adds to the
+  rank's own, dK and dV to the block's running gradients, which travel with the block.
+  The own block comes last, so its gradients arrive home beside it: c - 1 sends of the
+  key/value blocks (as the forward's: under full recomputation XLA merges the two) and
+  c - 1 of their float32 gradients [2, b, n, kv, d], each beside the next block.
   Memory: q, k, v, O, L a layer, and one block's [b, heads, n, n] scores at a time.
 - allgather: the keys and values of all ranks gathered (Llama 3's choice; with grouped-query
   attention they are small: 2 s k d against the queries' s n d), one masked attention of the
@@ -89,22 +89,18 @@ class _Ring(NamedTuple):
                         cpu=layout.platform == "cpu")
 
     def blocks(self, rows: Rows):
-        """(rank, mask): mask(step) -> (later, [b, 1, n, n] bool) for the block a rank
-        holds at `step`, of origin (rank - step) mod c, read off the whole rows; later:
-        whether that origin is below the rank (which quarters `_visible_half` takes)."""
+        """mask(shift) -> (later, [b, 1, n, n] bool) for the block of origin
+        (rank - shift) mod c, read off the whole rows; later: whether that origin is below
+        the rank (which quarters `_visible_half` takes)."""
         layout, seq = self.layout, rows.positions.shape[1]
         rank = lax.axis_index(layout.context_axis)
         mine = rows.take(local_index(seq, layout))
 
-        def mask(step):
-            origin = (rank - step) % layout.context
+        def mask(shift):
+            origin = (rank - shift) % layout.context
             theirs = rows.take(local_index(seq, layout, origin))
             return origin < rank, blocked(mine, theirs, self.causal)
         return mask
-
-    def halved(self, step: int) -> bool:
-        """Whether step's block is another rank's under the causal mask: half visible."""
-        return self.causal and step > 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -126,8 +122,8 @@ def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
         kv = block
         if step + 1 < size:  # the next block's send, independent of this block's scores
             block = ring.send(block)
-        later, mask = mask_at(step)
-        if ring.halved(step):
+        later, mask = mask_at(step)  # the block of origin (rank - step) mod c
+        if ring.causal and step > 0:  # another rank's
             o_j, lse_j = _visible_half(q, kv, mask, ring.scale, later)
         else:
             o_j, lse_j = _block_fwd(q, kv[0], kv[1], mask, ring.scale)
@@ -143,21 +139,25 @@ def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
 
 
 def _ring_bwd(ring: _Ring, residuals, d_out):
-    """c steps round the ring again (module docstring): the key/value block sent on as in
-    the forward (c - 1 sends) and, after each step, the block's float32 gradients
-    [2, b, n, kv, d] (c sends: the last returns them to the block's owner)."""
+    """c steps round the ring again (module docstring), this rank's own block last: at
+    step j the block of origin (rank - j - 1) mod c, received from the previous rank as in
+    the forward (c - 1 sends), with its float32 gradients [2, b, n, kv, d] so far, which
+    the previous rank sent after its step j - 1 (c - 1 sends); at step c - 1 the own block,
+    whose gradients arrive from the ranks after it (and are sent no more)."""
     q, k, v, rows, out, lse = residuals
     size, mask_at = ring.layout.context, ring.blocks(rows)
     # D = rowsum(dO O) [b, n, heads]
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     dq = jnp.zeros(q.shape, jnp.float32)
-    block, grads = jnp.stack([k, v]), None  # grads: the received block's dk, dv so far
+    own = jnp.stack([k, v])
+    block, grads = ring.send(own), None  # grads: the block's dk, dv from the ranks before
     for step in range(size):
-        kv = block
-        if step + 1 < size:
+        last = step + 1 == size
+        kv = own if last else block
+        if step + 2 < size:  # the next step's block, another rank's
             block = ring.send(block)
-        later, mask = mask_at(step)
-        if ring.halved(step):
+        later, mask = mask_at(step + 1)
+        if ring.causal and not last:  # another rank's: half visible
             dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, lse,
                                                  delta, d_out)
         else:
@@ -165,12 +165,15 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
                                           d_out)
         dkv_j = jnp.stack([dk_j, dv_j])
         # as in the forward: the next block and the previous rank's gradients (sent after
-        # its last block) are read only after this block, so both sends run beside it
-        tied = (block if step + 1 < size else None, grads)
-        tied, dq_j, dkv_j = lax.optimization_barrier((tied, dq_j, dkv_j))
-        block, grads = tied
+        # its previous step) are read only after this block, so both sends run beside it
+        tied = (block if step + 2 < size else None, grads)
+        if tied != (None, None):
+            tied, dq_j, dkv_j = lax.optimization_barrier((tied, dq_j, dkv_j))
+            block, grads = tied
         dq = dq + dq_j
-        grads = ring.send(dkv_j if grads is None else grads + dkv_j)
+        grads = dkv_j if grads is None else grads + dkv_j
+        if not last:
+            grads = ring.send(grads)
     return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), None
 
 
