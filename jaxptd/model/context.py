@@ -123,10 +123,12 @@ def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
         if step + 1 < size:  # the next block's send, independent of this block's scores
             block = ring.send(block)
         later, mask = mask_at(step)  # the block of origin (rank - step) mod c
-        if ring.causal and step > 0:  # another rank's
-            o_j, lse_j = _visible_half(q, kv, mask, ring.scale, later)
-        else:
+        if not ring.causal:
             o_j, lse_j = _block_fwd(q, kv[0], kv[1], mask, ring.scale)
+        elif step == 0:
+            o_j, lse_j = _own_quarters(q, kv, mask, ring.scale)
+        else:
+            o_j, lse_j = _visible_half(q, kv, mask, ring.scale, later)
         if step + 1 < size:
             # The next block is read only after this block's scores: without the barrier
             # XLA's GPU scheduler starts the send after them and finishes it beside a few
@@ -157,12 +159,13 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
         if step + 2 < size:  # the next step's block, another rank's
             block = ring.send(block)
         later, mask = mask_at(step + 1)
-        if ring.causal and not last:  # another rank's: half visible
-            dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, lse,
-                                                 delta, d_out)
+        rows_of = (lse, delta, d_out)  # what the backward needs of the queries' rows
+        if not ring.causal:
+            dq_j, dk_j, dv_j = _block_bwd(q, kv[0], kv[1], mask, ring.scale, *rows_of)
+        elif last:
+            dq_j, dk_j, dv_j = _own_quarters_bwd(q, kv, mask, ring.scale, *rows_of)
         else:
-            dq_j, dk_j, dv_j = _block_bwd(q, kv[0], kv[1], mask, ring.scale, lse, delta,
-                                          d_out)
+            dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, *rows_of)
         dkv_j = jnp.stack([dk_j, dv_j])
         # as in the forward: the next block and the previous rank's gradients (sent after
         # its previous step) are read only after this block, so both sends run beside it
@@ -184,6 +187,37 @@ def _half(x, later, axis: int):
     """x's first half along `axis` if `later`, else its second (a select, no conditional)."""
     first, second = jnp.split(x, 2, axis=axis)
     return jnp.where(later, first, second)
+
+
+def _quarters(x, axis: int):
+    """x's two halves along `axis`: a rank's chunks r and 2c-1-r (queries or a block)."""
+    return jnp.split(x, 2, axis=axis)
+
+
+def _own_quarters(q, kv, mask, scale):
+    """A rank's own block under the causal mask: of the quarters of its chunks (q1, q2) x
+    (k1, k2), q1 never sees k2 (chunk 2c-1-r comes after chunk r), so three [n/2, n/2]
+    quarters are computed: (q1, k1), (q2, k1), (q2, k2)."""
+    (q1, q2), (k1, k2), (v1, v2) = (_quarters(x, 1) for x in (q, kv[0], kv[1]))
+    (m11, _), (m21, m22) = (_quarters(m, 3) for m in _quarters(mask, 2))
+    first = _block_fwd(q1, k1, v1, m11, scale)
+    second = _merge(*_block_fwd(q2, k1, v1, m21, scale), *_block_fwd(q2, k2, v2, m22, scale))
+    return tuple(jnp.concatenate(halves, axis=1) for halves in zip(first, second))
+
+
+def _own_quarters_bwd(q, kv, mask, scale, lse, delta, d_out):
+    """`_own_quarters` in the backward: (dq [b, n, heads, d], dk, dv [b, n, kv_heads, d])
+    float32 of the block from its three quarters."""
+    (k1, k2), (v1, v2) = _quarters(kv[0], 1), _quarters(kv[1], 1)
+    (m11, _), (m21, m22) = (_quarters(m, 3) for m in _quarters(mask, 2))
+    first, second = zip(*(_quarters(x, 1) for x in (q, lse, delta, d_out)))
+    q1, q2 = first[0], second[0]
+    dq1, dk1, dv1 = _block_bwd(q1, k1, v1, m11, scale, *first[1:])
+    dq2, dk1_2, dv1_2 = _block_bwd(q2, k1, v1, m21, scale, *second[1:])
+    dq2_2, dk2, dv2 = _block_bwd(q2, k2, v2, m22, scale, *second[1:])
+    return (jnp.concatenate([dq1, dq2 + dq2_2], axis=1),
+            jnp.concatenate([dk1 + dk1_2, dk2], axis=1),
+            jnp.concatenate([dv1 + dv1_2, dv2], axis=1))
 
 
 def _visible_half(q, kv, mask, scale, later):
