@@ -113,70 +113,74 @@ def _ring(ring: _Ring, q, k, v, rows: Rows):
 def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
     """c steps, one ppermute a step but the last of the key/value block stacked
     [2, b, n, kv, d]; the residuals: q, k, v, rows, the output and its log-sum-exp."""
-    b, n, heads, d = q.shape
     size, mask_at = ring.layout.context, ring.blocks(rows)
-    out = jnp.zeros((b, n, heads, d), jnp.float32)
-    lse = jnp.full((b, n, heads), -jnp.inf, jnp.float32)
+    out, lse = None, None
     block = jnp.stack([k, v])
     for step in range(size):
         kv = block
         if step + 1 < size:  # the next block's send, independent of this block's scores
             block = ring.send(block)
         later, mask = mask_at(step)  # the block of origin (rank - step) mod c
-        if not ring.causal:
-            o_j, lse_j = _block_fwd(q, kv[0], kv[1], mask, ring.scale)
-        elif step == 0:
-            o_j, lse_j = _own_quarters(q, kv, mask, ring.scale)
-        else:
+        if step == 0:  # its own: each query half
+            halves = [_block_fwd(*_own_half(q, kv, mask, ring.causal, i), ring.scale)
+                      for i in (0, 1)]
+            o_j, lse_j = (jnp.concatenate(x, axis=1) for x in zip(*halves))
+        elif ring.causal:
             o_j, lse_j = _visible_half(q, kv, mask, ring.scale, later)
+        else:
+            o_j, lse_j = _block_fwd(q, kv[0], kv[1], mask, ring.scale)
         if step + 1 < size:
             # The next block is read only after this block's scores: without the barrier
             # XLA's GPU scheduler starts the send after them and finishes it beside a few
             # small ops (Llama-3-8B at 32k, context 2: the forward's and recomputation's
             # sends overlapped no GEMM, 64 of 96); with it each send runs beside a block.
             block, o_j, lse_j = lax.optimization_barrier((block, o_j, lse_j))
-        out, lse = _merge(out, lse, o_j, lse_j)
+        out, lse = (o_j, lse_j) if step == 0 else _merge(out, lse, o_j, lse_j)
     out = out.astype(q.dtype)
     return out, (q, k, v, rows, out, lse)
 
 
 def _ring_bwd(ring: _Ring, residuals, d_out):
-    """c steps round the ring again (module docstring), this rank's own block last: at
-    step j the block of origin (rank - j - 1) mod c, received from the previous rank as in
-    the forward (c - 1 sends), with its float32 gradients [2, b, n, kv, d] so far, which
-    the previous rank sent after its step j - 1 (c - 1 sends); at step c - 1 the own block,
-    whose gradients arrive from the ranks after it (and are sent no more)."""
+    """Round the ring again (module docstring): the own block's first query half; at step
+    j = 1 .. c-1 the block of origin (rank - j) mod c, received from the previous rank as
+    in the forward (c - 1 sends), whose float32 gradients [2, b, n, kv, d] from the ranks
+    before arrive from the previous rank during it and leave with its part added (c - 1
+    sends: the last brings them home); the own block's second query half last, beside that
+    send. Each send's result is read only after a block (optimization barriers), so XLA's
+    GPU scheduler runs every send beside one."""
     q, k, v, rows, out, lse = residuals
     size, mask_at = ring.layout.context, ring.blocks(rows)
     # D = rowsum(dO O) [b, n, heads]
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    dq = jnp.zeros(q.shape, jnp.float32)
+    per_row = (lse, delta, d_out)  # what the backward needs of the queries' rows
     own = jnp.stack([k, v])
-    block, grads = ring.send(own), None  # grads: the block's dk, dv from the ranks before
-    for step in range(size):
-        last = step + 1 == size
-        kv = own if last else block
-        if step + 2 < size:  # the next step's block, another rank's
+    block = ring.send(own)
+    dq_first, own_grads = _own_half_bwd(q, own, mask_at(0)[1], ring, 0, *per_row)
+    block, dq_first, own_grads = lax.optimization_barrier((block, dq_first, own_grads))
+    dq, grads = None, None  # grads: the held block's dk, dv from the ranks before
+    for step in range(1, size):
+        kv = block
+        if step + 1 < size:
             block = ring.send(block)
-        later, mask = mask_at(step + 1)
-        rows_of = (lse, delta, d_out)  # what the backward needs of the queries' rows
-        if not ring.causal:
-            dq_j, dk_j, dv_j = _block_bwd(q, kv[0], kv[1], mask, ring.scale, *rows_of)
-        elif last:
-            dq_j, dk_j, dv_j = _own_quarters_bwd(q, kv, mask, ring.scale, *rows_of)
+        later, mask = mask_at(step)
+        if ring.causal:
+            dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, *per_row)
         else:
-            dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, *rows_of)
+            dq_j, dk_j, dv_j = _block_bwd(q, kv[0], kv[1], mask, ring.scale, *per_row)
         dkv_j = jnp.stack([dk_j, dv_j])
-        # as in the forward: the next block and the previous rank's gradients (sent after
-        # its previous step) are read only after this block, so both sends run beside it
-        tied = (block if step + 2 < size else None, grads)
+        tied = (block if step + 1 < size else None, grads)
         if tied != (None, None):
             tied, dq_j, dkv_j = lax.optimization_barrier((tied, dq_j, dkv_j))
             block, grads = tied
-        dq = dq + dq_j
+        dq = dq_j if dq is None else dq + dq_j
         grads = dkv_j if grads is None else grads + dkv_j
-        if not last:
-            grads = ring.send(grads)
+        if step + 1 == size:  # the own block's second half comes after this block
+            own, grads = lax.optimization_barrier((own, grads))
+        grads = ring.send(grads)
+    dq_second, own_second = _own_half_bwd(q, own, mask_at(0)[1], ring, 1, *per_row)
+    grads, dq_second, own_second = lax.optimization_barrier((grads, dq_second, own_second))
+    dq = dq + jnp.concatenate([dq_first, dq_second], axis=1)
+    grads = grads + own_grads + own_second
     return dq.astype(q.dtype), grads[0].astype(k.dtype), grads[1].astype(v.dtype), None
 
 
@@ -189,35 +193,27 @@ def _half(x, later, axis: int):
     return jnp.where(later, first, second)
 
 
-def _quarters(x, axis: int):
-    """x's two halves along `axis`: a rank's chunks r and 2c-1-r (queries or a block)."""
-    return jnp.split(x, 2, axis=axis)
+def _own_half(q, kv, mask, causal: bool, second: int):
+    """(q, k, v, mask) of one query half of a rank's own block: the second (chunk 2c-1-r)
+    over the whole block; the first (chunk r) under the causal mask over the first key
+    half only (chunk 2c-1-r comes after chunk r), else over the whole block. Under the
+    causal mask 3/4 of the block's scores, in two parts: a [n/2, n/2] and a [n/2, n]."""
+    half = q.shape[1] // 2
+    rows = slice(half, None) if second else slice(None, half)
+    keys = slice(None, half) if causal and not second else slice(None)
+    return q[:, rows], kv[0][:, keys], kv[1][:, keys], mask[:, :, rows, keys]
 
 
-def _own_quarters(q, kv, mask, scale):
-    """A rank's own block under the causal mask: of the quarters of its chunks (q1, q2) x
-    (k1, k2), q1 never sees k2 (chunk 2c-1-r comes after chunk r), so three [n/2, n/2]
-    quarters are computed: (q1, k1), (q2, k1), (q2, k2)."""
-    (q1, q2), (k1, k2), (v1, v2) = (_quarters(x, 1) for x in (q, kv[0], kv[1]))
-    (m11, _), (m21, m22) = (_quarters(m, 3) for m in _quarters(mask, 2))
-    first = _block_fwd(q1, k1, v1, m11, scale)
-    second = _merge(*_block_fwd(q2, k1, v1, m21, scale), *_block_fwd(q2, k2, v2, m22, scale))
-    return tuple(jnp.concatenate(halves, axis=1) for halves in zip(first, second))
-
-
-def _own_quarters_bwd(q, kv, mask, scale, lse, delta, d_out):
-    """`_own_quarters` in the backward: (dq [b, n, heads, d], dk, dv [b, n, kv_heads, d])
-    float32 of the block from its three quarters."""
-    (k1, k2), (v1, v2) = _quarters(kv[0], 1), _quarters(kv[1], 1)
-    (m11, _), (m21, m22) = (_quarters(m, 3) for m in _quarters(mask, 2))
-    first, second = zip(*(_quarters(x, 1) for x in (q, lse, delta, d_out)))
-    q1, q2 = first[0], second[0]
-    dq1, dk1, dv1 = _block_bwd(q1, k1, v1, m11, scale, *first[1:])
-    dq2, dk1_2, dv1_2 = _block_bwd(q2, k1, v1, m21, scale, *second[1:])
-    dq2_2, dk2, dv2 = _block_bwd(q2, k2, v2, m22, scale, *second[1:])
-    return (jnp.concatenate([dq1, dq2 + dq2_2], axis=1),
-            jnp.concatenate([dk1 + dk1_2, dk2], axis=1),
-            jnp.concatenate([dv1 + dv1_2, dv2], axis=1))
+def _own_half_bwd(q, kv, mask, ring: _Ring, second: int, lse, delta, d_out):
+    """`_own_half` in the backward: (dq of the half's queries [b, n/2, heads, d], the
+    block's dk, dv [2, b, n, kv_heads, d]) float32."""
+    half = q.shape[1] // 2
+    rows = slice(half, None) if second else slice(None, half)
+    dq, dk, dv = _block_bwd(*_own_half(q, kv, mask, ring.causal, second), ring.scale,
+                            lse[:, rows], delta[:, rows], d_out[:, rows])
+    missing = kv.shape[2] - dk.shape[1]  # the first half's k2 under the causal mask
+    dkv = jnp.pad(jnp.stack([dk, dv]), [(0, 0), (0, 0), (0, missing), (0, 0), (0, 0)])
+    return dq, dkv
 
 
 def _visible_half(q, kv, mask, scale, later):
