@@ -5,25 +5,29 @@ Each context rank holds its queries, keys and values for its n = s / c tokens
 (sequence.local_index: chunks r and 2c-1-r) and attends to every rank's keys by one of two
 methods (parallel.context_attention):
 
-- ring: c steps; at each a rank attends to the key/value block it holds and passes the
-  block to the next rank with `ppermute` (c - 1 sends), so the send of step j + 1's block
-  runs beside step j's scores (an optimization barrier ties the received block to them).
-  Blocks are combined with the online softmax (each block's normalized float32 output and
-  log-sum-exp, rescaled to the running one). Under the causal mask a block from another
-  rank is half visible (`_visible_half`) and only that half is computed: a rank's score
-  entries are n^2 + (c-1) n^2 / 2 against the n s / 2 + n^2 / 2 a causal mask leaves, the
-  same on every rank.
+- ring: c steps; at each a rank attends to the key/value block it holds, its own first,
+  and passes the block to the next rank with `ppermute` (c - 1 sends), so the send of
+  step j + 1's block runs beside step j's scores (an optimization barrier ties the
+  received block to them). Blocks are combined with the online softmax (each block's
+  normalized float32 output and log-sum-exp, rescaled to the running one). Under the
+  causal mask only the visible part of a block is computed: of the own block three
+  quarters (`_own_half`: chunk r never sees chunk 2c-1-r), of another rank's one half
+  (`_visible_half`): a rank computes 3 n^2 / 4 + (c-1) n^2 / 2 = n s / 2 + n^2 / 4 score
+  entries, of which n s / 2 + n / 2 are visible, the same on every rank.
   The ring has its own backward (jax.custom_vjp, flash attention's): the forward keeps
   only q, k, v, the output O (in q's dtype: it is the output itself, as flash attention
   keeps it) and the final log-sum-exp L [b, n, heads]; no per-block tensor. The backward
-  takes D = rowsum(dO O) [b, n, heads] and goes round the ring again, c steps, each
-  block's contributions computed from the global L and D (P = exp(S - L), dV = P^T dO,
-  dS = P (dO V^T - D), dQ = dS K, dK = dS^T Q; the same visible quarters): dQ adds to the
-  rank's own, dK and dV to the block's running gradients, which travel with the block.
-  The own block comes last, so its gradients arrive home beside it: c - 1 sends of the
-  key/value blocks (as the forward's: under full recomputation XLA merges the two) and
-  c - 1 of their float32 gradients [2, b, n, kv, d], each beside the next block.
-  Memory: q, k, v, O, L a layer, and one block's [b, heads, n, n] scores at a time.
+  takes D = rowsum(dO O) [b, n, heads] and goes round the ring again, each block's part
+  computed from the global L and D (`_block_bwd`: P = exp(S - L), dV = P^T dO,
+  dS = P (dO V^T - D), dQ = dS K, dK = dS^T Q; the same visible parts): dQ adds to the
+  rank's own, dK and dV to the block's running gradients, which follow the block round
+  the ring and come home after it (`_ring_bwd`). Sends a layer: c - 1 forward; c - 1 of
+  key/value blocks and c - 1 of their float32 gradients [2, b, n, kv, d] backward (under
+  full recomputation the recomputed forward's c - 1 too, of which XLA merges some with
+  the backward's key/value sends), each beside a block: the own block's first query half
+  runs beside the first send, its second beside the last, the gradients' way home.
+  Memory: q, k, v, O, L a layer, and one block part's [b, heads, n/2, n] scores (with
+  their probabilities and gradients) at a time.
 - allgather: the keys and values of all ranks gathered (Llama 3's choice; with grouped-query
   attention they are small: 2 s k d against the queries' s n d), one masked attention of the
   local queries over all s keys; the gather's transpose reduce-scatters their gradients.
@@ -89,15 +93,15 @@ class _Ring(NamedTuple):
                         cpu=layout.platform == "cpu")
 
     def blocks(self, rows: Rows):
-        """mask(shift) -> (later, [b, 1, n, n] bool) for the block of origin
-        (rank - shift) mod c, read off the whole rows; later: whether that origin is below
-        the rank (which quarters `_visible_half` takes)."""
+        """mask(step) -> (later, [b, 1, n, n] bool) for the block a rank holds at `step`,
+        of origin (rank - step) mod c, read off the whole rows; later: whether that origin
+        is below the rank (which quarters `_visible_half` takes)."""
         layout, seq = self.layout, rows.positions.shape[1]
         rank = lax.axis_index(layout.context_axis)
         mine = rows.take(local_index(seq, layout))
 
-        def mask(shift):
-            origin = (rank - shift) % layout.context
+        def mask(step):
+            origin = (rank - step) % layout.context
             theirs = rows.take(local_index(seq, layout, origin))
             return origin < rank, blocked(mine, theirs, self.causal)
         return mask
@@ -111,8 +115,9 @@ def _ring(ring: _Ring, q, k, v, rows: Rows):
 
 
 def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
-    """c steps, one ppermute a step but the last of the key/value block stacked
-    [2, b, n, kv, d]; the residuals: q, k, v, rows, the output and its log-sum-exp."""
+    """c steps, the own block first (as its two query halves), one ppermute a step but the
+    last of the key/value block stacked [2, b, n, kv, d]; the residuals: q, k, v, rows,
+    the output and its log-sum-exp [b, n, heads]."""
     size, mask_at = ring.layout.context, ring.blocks(rows)
     out, lse = None, None
     block = jnp.stack([k, v])
@@ -153,11 +158,11 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
     # D = rowsum(dO O) [b, n, heads]
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     per_row = (lse, delta, d_out)  # what the backward needs of the queries' rows
-    own = jnp.stack([k, v])
+    own, own_mask = jnp.stack([k, v]), mask_at(0)[1]
     block = ring.send(own)
-    dq_first, own_grads = _own_half_bwd(q, own, mask_at(0)[1], ring, 0, *per_row)
+    dq_first, own_grads = _own_half_bwd(q, own, own_mask, ring, 0, *per_row)
     block, dq_first, own_grads = lax.optimization_barrier((block, dq_first, own_grads))
-    dq, grads = None, None  # grads: the held block's dk, dv from the ranks before
+    dq, grads = None, None  # grads: the held block's dk, dv from the ranks before it
     for step in range(1, size):
         kv = block
         if step + 1 < size:
@@ -177,7 +182,7 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
         if step + 1 == size:  # the own block's second half comes after this block
             own, grads = lax.optimization_barrier((own, grads))
         grads = ring.send(grads)
-    dq_second, own_second = _own_half_bwd(q, own, mask_at(0)[1], ring, 1, *per_row)
+    dq_second, own_second = _own_half_bwd(q, own, own_mask, ring, 1, *per_row)
     grads, dq_second, own_second = lax.optimization_barrier((grads, dq_second, own_second))
     dq = dq + jnp.concatenate([dq_first, dq_second], axis=1)
     grads = grads + own_grads + own_second
