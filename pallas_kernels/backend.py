@@ -92,8 +92,9 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
 
 
-def call(kernel_call, *operands, interpret: bool):
-    """Apply a pallas_call; its result varies over the manual axes of `operands[0]`.
+def call(kernel_call, *operands, interpret: bool, checked: bool = True):
+    """Apply a pallas_call; its result (an array or a tuple) varies over the manual axes of
+    `operands[0]`.
 
     Interpret mode evaluates the kernel at lowering time by re-binding its primitives on
     the (varying) blocks next to its own (invariant) constants; under
@@ -101,10 +102,12 @@ def call(kernel_call, *operands, interpret: bool):
     match"). So in interpret mode, when an operand varies, the call runs in a nested
     `shard_map` over no new axes with check_vma=False, and the result is cast back to
     the main operand's varying axes. Callers sit inside a custom_vjp, so nothing
-    differentiates through the cast. Compiled Triton lowering needs none of this.
+    differentiates through the cast. Compiled Triton lowering needs none of this when
+    the kernel's out_shape says how it varies (`out_struct`: `checked`); a kernel of
+    JAX's own (pallas_kernels/flash.py) does not say, so it runs unchecked compiled too.
     """
     axes = set().union(*map(varying_axes, operands))
-    if not interpret or not axes:
+    if (not interpret and checked) or not axes:
         return kernel_call(*operands)
     def erased(*args):  # under check_vma=False an add's result type has no varying axes
         return kernel_call(*(a + jax.numpy.zeros((), a.dtype) for a in args))
@@ -113,4 +116,5 @@ def call(kernel_call, *operands, interpret: bool):
         erased, mesh=jax.sharding.get_abstract_mesh(), in_specs=P(), out_specs=P(),
         axis_names=set(), check_vma=False)
     result = unchecked(*operands)
-    return jax.lax.pcast(result, tuple(sorted(varying_axes(operands[0]))), to="varying")
+    varying = tuple(sorted(varying_axes(operands[0])))
+    return jax.tree.map(lambda r: jax.lax.pcast(r, varying, to="varying"), result)

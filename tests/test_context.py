@@ -95,12 +95,14 @@ def _dense(q, k, v, hidden, scale):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-@pytest.mark.parametrize("kind", ["causal", "causal segments", "bidirectional padding"])
+@pytest.mark.parametrize("kind", ["causal", "causal flash", "causal segments",
+                                  "bidirectional padding"])
 def test_ring_attention_and_its_vjp_match_dense_attention(kind):
     """The ring (context 4, its own backward) against one dense attention of the whole rows
     with the mask built from row indices: the output and the vjp for q, k, v of a random
     cotangent. Grouped-query heads (4 over 2); packed documents (segments, positions
-    restarting) or BERT's padded keys (a row all padding: zeros, no NaN)."""
+    restarting) or BERT's padded keys (a row all padding: zeros, no NaN); flash: the
+    blocks are pallas_kernels.flash's (JAX's Pallas flash attention, interpret mode)."""
     c, b, s, heads, kv_heads, d = 4, 2, 32, 4, 2, 8
     rng = np.random.default_rng(0)
     q, d_out = (rng.normal(size=(b, s, heads, d)).astype(np.float32) for _ in range(2))
@@ -131,7 +133,8 @@ def test_ring_attention_and_its_vjp_match_dense_attention(kind):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:c]), ("context",))
     ring = jax.shard_map(
         lambda q, k, v, rows: context.attention(q, k, v, rows, layout, causal=causal,
-                                                scale=scale, cudnn=False, core=None),
+                                                scale=scale, cudnn=False,
+                                                flash="flash" in kind, core=None),
         mesh=mesh, in_specs=(P(None, "context"),) * 3 + (P(),), out_specs=P(None, "context"))
     held = [jnp.asarray(x[:, order]) for x in (q, k, v)]  # rank r's tokens: its chunk pair
 

@@ -169,15 +169,23 @@ def opcodes(module, opcode) -> int:
 @needs_compiler
 @pytest.mark.slow
 def test_context_ring_sends_overlap_its_blocks():
-    """Ring attention at context 4 under full recomputation: c - 1 sends a layer forward,
-    as many in the recomputed forward and in the backward (their transposes), every one
-    with a GEMM in flight (the next block's send beside this block's scores) that covers
-    it (compile_check.covered), and no conditional (the half-visible blocks are picked by
-    selects)."""
-    config, _, report, module = compiled("parallel.context=4", "model.remat=full", *CONTEXT)
+    """Ring attention at context 4 under full recomputation, its blocks Pallas flash
+    attention (model.kernels=pallas): c - 1 key/value sends a layer forward, in the
+    recomputed forward and in the backward (XLA merges some of the last two), and c - 1
+    gradient sends backward; every one with a block's kernel in flight (the next block's
+    send beside this block) that covers it (compile_check.covered), and no conditional
+    (the half-visible blocks are picked by selects). Each flash call is a Triton kernel
+    the static cost counts as attention. At sequence 4096: at 1024 a quarter block's
+    kernels take, statically, 0.28 us beside a 0.29 us send (both far under a launch)."""
+    config, _, report, module = compiled("parallel.context=4", "model.remat=full",
+                                         "model.kernels=pallas", *CONTEXT,
+                                         "model.seq_len=4096")
     assert report["fits"]
+    assert report["calls"]["triton (pallas)"] > 0
+    assert report["cost"]["category"]["attention"]["seconds"] > 0
     sends = [c for c in hlo.collectives(module) if c.kind == "collective-permute"]
-    assert len(sends) == 3 * config.model.num_layers * (4 - 1)
+    per_layer = len(sends) / config.model.num_layers
+    assert 3 * (4 - 1) <= per_layer <= 4 * (4 - 1), per_layer
     lonely = [c.op_name for c in sends if not (set(c.overlap) & {"gemm", "attention"}
                                                 and compile_check.covered(c, H100))]
     assert not lonely, lonely

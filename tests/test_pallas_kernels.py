@@ -178,3 +178,42 @@ def test_ops_inside_shard_map_with_check_vma(mesh):
     grads_ref = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(x, h, bias)
     for grad, grad_ref in zip(grads, grads_ref):
         _close(jax.device_get(grad), grad_ref, jnp.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_blocks_combine_into_the_whole_attention(causal):
+    """pallas_kernels.flash (JAX's Pallas flash attention, interpret mode): queries over
+    two key blocks, combined by their log-sum-exps, give the attention over all the keys;
+    each block's backward with the whole attention's output and log-sum-exp gives its
+    share of the gradients (f32, grouped-query heads). Causal: the first block is the
+    diagonal (query i sees key j <= i), the second entirely visible (earlier keys)."""
+    from pallas_kernels.flash import flash_block, flash_block_grads
+    keys = jax.random.split(jax.random.key(3), 4)
+    q = jax.random.normal(keys[0], (1, 64, 4, 16))
+    k, v = (jax.random.normal(x, (1, 128, 2, 16)) for x in keys[1:3])
+    d_out = jax.random.normal(keys[3], q.shape)
+    blocks = [(k[:, :64], v[:, :64], causal), (k[:, 64:], v[:, 64:], False)]
+    # the reference: causal over the diagonal block, the other block's keys all earlier
+    order = jnp.concatenate([k[:, 64:], k[:, :64]], 1), jnp.concatenate([v[:, 64:], v[:, :64]], 1)
+
+    def whole(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        ks, vs = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, ks) * 0.3
+        if causal:  # keys 0..63 (the second block) always; 64 + j for j <= i
+            seen = jnp.arange(128)[None, :] < 64 + jnp.arange(64)[:, None] + 1
+            scores = jnp.where(seen, scores, -jnp.inf)
+        return (jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), vs),
+                jnp.swapaxes(jax.nn.logsumexp(scores, -1), 1, 2))
+    out_ref, lse_ref = whole(q, *order)
+    parts = [flash_block(q, kb, vb, scale=0.3, causal=c) for kb, vb, c in blocks]
+    lse = jnp.logaddexp(parts[0][1], parts[1][1])
+    out = sum(o * jnp.exp(l - lse)[..., None] for o, l in parts)
+    _close(out, out_ref, jnp.float32)
+    _close(lse, lse_ref, jnp.float32)
+    grads = [flash_block_grads(q, kb, vb, out, lse, d_out, scale=0.3, causal=c)
+             for kb, vb, c in blocks]
+    dq, dk, dv = jax.vjp(lambda *a: whole(*a)[0], q, *order)[1](d_out)
+    _close(grads[0][0] + grads[1][0], dq, jnp.float32)
+    _close(jnp.concatenate([grads[1][1], grads[0][1]], 1), dk, jnp.float32)
+    _close(jnp.concatenate([grads[1][2], grads[0][2]], 1), dv, jnp.float32)

@@ -12,8 +12,9 @@ count (`known_trip_count`, else the loop condition's constant); a conditional co
 costlier branch; calls and non-collective async computations are entered; collectives are
 listed, not timed. Each kernel (fusion, custom call, copy, any other compute op) costs
 max(FLOPs / peak, bytes / bandwidth). FLOPs: 2 x prod(result dims) x prod(contracting
-dims) of every `dot` inside a fusion or cuBLAS call; cuDNN attention forward
-4 b h sq skv d, halved with a causal mask, its backward 2.5 times that; nothing else.
+dims) of every `dot` inside a fusion or cuBLAS call; cuDNN attention and the Pallas
+flash-attention blocks (pallas_kernels/flash.py) forward 4 b h sq skv d, halved with a
+causal mask, their backward 2.5 times that; nothing else.
 Bytes: operands and results once each, except that a fusion operand read only through
 (dynamic-)slice or gather costs the slices, and a dynamic-update-slice costs its update,
 not the buffer it writes into. It shows structure, not speed: nothing is autotuned.

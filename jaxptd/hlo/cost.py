@@ -10,6 +10,12 @@ from dataclasses import dataclass
 from jaxptd.hlo.text import COLLECTIVES, STRUCTURAL, Computation, Instr, Module, arrays, nbytes
 
 
+# The op names of pallas_kernels/flash.py's calls (JAX's Pallas flash attention): the
+# kernels' own names, and the scope flash.py puts a causal block under.
+FLASH_CALL = r"/mha_(forward|backward)/pallas_call"
+FLASH_CAUSAL = "flash_causal"
+
+
 @dataclass
 class Kernel:
     """One kernel of the program, launched `count` times a step."""
@@ -74,6 +80,16 @@ def _attention_flops(call: Instr) -> float:
     return flops * (2.5 if "Backward" in (call.attr("custom_call_target") or "") else 1.0)
 
 
+def _flash_flops(comp: Computation, call: Instr) -> float:
+    """A Pallas flash-attention block (pallas_kernels/flash.py, JAX's Triton kernels): q and
+    k its first operands [b, n, heads, d], [b, m, heads, d]; 4 x b heads n m d forward,
+    halved under flash.py's causal scope; the backward 2.5 x that."""
+    (b, n, heads, d), m = (_first_dims(comp.by_name[call.operands[0]].type),
+                           _first_dims(comp.by_name[call.operands[1]].type)[1])
+    flops = 4.0 * b * heads * n * m * d / (2 if f"/{FLASH_CAUSAL}/" in call.op_name else 1)
+    return flops * (2.5 if "/mha_backward/" in call.op_name else 1.0)
+
+
 def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
     """Operands and results once, but slices read and updates written (module docstring)."""
     body = module[fusion.attr("calls")]
@@ -125,6 +141,8 @@ def kernel(module: Module, comp: Computation, instr: Instr, count: float) -> Ker
         target = instr.attr("custom_call_target") or ""
         if target.startswith("__cudnn$fmha"):
             flops, category = _attention_flops(instr), "attention"
+        elif target == "__gpu$xla.gpu.triton" and re.search(FLASH_CALL, instr.op_name):
+            flops, category = _flash_flops(comp, instr), "attention"
         elif target.startswith("__cublas"):
             flops, category = _gemm_call_flops(comp, instr), "gemm"
         elif instr.opcode == "copy":

@@ -54,11 +54,13 @@ _NEG = -1e30  # a masked score: finite, so a row with no visible key gives zeros
 
 
 def attention(q, k, v, rows: Rows, layout: Layout, *, causal: bool, scale: float,
-              cudnn: bool, core):
+              cudnn: bool, flash: bool, core):
     """Attention of this rank's queries q [b, n, heads, d] over every context rank's keys
     and values k, v [b, n, kv_heads, d] -> [b, n, heads, d] in q's dtype. rows: the whole
     rows' positions (and segments, padding); core(q, k, v, mask) is the layer's masked
-    attention core (layers.attention_core), used when the whole mask is in hand."""
+    attention core (layers.attention_core), used when the whole mask is in hand; flash:
+    the ring's blocks are Pallas flash attention (model.kernels=pallas) where no segment
+    or padding masks them."""
     seq, c, axis = rows.positions.shape[1], layout.context, layout.context_axis
     mine = rows.take(local_index(seq, layout))
     if axis is None or c == 1:
@@ -69,7 +71,8 @@ def attention(q, k, v, rows: Rows, layout: Layout, *, causal: bool, scale: float
         order = jnp.concatenate([local_index(seq, layout, r) for r in range(c)])
         return _masked(q, k_all, v_all, blocked(mine, rows.take(order), causal), scale,
                        cudnn, core)
-    return _ring(_Ring(layout, causal, scale), q, k, v, rows)
+    plain = rows.segments is None and rows.padding is None
+    return _ring(_Ring(layout, causal, scale, flash and plain), q, k, v, rows)
 
 
 def _masked(q, k, v, mask, scale, cudnn: bool, core):
@@ -85,6 +88,39 @@ class _Ring(NamedTuple):
     layout: Layout
     causal: bool
     scale: float
+    flash: bool  # blocks by pallas_kernels.flash, else XLA's (`_block_fwd`, `_block_bwd`)
+
+    def part_fwd(self, q, k, v, mask, diagonal: bool):
+        """(out, lse) of queries q [b, m, heads, d] over a part of a block, k, v
+        [b, m or 2m, kv_heads, d]. XLA's block takes the mask; the flash blocks take the
+        keys in query-sized pieces, each entirely visible but, when `diagonal` (under the
+        causal mask, the queries' own keys come last), the last, causal (module
+        docstring: no other mask reaches them)."""
+        if not self.flash:
+            return _block_fwd(q, k, v, mask, self.scale)
+        from pallas_kernels.flash import flash_block
+        parts = [flash_block(q, kp, vp, scale=self.scale, causal=causal,
+                             interpret=self.layout.platform != "gpu")
+                 for kp, vp, causal in self._pieces(q, k, v, diagonal)]
+        return functools.reduce(lambda a, b: _merge(*a, *b), parts)
+
+    def part_bwd(self, q, k, v, mask, diagonal: bool, lse, out, d_out):
+        """`part_fwd`'s gradients (dq [b, m, heads, d], dk, dv [b, m or 2m, kv_heads, d])
+        float32 from the whole attention's log-sum-exp, output and its cotangent."""
+        if not self.flash:
+            return _block_bwd(q, k, v, mask, self.scale, lse, out, d_out)
+        from pallas_kernels.flash import flash_block_grads
+        grads = [flash_block_grads(q, kp, vp, out, lse, d_out, scale=self.scale,
+                                   causal=causal, interpret=self.layout.platform != "gpu")
+                 for kp, vp, causal in self._pieces(q, k, v, diagonal)]
+        return (sum(g[0] for g in grads), jnp.concatenate([g[1] for g in grads], axis=1),
+                jnp.concatenate([g[2] for g in grads], axis=1))
+
+    def _pieces(self, q, k, v, diagonal: bool):
+        """(k, v, causal) of each query-sized piece of the keys."""
+        m, count = q.shape[1], k.shape[1] // q.shape[1]
+        return [(k[:, i * m:(i + 1) * m], v[:, i * m:(i + 1) * m],
+                 self.causal and diagonal and i == count - 1) for i in range(count)]
 
     def send(self, block):
         """Each rank's block to the next rank (`_pass_on`)."""
@@ -127,13 +163,13 @@ def _ring_fwd(ring: _Ring, q, k, v, rows: Rows):
             block = ring.send(block)
         later, mask = mask_at(step)  # the block of origin (rank - step) mod c
         if step == 0:  # its own: each query half
-            halves = [_block_fwd(*_own_half(q, kv, mask, ring.causal, i), ring.scale)
+            halves = [ring.part_fwd(*_own_half(q, kv, mask, ring.causal, i), diagonal=True)
                       for i in (0, 1)]
             o_j, lse_j = (jnp.concatenate(x, axis=1) for x in zip(*halves))
         elif ring.causal:
-            o_j, lse_j = _visible_half(q, kv, mask, ring.scale, later)
+            o_j, lse_j = _visible_half(ring, q, kv, mask, later)
         else:
-            o_j, lse_j = _block_fwd(q, kv[0], kv[1], mask, ring.scale)
+            o_j, lse_j = ring.part_fwd(q, kv[0], kv[1], mask, diagonal=False)
         if step + 1 < size:
             # The next block is read only after this block's scores: without the barrier
             # XLA's GPU scheduler starts the send after them and finishes it beside a few
@@ -155,9 +191,7 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
     GPU scheduler runs every send beside one."""
     q, k, v, rows, out, lse = residuals
     size, mask_at = ring.layout.context, ring.blocks(rows)
-    # D = rowsum(dO O) [b, n, heads]
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    per_row = (lse, delta, d_out)  # what the backward needs of the queries' rows
+    per_row = (lse, out, d_out)  # what the backward needs of the queries' rows
     own, own_mask = jnp.stack([k, v]), mask_at(0)[1]
     block = ring.send(own)
     dq_first, own_grads = _own_half_bwd(q, own, own_mask, ring, 0, *per_row)
@@ -169,9 +203,9 @@ def _ring_bwd(ring: _Ring, residuals, d_out):
             block = ring.send(block)
         later, mask = mask_at(step)
         if ring.causal:
-            dq_j, dk_j, dv_j = _visible_half_bwd(q, kv, mask, ring.scale, later, *per_row)
+            dq_j, dk_j, dv_j = _visible_half_bwd(ring, q, kv, mask, later, *per_row)
         else:
-            dq_j, dk_j, dv_j = _block_bwd(q, kv[0], kv[1], mask, ring.scale, *per_row)
+            dq_j, dk_j, dv_j = ring.part_bwd(q, kv[0], kv[1], mask, False, *per_row)
         dkv_j = jnp.stack([dk_j, dv_j])
         tied = (block if step + 1 < size else None, grads)
         if tied != (None, None):
@@ -209,19 +243,19 @@ def _own_half(q, kv, mask, causal: bool, second: int):
     return q[:, rows], kv[0][:, keys], kv[1][:, keys], mask[:, :, rows, keys]
 
 
-def _own_half_bwd(q, kv, mask, ring: _Ring, second: int, lse, delta, d_out):
+def _own_half_bwd(q, kv, mask, ring: _Ring, second: int, lse, out, d_out):
     """`_own_half` in the backward: (dq of the half's queries [b, n/2, heads, d], the
     block's dk, dv [2, b, n, kv_heads, d]) float32."""
     half = q.shape[1] // 2
     rows = slice(half, None) if second else slice(None, half)
-    dq, dk, dv = _block_bwd(*_own_half(q, kv, mask, ring.causal, second), ring.scale,
-                            lse[:, rows], delta[:, rows], d_out[:, rows])
+    dq, dk, dv = ring.part_bwd(*_own_half(q, kv, mask, ring.causal, second), True,
+                               lse[:, rows], out[:, rows], d_out[:, rows])
     missing = kv.shape[2] - dk.shape[1]  # the first half's k2 under the causal mask
     dkv = jnp.pad(jnp.stack([dk, dv]), [(0, 0), (0, 0), (0, missing), (0, 0), (0, 0)])
     return dq, dkv
 
 
-def _visible_half(q, kv, mask, scale, later):
+def _visible_half(ring: _Ring, q, kv, mask, later):
     """A causal ring step's block from another rank: of its [n, n] scores only half can be
     visible, and only that half is computed, as two [n/2, n/2] quarters. Rank r holds
     chunks (r, 2c-1-r) as halves (q1, q2) and the block from rank o its (k1, k2): for
@@ -231,10 +265,10 @@ def _visible_half(q, kv, mask, scale, later):
     still applies (packed rows)."""
     half = q.shape[1] // 2
     k, v = kv[0], kv[1]
-    other = _block_fwd(_half(q, later, 1), _half(k, later, 1), _half(v, later, 1),
-                       _half(_half(mask, later, 2), later, 3), scale)
-    shared = _block_fwd(q[:, half:], k[:, :half], v[:, :half], mask[:, :, half:, :half],
-                        scale)
+    other = ring.part_fwd(_half(q, later, 1), _half(k, later, 1), _half(v, later, 1),
+                          _half(_half(mask, later, 2), later, 3), diagonal=False)
+    shared = ring.part_fwd(q[:, half:], k[:, :half], v[:, :half], mask[:, :, half:, :half],
+                           diagonal=False)
     unseen = jnp.full_like(other[1], -jnp.inf)
     first = (other[0], jnp.where(later, other[1], unseen))  # q1: the other quarter if o < r
     second = _merge(*shared, other[0], jnp.where(later, unseen, other[1]))
@@ -242,19 +276,19 @@ def _visible_half(q, kv, mask, scale, later):
             jnp.concatenate([first[1], second[1]], axis=1))
 
 
-def _visible_half_bwd(q, kv, mask, scale, later, lse, delta, d_out):
+def _visible_half_bwd(ring: _Ring, q, kv, mask, later, lse, out, d_out):
     """`_visible_half`'s quarters in the backward: (dq [b, n, heads, d], dk, dv
     [b, n, kv_heads, d]) float32 of the block, zero where a quarter is not computed. The
     other quarter, (q1, k1) if `later` else (q2, k2), and (q2, k1), picked by selects."""
     half = q.shape[1] // 2
     k, v = kv[0], kv[1]
-    dq_o, dk_o, dv_o = _block_bwd(
+    dq_o, dk_o, dv_o = ring.part_bwd(
         _half(q, later, 1), _half(k, later, 1), _half(v, later, 1),
-        _half(_half(mask, later, 2), later, 3), scale, _half(lse, later, 1),
-        _half(delta, later, 1), _half(d_out, later, 1))
-    dq_s, dk_s, dv_s = _block_bwd(q[:, half:], k[:, :half], v[:, :half],
-                                  mask[:, :, half:, :half], scale, lse[:, half:],
-                                  delta[:, half:], d_out[:, half:])
+        _half(_half(mask, later, 2), later, 3), False, _half(lse, later, 1),
+        _half(out, later, 1), _half(d_out, later, 1))
+    dq_s, dk_s, dv_s = ring.part_bwd(q[:, half:], k[:, :half], v[:, :half],
+                                     mask[:, :, half:, :half], False, lse[:, half:],
+                                     out[:, half:], d_out[:, half:])
 
     def place(shared, other, into_first):
         """[b, n, ...]: the shared quarter's gradient at half `into_first` (0: the first
@@ -317,13 +351,14 @@ def _block_fwd(q, k, v, mask, scale):
             jnp.moveaxis(lse, -1, 1).reshape(b, n, heads))
 
 
-def _block_bwd(q, k, v, mask, scale, lse, delta, d_out):
+def _block_bwd(q, k, v, mask, scale, lse, out, d_out):
     """The gradients (dq [b, nq, heads, d], dk, dv [b, nk, kv_heads, d]) float32 of one key
-    block's part of the attention, from the whole attention's log-sum-exp and
-    delta = rowsum(dO O) [b, nq, heads] and its output's cotangent d_out [b, nq, heads, d]
-    (flash attention's backward): P = exp(S - L), 0 where masked (and in a row with no
-    visible key, L = -inf); dV = P^T dO; dS = P (dO V^T - D); dQ = scale dS K;
-    dK = scale dS^T Q, summed over each key/value head's group of query heads."""
+    block's part of the attention, from the whole attention's log-sum-exp [b, nq, heads],
+    output and its cotangent d_out [b, nq, heads, d] (flash attention's backward):
+    D = rowsum(dO O); P = exp(S - L), 0 where masked (and in a row with no visible key,
+    L = -inf); dV = P^T dO; dS = P (dO V^T - D); dQ = scale dS K; dK = scale dS^T Q,
+    summed over each key/value head's group of query heads."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     b, n, heads, d = q.shape
     kv_heads = k.shape[2]
     grouped, d_grouped = _grouped(q, kv_heads), _grouped(d_out, kv_heads)

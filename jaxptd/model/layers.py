@@ -105,6 +105,7 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         return context_attention.attention(
             q, k, v, mask, layout, causal=causal, scale=scale,
             cudnn=cfg.attention == "cudnn" and layout.platform == "gpu",
+            flash=cfg.kernels == "pallas",
             core=_xla_core(module, deterministic, scale, causal=False)), cache
     padding = mask is not None and mask.ndim == 4 and mask.shape[1:3] == (1, 1)
     if (cfg.attention == "cudnn" and layout.platform == "gpu" and cache is None
