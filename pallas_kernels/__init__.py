@@ -3,7 +3,8 @@
     from pallas_kernels import fused_softmax, bias_gelu
 
 Each module holds the kernel, its jitted wrapper, the plain-JAX reference and the
-custom_vjp. `backend.py` is the one place that picks the Pallas backend (Triton) and falls
+custom_vjp; `flash.py` (imported where used: `from pallas_kernels.flash import ...`) holds
+no kernel of its own, only the context ring's calls into JAX's Pallas flash attention. `backend.py` is the one place that picks the Pallas backend (Triton) and falls
 back to the references, with one warning, when it is missing.
 
 No bias_dropout_add kernel, on purpose. Measured on CPU (jax 0.10.2, [8, 512, 1024]

@@ -33,10 +33,13 @@ methods (parallel.context_attention):
   local queries over all s keys; the gather's transpose reduce-scatters their gradients.
   On a GPU with model.attention=cudnn this is one cuDNN flash attention with a mask.
 
-The ring computes its blocks with XLA on every platform (`_block_fwd`, `_block_bwd`: the
-narrow interface a flash kernel would take). The mask of every block comes from the
-tokens' positions and segments (sequence.blocked), so load balancing and packed documents
-need nothing more here.
+The ring's blocks (`_Ring.part_fwd`, `part_bwd`) are XLA's (`_block_fwd`, `_block_bwd`:
+a part's float32 scores in memory), or with model.kernels=pallas JAX's Pallas flash
+attention (pallas_kernels/flash.py: no scores in memory) where the rows have no segments
+and no padding: then every block part is entirely visible or, the own keys, causal, which
+is all the kernel's masks. The mask of every XLA block comes from the tokens' positions
+and segments (sequence.blocked), so load balancing and packed documents need nothing more
+here.
 """
 from __future__ import annotations
 
