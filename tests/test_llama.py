@@ -109,12 +109,13 @@ def test_forward_flops_count_the_matmuls(arch):
 @pytest.mark.slow
 def test_default_config_learns_below_unigram_entropy(tmp_path, monkeypatch):
     """configs/gpt_tiny.yaml with model.arch=llama (its (data 2, tensor 4) layout, 4 kv
-    heads of 4), 200 of its 300 steps, ends 0.5 nats below the corpus's unigram entropy,
-    as the GPT does."""
+    heads of 4) as a 100-step run (the suite's time) ends 0.5 nats below the corpus's
+    unigram entropy, as the GPT does (measured: 2.57 and 2.34 at steps 50 and 100,
+    against 3.09 - 0.5)."""
     env = optimised_env(dict(os.environ, JAXPTD_CACHE=str(tmp_path / "cache")))
     result = subprocess.run([sys.executable, "-m", "jaxptd.train", "--config",
                              "configs/gpt_tiny.yaml", "model.arch=llama",
-                             f"train.run_dir={tmp_path}", "train.steps=200",
+                             f"train.run_dir={tmp_path}", "train.steps=100",
                              "checkpoint.every=0"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
