@@ -89,7 +89,7 @@ part_long() {
   local variants=("seq=$SEQ,b=1,pack=0")  # (--toy: the llama part ran the stream)
   [ -z "$TOY" ] && variants=("seq=$SEQ,b=1" "${variants[@]}")
   if [ "$($PY -c 'import jax; print(jax.device_count())')" -ge 2 ]; then
-    variants+=("seq=$SEQ,b=1,context=2")
+    variants+=("seq=$SEQ,b=1,context=2" "seq=$SEQ,b=1,context=2,kernels=pallas")
   else
     echo "one device: no context parallelism rows"
   fi
@@ -100,12 +100,13 @@ part_variants() {
     attention=xla,b=2 attention=xla,kernels=pallas,b=2 attention=xla,remat=selective \
     kernels=pallas remat=minimal remat=full scan=true
 }
-part_microbatch() {  # two commands sharing one budget
-  local start=$SECONDS status
-  $PY bench/gpu_train.py --models "$BIG" --variants b=1 b=2 b=8 "${TRAIN[@]}" \
+part_microbatch() {  # two commands sharing one budget (--toy: one size less in each)
+  local start=$SECONDS status big=(b=1 b=2 b=8) small=(b=4 b=16)
+  [ -n "$TOY" ] && big=(b=1 b=8) && small=(b=4)
+  $PY bench/gpu_train.py --models "$BIG" --variants "${big[@]}" "${TRAIN[@]}" \
     --budget-s $((BUDGET * 3 / 5))
   status=$?
-  $PY bench/gpu_train.py --models "$MID,$SMALL" --variants b=4 b=16 "${TRAIN[@]}" \
+  $PY bench/gpu_train.py --models "$MID,$SMALL" --variants "${small[@]}" "${TRAIN[@]}" \
     --budget-s $((BUDGET - (SECONDS - start) > 1 ? BUDGET - (SECONDS - start) : 1)) || status=$?
   return $status
 }

@@ -3,7 +3,8 @@
 Shapes are GPT 1.3B training shapes at seq 2048: attention scores [b, 16, 2048, 2048] bf16
 with the causal mask, MLP activations [b * 2048, 8192] bf16 with bias, and attention
 q/k/v [b, 2048, 16, 128] bf16 three ways (XLA softmax attention, the same with the Pallas
-softmax, cuDNN flash attention). One more softmax case has rows of 32768 keys, longer
+softmax, cuDNN flash attention), and the context ring's flash block (pallas_kernels.flash:
+forward with its log-sum-exp, backward from them) against a dense XLA attention. One more softmax case has rows of 32768 keys, longer
 than one kernel block, so it times the multi-block path: scores [1, 16, 256, 32768].
 
 Reports median times, achieved GB/s counting each tensor read or written once, and that
@@ -130,6 +131,39 @@ def attention_cases(shapes, cudnn=True):
         yield "attention", impl, "fwd+bwd", grad, (q, k, v), None
 
 
+def flash_block_cases(shapes):
+    """The context ring's flash block (pallas_kernels.flash, JAX's Pallas kernels) against a
+    dense causal attention in XLA: the forward's output and log-sum-exp, and the forward
+    with the backward from them (what one ring block part runs)."""
+    from pallas_kernels.flash import flash_block, flash_block_grads
+    shape = (shapes.batch, shapes.seq, shapes.heads, shapes.head_dim)
+    q, k, v, d_out = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16)
+                      for i in range(6, 10))
+    scale = shapes.head_dim ** -0.5
+
+    def dense(q, k, v):  # (out float32, log-sum-exp [b, s, heads])
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        causal = jnp.tril(jnp.ones(scores.shape[-2:], bool))
+        scores = jnp.where(causal, scores * scale, -jnp.inf)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1).astype(v.dtype), v,
+                         preferred_element_type=jnp.float32)
+        return out, jnp.swapaxes(jax.nn.logsumexp(scores, -1), 1, 2)
+
+    def dense_both(q, k, v, d_out):
+        (out, _), vjp = jax.vjp(dense, q, k, v)
+        return (out, *vjp((d_out.astype(jnp.float32), jnp.zeros(out.shape[:3]))))
+
+    def flash(q, k, v):
+        return flash_block(q, k, v, scale=scale, causal=True)
+
+    def flash_both(q, k, v, d_out):
+        out, lse = flash(q, k, v)
+        return (out, *flash_block_grads(q, k, v, out, lse, d_out, scale=scale, causal=True))
+    for impl, fwd, both in (("pallas", flash, flash_both), ("xla", dense, dense_both)):
+        yield "flash_block", impl, "fwd", jax.jit(fwd), (q, k, v), None
+        yield "flash_block", impl, "fwd+bwd", jax.jit(both), (q, k, v, d_out), None
+
+
 def relative_error(outputs, reference):
     """max |a - b| over all leaves / max |b|: 0 for identical outputs."""
     diffs = [jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
@@ -144,7 +178,7 @@ def measure(shapes, reps, cudnn=True):
     bandwidth = copy_bandwidth(shapes.copy_elems, reps)
     rows, outputs = [], {}
     for cases in (softmax_cases(shapes), bias_gelu_cases(shapes),
-                  attention_cases(shapes, cudnn)):
+                  attention_cases(shapes, cudnn), flash_block_cases(shapes)):
         for op, impl, pass_, fn, args, nbytes in cases:
             outputs[op, impl, pass_] = fn(*args)
             seconds = median_seconds(fn, args, reps)

@@ -253,7 +253,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     runs = {r["variant"]: r for r in doc["runs"] if r["model"] == "gpt-toy"}
     assert set(runs) == {"base", "attention=xla,b=2", "attention=xla,kernels=pallas,b=2",
                          "attention=xla,remat=selective", "kernels=pallas", "remat=full",
-                         "remat=minimal", "scan=true", "b=1", "b=2", "b=8", "b=4", "b=16"}
+                         "remat=minimal", "scan=true", "b=1", "b=8", "b=4"}
     for variant, row in runs.items():
         assert_measured(row)
     assert runs["remat=full"]["flops_per_iteration"] > runs["base"]["flops_per_iteration"]
@@ -262,7 +262,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     assert runs["attention=xla,kernels=pallas,b=2"]["kernels"] == "pallas"
     assert [m["model"] for m in doc["models"]] == ["gpt-toy", "llama-toy"]
     kernels = json.loads((out / "kernels_cpu.json").read_text())
-    assert len(kernels["rows"]) == 16 and all(r.get("err", 0) < 0.02 for r in kernels["rows"])
+    assert len(kernels["rows"]) == 20 and all(r.get("err", 0) < 0.02 for r in kernels["rows"])
     rounds = json.loads((out / "pipeline_rounds.json").read_text())["rows"]
     assert [r["variant"] for r in rounds] == [
         "cond, all valid", "steady, all valid", "cond, half idle", "masked, half idle"]
