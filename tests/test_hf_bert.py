@@ -150,6 +150,7 @@ def test_export_round_trips_every_value(imported, tmp_path):
     assert_trees_close(again[1], hf.load_params(out)[1], rtol=0)
 
 
+@pytest.mark.slow
 def test_masked_lm_import_draws_the_missing_heads(tmp_path, capsys):
     """BertForMaskedLM has no pooler and no sentence head: the import says so, draws them
     as a fresh jaxptd BERT does, and gives transformers' masked-LM logits."""

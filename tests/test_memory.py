@@ -38,7 +38,7 @@ GRADS = [
     *[_case(1, 2, 4, SP, *PIPE, f"parallel.schedule={kind}", f"parallel.chunks={v}")
       for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
                       ("zb-interleaved", 2))],
-    _case(8, 1, 1, FSDP, slow=False),
+    _case(8, 1, 1, FSDP),
     _case(8, 1, 1, FSDP, MATMUL, slow=False),
     _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
     _case(2, 2, 2, FSDP, *PIPE),

@@ -82,6 +82,7 @@ def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=(
         f"train.global_batch={2 * data * micro}", *extra])
 
 
+@pytest.mark.slow
 def test_ends_live_where_they_are_read_and_stay_there():
     """Pipelined, each ends leaf is held in the slot of the stage that reads it: after two
     optimizer steps (weight decay on, gradients clipped) GPT's tied embedding is equal in

@@ -651,6 +651,7 @@ def test_packing_refusals_are_one_error_line(corpus_env, megatron_prefix, tmp_pa
     assert not run_dir.exists()  # refused before it wrote anything
 
 
+@pytest.mark.slow
 def test_packed_run_trains_and_saves_the_resolved_config(corpus_env, tmp_path):
     """data.pack=true: a short run logs the eot id, trains, and its config.yaml and
     checkpoint both carry model.document_end = the corpus's eot id."""
