@@ -93,8 +93,9 @@ def attention_terms(b, s, h, a, t, e, c: int = 1, method: str = "ring",
 
 
 # What the ring's XLA blocks hold at once in a layer's backward, in units of its largest
-# block part's float32 scores [b, a/t, n/2, n] (measured on the CPU compile:
-# tests/test_plan_context.py)
+# block part's float32 scores [b, a/t, n/2, n]: its probabilities and their gradients
+# (the H100 compile of configs/gpu/llama3_8b_32k.yaml with the ring: XLA's blocks 9.1 GiB
+# over Pallas's flash blocks, 2.1 units of 4 GiB)
 RING_UNITS = 2
 
 
