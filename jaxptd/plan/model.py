@@ -41,10 +41,11 @@ dropout) nor the GeLU output.
 Context parallelism (c ranks, jaxptd/model/context.py) splits every [b, s, ...] above to
 [b, n, ...], n = s/c (with SP [b, n/t, h]); attention is what `attention_terms` says of
 the method: allgather keeps the gathered keys and values [b, s, k/t, d] twice and the
-[b, a/t, n, s] probabilities; the ring keeps its c key/value blocks [2, b, n, k/t, d] and
-each step's float32 output [b, n, a/t, d] for the online softmax's backward, and its
-blocks' [b, a/t, n, n] scores are recomputed in every backward (jax.checkpoint), one
-block at a time, on every platform (no flash kernel).
+[b, a/t, n, s] probabilities; the ring (its own flash-attention backward) keeps beside
+the layer's q, k, v and context (its output O) only its float32 log-sum-exp [b, n, a/t],
+and holds one block part's float32 scores [b, a/t, n/2, n] at a time (with their
+probabilities and gradients) where XLA computes its blocks, none where Pallas's flash
+kernels do (model.kernels=pallas on a decoder's unpacked rows: planner.flash_attention).
 """
 from __future__ import annotations
 
@@ -71,23 +72,31 @@ def attention_terms(b, s, h, a, t, e, c: int = 1, method: str = "ring",
                     flash: bool = False, kv_heads: int = 0) -> dict:
     """One layer's attention core by what its memory needs, bytes, one microbatch of b
     rows of s tokens over c context ranks (n = s/c queries a rank):
-    kept: the probabilities (or flash statistics) a layer without recomputation keeps;
-    unit: one float32-or-compute-dtype score tensor of the softmax backward (it makes two:
-    the probabilities' and the scores' gradients), one ring block's; keys: what the
-    context keeps for the backward beside q, k, v (allgather: the gathered [b, s, k/t, d]
-    keys and values; ring: its c blocks, as many, and each step's float32 output
-    [b, n, a/t, d]); recomputed: the ring recomputes its blocks' probabilities whatever
-    model.remat says (one block at a time)."""
+    kept: the probabilities (or flash statistics) a layer without recomputation keeps
+    (what selective recomputation drops); unit: one score tensor of the softmax backward
+    (it makes two: the probabilities' and the scores' gradients); keys: what the context
+    keeps for the backward beside the layer's q, k, v and context (allgather: the gathered
+    [b, s, k/t, d] keys and values; ring: its float32 log-sum-exp [b, n, a/t], its output
+    O being the layer's context). The ring's unit is the largest block part's float32
+    [b, a/t, n/2, n] (the own block's second query half over all its keys;
+    jaxptd/model/context.py), with flash blocks (`flash`: Pallas's kernels) none."""
     n = s // c
     if c == 1:
         scores = scores_bytes(b, s, a, t, e, flash)
-        return {"kept": scores, "unit": scores, "keys": 0.0, "recomputed": False}
-    gathered = 2 * b * s * h * (kv_heads or a) / a / t * e  # k and v [b, s, kv/t, d]
+        return {"kept": scores, "unit": scores, "keys": 0.0}
     if method == "allgather":
+        gathered = 2 * b * s * h * (kv_heads or a) / a / t * e  # k and v [b, s, kv/t, d]
         scores = scores_bytes(b, n, a, t, e, flash, keys=s)
-        return {"kept": scores, "unit": scores, "keys": gathered, "recomputed": False}
-    return {"kept": 0.0, "unit": scores_bytes(b, n, a, t, 4, keys=n),  # float32 in _block
-            "keys": gathered + c * 4 * b * n * h / t, "recomputed": True}
+        return {"kept": scores, "unit": scores, "keys": gathered}
+    return {"kept": 0.0, "unit": 0.0 if flash else scores_bytes(b, n // 2, a, t, 4, keys=n),
+            "keys": scores_bytes(b, n, a, t, 4, flash=True)}
+
+
+# What the ring's XLA blocks hold at once in a layer's backward, in units of its largest
+# block part's float32 scores [b, a/t, n/2, n]: its probabilities and their gradients
+# (the H100 compile of configs/gpu/llama3_8b_32k.yaml with the ring: XLA's blocks 9.1 GiB
+# over Pallas's flash blocks, 2.1 units of 4 GiB)
+RING_UNITS = 2
 
 
 def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False,
@@ -98,7 +107,6 @@ def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = Fal
     first matmuls; c, method: context parallelism (attention_terms); s is the whole
     sequence, of which a rank holds s/c tokens."""
     n = s // c
-    flash = flash and not (c > 1 and method == "ring")  # the ring's blocks are XLA's
     sbh, ffn, kv_heads = n * b * h, ffn or 4 * h, kv_heads or a
     stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention
     if remat == "full":
@@ -108,7 +116,7 @@ def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = Fal
     context = sbh * e / t
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
     if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed;
-        # so are the context's gathered keys or blocks: no matmul outputs)
+        # so are the context's gathered keys and the ring's log-sum-exp: no matmul outputs)
         return stream + qkv + context + mlp + (attention["kept"] if flash else 0.0)
     norms = 2 * sbh * e  # the two norm outputs (with SP: gathered, whole)
     kept = stream + norms + qkv + 2 * context + mlp + attention["keys"]
@@ -186,10 +194,12 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
     dense_tap_bytes.
     c, method: context parallelism; every [b, s, ...] above is [b, s/c, ...] (s stays the
-    whole sequence) and the attention core's terms are attention_terms': the ring adds one
-    recomputed block's probabilities to every layer's backward (its jax.checkpoint).
+    whole sequence) and the attention core's terms are attention_terms'; flash: the ring's
+    blocks are Pallas's flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash
+    attention. The ring recomputes nothing of its own (selective recomputation leaves it
+    alone); its XLA blocks add RING_UNITS of its unit to a layer's backward.
     """
-    flash = flash and not (c > 1 and method == "ring")  # the ring's blocks are XLA's
+    ring = c > 1 and method == "ring"
     shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method)
     layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash, **shape)
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
@@ -202,11 +212,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
     transient = {"none": 0.5 * layer, "minimal": 1.5 * layer - kept,
-                 "selective": 0.5 * layer + scores, "full": 1.5 * layer}[remat]
-    if attention["recomputed"] and remat != "selective":  # the ring's block, again
-        transient += scores
+                 "selective": 0.5 * layer + (0.0 if ring else scores),
+                 "full": 1.5 * layer}[remat]
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients
-        transient += 2 * scores
+        transient += (RING_UNITS if ring else 2) * scores
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers, kept,
                                                keep_activations, b, n, h, t, e)

@@ -71,7 +71,7 @@ def schedule_stats(config: Config, simulate: bool = True):
 def _memory(config: Config, counts: dict, slots: dict, platform: str
             ) -> tuple[dict, dict, dict]:
     """(device bytes, host bytes, activation terms) on the busiest device of `platform`
-    ("gpu": model.attention=cudnn is flash attention; "cpu": the XLA path)."""
+    ("gpu" or "cpu": which attention is flash, flash_attention)."""
     from jaxptd import model as models
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
@@ -81,7 +81,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         vocab_local=counts["vocab_padded"] / par.tensor, remat=m_cfg.remat, pipe=par.pipe,
         slots=slots, chunks=par.chunks, keep_activations=par.stash == "activations",
         sp=par.sequence_parallel and par.tensor > 1,
-        flash=m_cfg.attention == "cudnn" and platform == "gpu",
+        flash=flash_attention(config, platform),
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention)
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
@@ -101,6 +101,24 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         or (par.pipe == 1 and par.microbatches == 1) else  # ZeRO-1: this replica's part
         1.0 / par.data if config.optimizer.zero1 else 1.0)
     return device, host, acts
+
+
+def flash_attention(config: Config, platform: str) -> bool:
+    """Whether a layer's attention core keeps no score tensor on `platform`: the ring's
+    blocks (parallel.context > 1, context_attention=ring) are Pallas's flash kernels with
+    model.kernels=pallas where no segment or padding masks the rows (a decoder's unpacked
+    rows; interpret mode on CPU), else XLA's (jaxptd/model/context.py); any other
+    attention is cuDNN's flash attention with model.attention=cudnn on a GPU."""
+    m_cfg, par = config.model, config.parallel
+    if par.context > 1 and par.context_attention == "ring":
+        return m_cfg.kernels == "pallas" and m_cfg.document_end < 0 and _causal(config)
+    return m_cfg.attention == "cudnn" and platform == "gpu"
+
+
+def _causal(config: Config) -> bool:
+    """A decoder's causal attention, else an encoder's (BERT: padding, whole blocks)."""
+    from jaxptd.model import get  # JAX: --verify configures it first
+    return get(config.model).decoder is not None
 
 
 def device_memory_bytes(config: Config, platform: str) -> float:
@@ -162,11 +180,12 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
 def executed_flops(config: Config, vocab: int) -> float:
     """The iteration's matmul FLOPs as executed: equation (3) with what the step
     recomputes (recomputation), and with the ring (parallel.context > 1) its attention
-    cores at timing.context_core_fraction of the model count, run once more for the
-    backward's recomputed blocks (the ring's jax.checkpoint) beside the forward, the
-    backward's two and model.remat's: a layer's forward again with full or minimal (the
-    ring's output is no matmul output), none more with selective (the ring is its own
-    recomputation). allgather computes every score: equation (3)'s count."""
+    cores at timing.context_core_fraction of the model count, 3.5 times the forward's:
+    the forward's 2 matmuls a block part (S = QK^T, PV) and its flash backward's 5
+    (S again, dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q), XLA's blocks and Pallas's
+    alike; and model.remat's: a layer's forward again with full or minimal (the ring's
+    residuals are no matmul outputs), none with selective (which leaves the ring alone).
+    allgather computes every score: equation (3)'s count."""
     from jaxptd.model import get  # JAX: --verify configures it first
     m_cfg, par = config.model, config.parallel
     B, remat = config.train.global_batch, recomputation(config)
@@ -176,8 +195,9 @@ def executed_flops(config: Config, vocab: int) -> float:
     core = B * m_cfg.seq_len * m_cfg.num_layers * get(m_cfg).forward_flops(m_cfg, vocab)["core"]
     counted = 3 + (remat in ("selective", "full")
                    or (remat == "minimal" and m_cfg.attention != "cudnn"))
-    ring = 4 + (remat in ("full", "minimal"))
-    return executed + core * (ring * pt.context_core_fraction(par.context, "ring") - counted)
+    ring = 3.5 + (remat in ("full", "minimal"))
+    fraction = pt.context_core_fraction(par.context, "ring", _causal(config))
+    return executed + core * (ring * fraction - counted)
 
 
 def options(config: Config) -> dict:
@@ -212,7 +232,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         host_per_microbatch=2 * host["activations"], c=c,
         context=pt.context_volumes(b=b, s=s, h=h, a=m_cfg.num_heads, t=par.tensor, e=e, c=c,
                                    kv_heads=m_cfg.kv_heads, layers_per_stage=layers,
-                                   forward_again=again))
+                                   method=par.context_attention, forward_again=again))
     link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
     overlap = pt.context_overlap(
         comm=comm, c=c, method=par.context_attention, layers_per_stage=layers,
@@ -227,7 +247,8 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link, c=c,
         context_exposed_s=overlap["exposed_s"])
     context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
-               "core_fraction": pt.context_core_fraction(c, par.context_attention),
+               "core_fraction": pt.context_core_fraction(c, par.context_attention,
+                                                         _causal(config)),
                "imbalance": pt.context_imbalance(c),
                "imbalance_contiguous": pt.context_imbalance(c, pairs=False)}
     return comm, time, context

@@ -76,7 +76,10 @@ def _context_line(r: dict) -> str:
         return "context     c=1: off (every rank holds whole sequences)"
     if c["method"] == "ring":
         overlap = (f"a block's permute {c['permute_s'] * 1e3:.3f} ms vs its matmuls "
-                   f"{c['block_s'] * 1e3:.3f} ms: {'hidden' if c['hidden'] else 'EXPOSED'}")
+                   f"{c['block_s'] * 1e3:.3f} ms, backward (with its float32 gradients) "
+                   f"{c['backward_permute_s'] * 1e3:.3f} vs "
+                   f"{c['backward_block_s'] * 1e3:.3f} ms: "
+                   f"{'hidden' if c['hidden'] else 'EXPOSED'}")
     else:
         overlap = "keys/values gathered before attention: not overlapped"
     return (f"context     c={c['ranks']} {c['method']} over {c['link']}-node links; "

@@ -27,9 +27,10 @@ from jaxptd.plan.planner import plan
 from jaxptd.units import GB
 
 CONTEXTS = (1, 2, 4, 8)  # context ranks the search tries
-# ... where each rank keeps at least this many tokens: a ring block's matmuls (2 b n^2 h/t
-# FLOPs) hide its send (2 b n h (k/a)/t e bytes) only from n ~ 1,100 (k/a = 1/4) to 4,400
-# (k = a) tokens on an H100's NVLink (the planner's overlap model, timing.py), and below
+# ... where each rank keeps at least this many tokens: a ring block's backward matmuls
+# (5 b n^2 h/t FLOPs) hide its sends (the block and its float32 gradients, 2 b n h (k/a)/t
+# (e + 4) bytes) only from n ~ 1,300 (k/a = 1/4) to 5,300 (k = a) tokens on an H100's
+# NVLink (the planner's overlap model, timing.py; the forward's from 1,100), and below
 # that sequence parallelism splits the activations for less. It also keeps --search at
 # short sequences as fast as without context parallelism (7 x the plans otherwise).
 MIN_CONTEXT_TOKENS = 1024

@@ -6,12 +6,14 @@ tokens a rank, k key/value heads.
 Context parallelism (jaxptd/model/context.py): a rank's n queries attend to all s keys.
 allgather gathers the keys and values (each rank receives (c - 1) blocks [2, b, n, k/t,
 d]) before its one attention and reduce-scatters their gradients after it: not overlapped.
-The ring passes a block c - 1 times a layer forward and the gradients c - 1 times
-backward, each permute beside one block's attention: hidden when a block's bytes cross
-the context link in less time than its matmuls take. The ring computes its own block
-(n x n, causal) and the visible half of every other (n x n/2): n^2 (c + 1)/2 scores a
-row and head against allgather's n s (every score computed, then masked), of the
-model count's n s a rank (eq. 3's 4 s h a token: no causal halving).
+The ring passes a key/value block c - 1 times a layer forward; its backward (flash
+attention's) passes the blocks round again, c - 1 times, and their float32 gradients
+c - 1 times; each permute runs beside one block's attention: hidden when a block's bytes
+cross the context link in less time than its matmuls take. Under the causal mask the
+ring computes 3/4 of its own block (n x n) and the visible half of every other (n x n/2):
+3 n^2/4 + (c - 1) n^2/2 scores a row and head against allgather's n s (every score
+computed, then masked), of the model count's n s a rank (eq. 3's 4 s h a token: no causal
+halving); an encoder's ring computes every block whole, n s.
 """
 from __future__ import annotations
 
@@ -44,34 +46,41 @@ def context_imbalance(c: int, pairs: bool = True) -> float:
     return max(work) / (sum(work) / c)
 
 
-def context_core_fraction(c: int, method: str) -> float:
+def context_core_fraction(c: int, method: str, causal: bool = True) -> float:
     """The attention-core FLOPs a context rank executes over the model count (n s scores
-    a row and head): the ring's n^2 + (c - 1) n^2/2 = (c + 1)/(2c) of it, allgather's n s
-    all of it (module docstring)."""
-    return (c + 1) / (2 * c) if c > 1 and method == "ring" else 1.0
+    a row and head): the causal ring's 3 n^2/4 + (c - 1) n^2/2 = (2c + 1)/(4c) of it,
+    allgather's and a bidirectional ring's n s all of it (module docstring)."""
+    return (2 * c + 1) / (4 * c) if c > 1 and method == "ring" and causal else 1.0
 
 
 def ring_block_flops(b, s, h, t, c) -> float:
-    """The forward matmul FLOPs of one of the ring's visible half blocks on a rank:
-    q k^T and p v over n x n/2 scores of a/t heads of d = h/a, 2 b n^2 h / t."""
+    """The forward matmul FLOPs of one of the ring's visible half blocks on a rank (its
+    two [n/2, n/2] quarters): q k^T and p v over n x n/2 scores of a/t heads of d = h/a,
+    2 b n^2 h / t. Its backward's are 5/2 of them (context_overlap)."""
     n = s / c
     return 4 * b * n * (n / 2) * h / t
 
 
 def context_volumes(*, b, s, h, a, t, e, c, kv_heads, layers_per_stage,
-                    forward_again: bool = False) -> dict:
+                    method: str = "ring", forward_again: bool = False) -> dict:
     """Context traffic per device: `block`, a key/value block [2, b, n, k/t, d] in the
-    compute dtype; `per_microbatch`, what the stage's layers move for one microbatch:
-    (c - 1) blocks a layer forward (the ring's permutes, or what allgather receives),
-    as much backward (the ring's gradients passed back; allgather's reduce-scatter), and
-    again forward with `forward_again` (model.remat full or minimal: the attention's
-    inputs are no matmul outputs, so the layer's forward and its context traffic rerun).
-    The two methods move the same bytes; they differ in what hides them (step_time)."""
+    compute dtype; `gradient_block`, the ring's float32 gradients of one [2, b, n, k/t, d]
+    (allgather reduce-scatters them in the compute dtype: a `block`); `per_microbatch`,
+    what the stage's layers move for one microbatch: (c - 1) blocks a layer forward (the
+    ring's permutes, or what allgather receives), backward (c - 1) gradient blocks and,
+    the ring, (c - 1) key/value blocks again, and the forward's again with
+    `forward_again` (model.remat full or minimal: the attention's inputs are no matmul
+    outputs, so the layer's forward and its context traffic rerun; XLA may merge some of
+    the ring's with the backward's key/value sends, counted here all the same). What
+    hides them: context_overlap."""
     if c == 1:
-        return {"block": 0.0, "per_microbatch": 0.0}
+        return {"block": 0.0, "gradient_block": 0.0, "per_microbatch": 0.0}
     block = 2 * b * (s / c) * h * (kv_heads or a) / a / t * e
-    runs = 3 if forward_again else 2
-    return {"block": block, "per_microbatch": layers_per_stage * (c - 1) * block * runs}
+    ring = method == "ring"
+    gradient = block * 4 / e if ring else block
+    blocks = (1 + forward_again + ring) * block + gradient
+    return {"block": block, "gradient_block": gradient,
+            "per_microbatch": layers_per_stage * (c - 1) * blocks}
 
 
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
@@ -92,12 +101,14 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     once per step (§3.3.1's embedding group of two; jaxptd/step.py). Host: what
     offloading moves over PCIe (the optimizer state per step, layer inputs per microbatch).
     """
-    n, context = s / c, context or {"block": 0.0, "per_microbatch": 0.0}
+    n = s / c
+    context = context or {"block": 0.0, "gradient_block": 0.0, "per_microbatch": 0.0}
     return {
         "p2p_per_microbatch": b * n * h * e / t,
         "tensor_per_microbatch": layers_per_stage * 8 * b * n * h * (t - 1) / t * e,
         "context_per_microbatch": context["per_microbatch"],
         "context_block": context["block"],
+        "context_gradient_block": context["gradient_block"],
         "fsdp_per_microbatch": 3 * (fsdp_group - 1) / fsdp_group * stage_params * gather_bytes,
         "data_per_step": 2 * (replicas - 1) / replicas * grad_bytes if replicas > 1 else 0.0,
         "tied_per_step": tied_grad_bytes,
@@ -107,22 +118,30 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
 
 def context_overlap(*, comm, c, method, layers_per_stage, block_flops, device_flops,
                     bandwidth, forward_again: bool = False) -> dict:
-    """Seconds of context traffic per microbatch: `permute_s` one block over the context
-    link, `block_s` one visible half block's forward matmuls at device_flops; the ring is
-    `hidden` when permute_s <= block_s (a backward block does twice the matmuls: hidden
-    sooner) and otherwise exposes the difference at each of its permutes; allgather's
-    traffic is all exposed (its attention waits for the gather). `exposed_s` per
-    microbatch."""
+    """Seconds of context traffic per microbatch: `permute_s` one key/value block over the
+    context link, `block_s` one visible half block's forward matmuls at device_flops;
+    `backward_permute_s` a key/value block and its float32 gradients, `backward_block_s`
+    the backward's matmuls of a block (5 a part against the forward's 2: 5/2 block_s).
+    The ring exposes at each of its c - 1 forward steps what of permute_s exceeds block_s,
+    and at each of its c - 1 backward steps (a block received, the gradients of the one
+    before passed on) what of backward_permute_s exceeds backward_block_s (the own block's
+    two query halves, beside the first and the last send, counted as one step); `hidden`
+    when neither does. allgather's traffic is all exposed (its attention waits for the
+    gather). `exposed_s` per microbatch."""
     if c == 1:
-        return {"permute_s": 0.0, "block_s": 0.0, "hidden": True, "exposed_s": 0.0}
+        return {"permute_s": 0.0, "block_s": 0.0, "backward_permute_s": 0.0,
+                "backward_block_s": 0.0, "hidden": True, "exposed_s": 0.0}
     permute, block = comm["context_block"] / bandwidth, block_flops / device_flops
+    backward = (comm["context_block"] + comm["context_gradient_block"]) / bandwidth
+    times = {"permute_s": permute, "block_s": block, "backward_permute_s": backward,
+             "backward_block_s": 2.5 * block}
     if method == "allgather":
-        return {"permute_s": permute, "block_s": block, "hidden": False,
+        return {**times, "hidden": False,
                 "exposed_s": comm["context_per_microbatch"] / bandwidth}
     forwards = 2 if forward_again else 1
     per_layer = (c - 1) * (forwards * max(0.0, permute - block)
-                           + max(0.0, permute - 2 * block))
-    return {"permute_s": permute, "block_s": block, "hidden": permute <= block,
+                           + max(0.0, backward - 2.5 * block))
+    return {**times, "hidden": permute <= block and backward <= 2.5 * block,
             "exposed_s": layers_per_stage * per_layer}
 
 
