@@ -76,6 +76,8 @@ def test_vocab_padded_to_multiple_of_128_times_tensor():
     (["model.arch=bert", "data.pack=true"], "data.pack=true: model.arch=bert has no packed rows"),
     (["data.eod_id=257"], "data.eod_id=257: must be a token id below model.vocab_size=257"),
     (["data.eod_id=-2"], "data.eod_id=-2: must be a token id below"),
+    (["parallel.context=2", "parallel.data=2", "parallel.tensor=2", "model.kernels=pallas",
+      "model.seq_len=384"], "model.seq_len=384: the ring's Pallas flash blocks"),
 ])
 def test_rules_refuse_with_one_line_naming_key_value_rule(overrides, fragment):
     with pytest.raises(ConfigError) as info:

@@ -134,6 +134,12 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
     _require(m.seq_len % (2 * c) == 0 or c == 1,
              f"model.seq_len={m.seq_len}: parallel.context={c} needs it divisible by "
              f"2 x context = {2 * c} (each rank holds two chunks)")
+    chunk = m.seq_len // (2 * c)  # a ring block part's queries (and keys) a rank
+    _require(c == 1 or m.kernels != "pallas" or par.context_attention != "ring"
+             or chunk % 128 == 0 or (chunk <= 128 and chunk & (chunk - 1) == 0),
+             f"model.seq_len={m.seq_len}: the ring's Pallas flash blocks (model.kernels="
+             f"pallas) need seq_len / (2 x parallel.context) = {chunk} a multiple of 128 "
+             "or a power of two below it (the kernels' tiles); or set model.kernels=xla")
     _require(not par.sequence_parallel or m.seq_len % (c * tensor) == 0,
              f"model.seq_len={m.seq_len}: parallel.sequence_parallel needs it divisible by "
              f"parallel.context x parallel.tensor = {c * tensor}")
