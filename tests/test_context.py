@@ -1,7 +1,7 @@
 """Context parallelism and packed rows (jaxptd/model/sequence.py, jaxptd/model/context.py).
 
 fp32 parity: at context 2 and 4, by ring and all-gather, alone and with data, tensor
-(with and without sequence parallelism), pipe (several schedules), FSDP, ZeRO-1,
+(with and without sequence parallelism), pipe (every schedule), FSDP, ZeRO-1,
 recomputation and offload, with the ring's XLA or Pallas flash blocks, the loss and every
 gradient equal the single-device program's (rtol 1e-5), on packed rows (the decoders) and on BERT's padded bidirectional rows. The
 ring alone (its own backward) against a dense masked attention of the whole rows, output
@@ -51,9 +51,13 @@ CASES = {
     "c2 allgather p2 zb-h1 llama": ((1, 2, 1), cp(2, "allgather", *LLAMA,
                                                    "parallel.microbatches=4",
                                                    "parallel.schedule=zb-h1")),
-    "c2 ring p2 bert": ((1, 2, 1), ["parallel.context=2", "model.arch=bert",
-                                    "model.vocab_size=304", "model.init_std=0.2",
-                                    "parallel.microbatches=2"]),
+    "c2 ring p2 gpipe bert": ((1, 2, 1), ["parallel.context=2", "model.arch=bert",
+                                          "model.vocab_size=304", "model.init_std=0.2",
+                                          "parallel.microbatches=2",
+                                          "parallel.schedule=gpipe"]),
+    "c2 ring p2 zb-interleaved": ((1, 2, 1), cp(2, "ring", "parallel.microbatches=4",
+                                                "parallel.schedule=zb-interleaved",
+                                                "parallel.chunks=2")),
     "c2 ring t2 llama flash": ((1, 1, 2), ["parallel.context=2", "model.kernels=pallas",
                                            "model.init_std=0.2", *LLAMA]),
     "c4 allgather p2 interleaved llama": ((1, 2, 1), cp(4, "allgather", *LLAMA,
