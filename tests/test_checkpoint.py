@@ -101,7 +101,8 @@ def test_restore_at_another_tensor_size_is_the_state_initialised_there(tmp_path,
     assert_same_state(state, target.state_layout.init_state(0))
 
 
-@pytest.mark.parametrize("context", [1, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("context", [pytest.param(1, marks=pytest.mark.slow),
+                                     pytest.param(4, marks=pytest.mark.slow)])
 def test_restore_at_another_context_size_is_the_state_initialised_there(tmp_path, context):
     """A state saved at context 2 restores at context 1 and 4 as the state initialised
     there: nothing in a checkpoint depends on how the sequence is split."""

@@ -30,7 +30,8 @@ from jaxptd.model.tensor import Layout  # noqa: E402
 EXPECTED = {"bert": ("post", "erf", "0,2,3,4"), "megatron-bert": ("pre", "tanh", "")}
 
 
-@pytest.fixture(scope="module", params=list(EXPECTED))
+@pytest.fixture(scope="module", params=["bert", pytest.param("megatron-bert",
+                                                       marks=pytest.mark.slow)])
 def imported(request, tmp_path_factory):
     """(kind, transformers model, its directory, the import's directory)."""
     tmp = tmp_path_factory.mktemp(request.param)
