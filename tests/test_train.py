@@ -344,6 +344,7 @@ def error_line(result: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_rerun_without_saving_restores_and_adds_to_the_history(corpus_env, reference,
                                                                tmp_path):
     """checkpoint.every=0 in a run directory holding checkpoints restores them (it only
