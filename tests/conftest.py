@@ -1,6 +1,6 @@
 """Test session set-up: 8 simulated CPU devices, set before the JAX backend starts; LLVM's
 cheapest code generation; one XLA compilation cache for the session's subprocesses; small
-disks for the full-disk tests."""
+disks for the full-disk tests; the prepared corpus of the training-CLI tests."""
 import os
 import subprocess
 
@@ -56,3 +56,15 @@ def full_disk(small_disk):
         except OSError:
             pass
     return small_disk
+
+
+@pytest.fixture(scope="session")
+def corpus_env(tmp_path_factory):
+    """(environment for the subprocesses, prepared stdlib corpus directory): the training
+    CLI's tests (tests/test_train.py, test_train_packing.py)."""
+    from jaxptd.data import resolve_corpus
+    cache = tmp_path_factory.mktemp("jaxptd-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAXPTD_CACHE", str(cache))
+        corpus = resolve_corpus("pystdlib")
+    return {**os.environ, "JAXPTD_CACHE": str(cache)}, corpus
