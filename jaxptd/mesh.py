@@ -1,8 +1,8 @@
-"""The device mesh: axes (data, fsdp, pipe, context, tensor), laid onto hosts as PTD-P
-prescribes.
+"""The device mesh: axes (data, fsdp, pipe, expert, context, tensor), laid onto hosts as
+PTD-P prescribes.
 
 Owns the mesh-axis names and the device order. Devices are ordered by (process, local id)
-and reshaped to [data, fsdp, pipe, context, tensor], so the tensor axis is innermost: a
+and reshaped to [data, fsdp, pipe, expert, context, tensor], so the tensor axis is innermost: a
 tensor-parallel group is `tensor` consecutive devices of one process (one host), never
 spanning hosts (PTD-P Takeaway #1). Context parallelism comes next (Megatron-Core's order
 puts it right after tensor too): its ranks pass every layer's keys and values round a ring,
@@ -12,8 +12,13 @@ node, or the neighbouring nodes); pipe comes next and may cross hosts; the data-
 ranks are outermost. They form two axes: `fsdp`, the g = parallel.fsdp_size ranks of one FSDP
 sharding group (consecutive data ranks: with tensor = pipe = 1 and g = GPUs per node, one
 node), and `data`, the d / g groups that replicate each other (HSDP); without FSDP g = 1.
-BATCH names both: the batch is split over all d data ranks in (data, fsdp) order, the order
-of a single data axis. Axis types are Auto: the training step is a fully manual shard_map,
+Expert parallelism takes a third part of the data ranks, `expert` (parallel.expert = e): the
+ranks that split a mixture of experts' routed experts between them and exchange tokens by
+all-to-all every MoE layer, twice forward and twice backward, each a microbatch's routed
+tokens; so they sit inside pipe, next to context (Megatron-Core's order, tp-cp-ep-dp-pp),
+on the fast links a node has when tensor x context x expert fits in it. The data axis then
+holds d / (g e) groups. BATCH names all three: the batch is split over all d data ranks in
+(data, fsdp, expert) order. Axis types are Auto: the training step is a fully manual shard_map,
 and GSPMD handles what lies outside it.
 """
 from __future__ import annotations
@@ -24,14 +29,14 @@ from jax.sharding import AxisType, Mesh
 
 from jaxptd.config import ConfigError, ParallelConfig
 
-DATA, FSDP, PIPE, CONTEXT, TENSOR = "data", "fsdp", "pipe", "context", "tensor"
-AXES = (DATA, FSDP, PIPE, CONTEXT, TENSOR)
-BATCH = (DATA, FSDP)  # every data-parallel rank
-TOKENS = (DATA, FSDP, CONTEXT)  # the axes a step's tokens are split over: rows, sequence
+DATA, FSDP, PIPE, EXPERT, CONTEXT, TENSOR = "data", "fsdp", "pipe", "expert", "context", "tensor"
+AXES = (DATA, FSDP, PIPE, EXPERT, CONTEXT, TENSOR)
+BATCH = (DATA, FSDP, EXPERT)  # every data-parallel rank
+TOKENS = (*BATCH, CONTEXT)  # the axes a step's tokens are split over: rows, sequence
 
 
 def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
-    """Builds the (data, fsdp, pipe, context, tensor) mesh over `devices` (default: all).
+    """Builds the (data, fsdp, pipe, expert, context, tensor) mesh over `devices` (default: all).
 
     Raises ConfigError when the axis sizes do not multiply to the device count, or when a
     tensor group would span processes.
@@ -51,9 +56,9 @@ def make_mesh(parallel: ParallelConfig, devices=None) -> Mesh:
             f"parallel.tensor={parallel.tensor}: must divide the devices per process ({local}) "
             "so a tensor-parallel group stays inside one host"
         )
-    g = parallel.fsdp_size
+    g, e = parallel.fsdp_size, parallel.expert
     grid = np.array(devices, dtype=object).reshape(
-        (parallel.data // g, g, parallel.pipe, parallel.context, parallel.tensor))
+        (parallel.data // (g * e), g, parallel.pipe, e, parallel.context, parallel.tensor))
     return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 

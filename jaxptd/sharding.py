@@ -11,8 +11,11 @@ the model with `nn.with_logical_partitioning`); `RULES` maps each name to a mesh
   kv_heads_replicated, which is replicated);
 - mlp -> tensor: the first MLP layer(s) column-parallel, the second row-parallel;
 - stages -> pipe: stacked layers are split into pipeline stages;
+- experts -> expert: a mixture of experts' routed experts are split over the expert ranks
+  (their hidden width, 'mlp', over tensor as the dense MLP's); the router's scores over
+  all experts ('router') are replicated;
 - everything else (embed, embed_out, kv, qkv, positions, layers, chunks, norm,
-  types) is replicated.
+  types, router) is replicated.
 
 FSDP (`parallel.fsdp`) shards every parameter (and so its gradient and Adam moments) over
 the `fsdp` axis on its first free dimension divisible by the group size, past the layer-
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxptd.mesh import DATA, FSDP, PIPE, TENSOR
+from jaxptd.mesh import DATA, EXPERT, FSDP, PIPE, TENSOR
 
 RULES: dict[str, str | None] = {
     "vocab": TENSOR,
@@ -44,6 +47,8 @@ RULES: dict[str, str | None] = {
     "kv_heads": TENSOR,  # grouped-query key/value heads, when the tensor size divides them
     "mlp": TENSOR,
     "stages": PIPE,
+    "experts": EXPERT,
+    "router": None,
     "embed": None,
     "kv": None,
     "qkv": None,

@@ -32,6 +32,7 @@ CHOICES = {
     "model.gelu": ("tanh", "erf"),
     "model.norm_position": ("pre", "post"),
     "model.rope_scaling": ("none", "llama3"),
+    "model.moe_router": ("softmax", "sigmoid"),
     "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
@@ -44,7 +45,7 @@ POSITIVE = (
     "model.vocab_size", "model.rope_factor", "model.rope_low_freq_factor",
     "model.rope_high_freq_factor", "model.rope_original_seq_len", "parallel.data",
     "parallel.pipe", "parallel.tensor",
-    "parallel.context", "parallel.microbatches", "parallel.chunks", "train.steps",
+    "parallel.context", "parallel.expert", "parallel.microbatches", "parallel.chunks", "train.steps",
     "train.global_batch",
     "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
     "runtime.heartbeat_timeout_s",
@@ -53,7 +54,9 @@ NON_NEGATIVE = (
     "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
     "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
     "optimizer.min_lr", "model.init_std", "runtime.cpu_devices", "model.ffn_size",
-    "model.num_kv_heads", "parallel.fsdp_group",
+    "model.num_kv_heads", "parallel.fsdp_group", "model.moe_experts", "model.moe_ffn",
+    "model.moe_shared_ffn", "model.moe_capacity", "model.moe_aux_loss", "model.moe_z_loss",
+    "model.moe_bias_rate",
     "runtime.num_processes",
 )
 
@@ -73,6 +76,7 @@ def validate(config: Config) -> None:
     _validate_ranges(config)
     _validate_options(config.model)
     _validate_model(config.model, config.parallel)
+    _validate_moe(config.model, config.parallel)
     for message in FAMILIES[config.model.arch].config_errors(config.model):
         raise ConfigError(message)
     _validate_parallel(config)
@@ -146,6 +150,40 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
     _require(m.document_end < m.vocab_size,
              f"model.document_end={m.document_end}: must be a token id below "
              f"model.vocab_size={m.vocab_size} (-1: none)")
+
+
+def _validate_moe(m: ModelConfig, par: ParallelConfig) -> None:
+    """The mixture of experts: which families have it, the router's top k, the widths
+    tensor parallelism splits, and expert parallelism's share of the data ranks."""
+    moe_keys = ("moe_ffn", "moe_shared_ffn", "moe_shared_gate", "moe_capacity",
+                "moe_bias_rate", "moe_z_loss", "moe_router", "moe_norm_topk", "moe_top_k",
+                "moe_aux_loss")
+    if not m.moe:
+        default = ModelConfig()
+        for key in moe_keys:
+            _require(getattr(m, key) == getattr(default, key),
+                     f"model.{key}={getattr(m, key)}: only a mixture of experts reads it "
+                     "(set model.moe_experts)")
+        _require(par.expert == 1, f"parallel.expert={par.expert}: needs a mixture of "
+                 "experts (model.moe_experts > 0)")
+        return
+    _require(m.arch in ("gpt", "llama"), f"model.moe_experts={m.moe_experts}: "
+             f"model.arch={m.arch} has no mixture of experts (gpt and llama have)")
+    _require(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k}: must be "
+             f"between 1 and model.moe_experts={m.moe_experts}")
+    _require(m.expert_ffn % par.tensor == 0, f"model.moe_ffn={m.expert_ffn}: must be "
+             f"divisible by parallel.tensor={par.tensor} (each expert's width is split)")
+    _require(m.moe_shared_ffn % par.tensor == 0, f"model.moe_shared_ffn={m.moe_shared_ffn}: "
+             f"must be divisible by parallel.tensor={par.tensor}")
+    _require(not m.moe_shared_gate or m.moe_shared_ffn,
+             "model.moe_shared_gate=true: needs shared experts (model.moe_shared_ffn > 0)")
+    _require(m.moe_experts % par.expert == 0, f"parallel.expert={par.expert}: must divide "
+             f"model.moe_experts={m.moe_experts}")
+    _require(par.data % par.expert == 0, f"parallel.expert={par.expert}: must divide "
+             f"parallel.data={par.data} (expert ranks are data ranks)")
+    _require(not par.fsdp_group or par.data % (par.expert * par.fsdp_group) == 0,
+             f"parallel.fsdp_group={par.fsdp_group}: parallel.expert x fsdp_group = "
+             f"{par.expert * par.fsdp_group} must divide parallel.data={par.data}")
 
 
 def _validate_parallel(config: Config) -> None:

@@ -58,6 +58,33 @@ class ModelConfig:
     # corpus's eot id, or directly); attention never crosses it, positions restart after it and the
     # target after it takes no loss. -1: rows are one stream (attention spans documents)
     document_end: int = -1
+    # Mixture of experts (gpt, llama; model/moe.py): every layer's MLP becomes moe_experts
+    # routed experts of which each token takes moe_top_k, plus optional shared experts
+    moe_experts: int = 0  # routed experts a layer; 0: the dense MLP
+    moe_top_k: int = 2  # experts each token is sent to
+    moe_ffn: int = 0  # a routed expert's hidden width (fine-grained experts); 0: model.ffn
+    moe_shared_ffn: int = 0  # hidden width of the always-active shared expert(s); 0: none
+    moe_shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x w) (Qwen2-MoE)
+    moe_router: str = "softmax"  # scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+    moe_norm_topk: bool = True  # the top-k scores renormalised to sum to 1 (the weights)
+    # expert capacity factor: each expert takes at most ceil(factor x tokens x top_k /
+    # experts) of a rank's microbatch tokens, the rest dropped (counted); 0: dropless
+    moe_capacity: float = 0.0
+    moe_aux_loss: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
+    moe_z_loss: float = 0.0  # coefficient of the router z-loss (ST-MoE: 1e-3)
+    # DeepSeek-V3's auxiliary-loss-free balance: a per-expert bias on the scores that pick
+    # the top k, moved by this rate towards the mean load after every step; 0: off
+    moe_bias_rate: float = 0.0
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts."""
+        return self.moe_experts > 0
+
+    @property
+    def expert_ffn(self) -> int:
+        """A routed expert's hidden width."""
+        return self.moe_ffn or self.ffn
 
     @property
     def ffn(self) -> int:
@@ -108,11 +135,16 @@ class ParallelConfig:
     # before: overlapped) or one matmul's weight (seeds/003's unit: a quarter of a GPT
     # layer's memory, gathered where it is used: not overlapped)
     fsdp_unit: str = "layer"
+    # expert parallelism: the routed experts split over `expert` of the data ranks (the
+    # mesh's expert axis, a part of data), tokens sent to their experts' ranks and back by
+    # all-to-all; 1: every rank holds every expert
+    expert: int = 1
 
     @property
     def fsdp_size(self) -> int:
-        """Data ranks one FSDP group shards over (1 without FSDP)."""
-        return (self.fsdp_group or self.data) if self.fsdp else 1
+        """Data ranks one FSDP group shards over (1 without FSDP): by default every data
+        rank of one expert rank's (all of them without expert parallelism)."""
+        return (self.fsdp_group or self.data // self.expert) if self.fsdp else 1
 
 
 @dataclass(frozen=True)
