@@ -46,6 +46,17 @@ GPU path (`gpu=True`, bf16 or f16):
   first device has the H100 SXM's 132 cores, the same grid JAX's forward kernel hardcodes.
   JAX's module is not touched. On a GPU with another SM count the grid stays 132 blocks,
   each looping over tiles (correct; on an H100 PCIe's 114 SMs a second wave).
+- Inside `jax.shard_map` (check_vma on) it compiles as alone (measured: expert-sharded
+  x, w and group sizes over 8 deviceless H100s, forward and both gradients: three
+  kernels, no dot): the calls go through `backend.call` unchecked, as flash.py's.
+
+For the dispatch around it (measured, jax 0.10.2, not used here): `lax.ragged_all_to_all`
+has a transpose. jax.grad through a shard_map over 8 deviceless H100s of one
+ragged_all_to_all compiles to an async `ragged-all-to-all-start`/`-done` pair forward and
+another backward (the cotangent sent back the reverse way: operands and output swapped,
+send and receive sizes swapped), plus two 8-element `all-to-all`s (async too) exchanging
+the offsets, which the transpose needs in the senders' terms. XLA:CPU has no
+ragged-all-to-all, so it only compiles and runs on the GPU.
 """
 import functools
 import types
