@@ -76,7 +76,7 @@ def validate(config: Config) -> None:
     _validate_ranges(config)
     _validate_options(config.model)
     _validate_model(config.model, config.parallel)
-    _validate_moe(config.model, config.parallel)
+    _validate_moe(config)
     for message in FAMILIES[config.model.arch].config_errors(config.model):
         raise ConfigError(message)
     _validate_parallel(config)
@@ -152,9 +152,10 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
              f"model.vocab_size={m.vocab_size} (-1: none)")
 
 
-def _validate_moe(m: ModelConfig, par: ParallelConfig) -> None:
+def _validate_moe(config: Config) -> None:
     """The mixture of experts: which families have it, the router's top k, the widths
     tensor parallelism splits, and expert parallelism's share of the data ranks."""
+    m, par = config.model, config.parallel
     moe_keys = ("moe_ffn", "moe_shared_ffn", "moe_shared_gate", "moe_capacity",
                 "moe_bias_rate", "moe_z_loss", "moe_router", "moe_norm_topk", "moe_top_k",
                 "moe_aux_loss")
@@ -177,6 +178,10 @@ def _validate_moe(m: ModelConfig, par: ParallelConfig) -> None:
              f"must be divisible by parallel.tensor={par.tensor}")
     _require(not m.moe_shared_gate or m.moe_shared_ffn,
              "model.moe_shared_gate=true: needs shared experts (model.moe_shared_ffn > 0)")
+    _require(not (m.moe_bias_rate and config.offload.optimizer),
+             f"model.moe_bias_rate={m.moe_bias_rate}: the balance bias is moved on the "
+             "device after the update, which offload.optimizer=true streams from host "
+             "memory; set one of them off")
     _require(m.moe_experts % par.expert == 0, f"parallel.expert={par.expert}: must divide "
              f"model.moe_experts={m.moe_experts}")
     _require(par.data % par.expert == 0, f"parallel.expert={par.expert}: must divide "
