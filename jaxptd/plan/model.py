@@ -49,12 +49,81 @@ kernels do (model.kernels=pallas on a decoder's unpacked rows: planner.flash_att
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def params_formula(l: int, h: int, V: int, s: int) -> float:
     """Equation (2): P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h))."""
     return 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture of experts' shape as the formulas read it (jaxptd/model/moe.py): E routed
+    experts of hidden width fe (model.expert_ffn), top_k of them a token, a shared expert
+    of width fs (0: none), ep expert-parallel ranks (parallel.expert), capacity factor cf
+    (model.moe_capacity, 0: dropless). worst: size the receive buffer for the worst routing
+    (moe_rows) instead of balanced routing."""
+    experts: int
+    top_k: int
+    ffn: int
+    shared_ffn: int = 0
+    ep: int = 1
+    capacity: float = 0.0
+    worst: bool = False
+
+
+def moe_rows(tokens: float, moe: Moe) -> dict:
+    """Rows of one MoE layer on a rank, one microbatch of `tokens` tokens (T = b s / c: with
+    sequence parallelism still the microbatch's, the MLP sees them gathered). routed: A = T
+    top_k (token, expert) pairs, what dispatch sends and combine brings back. expert: the
+    rows the rank's expert matmuls take, A when routing is balanced (each of the e ranks
+    receives A / e rows from each of e ranks); capacity mode (cf > 0): the fixed buffer of
+    E x ceil(cf A / E) rows (an expert's overflow is dropped). received: the dispatch's
+    receive buffer, the expert rows, but dropless with e > 1 sized for the worst case,
+    every rank of the group sending all its rows to this one: e A."""
+    routed = tokens * moe.top_k
+    if moe.capacity:
+        rows = moe.experts * math.ceil(moe.capacity * routed / moe.experts)
+        return {"routed": routed, "expert": rows, "received": rows}
+    return {"routed": routed, "expert": routed, "received": moe.ep * routed}
+
+
+# What a routed expert keeps per row of its hidden width: SwiGLU its gate and up outputs and
+# their product (the down matmul's input); GeLU its fc1 output and the GeLU's
+MOE_INNER = {True: 3, False: 2}
+
+
+def moe_mlp_bytes(tokens: float, h: int, t: int, e: int, moe: Moe, gated: bool) -> float:
+    """Bytes one MoE layer's MLP keeps for its backward, one microbatch (in place of the
+    dense MLP's first-matmul outputs, layer_activation_bytes): the router's float32 scores
+    [T, E]; the receive buffer [received, h], the expert matmuls' input (moe_rows: worst
+    case or balanced as moe.worst says); the experts' intermediates [expert rows, fe/t] x
+    MOE_INNER; their outputs brought back to the tokens [routed, h] (capacity: the buffer's
+    E C rows), what the combine's weighted sum differentiates; the shared expert as the
+    dense MLP keeps it [T, fs/t] (SwiGLU x 2). The compute dtype's e bytes."""
+    rows = moe_rows(tokens, moe)
+    received = rows["received"] if moe.worst else rows["expert"]
+    back = rows["expert"] if moe.capacity else rows["routed"]
+    return (4 * tokens * moe.experts + received * h * e
+            + rows["expert"] * moe.ffn / t * MOE_INNER[gated] * e + back * h * e
+            + tokens * moe.shared_ffn / t * (2 if gated else 1) * e)
+
+
+def moe_mlp_flops(h: int, moe: Moe, gated: bool, shared_gate: bool = False) -> float:
+    """Matmul FLOPs a token costs in one MoE layer's MLP, forward (what the model's
+    forward_flops adds to attention for a MoE layer): the router 2 h E, top_k routed
+    experts of 6 h fe each (SwiGLU: gate, up, down; GeLU 4 h fe), the shared expert 6 h fs
+    (GeLU 4 h fs) and its gate 2 h. From the active parameters: 2 FLOPs each a token."""
+    per_width = 6 if gated else 4
+    return (2 * h * moe.experts + moe.top_k * per_width * h * moe.ffn
+            + per_width * h * moe.shared_ffn + (2 * h if shared_gate else 0))
 
 
 # --------------------------------------------------------------------------- activations
@@ -101,18 +170,22 @@ RING_UNITS = 2
 
 def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False,
                            remat: str = "none", ffn: int = 0, kv_heads: int = 0,
-                           gated: bool = False, c: int = 1, method: str = "ring") -> float:
+                           gated: bool = False, c: int = 1, method: str = "ring",
+                           moe: Moe | None = None) -> float:
     """Bytes one layer keeps for its backward pass, one microbatch (module docstring).
     ffn: the MLP width (0: 4h); kv_heads: key/value heads (0: a); gated: SwiGLU's two
     first matmuls; c, method: context parallelism (attention_terms); s is the whole
-    sequence, of which a rank holds s/c tokens."""
+    sequence, of which a rank holds s/c tokens. moe: the MLP is a mixture of experts
+    (moe_mlp_bytes in place of the dense MLP's term; model.remat=minimal keeps it whole:
+    its all-to-all outputs are not recomputed, an assumption)."""
     n = s // c
     sbh, ffn, kv_heads = n * b * h, ffn or 4 * h, kv_heads or a
     stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention
     if remat == "full":
         return stream / 2
     qkv = sbh * (1 + 2 * kv_heads / a) * e / t
-    mlp = sbh * ffn / h * (2 if gated else 1) * e / t
+    mlp = moe_mlp_bytes(b * n, h, t, e, moe, gated) if moe else \
+        sbh * ffn / h * (2 if gated else 1) * e / t
     context = sbh * e / t
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
     if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed;
@@ -169,7 +242,7 @@ def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n,
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
-                      method="ring") -> dict:
+                      method="ring", moe=None) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -198,9 +271,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     blocks are Pallas's flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash
     attention. The ring recomputes nothing of its own (selective recomputation leaves it
     alone); its XLA blocks add RING_UNITS of its unit to a layer's backward.
+    moe: every layer's MLP is this mixture of experts (layer_activation_bytes).
     """
     ring = c > 1 and method == "ring"
-    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method)
+    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method, moe=moe)
     layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash, **shape)
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
     scores = attention["unit"]
