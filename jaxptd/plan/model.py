@@ -46,6 +46,12 @@ the layer's q, k, v and context (its output O) only its float32 log-sum-exp [b, 
 and holds one block part's float32 scores [b, a/t, n/2, n] at a time (with their
 probabilities and gradients) where XLA computes its blocks, none where Pallas's flash
 kernels do (model.kernels=pallas on a decoder's unpacked rows: planner.flash_attention).
+
+A mixture of experts (Moe) replaces the MLP's term by moe_mlp_bytes: the router's scores,
+the dispatched rows, the experts' intermediates and their outputs brought back, and the
+shared expert's. Its rows (moe_rows) assume balanced routing; `worst` sizes the dropless
+receive buffer for all of an expert group's rows arriving at one rank, which the planner
+reports as the imbalance headroom.
 """
 from __future__ import annotations
 
