@@ -47,11 +47,11 @@ and holds one block part's float32 scores [b, a/t, n/2, n] at a time (with their
 probabilities and gradients) where XLA computes its blocks, none where Pallas's flash
 kernels do (model.kernels=pallas on a decoder's unpacked rows: planner.flash_attention).
 
-A mixture of experts (Moe) replaces the MLP's term by moe_mlp_bytes: the router's scores,
-the dispatched rows, the experts' intermediates and their outputs brought back, and the
-shared expert's. Its rows (moe_rows) assume balanced routing; `worst` sizes the dropless
-receive buffer for all of an expert group's rows arriving at one rank, which the planner
-reports as the imbalance headroom.
+A mixture of experts (Moe) replaces the MLP's term by moe_mlp_bytes: the router's, the
+experts' input rows and intermediates, their outputs brought back, and the shared
+expert's. Shapes being static, a dropless layer with expert parallelism sizes its rows
+for the worst routing, all of an expert group's rows arriving at one rank (moe_rows); what
+that takes over balanced routing is what the planner reports as the imbalance headroom.
 """
 from __future__ import annotations
 
@@ -74,62 +74,51 @@ class Moe:
     """A mixture of experts' shape as the formulas read it (jaxptd/model/moe.py): E routed
     experts of hidden width fe (model.expert_ffn), top_k of them a token, a shared expert
     of width fs (0: none), ep expert-parallel ranks (parallel.expert), capacity factor cf
-    (model.moe_capacity, 0: dropless). worst: size the receive buffer for the worst routing
-    (moe_rows) instead of balanced routing."""
+    (model.moe_capacity, 0: dropless). balanced: the experts' rows as balanced routing
+    would need them, not as the layer allocates them (moe_rows)."""
     experts: int
     top_k: int
     ffn: int
     shared_ffn: int = 0
     ep: int = 1
     capacity: float = 0.0
-    worst: bool = False
+    balanced: bool = False
 
 
 def moe_rows(tokens: float, moe: Moe) -> dict:
     """Rows of one MoE layer on a rank, one microbatch of `tokens` tokens (T = b s / c: with
     sequence parallelism still the microbatch's, the MLP sees them gathered). routed: A = T
-    top_k (token, expert) pairs, what dispatch sends and combine brings back. expert: the
-    rows the rank's expert matmuls take, A when routing is balanced (each of the e ranks
-    receives A / e rows from each of e ranks); capacity mode (cf > 0): the fixed buffer of
-    E x ceil(cf A / E) rows (an expert's overflow is dropped). received: the dispatch's
-    receive buffer, the expert rows, but dropless with e > 1 sized for the worst case,
-    every rank of the group sending all its rows to this one: e A."""
+    top_k (token, expert) pairs, what dispatch sends and combine brings back. balanced:
+    the rows the rank's experts take when routing is balanced, A (each of the e ranks
+    receives A / e rows from each of e ranks). allocated: the rows the layer's buffers
+    hold, shapes being static: dropless with e > 1 the receive buffer and every expert
+    matmul after it are sized for the worst case, all e A rows of the group at one rank
+    (rows past those received are zeros); capacity mode (cf > 0) E x ceil(cf A / E) slots
+    (an expert's overflow dropped), balanced or not."""
     routed = tokens * moe.top_k
     if moe.capacity:
-        rows = moe.experts * math.ceil(moe.capacity * routed / moe.experts)
-        return {"routed": routed, "expert": rows, "received": rows}
-    return {"routed": routed, "expert": routed, "received": moe.ep * routed}
-
-
-# What a routed expert keeps per row of its hidden width: SwiGLU its gate and up outputs and
-# their product (the down matmul's input); GeLU its fc1 output and the GeLU's
-MOE_INNER = {True: 3, False: 2}
+        slots = moe.experts * max(1, math.ceil(moe.capacity * routed / moe.experts))
+        return {"routed": routed, "balanced": slots, "allocated": slots}
+    return {"routed": routed, "balanced": routed, "allocated": moe.ep * routed}
 
 
 def moe_mlp_bytes(tokens: float, h: int, t: int, e: int, moe: Moe, gated: bool) -> float:
     """Bytes one MoE layer's MLP keeps for its backward, one microbatch (in place of the
-    dense MLP's first-matmul outputs, layer_activation_bytes): the router's float32 scores
-    [T, E]; the receive buffer [received, h], the expert matmuls' input (moe_rows: worst
-    case or balanced as moe.worst says); the experts' intermediates [expert rows, fe/t] x
-    MOE_INNER; their outputs brought back to the tokens [routed, h] (capacity: the buffer's
-    E C rows), what the combine's weighted sum differentiates; the shared expert as the
-    dense MLP keeps it [T, fs/t] (SwiGLU x 2). The compute dtype's e bytes."""
+    dense MLP's first-matmul outputs, layer_activation_bytes), as jaxptd/model/moe.py
+    computes: the router's float32 logits and scores [T, E] and its float32 input [T, h]
+    (a copy of the norm output unless the compute dtype is float32); the experts' input
+    rows [R, h] (R: moe_rows' allocated rows, or balanced with moe.balanced) and their
+    intermediates [R, fe/t], SwiGLU gate, up and their product (the down matmul's input)
+    in the compute dtype, GeLU the float32 fc1 output with its bias and the GeLU's in the
+    compute dtype; the expert outputs back at their choices [A, h], what the combine's
+    weighted sum differentiates; the shared expert as the dense MLP keeps it ([T, fs/t],
+    SwiGLU x 2). e: the compute dtype's bytes."""
     rows = moe_rows(tokens, moe)
-    received = rows["received"] if moe.worst else rows["expert"]
-    back = rows["expert"] if moe.capacity else rows["routed"]
-    return (4 * tokens * moe.experts + received * h * e
-            + rows["expert"] * moe.ffn / t * MOE_INNER[gated] * e + back * h * e
+    r = rows["balanced" if moe.balanced else "allocated"]
+    router = 4 * tokens * (2 * moe.experts + (h if e != 4 else 0))
+    inner = r * moe.ffn / t * (3 * e if gated else 4 + e)
+    return (router + r * h * e + inner + rows["routed"] * h * e
             + tokens * moe.shared_ffn / t * (2 if gated else 1) * e)
-
-
-def moe_mlp_flops(h: int, moe: Moe, gated: bool, shared_gate: bool = False) -> float:
-    """Matmul FLOPs a token costs in one MoE layer's MLP, forward (what the model's
-    forward_flops adds to attention for a MoE layer): the router 2 h E, top_k routed
-    experts of 6 h fe each (SwiGLU: gate, up, down; GeLU 4 h fe), the shared expert 6 h fs
-    (GeLU 4 h fs) and its gate 2 h. From the active parameters: 2 FLOPs each a token."""
-    per_width = 6 if gated else 4
-    return (2 * h * moe.experts + moe.top_k * per_width * h * moe.ffn
-            + per_width * h * moe.shared_ffn + (2 * h if shared_gate else 0))
 
 
 # --------------------------------------------------------------------------- activations
@@ -182,8 +171,8 @@ def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = Fal
     ffn: the MLP width (0: 4h); kv_heads: key/value heads (0: a); gated: SwiGLU's two
     first matmuls; c, method: context parallelism (attention_terms); s is the whole
     sequence, of which a rank holds s/c tokens. moe: the MLP is a mixture of experts
-    (moe_mlp_bytes in place of the dense MLP's term; model.remat=minimal keeps it whole:
-    its all-to-all outputs are not recomputed, an assumption)."""
+    (moe_mlp_bytes in place of the dense MLP's term; model.remat=minimal keeps it whole,
+    an assumption: not measured against the compiled step)."""
     n = s // c
     sbh, ffn, kv_heads = n * b * h, ffn or 4 * h, kv_heads or a
     stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention

@@ -68,22 +68,23 @@ def schedule_stats(config: Config, simulate: bool = True):
     return stats.bubble_fraction, slots, (stats, sched)
 
 
-def moe_shape(config: Config, worst: bool = False) -> pm.Moe | None:
-    """The config's mixture of experts as the formulas read it (None: dense MLPs); worst:
-    the receive buffers sized for the worst routing (model.moe_rows)."""
+def moe_shape(config: Config, balanced: bool = False) -> pm.Moe | None:
+    """The config's mixture of experts as the formulas read it (None: dense MLPs);
+    balanced: its rows as balanced routing needs them, not as the layer allocates them
+    (model.moe_rows)."""
     m_cfg = config.model
     if not m_cfg.moe:
         return None
     return pm.Moe(experts=m_cfg.moe_experts, top_k=m_cfg.moe_top_k, ffn=m_cfg.expert_ffn,
                   shared_ffn=m_cfg.moe_shared_ffn, ep=config.parallel.expert,
-                  capacity=m_cfg.moe_capacity, worst=worst)
+                  capacity=m_cfg.moe_capacity, balanced=balanced)
 
 
-def _memory(config: Config, counts: dict, slots: dict, platform: str, worst: bool = False
-            ) -> tuple[dict, dict, dict]:
+def _memory(config: Config, counts: dict, slots: dict, platform: str,
+            balanced: bool = False) -> tuple[dict, dict, dict]:
     """(device bytes, host bytes, activation terms) on the busiest device of `platform`
-    ("gpu" or "cpu": which attention is flash, flash_attention); worst: a mixture of
-    experts' receive buffers sized for the worst routing, not the balanced (moe_shape)."""
+    ("gpu" or "cpu": which attention is flash, flash_attention); balanced: a mixture of
+    experts' rows as balanced routing needs them (moe_shape)."""
     from jaxptd import model as models
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
@@ -96,7 +97,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str, worst: boo
         flash=flash_attention(config, platform),
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention,
-        moe=moe_shape(config, worst))
+        moe=moe_shape(config, balanced))
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full") \
@@ -195,26 +196,28 @@ def _moe(config: Config, inputs: PlanInputs, counts: dict, slots: dict, device: 
          comm: dict, time: dict) -> dict | None:
     """A mixture of experts' part of the report (None: dense MLPs): its shape, total and
     active parameters (counts.real_counts: the real shapes), the forward FLOPs a token of
-    one MoE layer's MLP (model.moe_mlp_flops: from the active parameters), the expert
-    weights' bytes on the device (float32 masters, gradients and moments as sharded), the
-    rows of a layer (model.moe_rows), the all-to-all (bytes a microbatch, seconds a step,
-    the link; not overlapped: timing.step_time), and the imbalance headroom: the device
-    bytes the dropless worst case's receive buffers add to the plan's balanced routing
-    (the plan fits with balanced routing; the worst case may not)."""
+    one MoE layer's MLP (jaxptd/model/moe.py's active_mlp_flops, which the family's
+    forward_flops adds to attention: from the active parameters), the expert weights'
+    bytes on the device (float32 masters, gradients and moments as sharded), the rows of
+    a layer (model.moe_rows), the all-to-all (bytes a microbatch, seconds a step, the
+    link; not overlapped: timing.step_time), and the imbalance headroom: what the plan's
+    device bytes (the layer's rows as allocated, for the worst routing) take over those
+    of balanced routing, and whether balanced routing would fit."""
     from jaxptd import model as models  # JAX: --verify configures it first
+    from jaxptd.model.moe import active_mlp_flops
     moe = moe_shape(config)
     if moe is None:
         return None
     m_cfg, par, hw = config.model, config.parallel, inputs.hardware
-    worst = _memory(config, counts, slots, inputs.platform, worst=True)[0]["total"]
+    balanced = _memory(config, counts, slots, inputs.platform, balanced=True)[0]["total"]
     tokens = config.microbatch_size * m_cfg.seq_len / par.context
     return {"experts": moe.experts, "top_k": moe.top_k, "expert_ffn": moe.ffn,
             "shared_ffn": moe.shared_ffn, "ranks": par.expert,
             "experts_per_rank": moe.experts // par.expert, "capacity": moe.capacity,
             "params_total": counts["params_model"], "params_active": counts["params_active"],
             "params_experts": counts["params_experts"],
-            "mlp_flops_per_token": pm.moe_mlp_flops(
-                m_cfg.hidden_size, moe, models.get(m_cfg).GATED_MLP, m_cfg.moe_shared_gate),
+            "mlp_flops_per_token": active_mlp_flops(m_cfg,
+                                                    6 if models.get(m_cfg).GATED_MLP else 4),
             "expert_weight_bytes": 8.0 * counts["expert_weight_params"]
             + 4.0 * counts["expert_moment_params"],
             "rows": pm.moe_rows(tokens, moe),
@@ -222,8 +225,8 @@ def _moe(config: Config, inputs: PlanInputs, counts: dict, slots: dict, device: 
             "all_to_all_message": comm["expert_message"], "all_to_all_s": time["expert"],
             "link": "intra" if par.expert * par.context * par.tensor <= hw.gpus_per_node
             else "inter", "overlapped": False,
-            "worst_case_bytes": worst, "imbalance_headroom": worst - device["total"],
-            "worst_case_fits": worst <= hw.usable}
+            "balanced_bytes": balanced, "imbalance_headroom": device["total"] - balanced,
+            "balanced_fits": balanced <= hw.usable}
 
 
 def executed_flops(config: Config, vocab: int) -> float:
@@ -282,8 +285,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         replicas=replicas, fsdp_group=par.fsdp_size,
         expert_grad_bytes=4 * counts["expert_weight_params"],
         expert_replicas=replicas // par.expert,
-        moe=pt.moe_volumes(rows=pm.moe_rows(b * s / c, moe)["expert" if moe.capacity
-                                                            else "routed"],
+        moe=pt.moe_volumes(rows=pm.moe_rows(b * s / c, moe)["balanced"],
                            h=h, e=e, ep=par.expert, layers_per_stage=layers,
                            forward_again=again) if moe else None,
         stage_params=counts["stage_params"], gather_bytes=gather,

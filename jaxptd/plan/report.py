@@ -97,7 +97,7 @@ def _moe_lines(r: dict) -> list:
     if x is None:
         return []
     shared = f", a shared expert of width {x['shared_ffn']}" if x["shared_ffn"] else ""
-    routing = (f"capacity factor {x['capacity']:g}: {x['rows']['expert']:,.0f} rows a layer, "
+    routing = (f"capacity factor {x['capacity']:g}: {x['rows']['allocated']:,.0f} rows a layer, "
                "overflow dropped" if x["capacity"] else "dropless")
     return [
         f"experts     E={x['experts']} top-{x['top_k']} of width {x['expert_ffn']}{shared}, "
@@ -107,15 +107,17 @@ def _moe_lines(r: dict) -> list:
         "gradients, moments)",
         f"  FLOPs from the active parameters: a layer's MLP {x['mlp_flops_per_token']:,.0f} "
         "a token forward = 2 h E (router) + top_k x 6 h fe (SwiGLU; GeLU 4 h fe) + 6 h fs "
-        "(shared) [+ 2 h shared gate]; a layer = attention + that; x 3 forward and backward",
+        "(shared; GeLU 4 h fs) + 2 h (shared gate); a layer = attention + that; x 3 forward "
+        "and backward",
         f"  all-to-all  {x['all_to_all_per_microbatch'] / MB:.2f} MB/microbatch leave a rank "
         f"(dispatch and combine, forward and backward, {x['all_to_all_message'] / MB:.2f} MB "
         f"each, (e-1)/e of it sent) over {x['link']}-node links: "
         f"{x['all_to_all_s']:.3f} s/step, not overlapped (a layer waits for its tokens)",
-        f"  imbalance headroom {x['imbalance_headroom'] / GB:.3f} GB: the dropless receive "
-        f"buffers sized for the worst routing ({x['rows']['received']:,.0f} rows against "
-        f"{x['rows']['expert']:,.0f} balanced) make {x['worst_case_bytes'] / GB:.3f} GB/dev: "
-        f"{_fits(x['worst_case_fits'])} (the plan assumes balanced routing)",
+        f"  imbalance headroom {x['imbalance_headroom'] / GB:.3f} GB: the layer's static "
+        f"buffers hold {x['rows']['allocated']:,.0f} expert rows, the worst routing's, "
+        f"against {x['rows']['balanced']:,.0f} balanced; the plan counts them (balanced "
+        f"routing alone: {x['balanced_bytes'] / GB:.3f} GB/dev, "
+        f"{_fits(x['balanced_fits'])})",
     ]
 
 

@@ -88,8 +88,10 @@ def moe_volumes(*, rows: float, h, e, ep: int, layers_per_stage, forward_again=F
     """Expert parallelism's all-to-all traffic per device (jaxptd/model/moe.py): each MoE
     layer sends a microbatch's routed rows to their experts' ranks (dispatch) and the
     expert outputs back (combine) in the forward, and the same two in the backward (their
-    gradients), each `message` = rows x h in the compute dtype (rows: moe_rows' routed A,
-    or with a capacity factor the buffer's E C), of which (ep - 1)/ep leave the rank; with
+    gradients), each `message` = rows x h in the compute dtype (rows: moe_rows' balanced,
+    the routed A that a GPU's ragged all-to-all moves, or with a capacity factor the
+    buffer's E C; XLA's CPU pads each destination's block to A, e times the bytes), of
+    which (ep - 1)/ep leave the rank; with
     `forward_again` (model.remat full or minimal: no all-to-all output is a matmul output)
     the forward's two again. `per_microbatch`: what leaves the rank for the stage's layers."""
     message = rows * h * e
