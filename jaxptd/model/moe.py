@@ -21,9 +21,9 @@ every loss sum by global batch x seq_len), so that they are layout-free:
 The objective adds moe_aux_loss x aux + moe_z_loss x z of every layer (`objective`).
 
 Dispatch. Each token's k choices are A = T k rows, sorted by expert. Dropless (default): the
-experts run as grouped matrix products over their row groups (`lax.ragged_dot`: one GEMM
-per expert's rows, no padding to a capacity, no dense all-experts product; differentiable
-and on every backend). With model.moe_capacity = cf each expert takes at most
+experts run as grouped matrix products over their row groups (pallas_kernels/grouped.py:
+JAX's Mosaic-GPU grouped GEMM kernels on a GPU, whose XLA lowers `lax.ragged_dot` to a
+dense product over all experts; `lax.ragged_dot` elsewhere; no padding to a capacity). With model.moe_capacity = cf each expert takes at most
 C = ceil(cf A / E) rows of the rank's microbatch, first choices before second ones (GShard's
 priority), the rest dropped and counted; the experts then run as one batched matmul over
 [E, C] slots.
@@ -257,7 +257,10 @@ class _Dispatch:
 
         def bias_of(b):  # [E/e, f] -> [R, f], zeros for padding rows
             return jnp.take(b, ids, axis=0, mode="fill", fill_value=0)
-        return self._mlp(rows, lambda x, w: lax.ragged_dot(x, w, sizes), bias_of)
+        from pallas_kernels.grouped import grouped_matmul  # (Mosaic GPU: on use)
+
+        gpu = self.layout.platform == "gpu"
+        return self._mlp(rows, lambda x, w: grouped_matmul(x, w, sizes, gpu=gpu), bias_of)
 
     # ----------------------------------------------------------------------- dropless
 
