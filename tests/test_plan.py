@@ -163,11 +163,11 @@ def test_text_report_names_the_differences(capsys):
     assert line["pipeline"] == pytest.approx(
         [r["bubble_fraction"], r["peak_stash"], *r["pipeline_slots"].values()], abs=5e-5)
     total, *parts, tflops = line["step"]
-    keys = ("compute", "tensor", "context", "p2p", "fsdp", "data", "host")
+    keys = ("compute", "tensor", "context", "expert", "p2p", "fsdp", "data", "host")
     assert [total, *parts] == pytest.approx([t["total"], *(t[k] for k in keys)], abs=5e-4)
     shown = dict(zip(keys, parts))
     assert total == pytest.approx(sum(parts), abs=4e-3) and shown["tensor"] > 0 \
-        and shown["p2p"] > 0 and shown["context"] == 0
+        and shown["p2p"] > 0 and shown["context"] == 0 and shown["expert"] == 0
     assert tflops == pytest.approx(
         r["flops_per_iteration"] / (r["num_devices"] * t["total"]) / 1e12, abs=0.05)
 

@@ -10,7 +10,8 @@ needs it; --verify configures JAX first):
                 mesh, no memory, so a 3072-GPU config plans on a laptop)
     model.py    the memory model: parameters, activations, device and host bytes
     timing.py   the time model: bubble, communication volumes, step time, training days,
-                context parallelism's traffic, overlap, balance and attention work
+                context parallelism's traffic, overlap, balance and attention work,
+                expert parallelism's all-to-all
     planner.py  one plan: the schedule's bubble and buffers from the simulator and the
                 lowering, memory and time for a config -> the report
     search.py   --search N: the layouts and memory options that fit, ranked

@@ -55,31 +55,50 @@ def real_counts(config: Config) -> dict:
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
     the last stage read, a tied embedding, whose gradients those two exchange). Layers are
     split over pipe whether or not a leaf's layout names 'stages' (pipe is not in `split`);
-    FSDP and ZeRO-1 pick a dimension past the layer one (sharding.py's rule)."""
-    from jaxptd.mesh import DATA, FSDP, TENSOR
+    FSDP and ZeRO-1 pick a dimension past the layer one (sharding.py's rule).
+
+    A mixture of experts' routed experts (the leaves the 'experts' rule puts on the mesh's
+    expert axis) are split over parallel.expert like any sharded dimension, the other
+    leaves replicated over it; the data axis (the replicas, ZeRO-1's) is then data /
+    (fsdp_size x expert), as the mesh lays it (jaxptd/mesh.py). expert_weight_params and
+    expert_moment_params: the experts' part of weight_params and moment_params (their
+    gradients are reduced over their own replicas only); params_experts: the experts'
+    parameters in the whole model; params_active: what one token uses, the model less the
+    routed experts it is not sent to (a top_k / E share of the experts' parameters)."""
+    from jaxptd.mesh import DATA, EXPERT, FSDP, TENSOR
 
     par, model = config.parallel, config.model
     vocab = model.padded_vocab(par.tensor)
     g = par.fsdp_size
-    replicas = par.data // g
-    sizes = {TENSOR: par.tensor, FSDP: g, DATA: replicas}
+    sizes = {TENSOR: par.tensor, FSDP: g, EXPERT: par.expert,
+             DATA: par.data // (g * par.expert)}
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
                             "stage_params", "layer_params", "ends_params", "dense_unit_params",
                             "layer_gathered_params", "layer_weight_params",
                             "ends_weight_params", "shared_ends_params", "layer_grad_params",
-                            "tied_params"), 0.0)
+                            "tied_params", "expert_weight_params", "expert_moment_params"), 0.0)
     leaves = _leaves(config, vocab)
 
-    def split(spec) -> int:
-        return math.prod(sizes.get(a, 1) for e in spec if e
-                         for a in (e if isinstance(e, tuple) else (e,)))
+    def axes(spec) -> tuple:
+        return tuple(a for e in spec if e for a in (e if isinstance(e, tuple) else (e,)))
 
+    def split(spec) -> int:
+        return math.prod(sizes.get(a, 1) for a in axes(spec))
+
+    experts = 0
     for kind, name, shape, specs in leaves:
-        for key, count in _leaf_counts(config, kind, name, shape, specs, split).items():
+        counts = _leaf_counts(config, kind, name, shape, specs, split)
+        if EXPERT in axes(specs[0]):
+            experts += math.prod(shape)
+            counts.update(expert_weight_params=counts["weight_params"],
+                          expert_moment_params=counts["moment_params"])
+        for key, count in counts.items():
             totals[key] = max(totals[key], count) if key == "dense_unit_params" \
                 else totals[key] + count
-    return {**totals, "params_model": sum(math.prod(shape) for _, _, shape, _ in leaves),
-            "vocab_padded": vocab}
+    total = sum(math.prod(shape) for _, _, shape, _ in leaves)
+    active = total - experts * (1 - model.moe_top_k / model.moe_experts) if experts else total
+    return {**totals, "params_model": total, "params_experts": experts,
+            "params_active": active, "vocab_padded": vocab}
 
 
 def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, split) -> dict:

@@ -46,8 +46,17 @@ the layer's q, k, v and context (its output O) only its float32 log-sum-exp [b, 
 and holds one block part's float32 scores [b, a/t, n/2, n] at a time (with their
 probabilities and gradients) where XLA computes its blocks, none where Pallas's flash
 kernels do (model.kernels=pallas on a decoder's unpacked rows: planner.flash_attention).
+
+A mixture of experts (Moe) replaces the MLP's term by moe_mlp_bytes: the router's, the
+experts' input rows and intermediates, their outputs brought back, and the shared
+expert's. Shapes being static, a dropless layer with expert parallelism sizes its rows
+for the worst routing, all of an expert group's rows arriving at one rank (moe_rows); what
+that takes over balanced routing is what the planner reports as the imbalance headroom.
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -55,6 +64,61 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 def params_formula(l: int, h: int, V: int, s: int) -> float:
     """Equation (2): P = 12 l h^2 (1 + 13 / (12 h) + (V + s) / (12 l h))."""
     return 12 * l * h * h * (1 + 13 / (12 * h) + (V + s) / (12 * l * h))
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture of experts' shape as the formulas read it (jaxptd/model/moe.py): E routed
+    experts of hidden width fe (model.expert_ffn), top_k of them a token, a shared expert
+    of width fs (0: none), ep expert-parallel ranks (parallel.expert), capacity factor cf
+    (model.moe_capacity, 0: dropless). balanced: the experts' rows as balanced routing
+    would need them, not as the layer allocates them (moe_rows)."""
+    experts: int
+    top_k: int
+    ffn: int
+    shared_ffn: int = 0
+    ep: int = 1
+    capacity: float = 0.0
+    balanced: bool = False
+
+
+def moe_rows(tokens: float, moe: Moe) -> dict:
+    """Rows of one MoE layer on a rank, one microbatch of `tokens` tokens (T = b s / c: with
+    sequence parallelism still the microbatch's, the MLP sees them gathered). routed: A = T
+    top_k (token, expert) pairs, what dispatch sends and combine brings back. balanced:
+    the rows the rank's experts take when routing is balanced, A (each of the e ranks
+    receives A / e rows from each of e ranks). allocated: the rows the layer's buffers
+    hold, shapes being static: dropless with e > 1 the receive buffer and every expert
+    matmul after it are sized for the worst case, all e A rows of the group at one rank
+    (rows past those received are zeros); capacity mode (cf > 0) E x ceil(cf A / E) slots
+    (an expert's overflow dropped), balanced or not."""
+    routed = tokens * moe.top_k
+    if moe.capacity:
+        slots = moe.experts * max(1, math.ceil(moe.capacity * routed / moe.experts))
+        return {"routed": routed, "balanced": slots, "allocated": slots}
+    return {"routed": routed, "balanced": routed, "allocated": moe.ep * routed}
+
+
+def moe_mlp_bytes(tokens: float, h: int, t: int, e: int, moe: Moe, gated: bool) -> float:
+    """Bytes one MoE layer's MLP keeps for its backward, one microbatch (in place of the
+    dense MLP's first-matmul outputs, layer_activation_bytes), as jaxptd/model/moe.py
+    computes: the router's float32 logits and scores [T, E] and its float32 input [T, h]
+    (a copy of the norm output unless the compute dtype is float32); the experts' input
+    rows [R, h] (R: moe_rows' allocated rows, or balanced with moe.balanced) and their
+    intermediates [R, fe/t], SwiGLU gate, up and their product (the down matmul's input)
+    in the compute dtype, GeLU the float32 fc1 output with its bias and the GeLU's in the
+    compute dtype; the expert outputs back at their choices [A, h], what the combine's
+    weighted sum differentiates; the shared expert as the dense MLP keeps it ([T, fs/t],
+    SwiGLU x 2). e: the compute dtype's bytes."""
+    rows = moe_rows(tokens, moe)
+    r = rows["balanced" if moe.balanced else "allocated"]
+    router = 4 * tokens * (2 * moe.experts + (h if e != 4 else 0))
+    inner = r * moe.ffn / t * (3 * e if gated else 4 + e)
+    return (router + r * h * e + inner + rows["routed"] * h * e
+            + tokens * moe.shared_ffn / t * (2 if gated else 1) * e)
 
 
 # --------------------------------------------------------------------------- activations
@@ -101,18 +165,22 @@ RING_UNITS = 2
 
 def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = False,
                            remat: str = "none", ffn: int = 0, kv_heads: int = 0,
-                           gated: bool = False, c: int = 1, method: str = "ring") -> float:
+                           gated: bool = False, c: int = 1, method: str = "ring",
+                           moe: Moe | None = None) -> float:
     """Bytes one layer keeps for its backward pass, one microbatch (module docstring).
     ffn: the MLP width (0: 4h); kv_heads: key/value heads (0: a); gated: SwiGLU's two
     first matmuls; c, method: context parallelism (attention_terms); s is the whole
-    sequence, of which a rank holds s/c tokens."""
+    sequence, of which a rank holds s/c tokens. moe: the MLP is a mixture of experts
+    (moe_mlp_bytes in place of the dense MLP's term; model.remat=minimal keeps it whole,
+    an assumption: not measured against the compiled step)."""
     n = s // c
     sbh, ffn, kv_heads = n * b * h, ffn or 4 * h, kv_heads or a
     stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention
     if remat == "full":
         return stream / 2
     qkv = sbh * (1 + 2 * kv_heads / a) * e / t
-    mlp = sbh * ffn / h * (2 if gated else 1) * e / t
+    mlp = moe_mlp_bytes(b * n, h, t, e, moe, gated) if moe else \
+        sbh * ffn / h * (2 if gated else 1) * e / t
     context = sbh * e / t
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
     if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed;
@@ -169,7 +237,7 @@ def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n,
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
-                      method="ring") -> dict:
+                      method="ring", moe=None) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -198,9 +266,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     blocks are Pallas's flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash
     attention. The ring recomputes nothing of its own (selective recomputation leaves it
     alone); its XLA blocks add RING_UNITS of its unit to a layer's backward.
+    moe: every layer's MLP is this mixture of experts (layer_activation_bytes).
     """
     ring = c > 1 and method == "ring"
-    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method)
+    shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method, moe=moe)
     layer = layer_activation_bytes(b, s, h, a, t, e, sp, flash, **shape)
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
     scores = attention["unit"]

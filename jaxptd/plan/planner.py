@@ -68,10 +68,23 @@ def schedule_stats(config: Config, simulate: bool = True):
     return stats.bubble_fraction, slots, (stats, sched)
 
 
-def _memory(config: Config, counts: dict, slots: dict, platform: str
-            ) -> tuple[dict, dict, dict]:
+def moe_shape(config: Config, balanced: bool = False) -> pm.Moe | None:
+    """The config's mixture of experts as the formulas read it (None: dense MLPs);
+    balanced: its rows as balanced routing needs them, not as the layer allocates them
+    (model.moe_rows)."""
+    m_cfg = config.model
+    if not m_cfg.moe:
+        return None
+    return pm.Moe(experts=m_cfg.moe_experts, top_k=m_cfg.moe_top_k, ffn=m_cfg.expert_ffn,
+                  shared_ffn=m_cfg.moe_shared_ffn, ep=config.parallel.expert,
+                  capacity=m_cfg.moe_capacity, balanced=balanced)
+
+
+def _memory(config: Config, counts: dict, slots: dict, platform: str,
+            balanced: bool = False) -> tuple[dict, dict, dict]:
     """(device bytes, host bytes, activation terms) on the busiest device of `platform`
-    ("gpu" or "cpu": which attention is flash, flash_attention)."""
+    ("gpu" or "cpu": which attention is flash, flash_attention); balanced: a mixture of
+    experts' rows as balanced routing needs them (moe_shape)."""
     from jaxptd import model as models
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
@@ -83,7 +96,8 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str
         sp=par.sequence_parallel and par.tensor > 1,
         flash=flash_attention(config, platform),
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
-        gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention)
+        gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention,
+        moe=moe_shape(config, balanced))
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full") \
@@ -143,6 +157,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
     executed = executed_flops(config, V)
     comm, time, context = _time(config, inputs, counts, host, executed, bubble)
+    moe = _moe(config, inputs, counts, slots, device, comm, time)
     per_node = min(n, hw.gpus_per_node)
     sp = par.sequence_parallel and par.tensor > 1
     report = {
@@ -150,7 +165,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
         "params_formula": pm.params_formula(l, h, m_cfg.vocab_size, s),
         "params_difference": counts["params_model"] - pm.params_formula(l, h, m_cfg.vocab_size, s),
         "num_devices": n, "layout": {"data": par.data, "pipe": par.pipe, "tensor": par.tensor,
-                                     "context": par.context,
+                                     "context": par.context, "expert": par.expert,
                                      "context_attention": par.context_attention,
                                      "chunks": par.chunks, "microbatches": par.microbatches,
                                      "microbatch_size": b, "schedule": par.schedule},
@@ -165,7 +180,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
             b, s // par.context, h, a, par.tensor, sp, m_cfg.remat),
         "bubble_fraction": bubble, "pipeline_slots": slots,
         "peak_stash": max(stats[0].peak_stash) if stats else slots["stash"],
-        "comm_bytes": comm, "step_time_s": time, "context": context,
+        "comm_bytes": comm, "step_time_s": time, "context": context, "moe": moe,
         "tflops_per_device_estimate": executed / n / time["total"] / 1e12,
     }
     report["fits"] = report["memory_fits"] and report["host_memory_fits"]
@@ -175,6 +190,43 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
         report["days_to_train_eq4"] = pt.days_eq4(inputs.tokens, counts["params_model"], n,
                                                   inputs.tflops)
     return report
+
+
+def _moe(config: Config, inputs: PlanInputs, counts: dict, slots: dict, device: dict,
+         comm: dict, time: dict) -> dict | None:
+    """A mixture of experts' part of the report (None: dense MLPs): its shape, total and
+    active parameters (counts.real_counts: the real shapes), the forward FLOPs a token of
+    one MoE layer's MLP (jaxptd/model/moe.py's active_mlp_flops, which the family's
+    forward_flops adds to attention: from the active parameters), the expert weights'
+    bytes on the device (float32 masters, gradients and moments as sharded), the rows of
+    a layer (model.moe_rows), the all-to-all (bytes a microbatch, seconds a step, the
+    link; not overlapped: timing.step_time), and the imbalance headroom: what the plan's
+    device bytes (the layer's rows as allocated, for the worst routing) take over those
+    of balanced routing, and whether balanced routing would fit."""
+    from jaxptd import model as models  # JAX: --verify configures it first
+    from jaxptd.model.moe import active_mlp_flops
+    moe = moe_shape(config)
+    if moe is None:
+        return None
+    m_cfg, par, hw = config.model, config.parallel, inputs.hardware
+    balanced = _memory(config, counts, slots, inputs.platform, balanced=True)[0]["total"]
+    tokens = config.microbatch_size * m_cfg.seq_len / par.context
+    return {"experts": moe.experts, "top_k": moe.top_k, "expert_ffn": moe.ffn,
+            "shared_ffn": moe.shared_ffn, "ranks": par.expert,
+            "experts_per_rank": moe.experts // par.expert, "capacity": moe.capacity,
+            "params_total": counts["params_model"], "params_active": counts["params_active"],
+            "params_experts": counts["params_experts"],
+            "mlp_flops_per_token": active_mlp_flops(m_cfg,
+                                                    6 if models.get(m_cfg).GATED_MLP else 4),
+            "expert_weight_bytes": 8.0 * counts["expert_weight_params"]
+            + 4.0 * counts["expert_moment_params"],
+            "rows": pm.moe_rows(tokens, moe),
+            "all_to_all_per_microbatch": comm["expert_per_microbatch"],
+            "all_to_all_message": comm["expert_message"], "all_to_all_s": time["expert"],
+            "link": "intra" if par.expert * par.context * par.tensor <= hw.gpus_per_node
+            else "inter", "overlapped": False,
+            "balanced_bytes": balanced, "imbalance_headroom": device["total"] - balanced,
+            "balanced_fits": balanced <= hw.usable}
 
 
 def executed_flops(config: Config, vocab: int) -> float:
@@ -214,7 +266,10 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
           bubble: float) -> tuple[dict, dict, dict]:
     """(communication volumes, step time, context parallelism's terms) of timing.py's
     model for one configuration. The context ranks sit next to tensor's in the mesh: a
-    context group's c t devices use the node's links when they fit in one."""
+    context group's c t devices use the node's links when they fit in one; the expert
+    ranks next to context's. A mixture of experts' gradients are all-reduced over the
+    data and context ranks that hold the same experts (replicas / parallel.expert), the
+    rest over all replicas; its all-to-all moves the routed rows (capacity: the buffer's)."""
     hw = inputs.hardware
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
@@ -222,10 +277,17 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
     b, s, h, c = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, par.context
     layers = m_cfg.num_layers // par.pipe
     again = recomputation(config) in ("full", "minimal")
+    moe = moe_shape(config)
+    replicas = par.data // par.fsdp_size * c  # the context ranks hold the same parameters
     comm = pt.comm_volumes(
         b=b, s=s, h=h, t=par.tensor, e=e,
         layers_per_stage=layers, grad_bytes=4 * counts["weight_params"],
-        replicas=par.data // par.fsdp_size * c, fsdp_group=par.fsdp_size,
+        replicas=replicas, fsdp_group=par.fsdp_size,
+        expert_grad_bytes=4 * counts["expert_weight_params"],
+        expert_replicas=replicas // par.expert,
+        moe=pt.moe_volumes(rows=pm.moe_rows(b * s / c, moe)["balanced"],
+                           h=h, e=e, ep=par.expert, layers_per_stage=layers,
+                           forward_again=again) if moe else None,
         stage_params=counts["stage_params"], gather_bytes=gather,
         tied_grad_bytes=counts["tied_params"] * gather,
         host_per_step=_host_traffic(config, host),
@@ -245,7 +307,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
         weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
         intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link, c=c,
-        context_exposed_s=overlap["exposed_s"])
+        context_exposed_s=overlap["exposed_s"], ep=par.expert)
     context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
                "core_fraction": pt.context_core_fraction(c, par.context_attention,
                                                          _causal(config)),

@@ -42,20 +42,22 @@ def format_report(r: dict, hw: Target) -> str:
         f"FLOPs/iter  {r['flops_per_iteration']:.4g} executed   eq. (3) with recompute "
         f"{r['flops_recompute']:.4g}, without {r['flops_no_recompute']:.4g}",
         _context_line(r),
-    ] + _memory_lines(r, hw) + [
+    ] + _moe_lines(r) + _memory_lines(r, hw) + [
         f"pipeline    bubble {r['bubble_fraction']:.4f}   peak stash {r['peak_stash']} "
         f"microbatch-stages   buffers {r['pipeline_slots']['stash']} stash, "
         f"{r['pipeline_slots']['grad']} grad, {r['pipeline_slots']['w']} W slots",
         f"comm/dev    p2p {comm['p2p_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"tensor {comm['tensor_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"context {comm['context_per_microbatch'] / MB:.2f} MB/microbatch, "
+        f"all-to-all {comm['expert_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"FSDP {comm['fsdp_per_microbatch'] / GB:.3f} GB/microbatch, "
         f"data {comm['data_per_step'] / GB:.3f} GB/step, tied embedding "
         f"{comm['tied_per_step'] / GB:.3f} GB/step (first <-> last stage), host "
         f"{(comm['host_per_step'] + lay['microbatches'] * comm['host_per_microbatch']) / GB:.3f}"
         " GB/step",
         f"step time   {t['total']:.3f} s = compute {t['compute']:.3f} (bubble incl.) + tensor "
-        f"{t['tensor']:.3f} + context {t['context']:.3f} + p2p {t['p2p']:.3f} + FSDP "
+        f"{t['tensor']:.3f} + context {t['context']:.3f} + all-to-all {t['expert']:.3f} + "
+        f"p2p {t['p2p']:.3f} + FSDP "
         f"{t['fsdp']:.3f} + data "
         f"{t['data']:.3f} + host {t['host']:.3f}   ~ "
         f"{r['tflops_per_device_estimate']:.1f} TFLOP/s per device",
@@ -86,6 +88,37 @@ def _context_line(r: dict) -> str:
             f"imbalance {c['imbalance']:.2f} with chunk pairs r, 2c-1-r (contiguous chunks: "
             f"{c['imbalance_contiguous']:.2f}); attention core executed "
             f"{c['core_fraction']:.3f} x the model count; {overlap}")
+
+
+def _moe_lines(r: dict) -> list:
+    """A mixture of experts: its shape and expert ranks, total and active parameters and
+    the FLOPs formula, the expert weights' bytes, the all-to-all, the imbalance headroom."""
+    x = r["moe"]
+    if x is None:
+        return []
+    shared = f", a shared expert of width {x['shared_ffn']}" if x["shared_ffn"] else ""
+    routing = (f"capacity factor {x['capacity']:g}: {x['rows']['allocated']:,.0f} rows a layer, "
+               "overflow dropped" if x["capacity"] else "dropless")
+    return [
+        f"experts     E={x['experts']} top-{x['top_k']} of width {x['expert_ffn']}{shared}, "
+        f"{routing}; expert ranks e={x['ranks']} ({x['experts_per_rank']} experts a rank); "
+        f"params total {x['params_total'] / 1e9:.4f} B, active {x['params_active'] / 1e9:.4f} "
+        f"B a token; expert weights {x['expert_weight_bytes'] / GB:.3f} GB/dev (masters, "
+        "gradients, moments)",
+        f"  FLOPs from the active parameters: a layer's MLP {x['mlp_flops_per_token']:,.0f} "
+        "a token forward = 2 h E (router) + top_k x 6 h fe (SwiGLU; GeLU 4 h fe) + 6 h fs "
+        "(shared; GeLU 4 h fs) + 2 h (shared gate); a layer = attention + that; x 3 forward "
+        "and backward",
+        f"  all-to-all  {x['all_to_all_per_microbatch'] / MB:.2f} MB/microbatch leave a rank "
+        f"(dispatch and combine, forward and backward, {x['all_to_all_message'] / MB:.2f} MB "
+        f"each, (e-1)/e of it sent) over {x['link']}-node links: "
+        f"{x['all_to_all_s']:.3f} s/step, not overlapped (a layer waits for its tokens)",
+        f"  imbalance headroom {x['imbalance_headroom'] / GB:.3f} GB: the layer's static "
+        f"buffers hold {x['rows']['allocated']:,.0f} expert rows, the worst routing's, "
+        f"against {x['rows']['balanced']:,.0f} balanced; the plan counts them (balanced "
+        f"routing alone: {x['balanced_bytes'] / GB:.3f} GB/dev, "
+        f"{_fits(x['balanced_fits'])})",
+    ]
 
 
 def _options(o: dict) -> str:
@@ -172,15 +205,17 @@ def format_search(rows: list, hw: Target, n: int, top: int) -> str:
     if not rows:
         return (f"no layout fits {n} GPUs with {hw.usable / GB:g} GB each "
                 f"(and {hw.host_memory / GB:g} GB of host memory per node)")
-    head = f"{'p':>4} {'t':>3} {'c':>3} {'d':>5} {'v':>3} {'m':>5} {'b':>4} {'schedule':>14} " \
+    head = f"{'p':>4} {'t':>3} {'c':>3} {'e':>3} {'d':>5} {'v':>3} {'m':>5} {'b':>4} " \
+           f"{'schedule':>14} " \
            f"{'options':<22} {'GB':>6} {'host GB':>8} {'bubble':>7} {'step s':>8} {'TFLOP/s':>8}"
-    body = [f"{r['pipe']:>4} {r['tensor']:>3} {r['context']:>3} {r['data']:>5} {r['chunks']:>3} "
+    body = [f"{r['pipe']:>4} {r['tensor']:>3} {r['context']:>3} {r['expert']:>3} "
+            f"{r['data']:>5} {r['chunks']:>3} "
             f"{r['microbatches']:>5} {r['microbatch_size']:>4} {r['schedule']:>14} "
             f"{_row_options(r):<22} {r['memory_gb']:>6.1f} "
             f"{r['host_memory_gb']:>8.1f} {r['bubble_fraction']:>7.4f} "
             f"{r['step_time_s']:>8.3f} {r['tflops_per_device_estimate']:>8.1f}"
             + _compiled_cell(r) for r in rows[:top]]
-    legend = ("c: context ranks; options: ag allgather attention (c > 1; else the ring), "
+    legend = ("c: context ranks; e: expert ranks (of the d data ranks); options: ag allgather attention (c > 1; else the ring), "
               "sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
               "offopt/offact offload of the optimizer state / layer inputs, "
               "inputs: stash stage inputs only")

@@ -2,7 +2,8 @@
 
 Owns the search space. A base layout is (p, t, c, d, v, b, schedule), chosen as the PTD-P
 paper's takeaways say: t a power of two up to the GPUs per node (#1), p dividing the
-layers, the rest data (#2), every microbatch size b dividing B / d (#3); context
+layers, the rest data (#2), every microbatch size b dividing B / d (#3); a mixture of
+experts' expert ranks e dividing d and its experts (a part of the data ranks); context
 parallelism c in CONTEXTS where 2c divides the sequence and leaves each rank at least
 MIN_CONTEXT_TOKENS (and the family has it), with
 both attention methods (ring, allgather) for c > 1; the schedules are
@@ -64,18 +65,24 @@ def search(config: Config, inputs: PlanInputs, n: int) -> list:
             if B % d:
                 continue
             chunks = [1] if p == 1 else [v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
-            for v in chunks:
+            for v, ep in ((v, ep) for v in chunks for ep in _experts(model, d)):
                 for b in pm.divisors(B // d):
                     m = B // (d * b)
                     if v > 1 and m % p:
                         continue
                     for kind in _schedules(p, v):
                         for method in ("ring", "allgather") if c > 1 else ("ring",):
-                            row = _best_options(config, inputs, cache, (p, t, c, d, v, m),
-                                                kind, method)
+                            row = _best_options(config, inputs, cache,
+                                                (p, t, c, ep, d, v, m), kind, method)
                             if row:
                                 rows.append(row)
     return sorted(rows, key=lambda r: -r["tflops_per_device_estimate"])
+
+
+def _experts(model, d: int) -> list:
+    """The expert-parallel sizes to try: a mixture of experts' e dividing both the data
+    ranks and the experts; a dense model's 1."""
+    return [e for e in pm.divisors(d) if model.moe_experts % e == 0] if model.moe else [1]
 
 
 def _schedules(p: int, v: int) -> tuple:
@@ -85,13 +92,13 @@ def _schedules(p: int, v: int) -> tuple:
 
 
 def _best_options(config, inputs, cache, layout, kind, method):
-    """The fastest option set of one base layout (p, t, c, d, v, m) with this schedule
+    """The fastest option set of one base layout (p, t, c, e, d, v, m) with this schedule
     and context attention method that fits, as a search row (or None). cache:
     real_counts by what they depend on (not the context ranks, over which the parameters
     are replicated), shared by the whole search."""
-    p, t, c, d, v, m = layout
+    p, t, c, ep, d, v, m = layout
     parallel = dataclasses.replace(config.parallel, data=d, pipe=p, tensor=t, context=c,
-                                   context_attention=method, chunks=v,
+                                   expert=ep, context_attention=method, chunks=v,
                                    microbatches=m, schedule=kind, sequence_parallel=False,
                                    fsdp=False, fsdp_group=0)
     base = dataclasses.replace(config, parallel=parallel,
@@ -106,7 +113,7 @@ def _best_options(config, inputs, cache, layout, kind, method):
         return None
     best = None
     for candidate in _with_options(base, inputs.hardware.gpus_per_node):
-        key = (p, t, d, candidate.parallel.fsdp_size, candidate.optimizer.zero1)
+        key = (p, t, ep, d, candidate.parallel.fsdp_size, candidate.optimizer.zero1)
         if key not in cache:
             cache[key] = real_counts(candidate)
         report = plan(candidate, inputs, cache[key], simulate=False)
@@ -126,8 +133,8 @@ def _best_options(config, inputs, cache, layout, kind, method):
 def overrides(config: Config) -> list:
     """The section.key=value settings a search row varies, to reproduce it (or compile it:
     `plan --search N --verify --target h100`)."""
-    par, fields = config.parallel, ("data", "pipe", "tensor", "context", "context_attention",
-                                    "chunks", "microbatches", "schedule",
+    par, fields = config.parallel, ("data", "pipe", "tensor", "context", "expert",
+                                    "context_attention", "chunks", "microbatches", "schedule",
                                     "sequence_parallel", "fsdp", "fsdp_group")
     return ([f"parallel.{f}={getattr(par, f)}" for f in fields]
             + [f"optimizer.zero1={config.optimizer.zero1}",
@@ -136,17 +143,21 @@ def overrides(config: Config) -> list:
 
 
 def _with_options(base: Config, gpus_per_node: int):
-    """base with each applicable option set of OPTION_SETS, cheapest first."""
+    """base with each applicable option set of OPTION_SETS, cheapest first. An FSDP group
+    is data ranks of one expert rank (the mesh's fsdp axis lies outside expert): "all" is
+    data / expert of them, "node" those a node holds beside its tensor, context, expert
+    and pipe ranks."""
     par = base.parallel
-    node_group = gpus_per_node // (par.tensor * par.context * par.pipe)
+    node_group = gpus_per_node // (par.tensor * par.context * par.expert * par.pipe)
+    whole = par.data // par.expert
     seen = set()
     for _, sp, zero1, group, offload_opt, offload_act in OPTION_SETS:
-        g = {0: 0, "node": node_group, "all": par.data}[group]
+        g = {0: 0, "node": node_group, "all": whole}[group]
         if (sp and (par.tensor == 1 or base.model.seq_len % (par.tensor * par.context))) \
                 or (offload_act and par.pipe > 1) or \
-                (group and (g < 2 or par.data % g)) or (group == "node" and g == par.data):
+                (group and (g < 2 or whole % g)) or (group == "node" and g == whole):
             continue
-        zero1 = zero1 and par.data // max(g, 1) > 1
+        zero1 = zero1 and par.data // (max(g, 1) * par.expert) > 1
         key = (sp, zero1, g, offload_opt, offload_act)
         if key in seen:
             continue

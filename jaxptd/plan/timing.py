@@ -1,5 +1,6 @@
 """The planner's time model: pipeline bubble, communication volumes, step time, training
-days, and context parallelism's attention work, traffic and balance. No JAX. Notation as
+days, context parallelism's attention work, traffic and balance, and expert parallelism's
+all-to-all. No JAX. Notation as
 in jaxptd/plan/model.py (the PTD-P paper's, seeds/000 §3.1); c context ranks, n = s/c
 tokens a rank, k key/value heads.
 
@@ -83,9 +84,26 @@ def context_volumes(*, b, s, h, a, t, e, c, kv_heads, layers_per_stage,
             "per_microbatch": layers_per_stage * (c - 1) * blocks}
 
 
+def moe_volumes(*, rows: float, h, e, ep: int, layers_per_stage, forward_again=False) -> dict:
+    """Expert parallelism's all-to-all traffic per device (jaxptd/model/moe.py): each MoE
+    layer sends a microbatch's routed rows to their experts' ranks (dispatch) and the
+    expert outputs back (combine) in the forward, and the same two in the backward (their
+    gradients), each `message` = rows x h in the compute dtype (rows: moe_rows' balanced,
+    the routed A that a GPU's ragged all-to-all moves, or with a capacity factor the
+    buffer's E C; XLA's CPU pads each destination's block to A, e times the bytes), of
+    which (ep - 1)/ep leave the rank; with
+    `forward_again` (model.remat full or minimal: no all-to-all output is a matmul output)
+    the forward's two again. `per_microbatch`: what leaves the rank for the stage's layers."""
+    message = rows * h * e
+    passes = 4 + 2 * forward_again
+    return {"message": message,
+            "per_microbatch": layers_per_stage * passes * message * (ep - 1) / ep}
+
+
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
                  stage_params=0.0, gather_bytes=4, tied_grad_bytes=0.0, host_per_step=0.0,
-                 host_per_microbatch=0.0, c=1, context=None) -> dict:
+                 host_per_microbatch=0.0, c=1, context=None, expert_grad_bytes=0.0,
+                 expert_replicas=1, moe=None) -> dict:
     """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
     stages (b s h / t with scatter/gather, §4.1, or sequence parallelism); tensor
     8 b s h (t - 1) / t per layer per microbatch (forward + backward; sequence parallelism's
@@ -100,9 +118,17 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     (pipelined, tied): the first and last stage send each other their gradient of it
     once per step (§3.3.1's embedding group of two; jaxptd/step.py). Host: what
     offloading moves over PCIe (the optimizer state per step, layer inputs per microbatch).
+    Expert parallelism: `moe` (moe_volumes) is the all-to-all traffic; the experts'
+    expert_grad_bytes of grad_bytes are all-reduced over their own expert_replicas (the
+    data ranks holding the same experts: replicas / parallel.expert), the rest over all
+    `replicas`.
     """
     n = s / c
     context = context or {"block": 0.0, "gradient_block": 0.0, "per_microbatch": 0.0}
+    moe = moe or {"message": 0.0, "per_microbatch": 0.0}
+
+    def ring(r, grads):  # a ring all-reduce over r ranks
+        return 2 * (r - 1) / r * grads if r > 1 else 0.0
     return {
         "p2p_per_microbatch": b * n * h * e / t,
         "tensor_per_microbatch": layers_per_stage * 8 * b * n * h * (t - 1) / t * e,
@@ -110,7 +136,9 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
         "context_block": context["block"],
         "context_gradient_block": context["gradient_block"],
         "fsdp_per_microbatch": 3 * (fsdp_group - 1) / fsdp_group * stage_params * gather_bytes,
-        "data_per_step": 2 * (replicas - 1) / replicas * grad_bytes if replicas > 1 else 0.0,
+        "expert_per_microbatch": moe["per_microbatch"], "expert_message": moe["message"],
+        "data_per_step": ring(replicas, grad_bytes - expert_grad_bytes)
+        + ring(expert_replicas, expert_grad_bytes),
         "tied_per_step": tied_grad_bytes,
         "host_per_step": host_per_step, "host_per_microbatch": host_per_microbatch,
     }
@@ -147,29 +175,34 @@ def context_overlap(*, comm, c, method, layers_per_stage, block_flops, device_fl
 
 def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_per_node,
               device_flops, hbm_bytes_per_s, weight_bytes_per_microbatch, intra_bw, inter_bw,
-              host_bw=25e9, c=1, context_exposed_s=0.0) -> dict:
+              host_bw=25e9, c=1, context_exposed_s=0.0, ep=1) -> dict:
     """Seconds per iteration: compute (roofline per microbatch: its FLOPs at device_flops
     or its weight reads from memory, whichever is slower) stretched by the bubble, plus
     communication that is not overlapped: tensor (intra-node when t <= gpus_per_node),
-    context (context_exposed_s a microbatch, context_overlap's), point-to-point forward
+    context (context_exposed_s a microbatch, context_overlap's), expert parallelism's
+    all-to-all (intra-node when an expert group's ep c t devices fit in a node; not
+    overlapped: a layer's expert matmuls wait for their tokens and the next layer for
+    the combine, and the schedule gives them no independent work), point-to-point forward
     and backward (inter-node when a stage spans beyond a node)
     and the tied embedding's exchange between the first and last stage,
-    FSDP's gathers (intra-node when a group's g p c t devices fit in a node), the data-
+    FSDP's gathers (intra-node when a group's g p ep c t devices fit in a node), the data-
     parallel reduction (inter-node unless the whole job fits in one node) and host
-    transfers at host_bw. The mesh is [data, fsdp, pipe, context, tensor], tensor
+    transfers at host_bw. The mesh is [data, fsdp, pipe, expert, context, tensor], tensor
     innermost: a group of an axis spans the axes inside it.
     """
     per_microbatch = max(flops_device / m / device_flops,
                          weight_bytes_per_microbatch / hbm_bytes_per_s)
     compute = m * per_microbatch * (1 + bubble)
     tensor_bw = intra_bw if t <= gpus_per_node else inter_bw
-    p2p_bw = intra_bw if t * c * p <= gpus_per_node else inter_bw
-    fsdp_bw = intra_bw if fsdp_group * p * c * t <= gpus_per_node else inter_bw
+    expert_bw = intra_bw if ep * c * t <= gpus_per_node else inter_bw
+    p2p_bw = intra_bw if t * c * ep * p <= gpus_per_node else inter_bw
+    fsdp_bw = intra_bw if fsdp_group * p * ep * c * t <= gpus_per_node else inter_bw
     data_bw = intra_bw if t * c * p * d <= gpus_per_node else inter_bw
     parts = {
         "compute": compute,
         "tensor": m * comm["tensor_per_microbatch"] / tensor_bw,
         "context": m * context_exposed_s,
+        "expert": m * comm["expert_per_microbatch"] / expert_bw,
         "p2p": (2 * m * v * comm["p2p_per_microbatch"] + comm["tied_per_step"]) / p2p_bw
         if p > 1 else 0.0,
         "fsdp": m * comm["fsdp_per_microbatch"] / fsdp_bw,
