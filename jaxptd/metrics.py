@@ -11,7 +11,10 @@ layer). With recomputation this is equation (3):
     F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)),
 and without it 72 B s l h^2 (1 + s / (6 h) + V / (12 l h)). Selective recomputation
 (the attention core only) adds the core's 4 B s^2 h per layer to the latter. `flops_6n`
-is the other common count, 6N + attention, for comparison with what others report.
+is the other common count, 6N + attention, for comparison with what others report. A
+mixture of experts counts its active parameters (model/moe.py's `active_mlp_flops`).
+
+`moe_record` turns a step's mixture-of-experts statistics into the record's entries.
 """
 from __future__ import annotations
 
@@ -80,3 +83,30 @@ class StepTimer:
         per_step = (now - self.start) / max(steps, 1)
         self.start = now
         return per_step
+
+
+def moe_record(stats: dict, model: ModelConfig, batch: int) -> dict:
+    """A step's mixture-of-experts statistics (the step's metrics['moe'], numpy, each
+    leaf laid out as the layers: [L, ...] or pipelined [v, p, Lc, ...], whose flattening
+    is model order) -> the log record's entries: per layer (lists, model order) and their
+    summary (scalars). moe_aux: the load-balancing loss a sequence (1 when balanced);
+    moe_z: the z-loss a token; moe_load: the busiest expert's rows over the mean (1 when
+    balanced); moe_dropped: the share of routed rows dropped (capacity; 0 dropless)."""
+    import numpy as np
+
+    layers = lambda v: np.asarray(v, np.float64).reshape(-1, *np.shape(v)[-1:]) \
+        if np.ndim(v) > 1 and np.shape(v)[-1] == model.moe_experts and v is stats["load"] \
+        else np.asarray(v, np.float64).reshape(-1)
+    load = layers(stats["load"])  # [L, E]
+    routed = batch * model.seq_len * model.moe_top_k
+    per_layer = {"moe_aux": layers(stats["aux"]) / batch,
+                 "moe_z": layers(stats["z"]) / (batch * model.seq_len),
+                 "moe_load": load.max(-1) / load.mean(-1),
+                 "moe_dropped": layers(stats["dropped"]) / routed}
+    record = {f"{name}_layers": [round(float(x), 6) for x in values]
+              for name, values in per_layer.items()}
+    record.update({"moe_aux": float(per_layer["moe_aux"].mean()),
+                   "moe_z": float(per_layer["moe_z"].mean()),
+                   "moe_load": float(per_layer["moe_load"].max()),
+                   "moe_dropped": float(per_layer["moe_dropped"].mean())})
+    return record

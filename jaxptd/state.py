@@ -60,9 +60,10 @@ def _fsdp(config: Config, specs, shapes, stacked: int):
 
 def _zero1(config: Config, specs, shapes, stacked: int):
     """With optimizer.zero1: specs also split over the data replicas (the mesh's data axis,
-    data / fsdp_size), on a dimension past the layer-stacking ones (so each layer's part is
-    its own)."""
-    replicas = config.parallel.data // config.parallel.fsdp_size
+    data / (fsdp_size x expert)), on a dimension past the layer-stacking ones (so each
+    layer's part is its own)."""
+    par = config.parallel
+    replicas = par.data // (par.fsdp_size * par.expert)
     if not config.optimizer.zero1 or replicas == 1:
         return specs
     return jax.tree_util.tree_map_with_path(
