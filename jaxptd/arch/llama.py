@@ -126,6 +126,8 @@ FAMILY = Family(
     name="llama", load=_load, config_errors=_config_errors,
     options={"num_kv_heads": "model.num_kv_heads={value}: only model.arch=llama has "
              "grouped-query attention (0: as many as model.num_heads)",
+             "qkv_bias": "model.qkv_bias={value}: only model.arch=llama has the query, key "
+             "and value biases option (gpt and bert always have theirs)",
              **{key: f"model.{key}={{value}}: only model.arch=llama has rotary embeddings"
                 for key in ("rope_scaling", *LLAMA3)}, **PACKED_ROWS},
     hf=HFMap(classes={"LlamaForCausalLM": HFClass(_from_hf)}, export_config=_to_hf,
