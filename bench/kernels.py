@@ -6,6 +6,12 @@ q/k/v [b, 2048, 16, 128] bf16 three ways (XLA softmax attention, the same with t
 softmax, cuDNN flash attention), and the context ring's flash block (pallas_kernels.flash:
 forward with its log-sum-exp, backward from them) against a dense XLA attention. One more softmax case has rows of 32768 keys, longer
 than one kernel block, so it times the multi-block path: scores [1, 16, 256, 32768].
+On a Hopper GPU only, the mixture of experts' grouped GEMM (pallas_kernels.grouped, JAX's
+Mosaic-GPU kernels) of the b x 2048 tokens [b * 2048, 2048] over 8 experts' [2048, 8192]
+weights (uneven groups, one empty) against `lax.ragged_dot` (XLA's dense all-experts
+lowering, 8x the FLOPs) and against one dense GEMM of the same FLOPs as the grouped one
+([b * 2048, 2048] x [2048, 8192]: what the kernels should approach; its output is not
+compared); elsewhere the table says the row was skipped.
 
 Reports median times, achieved GB/s counting each tensor read or written once, and that
 as a percent of the HBM bandwidth measured in the same run by a large device-to-device
@@ -52,6 +58,7 @@ class Shapes:
     long_queries: int = 256
     long_keys: int = 32768
     copy_elems: int = 1 << 30  # bf16 elements of the bandwidth copy (2 GiB)
+    experts: int = 8
 
 
 TOY = Shapes(batch=1, heads=2, seq=16, head_dim=8, ffn=48, long_queries=3, long_keys=40,
@@ -164,6 +171,34 @@ def flash_block_cases(shapes):
         yield "flash_block", impl, "fwd+bwd", jax.jit(both), (q, k, v, d_out), None
 
 
+def grouped_cases(shapes):
+    """The grouped GEMM: tokens [b * seq, h] sorted by expert (uneven groups, expert 3
+    empty), each expert's [h, ffn]; forward, and forward with both gradients."""
+    from pallas_kernels.grouped import grouped_matmul
+    m, k, n, g = shapes.batch * shapes.seq, shapes.heads * shapes.head_dim, shapes.ffn, \
+        shapes.experts
+    x, dy = (jax.random.normal(jax.random.key(i), (m, s), jnp.bfloat16)
+             for i, s in ((10, k), (11, n)))
+    w = jax.random.normal(jax.random.key(12), (g, k, n), jnp.bfloat16) * k ** -0.5
+    share = jnp.array([3, 1, 2, 0, 1, 4, 2, 3][:g], jnp.float32)
+    sizes = jnp.floor(m * share / share.sum()).astype(jnp.int32)  # sum <= m
+    w_dense = w[0]
+
+    def both(fn, *args):  # (y, dx, dw): what training runs
+        y, vjp = jax.vjp(fn, *args[:2])
+        return (y, *vjp(dy))
+    impls = (("mosaic", lambda x, w: grouped_matmul(x, w, sizes, gpu=True), (x, w)),
+             ("xla", lambda x, w: grouped_matmul(x, w, sizes, gpu=False), (x, w)),
+             ("dense", jnp.dot, (x, w_dense)))
+    for impl, fn, args in impls:
+        yield "grouped_gemm", impl, "fwd", jax.jit(fn), args, None
+        yield "grouped_gemm", impl, "fwd+bwd", jax.jit(functools.partial(both, fn)), args, \
+            None
+
+
+UNCOMPARED = ("dense",)  # impls that time the same FLOPs on other operands
+
+
 def relative_error(outputs, reference):
     """max |a - b| over all leaves / max |b|: 0 for identical outputs."""
     diffs = [jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
@@ -172,13 +207,15 @@ def relative_error(outputs, reference):
     return float(max(diffs) / max(max(scales), 1e-30))
 
 
-def measure(shapes, reps, cudnn=True):
+def measure(shapes, reps, cudnn=True, hopper=False):
     """(copy GB/s, rows): every case timed, GB/s and % of copy bandwidth where counted,
-    and every non-XLA implementation's error against XLA's output."""
+    and every non-XLA implementation's error against XLA's output; the grouped GEMM on a
+    Hopper GPU only."""
     bandwidth = copy_bandwidth(shapes.copy_elems, reps)
     rows, outputs = [], {}
     for cases in (softmax_cases(shapes), bias_gelu_cases(shapes),
-                  attention_cases(shapes, cudnn), flash_block_cases(shapes)):
+                  attention_cases(shapes, cudnn), flash_block_cases(shapes),
+                  grouped_cases(shapes) if hopper else ()):
         for op, impl, pass_, fn, args, nbytes in cases:
             outputs[op, impl, pass_] = fn(*args)
             seconds = median_seconds(fn, args, reps)
@@ -187,7 +224,7 @@ def measure(shapes, reps, cudnn=True):
                              pct_hbm=None if gbps is None else 100 * gbps / bandwidth))
     for row in rows:
         key = (row["op"], row["impl"], row["pass_"])
-        if row["impl"] != "xla":
+        if row["impl"] not in ("xla", *UNCOMPARED):
             row["err"] = relative_error(outputs[key], outputs[row["op"], "xla", row["pass_"]])
         if row["pass_"] == "fwd+bwd":  # backward alone = (fwd+bwd) - fwd
             fwd = next(r for r in rows if (r["op"], r["impl"], r["pass_"]) == key[:2] + ("fwd",))
@@ -227,8 +264,12 @@ def main():
     command = (f"PYTHONPATH=. python bench/kernels.py "
                f"{'--toy' if args.toy else f'--batch {args.batch}'} --reps {args.reps}")
     shapes = TOY if args.toy else Shapes(batch=args.batch)
-    bandwidth, rows = measure(shapes, args.reps, cudnn=gpu)
+    # Mosaic-GPU's grouped GEMM kernels are Hopper's (wgmma): compute capability 9.x.
+    hopper = gpu and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+    bandwidth, rows = measure(shapes, args.reps, cudnn=gpu, hopper=hopper)
     print_table(device, bandwidth, rows, command)
+    if not hopper:
+        print("grouped_gemm: skipped (its Mosaic-GPU kernels need a Hopper GPU)")
     path = result_path(args.out_dir, "kernels", device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dict(device=device, jax=jax.__version__, batch=args.batch,

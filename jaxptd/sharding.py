@@ -164,6 +164,13 @@ def mark_varying(tree, axes: tuple[str, ...]):
     return jax.tree.map(cast, tree)
 
 
+def zeros_as(shapes):
+    """Zeros shaped, typed and varying (over manual mesh axes) as each ShapeDtypeStruct of
+    `shapes` (from jax.eval_shape inside the shard_map): the start of a sum a loop carries."""
+    return jax.tree.map(lambda s: mark_varying(jnp.zeros(s.shape, s.dtype),
+                                               tuple(varying_axes(s))), shapes)
+
+
 # Whether this JAX's all_gather takes `to=` (the typed gather), read from its signature.
 _TYPED_GATHER = "to" in inspect.signature(lax.all_gather).parameters
 

@@ -51,12 +51,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxptd import model as models
 from jaxptd import offload, optim, target
 from jaxptd.config import Config, ConfigError
-from jaxptd.mesh import BATCH, CONTEXT, FSDP, TENSOR
+from jaxptd.mesh import BATCH, CONTEXT, EXPERT, FSDP, PIPE, TENSOR, TOKENS
+from jaxptd.model import moe
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
 from jaxptd.reduction import REDUCED, Reduction, compose, fsdp_gathers
-from jaxptd.sharding import mark_varying, regather
+from jaxptd.sharding import mark_varying, regather, zeros_as
 from jaxptd.state import StateLayout
 
 
@@ -107,7 +108,8 @@ class Setup:
                                    fsdp=self.state_layout.dense_shards(), fsdp_axis=FSDP,
                                    fsdp_dtype=config.optimizer.grad_reduce_dtype,
                                    context=par.context, context_axis=CONTEXT,
-                                   context_attention=par.context_attention)
+                                   context_attention=par.context_attention,
+                                   expert=par.expert, expert_axis=EXPERT)
         self.policy = Policy.of(config)
         self.lr_schedule = optim.lr_schedule(config)
         self.batch_sharding = NamedSharding(mesh, P(BATCH))
@@ -139,11 +141,12 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
         ends_fn = compose(gather_ends, hooks and hooks[0], setup.policy.streams)
         layer_fn = compose(gather_layer, hooks and hooks[1], setup.policy.streams)
         extra = hooks and hooks[2]
-        loss = models.loss_sum(p, mb, k, config.model, setup.local_layout, deterministic,
-                               prepare_ends=ends_fn, prepare=layer_fn, extra=extra,
-                               keep=regather if gather_layer or setup.policy.streams else None
-                               ) * setup.policy.loss_norm
-        return loss * loss_scale, loss
+        loss, stats = models.loss_terms(
+            p, mb, k, config.model, setup.local_layout, deterministic, prepare_ends=ends_fn,
+            prepare=layer_fn, extra=extra,
+            keep=regather if gather_layer or setup.policy.streams else None)
+        objective = (loss + moe.objective(stats, config.model)) * setup.policy.loss_norm
+        return objective * loss_scale, (loss * setup.policy.loss_norm, stats)
 
     varying = mark_varying(params, REDUCED)
     loss0 = mark_varying(jnp.float32(0), REDUCED)  # like the model's loss
@@ -153,31 +156,32 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
                                                jax.random.fold_in(key, index))
 
     def one(carry, index):
-        grads, loss = grads_of(index)
-        return (jax.tree.map(jnp.add, carry[0], grads), carry[1] + loss), None
+        return jax.tree.map(jnp.add, carry, grads_of(index)), None
 
     def sums(count):
-        """(local gradient sums, loss sum) of the first `count` microbatches: a scan from
-        zeros, or with Policy.streams from the first one's gradients (the sums live in host
-        memory, where zeros would be made on the device and moved)."""
+        """(local gradient sums, (loss sum, statistics' sums)) of the first `count`
+        microbatches: a scan from zeros, or with Policy.streams from the first one's
+        gradients (the sums live in host memory, where zeros would be made on the device
+        and moved)."""
         if not setup.policy.streams:
-            zeros = jax.tree.map(jnp.zeros_like, varying)
-            return lax.scan(one, (zeros, loss0), jnp.arange(count))[0]
-        grads, loss = grads_of(0)
-        first = (grads, loss0 + loss)
+            stats0 = zeros_as(jax.eval_shape(lambda: grads_of(0)[1][1]))
+            zeros = (jax.tree.map(jnp.zeros_like, varying), (loss0, stats0))
+            return lax.scan(one, zeros, jnp.arange(count))[0]
+        first = grads_of(0)
         return lax.scan(one, first, jnp.arange(1, count))[0] if count > 1 else first
 
     m = micro.shape[0]
     if not setup.policy.overlaps_grad_reduce:  # every microbatch in the scan, reduced after
-        grads, loss = sums(m)
-        return reduction.after(grads), loss
-    acc, loss = None, loss0  # (no loop at all for one microbatch: not even its buffers)
+        grads, (loss, stats) = sums(m)
+        return reduction.after(grads), loss, stats
+    acc, loss, stats = None, loss0, None  # (no loop at all for one microbatch: not even its buffers)
     if m > 1:
-        acc, loss = sums(m - 1)
-    grads, last = jax.grad(loss_fn, has_aux=True)(
+        acc, (loss, stats) = sums(m - 1)
+    grads, (last, last_stats) = jax.grad(loss_fn, has_aux=True)(
         reduction.scattered_varying(params), micro[-1], jax.random.fold_in(key, m - 1),
         reduction.hooks(acc))
-    return reduction.keep_parts(grads), loss + last
+    stats = last_stats if stats is None else jax.tree.map(jnp.add, stats, last_stats)
+    return reduction.keep_parts(grads), loss + last, stats
 
 
 def pipeline_context(setup: Setup) -> Context:
@@ -198,10 +202,13 @@ def pipeline_context(setup: Setup) -> Context:
 
 
 def build_grads(setup: Setup, deterministic: bool):
-    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss), reduced over data
-    (ZeRO-1: scattered into the optimizer's shards)."""
+    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss, stats), reduced over
+    data (ZeRO-1: scattered into the optimizer's shards); stats: the mixture of experts'
+    per-layer statistics summed over the global batch, laid out as the layers (None for a
+    dense model)."""
     config = setup.config
-    if config.parallel.pipe > 1:
+    pipelined = config.parallel.pipe > 1
+    if pipelined:
         context = pipeline_context(setup)
         reduction = Reduction(setup.state_layout, setup.policy.streams)
 
@@ -209,52 +216,62 @@ def build_grads(setup: Setup, deterministic: bool):
         by_chunk = partial(reduction.after, part=lambda tree: tree["layers"])
 
         def local_fn(params, batch, key, scale):
-            grads, loss = pipeline_grads(mark_varying(params, REDUCED), batch, key, scale,
-                                         context=context, deterministic=deterministic,
-                                         reduce_chunk=by_chunk if early else None)
+            grads, loss, stats = pipeline_grads(
+                mark_varying(params, REDUCED), batch, key, scale, context=context,
+                deterministic=deterministic, reduce_chunk=by_chunk if early else None)
             if not early:
-                return reduction.after(grads), loss
+                return reduction.after(grads), loss, stats
             return {**reduction.after(models.ends(grads), models.ends),  # layers: reduced
-                    "layers": grads["layers"]}, loss
+                    "layers": grads["layers"]}, loss, stats
     else:
         local_fn = partial(microbatch_grads, setup=setup, deterministic=deterministic)
 
     def local(params, batch, rng, step, scale):
         key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
         key = jax.random.fold_in(key, lax.axis_index(BATCH))  # (context: model/layers.py)
-        grads, loss = local_fn(params, batch, key, scale)
-        return grads, lax.psum(loss, REDUCED)
+        grads, loss, stats = local_fn(params, batch, key, scale)
+        # pipelined, each rank's statistics are its own layers' [v, 1, Lc, ...]
+        stats = jax.tree.map(lambda v: lax.psum(v, TOKENS if pipelined else REDUCED), stats)
+        return grads, lax.psum(loss, REDUCED), stats
 
+    stats_spec = P(None, PIPE) if pipelined else P()
     return jax.shard_map(
         local, mesh=setup.mesh,
         in_specs=(setup.state_layout.param_specs, P(BATCH), P(), P(), P()),
-        out_specs=(setup.state_layout.grads_specs, P()))
+        out_specs=(setup.state_layout.grads_specs, P(), stats_spec))
 
 
 def build_train_step(setup: Setup):
-    """The jitted step: (state, batch [global_batch, s + 1]) -> (state, metrics)."""
+    """The jitted step: (state, batch [global_batch, s + 1]) -> (state, metrics); metrics
+    'moe': the mixture of experts' statistics (build_grads), absent for a dense model."""
     policy, layout = setup.policy, setup.state_layout
     dynamic = policy.dynamic_loss_scale
     grads_fn = build_grads(setup, deterministic=policy.deterministic)
     on_device = layout.device_state_shardings
+    model = setup.config.model
 
     def step_fn(state, batch):
         scale = state["loss_scale"]
         # offload.optimizer pipelined: the executor reads the masters on the device
         params = state["params"] if policy.streams else jax.device_put(
             state["params"], on_device["params"])
-        grads, loss = grads_fn(params, batch, state["rng"], state["step"], scale.scale)
+        grads, loss, stats = grads_fn(params, batch, state["rng"], state["step"],
+                                      scale.scale)
         if policy.offload_optimizer:  # one layer's state on the device at a time
             new_params, opt_state, grad_norm, finite = offload.streamed_update(
                 layout, state["params"], state["opt_state"], grads, scale.scale, dynamic)
         else:
             new_params, opt_state, grad_norm, finite = _update(
                 layout, params, state["opt_state"], grads, scale.scale, dynamic)
+        if model.moe_bias_rate:
+            new_params = moe.update_bias(new_params, stats["load"], finite, model)
         loss_scale = scale.update(finite) if dynamic else scale
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                      "rng": state["rng"], "loss_scale": loss_scale}
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": setup.lr_schedule(state["step"]),
                    "loss_scale": loss_scale.scale}
+        if stats is not None:
+            metrics["moe"] = stats
         return new_state, metrics
 
     return jax.jit(step_fn, in_shardings=(layout.state_shardings, setup.batch_sharding),
@@ -276,7 +293,8 @@ def _update(layout: StateLayout, params, opt_state, grads, scale, dynamic: bool)
 
 
 def build_eval_step(setup: Setup):
-    """The jitted validation loss: (params, batch) -> mean token loss (no dropout). With
+    """The jitted validation loss: (params, batch) -> mean token loss (no dropout, no
+    mixture-of-experts balance terms). With
     pipe > 1 the pipeline runs the schedule's forwards alone (no gradient program)."""
     config, policy, layout = setup.config, setup.policy, setup.state_layout
     gather_ends, gather_layer = setup.gathers()
@@ -288,10 +306,10 @@ def build_eval_step(setup: Setup):
             return lax.psum(loss, REDUCED)
     else:
         def local_loss(params, batch):
-            loss = models.loss_sum(params, batch, jax.random.key(0), config.model,
-                                   setup.local_layout, True,
-                                   prepare_ends=compose(gather_ends, None, policy.streams),
-                                   prepare=compose(gather_layer, None, policy.streams))
+            loss, _ = models.loss_terms(
+                params, batch, jax.random.key(0), config.model, setup.local_layout, True,
+                prepare_ends=compose(gather_ends, None, policy.streams),
+                prepare=compose(gather_layer, None, policy.streams))
             # (the loss varies over data and fsdp only; pipe is 1 here)
             return lax.psum(mark_varying(loss, REDUCED), REDUCED) * policy.loss_norm
 

@@ -4,8 +4,12 @@
 
 Each module holds the kernel, its jitted wrapper, the plain-JAX reference and the
 custom_vjp; `flash.py` (imported where used: `from pallas_kernels.flash import ...`) holds
-no kernel of its own, only the context ring's calls into JAX's Pallas flash attention. `backend.py` is the one place that picks the Pallas backend (Triton) and falls
-back to the references, with one warning, when it is missing.
+no kernel of its own, only the context ring's calls into JAX's Pallas flash attention, and
+`grouped.py` (`from pallas_kernels.grouped import grouped_matmul`) none either, only the
+mixture of experts' grouped GEMM on JAX's Mosaic-GPU (Hopper) ragged-dot kernels, which
+it calls directly, `lax.ragged_dot` off a GPU. `backend.py` is the one place that picks the
+Pallas backend (Triton) for the kernels of this package and falls back to the references,
+with one warning, when it is missing.
 
 No bias_dropout_add kernel, on purpose. Measured on CPU (jax 0.10.2, [8, 512, 1024]
 bf16): given the keep mask, XLA compiles residual + dropout(x + bias) into ONE fusion

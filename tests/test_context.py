@@ -220,7 +220,7 @@ def test_packed_rows_under_context_parallelism_are_their_documents():
             for lengths in ((7, 9, 8), (12, 5, 7))]
     batch = np.stack([np.concatenate([*docs, [3]]) for docs in rows]).astype(np.int32)
     state = placed_state(setup)
-    _, loss = jax.jit(build_grads(setup, deterministic=True))(
+    _, loss, _ = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
     params = setup.state_layout.to_logical(jax.device_get(state["params"]))

@@ -11,13 +11,15 @@ attention scheduled while they are in flight (all of them with a W slot after th
 otherwise the forward's); the static cost report counts a known program
 exactly; the planner's memory is the compiled step's within 10%; context parallelism's
 ring sends overlap and cover its blocks (recomputation too), its all-gather and packed rows
-run cuDNN.
+run cuDNN; the MoE's grouped GEMM (pallas_kernels/grouped.py) is three Mosaic-GPU kernels, forward
+and both gradients, with no dense product over the experts.
 
 Needs the CUDA compile extra (`pip install -e '.[h100]'`, which .ci/run installs); without
 it these tests skip, unless JAXPTD_REQUIRE_H100 is set (CI sets it: there they must run).
 """
 import functools
 import glob
+import math
 import os
 import re
 import shutil
@@ -35,6 +37,7 @@ from jaxptd.config import load_config
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
 from jaxptd.target import TARGETS, TargetError, topology_devices
+from pallas_kernels.grouped import grouped_matmul
 
 H100 = TARGETS["h100"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -227,6 +230,47 @@ def test_cudnn_attention_only_where_asked():
         expected = cfg.num_layers if attention == "cudnn" else 0
         assert [cudnn_launches(module, k) for k in ("fmhaSoftmax", "fmhaSoftmaxBackward")] \
             == [expected, expected], attention
+
+
+
+def _dots(module) -> list:
+    """(contracting size, FLOPs) of every dot in the program, fused or not."""
+    found = []
+    for comp in module.computations.values():
+        for instr in comp.instrs:
+            if instr.opcode == "dot":
+                lhs = hlo.arrays(comp.by_name[instr.operands[0]].type)[0][1]
+                dims = [int(d) for d in instr.attr("lhs_contracting_dims").strip("{}").split(",")]
+                size = math.prod(lhs[d] for d in dims)
+                found.append((size, 2 * size * math.prod(hlo.arrays(instr.type)[0][1])))
+    return found
+
+
+@needs_compiler
+def test_grouped_matmul_compiles_to_grouped_kernels():
+    """pallas_kernels.grouped at Mixtral's up-projection (8192 tokens, 4096 -> 14336, 8
+    experts, bf16), forward and both gradients for one H100: three Mosaic-GPU kernels (the
+    forward [M, N], the input gradient [M, K], the weight gradient [G, K, N]) and no dot at
+    all; `lax.ragged_dot` (the CPU path) instead compiles to dense dots over every expert,
+    the forward's contracting over G x K: what the check would catch."""
+    m, k, n, g = 8192, 4096, 14336, 8
+    one = SingleDeviceSharding(topology_devices(H100, 1, 1)[0])
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in (
+        ((m, k), jnp.bfloat16), ((g, k, n), jnp.bfloat16), ((g,), jnp.int32))]
+    for gpu in (True, False):
+        def loss(x, w, sizes):
+            return jnp.sum(grouped_matmul(x, w, sizes, gpu=gpu).astype(jnp.float32) ** 2)
+        module = hlo.parse(jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+                           .as_text())
+        kernels = sorted(hlo.arrays(i.type)[0][1] for c in module.computations.values()
+                         for i in c.instrs if i.attr("custom_call_target") == "mosaic_gpu_v2")
+        dots = _dots(module)
+        if gpu:
+            assert kernels == sorted([(m, n), (m, k), (g, k, n)])
+            assert dots == []
+        else:
+            assert kernels == [] and g * k in [size for size, _ in dots]
+            assert sum(flops for _, flops in dots) >= g * 3 * 2 * m * k * n  # G x the work
 
 
 KERNELS_SCRIPT = """

@@ -96,7 +96,7 @@ def test_ends_live_where_they_are_read_and_stay_there():
     setup = pipelined_setup(1, p, 1, "1f1b", 1, 4, 4, ["optimizer.clip_norm=0.5"])
     state, step = placed_state(setup), build_train_step(setup)
     batches = fixed_batches(setup.config, 2)
-    grads, _ = jax.jit(build_grads(setup, deterministic=True))(
+    grads, _, _ = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batches[0], setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
     _, ref_grads = reference_loss_and_grads(

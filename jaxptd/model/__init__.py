@@ -23,9 +23,10 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxptd.arch import family
 from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
+from jaxptd.model import moe
 from jaxptd.model.layers import RESIDUAL
 from jaxptd.model.tensor import DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, Layout, matmul
-from jaxptd.sharding import mark_varying, varying_axes
+from jaxptd.sharding import zeros_as
 
 
 LAYER_INPUT = "layer_input"
@@ -84,7 +85,8 @@ def _read_leaves(fn, tree, *rest) -> list[bool]:
 
 
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
-                 deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None):
+                 deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None,
+                 with_stats: bool = False):
     """Applies a stack of layers (leading axis n, or a list of n layers' trees) to x
     [b, s, h], as a scan or unrolled (`scans_layers`); batch: the microbatch's rows, from
     which an architecture may take an attention mask (BERT).
@@ -101,11 +103,14 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     step's gradient reduction hooks): it depends on no activation, so XLA may run layer
     i + 1's ahead of layer i's compute. keep: the jax.checkpoint policy of a prepared layer
     (which of its values the backward may keep; FSDP's says: not the gathered parameters).
+    with_stats: y is (x, the layers' mixture-of-experts statistics, each [n, ...]: moe.py's
+    dict; None for a dense model).
     """
     arch = get(cfg)
     layer = arch.block(cfg, layout)
     mask = arch.attention_mask(batch, cfg, layout)
     taped = perturbations is not None
+    collections = [DENSE_INPUTS] * taped + [moe.STATS] * cfg.moe
 
     def one_layer(x, xs):
         params, index, added, more = xs
@@ -114,11 +119,13 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         if layout.offload_activations:
             x = checkpoint_name(x, LAYER_INPUT)
         rngs = {"dropout": jax.random.fold_in(key, index)}
-        if not taped:
-            return layer.apply({"params": params}, x, deterministic, mask, rngs=rngs), None
-        y, state = layer.apply({"params": params, PERTURBATIONS: added}, x, deterministic,
-                               mask, rngs=rngs, mutable=[DENSE_INPUTS])
-        return y, state[DENSE_INPUTS]
+        variables = {"params": params, **({PERTURBATIONS: added} if taped else {})}
+        if not collections:
+            return layer.apply(variables, x, deterministic, mask, rngs=rngs), (None, None)
+        y, state = layer.apply(variables, x, deterministic, mask, rngs=rngs,
+                               mutable=collections)
+        stats = state[moe.STATS]["mlp"]["stats"] if cfg.moe else None
+        return y, (stats, state[DENSE_INPUTS] if taped else None)
 
     if layout.offload_activations:
         one_layer = jax.checkpoint(one_layer, policy=OFFLOAD_LAYER_INPUTS)
@@ -131,15 +138,17 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
     if scans_layers(cfg, layout):
         xs = (stacked(layers), jnp.arange(n), perturbations, extra)
-        x, inputs = lax.scan(one_layer, x, xs)
+        x, (stats, inputs) = lax.scan(one_layer, x, xs)
     else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
-        inputs = []
+        outs = []
         for i in range(n):
-            x, tapes = one_layer(x, (_layer(layers, i), i, _layer(perturbations, i),
-                                     _layer(extra, i)))
-            inputs.append(tapes)
-        inputs = stacked(inputs) if taped else None
-    return (x, inputs) if taped else x
+            x, out = one_layer(x, (_layer(layers, i), i, _layer(perturbations, i),
+                                   _layer(extra, i)))
+            outs.append(out)
+        stats, inputs = (stacked([o[j] for o in outs]) if outs[0][j] is not None else None
+                         for j in range(2))
+    y = (x, stats) if with_stats else x
+    return (y, inputs) if taped else y
 
 
 def per_layer(tree) -> list:
@@ -174,11 +183,7 @@ def perturbations(layers, x, cfg: ModelConfig, layout: Layout, prepare=None):
         y, state = layer.apply({"params": params}, x, True, None, mutable=[PERTURBATIONS])
         return y, state[PERTURBATIONS]
 
-    shapes = jax.eval_shape(lambda: lax.scan(one_layer, x, layers)[1])
-
-    def zeros(s):
-        return mark_varying(jnp.zeros(s.shape, s.dtype), tuple(varying_axes(s)))
-    return jax.tree.map(zeros, shapes)
+    return zeros_as(jax.eval_shape(lambda: lax.scan(one_layer, x, layers)[1]))
 
 
 def split_dense(layers) -> tuple[dict, dict]:
@@ -224,17 +229,27 @@ def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None
     return traverse_util.unflatten_dict({path: one(path, w) for path, w in flat.items()})
 
 
-def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-             prepare_ends=None, prepare=None, extra=None, keep=None):
-    """The whole model: batch [b, W] int32 -> its loss sum (float32; module docstring).
-    prepare_ends (and prepare, extra, keep: see apply_layers) turn the stored parameters
-    into what the model computes with."""
+def loss_terms(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
+               prepare_ends=None, prepare=None, extra=None, keep=None):
+    """The whole model: batch [b, W] int32 -> (its loss sum, float32 (module docstring);
+    the layers' mixture-of-experts statistics, moe.py's, or None). prepare_ends (and
+    prepare, extra, keep: see apply_layers) turn the stored parameters into what the model
+    computes with."""
     arch = get(cfg)
     the_ends = ends(params) if prepare_ends is None else prepare_ends(ends(params))
     x = arch.embed(the_ends, batch, key, cfg, layout, deterministic)
-    x = apply_layers(params["layers"], x, batch, key, cfg, layout, deterministic,
-                     prepare=prepare, extra=extra, keep=keep)
-    return arch.head_loss(the_ends, x, batch, cfg, layout)
+    x, stats = apply_layers(params["layers"], x, batch, key, cfg, layout, deterministic,
+                            prepare=prepare, extra=extra, keep=keep, with_stats=True)
+    return arch.head_loss(the_ends, x, batch, cfg, layout), stats
+
+
+def loss_sum(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
+             prepare_ends=None, prepare=None, extra=None, keep=None):
+    """What training minimises, in loss-sum units: the loss sum of `loss_terms` plus a
+    mixture of experts' balance terms (moe.objective)."""
+    loss, stats = loss_terms(params, batch, key, cfg, layout, deterministic, prepare_ends,
+                             prepare, extra, keep)
+    return loss + moe.objective(stats, cfg)
 
 
 def forward_logits(params, tokens, cfg: ModelConfig, layout: Layout):

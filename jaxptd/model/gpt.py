@@ -14,19 +14,25 @@ layer. `ARCH` gathers the functions as the architecture interface
 """
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 
 from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import stack
-from jaxptd.model.layers import Block, layer_norm
+from jaxptd.model.layers import MLP, Block, layer_norm
+from jaxptd.model.moe import MoE, active_mlp_flops
 from jaxptd.model.tensor import Layout, enter_tensor
 from jaxptd.model.vocab import Embed
 
 
 def block(cfg: ModelConfig, layout: Layout) -> Block:
-    """One layer (the stack is applied by jaxptd.model.apply_layers)."""
+    """One layer (the stack is applied by jaxptd.model.apply_layers); with model.moe_experts
+    its MLP is a mixture of GeLU experts (model/moe.py)."""
+    if cfg.moe:
+        return Block(cfg, layout, mlp=functools.partial(MoE, shared=MLP, gated=False))
     return Block(cfg, layout)
 
 
@@ -72,10 +78,11 @@ def max_length(cfg: ModelConfig) -> int:
 
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (24 h^2 + 4 s h with ffn = 4h,
-    PTD-P eq. 3), its attention core (4 s h) and the logit layer (2 h V)."""
+    PTD-P eq. 3; a mixture of experts' MLP: its active part, moe.active_mlp_flops), its
+    attention core (4 s h) and the logit layer (2 h V)."""
     h, s = cfg.hidden_size, cfg.seq_len
-    return {"layer": 8 * h * h + 4 * h * cfg.ffn + 4 * s * h, "core": 4 * s * h,
-            "head": 2 * h * vocab}
+    mlp = active_mlp_flops(cfg, 4) if cfg.moe else 4 * h * cfg.ffn
+    return {"layer": 8 * h * h + mlp + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
 
 
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,

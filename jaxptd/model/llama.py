@@ -15,6 +15,9 @@ Parameter tree (global shapes; n heads, k key/value heads, d = h / n, f = model.
                                          w_q and w_kv
     layers/attn/w_o [L, n, d, h]         row-parallel
     layers/mlp/w_gate, w_up [L, h, f], w_down [L, f, h]   column-, column-, row-parallel
+                                         (a mixture of experts' instead: model/moe.py, with
+                                         SwiGLU experts [L, E, ...] and this MLP as the
+                                         shared experts, layers/mlp/shared/...)
     final_norm/scale [h]
     head/w_head [h, V]                   column-parallel by vocabulary
 
@@ -24,6 +27,7 @@ Llama 3.1's with model.rope_scaling=llama3 (`inverse_frequencies`).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -36,6 +40,7 @@ from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import Block, attend, residual_std, rms_norm
+from jaxptd.model.moe import MoE, active_mlp_flops
 from jaxptd.model.sequence import Rows, local_positions
 from jaxptd.model.tensor import (Layout, dense, enter_tensor, exit_tensor, normal, weight,
                                  zeros)
@@ -158,7 +163,8 @@ class Head(nn.Module):
 
 
 def block(cfg: ModelConfig, layout: Layout) -> Block:
-    return Block(cfg, layout, attention=Attention, mlp=MLP, norm=rms_norm)
+    mlp = functools.partial(MoE, shared=MLP, gated=True) if cfg.moe else MLP
+    return Block(cfg, layout, attention=Attention, mlp=mlp, norm=rms_norm)
 
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
@@ -202,9 +208,11 @@ def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
 
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (queries and output 2 h^2 each,
-    keys and values 4 h k d, SwiGLU 6 h f, attention core 4 s h), its core, the head."""
+    keys and values 4 h k d, SwiGLU 6 h f or a mixture of experts' active part,
+    moe.active_mlp_flops; attention core 4 s h), its core, the head."""
     h, s = cfg.hidden_size, cfg.seq_len
-    return {"layer": 4 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim + 6 * h * cfg.ffn
+    mlp = active_mlp_flops(cfg, 6) if cfg.moe else 6 * h * cfg.ffn
+    return {"layer": 4 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim + mlp
             + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
 
 

@@ -66,6 +66,10 @@ class Layout:
     context: int = 1
     context_axis: str | None = None
     context_attention: str = "ring"
+    # expert parallelism: each rank holds moe_experts / expert of a mixture of experts'
+    # routed experts, tokens exchanged over `expert_axis` (model/moe.py)
+    expert: int = 1
+    expert_axis: str | None = None
 
     @property
     def split_sequence(self) -> bool:

@@ -151,8 +151,10 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
     """Pipelined local gradients; runs inside the step's shard_map.
 
     params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
-    batch: this data rank's rows [m * b, s + 1]. Returns (gradient sums, loss sum) on this
-    device, scaled to the global token mean (the loss is nonzero on the last stage's rank).
+    batch: this data rank's rows [m * b, s + 1]. Returns (gradient sums, loss sum,
+    statistics) on this device, the loss scaled to the global token mean (nonzero on the
+    last stage's rank); statistics: the mixture of experts' sums over this rank's
+    microbatches for its layers [v, 1, Lc, ...] (None: a dense model).
     reduce_chunk: given, each chunk's layer gradients [1, 1, Lc, ...] go to it between the
     scans as soon as the chunk is done (`chunks_done`), so its data-parallel reduction
     depends on no later round and runs beside them (Megatron's --overlap-grad-reduce);
@@ -172,7 +174,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
     if reduce_chunk is not None:
         grads = {**grads, "layers": jax.tree.map(lambda *parts: jnp.concatenate(parts),
                                                  *(reduced[c] for c in range(program.v)))}
-    return grads, carry["loss"]
+    return grads, carry["loss"], carry["stats"]
 
 
 def pipeline_loss(params, batch, *, context: Context):

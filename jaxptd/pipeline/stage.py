@@ -70,10 +70,11 @@ class Stage:
             return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
         return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
 
-    def layers(self, layers, x, mb, chunk, perturbations=None):
+    def layers(self, layers, x, mb, chunk, perturbations=None, with_stats=False):
         return models.apply_layers(layers, x, self.tokens(mb), self.stage_key(mb, chunk),
                                    self.model, self.layout, self.deterministic,
-                                   perturbations, self.prepare, keep=self.keep)
+                                   perturbations, self.prepare, keep=self.keep,
+                                   with_stats=with_stats)
 
     def head(self, ends, y, mb, chunk, how: str):
         """The loss contribution (scaled to the global token mean) of the last stage; 0

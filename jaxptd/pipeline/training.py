@@ -28,7 +28,8 @@ from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
-from jaxptd.sharding import mark_varying
+from jaxptd.model import moe
+from jaxptd.sharding import mark_varying, zeros_as
 
 
 def _cast(tree, dtype):
@@ -58,6 +59,8 @@ class Training:
         self.keep_activations = context.stash == "activations"
         self.split = rounds.split_backward
         self.probe = self._probe() if self.keep_activations or self.split else None
+        self.loss_norm = context.loss_norm
+        self.stats_template = self._stats_template()
 
     def chunk_weights(self, chunk):
         """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
@@ -78,15 +81,15 @@ class Training:
         return jax.tree.flatten(parts)
 
     def layer_vjp(self, x, mb, chunk):
-        """jax.vjp of the chunk's layers at x -> (y, backward, dense inputs, the weights'
-        leaves). The vjp's first argument is the tuple of those leaves (`kept.Kept` finds
+        """jax.vjp of the chunk's layers at x -> ((y, statistics), backward, dense inputs,
+        the weights' leaves). The vjp's first argument is the tuple of those leaves (`kept.Kept` finds
         them among the residuals there). Split: in (weights, x, perturbations), dense
         inputs taped (the dense() weights' cotangent is unused: XLA drops it); else in
         (weights, x), no dense inputs."""
         given, tree = self.vjp_weights(chunk)
         if not self.split:
             y, backward = jax.vjp(lambda w, x: self.stage.layers(
-                jax.tree.unflatten(tree, w), x, mb, chunk), tuple(given), x)
+                jax.tree.unflatten(tree, w), x, mb, chunk, with_stats=True), tuple(given), x)
             return y, backward, None, given
         added = models.perturbations(self.chunk_weights(chunk), x, self.model, self.layout,
                                      self.stage.prepare)
@@ -95,7 +98,7 @@ class Training:
             dense, rest = jax.tree.unflatten(tree, w)
             merged = [models.merge_dense(d, r) for d, r in zip(dense, rest)] \
                 if isinstance(rest, list) else models.merge_dense(dense, rest)
-            return self.stage.layers(merged, x, mb, chunk, added)
+            return self.stage.layers(merged, x, mb, chunk, added, with_stats=True)
         y, backward, inputs = jax.vjp(layers, tuple(given), x, added, has_aux=True)
         return y, backward, inputs, given
 
@@ -103,11 +106,34 @@ class Training:
         """Traces one chunk to fix what F keeps for B and B for W (XLA drops its compute)."""
         index = self.stage.rank * 0  # traced, like the slots' microbatch and chunk
         x = self.stage.buffer(1)[0]
-        y, backward, inputs, given = self.layer_vjp(x, index, index)
+        (y, _), backward, inputs, given = self.layer_vjp(x, index, index)
         kept = Kept(backward, given) if self.keep_activations else None
         added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
                                      self.stage.prepare)
         return kept, y, (inputs, added) if self.split else None
+
+    def _stats_template(self):
+        """Zeros like a chunk's mixture-of-experts statistics [Lc, ...] (None: a dense
+        model), from a trace of its forward."""
+        if not self.model.moe:
+            return None
+        index = self.stage.rank * 0
+        return zeros_as(jax.eval_shape(lambda: self.stage.layers(
+            self.chunk_weights(index), self.stage.buffer(1)[0], index, index,
+            with_stats=True)[1]))
+
+    def _stats_seed(self):
+        """The cotangent of a chunk's statistics: the balance terms' weights in the
+        objective, times the loss scale and the loss's normalisation (as the loss's)."""
+        return moe.objective_cotangent(self.stats_template, self.model,
+                                       self.loss_scale * self.loss_norm)
+
+    def _add_stats(self, carry, chunk, stats, valid):
+        """The statistics of an F slot's chunk added to the rank's sums [v, 1, Lc, ...]."""
+        if stats is None:
+            return carry
+        return {**carry, "stats": buffers.add_chunk(carry["stats"], chunk,
+                                                    buffers.masked(stats, valid))}
 
     def initial_carry(self):
         rounds, stage = self.rounds, self.stage
@@ -120,7 +146,9 @@ class Training:
                 "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
                 "wsaved": buffers.slots(wkept, rounds.num_w_slots) if self.split else (),
                 "grads": jax.tree.map(jnp.zeros_like, self.params),
-                "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))}
+                "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE)),
+                "stats": jax.tree.map(lambda t: buffers.slots(t, self.v)[:, None],
+                                      self.stats_template)}
 
     def forward(self, carry, row, valid, seg):
         """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
@@ -128,9 +156,12 @@ class Training:
         x = self.stage.embed_or_input(self.ends, buffers.read(carry["stash"], slot), mb,
                                       chunk, seg.piece("embed", "F"))
         if not self.keep_activations:
-            return self.stage.layers(self.chunk_weights(chunk), x, mb, chunk), carry
-        y, backward, inputs, _ = self.layer_vjp(x, mb, chunk)
+            y, stats = self.stage.layers(self.chunk_weights(chunk), x, mb, chunk,
+                                         with_stats=True)
+            return y, self._add_stats(carry, chunk, stats, valid)
+        (y, stats), backward, inputs, _ = self.layer_vjp(x, mb, chunk)
         kept = (self.probe[0].keep(backward), y, inputs if self.split else ())
+        carry = self._add_stats(carry, chunk, stats, valid)
         return y, {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, valid)}
 
     def backward(self, carry, row, valid, seg):
@@ -166,8 +197,8 @@ class Training:
             lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
         g_head, g_y = head_vjp(g_loss)
         given, tree = self.vjp_weights(chunk)
-        g_given, g_x, *g_taps = self.probe[0].run(g_out + g_y.astype(g_out.dtype),
-                                                   residuals, given)
+        g_given, g_x, *g_taps = self.probe[0].run(
+            (g_out + g_y.astype(g_out.dtype), self._stats_seed()), residuals, given)
         g_layers = jax.tree.unflatten(tree, g_given)
         g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: the rest
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
@@ -185,19 +216,22 @@ class Training:
         def stage(ends, layers, x_in, added=None):
             x = self.stage.embed_or_input(ends, x_in, mb, chunk, seg.piece("embed", "B"))
             w = models.merge_dense(dense, layers) if self.split else layers
-            out = self.stage.layers(w, x, mb, chunk, added)
-            y, inputs = out if self.split else (out, None)
-            return (self.stage.head(ends, y, mb, chunk, seg.piece("head", "B")), y), inputs
+            out = self.stage.layers(w, x, mb, chunk, added, with_stats=True)
+            (y, stats), inputs = out if self.split else (out, None)
+            loss = self.stage.head(ends, y, mb, chunk, seg.piece("head", "B"))
+            return (loss, y, stats), inputs
 
+        cotangents = (g_loss, g_out, self._stats_seed())
         if not self.split:
-            (loss, _), backward, _ = jax.vjp(stage, self.ends, weights, x_in, has_aux=True)
-            g_ends, g_layers, g_x = backward((g_loss, g_out))
+            (loss, _, _), backward, _ = jax.vjp(stage, self.ends, weights, x_in, has_aux=True)
+            g_ends, g_layers, g_x = backward(cotangents)
             return loss, g_ends, g_layers, g_x, None
         added = models.perturbations(weights, x_in, self.model, self.layout,
                                      self.stage.prepare)
         rest = models.split_dense(weights)[1]
-        (loss, _), backward, inputs = jax.vjp(stage, self.ends, rest, x_in, added, has_aux=True)
-        g_ends, g_layers, g_x, g_taps = backward((g_loss, g_out))
+        (loss, _, _), backward, inputs = jax.vjp(stage, self.ends, rest, x_in, added,
+                                                 has_aux=True)
+        g_ends, g_layers, g_x, g_taps = backward(cotangents)
         return loss, g_ends, g_layers, g_x, (inputs, g_taps)
 
     def weight(self, carry, row, valid, seg):
