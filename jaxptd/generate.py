@@ -66,7 +66,7 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
     from jaxptd.model import get
     from jaxptd.model.tensor import Layout
     from jaxptd.model.vocab import vocab_start
-    from jaxptd.sharding import mark_varying, specs_from_logical
+    from jaxptd.sharding import RULES, mark_varying, specs_from_logical
 
     arch, tensor = get(cfg), mesh.shape[TENSOR]
     decoder = arch.decoder
@@ -96,7 +96,9 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
         (last, _), tokens = lax.scan(step, (first, cache), jnp.arange(new_tokens - 1))
         return jnp.concatenate([tokens.T, last[:, None]], axis=1)  # [b, new_tokens]
 
-    specs = specs_from_logical(arch.logical_axes(cfg, vocab, tensor))
+    # tensor parallelism only: every rank holds every expert of a mixture of experts (the
+    # mesh's expert axis, of size 1, would type the experts varying over it)
+    specs = specs_from_logical(arch.logical_axes(cfg, vocab, tensor), {**RULES, "experts": None})
     return jax.jit(jax.shard_map(run, mesh=mesh, in_specs=(specs, P(), P()), out_specs=P()))
 
 

@@ -2,7 +2,8 @@
 [--step N]`: the bridge to Hugging Face transformers checkpoints, through safetensors only.
 
 Owns the two directions between a transformers directory (GPT2LMHeadModel,
-LlamaForCausalLM, BertForPreTraining and BertForMaskedLM, their MegatronBert forms) and
+LlamaForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM,
+BertForPreTraining and BertForMaskedLM, their MegatronBert forms) and
 jaxptd's checkpoints; what maps to what is each family's data (jaxptd/arch/<family>.py,
 found through the registry jaxptd/arch), the files and their failures are
 jaxptd/hf_files.py's:
@@ -17,8 +18,9 @@ jaxptd/hf_files.py's:
   head) gets them as a fresh model draws them, with a note.
 - export: a checkpoint directory (OUT_DIR of import, a run directory or its checkpoints/;
   the newest step unless --step) -> config.json + model.safetensors that transformers'
-  `AutoModelForCausalLM` (GPT, Llama) or `AutoModelForPreTraining` (BERT: post-LN as
-  BertForPreTraining, pre-LN as MegatronBertForPreTraining) loads. The model config comes
+  `AutoModelForCausalLM` (GPT; a llama as the one of its four classes that holds it) or
+  `AutoModelForPreTraining` (BERT: post-LN as BertForPreTraining, pre-LN as
+  MegatronBertForPreTraining) loads. The model config comes
   from the checkpoint's own layout record. Padded vocabulary rows are dropped.
 
 Both refuse an output directory that holds anything unless given --overwrite, which

@@ -243,7 +243,8 @@ HF_VOCAB = 301
 
 def tiny_hf_model(kind: str):
     """A random transformers model with odd sizes and several layers (torch seed 0):
-    GPT2LMHeadModel, LlamaForCausalLM with grouped-query attention (6 heads, 2 kv),
+    GPT2LMHeadModel, LlamaForCausalLM with grouped-query attention (6 heads, 2 kv), the
+    llama family's Qwen2, Mixtral and Qwen2-MoE (TINY_LLAMAS),
     BertForPreTraining (exact GeLU, [PAD] at 0) or MegatronBertForPreTraining (tanh GeLU,
     the special tokens at the top of the vocabulary, named in its config). BERTs' norms and
     biases are drawn too (transformers starts them at ones and zeros), so that a LayerNorm
@@ -258,11 +259,66 @@ def tiny_hf_model(kind: str):
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(
             n_embd=36, n_head=3, n_layer=3, vocab_size=HF_VOCAB, n_positions=20, n_inner=52,
             bos_token_id=None, eos_token_id=None)).eval()
+    if kind in TINY_LLAMAS:
+        return _tiny_llama(kind)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(
         hidden_size=48, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=3,
         intermediate_size=70, vocab_size=HF_VOCAB, max_position_embeddings=64,
         rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
         bos_token_id=None, eos_token_id=None)).eval()
+
+
+# The llama family's other classes, tiny (2 layers, 4 heads over 2 kv heads, 4 experts of
+# which each token takes 2): transformers class, its config class, the sizes of its own
+TINY_LLAMAS = {
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(intermediate_size=44)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        intermediate_size=40, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        intermediate_size=44, moe_intermediate_size=20, shared_expert_intermediate_size=36,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)),
+}
+
+
+def _tiny_llama(kind: str):
+    """TINY_LLAMAS[kind] with its norms, biases and routers drawn too (transformers starts
+    them at ones and zeros, and a router at small values whose top k is nearly a tie), so
+    a norm or bias in the wrong place shows and routing is decided by clear margins."""
+    import torch
+    import transformers
+
+    name, config, sizes = TINY_LLAMAS[kind]
+    model = getattr(transformers, name)(getattr(transformers, config)(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=HF_VOCAB, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, **sizes))
+    with torch.no_grad():
+        for param_name, value in model.named_parameters():
+            if param_name.endswith("bias"):
+                value.normal_(0.0, 0.1)
+            elif "norm" in param_name:
+                value.normal_(1.0, 0.1)
+            elif param_name.endswith("gate.weight"):  # the router's and the shared gate's
+                value.normal_(0.0, 0.5)
+    return model.eval()
+
+
+def torch_logits(model, tokens):
+    """A transformers causal LM's logits of token ids [b, s], as numpy."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+def generate_ids(model_cfg, params, vocab, tensor, prompt, new, **sampling):
+    """`new` ids generated after `prompt` by jaxptd.generate at tensor size `tensor`."""
+    from jaxptd import generate
+    from jaxptd.config import ParallelConfig
+
+    mesh = make_mesh(ParallelConfig(tensor=tensor), jax.devices()[:tensor])
+    run = generate.build(model_cfg, mesh, vocab, len(prompt), new, **sampling)
+    return np.asarray(run(params, jnp.asarray([prompt], jnp.int32), jax.random.key(0)))[0]
 
 
 def _tiny_bert(kind: str):

@@ -11,21 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import HF_VOCAB, make_setup, tiny_hf_model
+from helpers import HF_VOCAB, generate_ids, make_setup, tiny_hf_model
 from jaxptd import generate
 from jaxptd import model as models
-from jaxptd.config import ParallelConfig
-from jaxptd.mesh import make_mesh
 from jaxptd.model.tensor import Layout
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 250, 3, 99]
-
-
-def generate_ids(model_cfg, params, vocab, tensor, prompt, new, **sampling):
-    mesh = make_mesh(ParallelConfig(tensor=tensor), jax.devices()[:tensor])
-    run = generate.build(model_cfg, mesh, vocab, len(prompt), new, **sampling)
-    return np.asarray(run(params, jnp.asarray([prompt], jnp.int32), jax.random.key(0)))[0]
 
 
 @pytest.mark.parametrize("kind, tensor", [pytest.param("gpt", 1, marks=pytest.mark.slow),

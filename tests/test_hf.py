@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
 from helpers import (HF_VOCAB, assert_trees_close, damage, reference_loss,  # noqa: E402
-                     tiny_hf_model, train_a_step_from_import)
+                     tiny_hf_model, torch_logits, train_a_step_from_import)
 from jaxptd import generate, hf  # noqa: E402
 from jaxptd.config import Config  # noqa: E402
 from jaxptd import model as models  # noqa: E402
@@ -37,11 +37,6 @@ def imported(request, tmp_path_factory):
     model.save_pretrained(tmp / "hf")
     assert hf.main(["import", str(tmp / "hf"), str(tmp / "jaxptd")]) == 0
     return request.param, model, tmp / "hf", tmp / "jaxptd"
-
-
-def torch_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(np.asarray(tokens))).logits.numpy()
 
 
 def test_import_gives_transformers_logits_and_loss(imported):

@@ -35,6 +35,8 @@ CASES = [
                  marks=SLOW),
     pytest.param(1, 4, 2, 1, ["parallel.schedule=gpipe", "model.remat=full"], marks=SLOW),
     pytest.param(1, 2, 2, 8, ["parallel.stash=inputs"], marks=SLOW),
+    # q, k, v biases (Qwen2's): split with their heads, and replicated with k's (kv 1 < t 2)
+    (2, 1, 2, 1, ["model.qkv_bias=true"]),
 ]
 
 

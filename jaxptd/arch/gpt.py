@@ -31,6 +31,8 @@ def _from_hf(hf: dict) -> dict:
 
 
 def _to_hf(m: ModelConfig) -> dict:
+    require(not m.moe, f"model.moe_experts={m.moe_experts}: GPT2LMHeadModel has no mixture "
+            "of experts")
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "n_layer": m.num_layers, "n_embd": m.hidden_size, "n_head": m.num_heads,
             "n_positions": m.seq_len, "vocab_size": m.vocab_size, "n_inner": m.ffn,

@@ -1,13 +1,18 @@
 """The Llama family as config validation and the Hugging Face bridge see it: its own
-options (grouped-query attention's key/value heads, the rotary frequencies' scaling), its
-rules (rotary embeddings, no GeLU), LlamaForCausalLM's config (rope_type default or Llama
-3.1's llama3) and tensor names. Its model is jaxptd/model/llama.py."""
+options (grouped-query attention's key/value heads, query, key and value biases, the
+rotary frequencies' scaling), its rules (rotary embeddings, no GeLU), and the configs
+(rope_type default or Llama 3.1's llama3) and tensor names of its transformers classes:
+LlamaForCausalLM, Qwen2ForCausalLM (the biases), and with a mixture of experts
+MixtralForCausalLM and Qwen2MoeForCausalLM (a gated shared expert). Export picks the one
+class that holds a model (`_export_class`) and refuses a model none holds. Its model is
+jaxptd/model/llama.py."""
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Iterator
 
 from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
-from jaxptd.hf_names import SAME, HFClass, HFMap, each_layer, linear, require
+from jaxptd.hf_names import SAME, HFClass, HFMap, each_layer, linear, require, reshaped
 
 if TYPE_CHECKING:
     from jaxptd.config import ModelConfig
@@ -41,13 +46,12 @@ def _config_errors(m: ModelConfig) -> Iterator[str]:
 
 
 def _from_hf(hf: dict) -> dict:
+    """What every class of the family shares: sizes, heads, rotary frequencies."""
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     require(rope_type in ("default", "llama3"),
             f"rope scaling {rope_type!r} is not supported (default and llama3 are)")
     require(hf.get("hidden_act", "silu") == "silu", "hidden_act must be silu")
-    require(not hf.get("attention_bias") and not hf.get("mlp_bias"),
-            "attention or MLP biases are not supported")
     heads = hf["num_attention_heads"]
     require(hf.get("head_dim") in (None, hf["hidden_size"] // heads),
             f"head_dim={hf.get('head_dim')} must be hidden_size / num_attention_heads")
@@ -72,9 +76,90 @@ def _llama3_from_hf(hf: dict, rope: dict) -> dict:
     return {"rope_scaling": "llama3", **{key: rope[hf_key] for key, hf_key in LLAMA3.items()}}
 
 
+def _llama_from_hf(hf: dict) -> dict:
+    require(not hf.get("attention_bias") and not hf.get("mlp_bias"),
+            "attention or MLP biases are not supported")
+    return _from_hf(hf)
+
+
+def _no_sliding_window(hf: dict) -> None:
+    """Qwen2's and Qwen2-MoE's sliding windows (use_sliding_window, layer_types) and
+    Mixtral's (sliding_window): jaxptd's attention sees every earlier token."""
+    require(not hf.get("use_sliding_window") and all(
+        kind == "full_attention" for kind in hf.get("layer_types") or ()),
+        "sliding-window attention (use_sliding_window, layer_types) is not supported")
+
+
+def _qwen2_from_hf(hf: dict) -> dict:
+    """Qwen2ForCausalLM: a Llama with query, key and value biases."""
+    _no_sliding_window(hf)
+    return {**_from_hf(hf), "qkv_bias": True}
+
+
+def _moe_from_hf(hf: dict, experts: str) -> dict:
+    """The routed experts both MoE classes describe alike; `experts`: the class's key for
+    their number."""
+    require(not hf.get("router_jitter_noise"), f"router_jitter_noise="
+            f"{hf.get('router_jitter_noise')}: jaxptd's router has no jitter (set 0)")
+    return {**_from_hf(hf), "moe_experts": hf[experts], "moe_top_k": hf["num_experts_per_tok"],
+            "moe_aux_loss": hf.get("router_aux_loss_coef", 0.001)}
+
+
+def _mixtral_from_hf(hf: dict) -> dict:
+    """MixtralForCausalLM: top-k of a softmax router, renormalised; intermediate_size is
+    an expert's width; no shared expert."""
+    require(hf.get("sliding_window") is None, f"sliding_window={hf.get('sliding_window')}: "
+            "sliding-window attention is not supported (null: none)")
+    return {**_moe_from_hf(hf, "num_local_experts"), "moe_norm_topk": True}
+
+
+def _qwen2_moe_from_hf(hf: dict) -> dict:
+    """Qwen2MoeForCausalLM: every layer a mixture (decoder_sparse_step 1, no
+    mlp_only_layers) of moe_intermediate_size experts and a sigmoid-gated shared expert;
+    the top-k weights renormalised only with norm_topk_prob; query, key and value biases
+    unless qkv_bias is false."""
+    _no_sliding_window(hf)
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    require(step == 1 and not dense, f"decoder_sparse_step={step}, mlp_only_layers={dense}: "
+            "jaxptd's mixture of experts is every layer's MLP (1 and [] only)")
+    shared = hf.get("shared_expert_intermediate_size", 5632)
+    require(shared > 0, f"shared_expert_intermediate_size={shared}: must be positive")
+    return {**_moe_from_hf(hf, "num_experts"), "qkv_bias": hf.get("qkv_bias", True),
+            "moe_ffn": hf["moe_intermediate_size"], "moe_shared_ffn": shared,
+            "moe_shared_gate": True, "moe_norm_topk": hf.get("norm_topk_prob", False)}
+
+
+# transformers' classes of the family, by what a model has (`_export_class`)
+LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
+MIXTRAL, QWEN2_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM"
+
+
+def _export_class(m: ModelConfig) -> str:
+    """The class that holds the model: Llama (no biases), Qwen2 (query, key and value
+    biases); with experts Mixtral (no shared expert, no biases, renormalised top k) or
+    Qwen2-MoE (a gated shared expert). Both routers are a softmax's top k, without
+    DeepSeek-V3's bias."""
+    if not m.moe:
+        return QWEN2 if m.qkv_bias else LLAMA
+    require(m.moe_router == "softmax", f"model.moe_router={m.moe_router}: {MIXTRAL} and "
+            f"{QWEN2_MOE} route by a softmax")
+    require(m.moe_bias_rate == 0, f"model.moe_bias_rate={m.moe_bias_rate}: neither "
+            f"{MIXTRAL} nor {QWEN2_MOE} has a router bias")
+    if m.moe_shared_ffn:
+        require(m.moe_shared_gate, f"model.moe_shared_gate=false: {QWEN2_MOE}'s shared "
+                "expert is always gated (and Mixtral has none)")
+        return QWEN2_MOE
+    require(not m.qkv_bias, f"model.qkv_bias=true without a shared expert: {MIXTRAL} has no "
+            f"attention biases and {QWEN2_MOE} always has a shared expert")
+    require(m.moe_norm_topk, f"model.moe_norm_topk=false without a shared expert: {MIXTRAL} "
+            f"always renormalises the top k and {QWEN2_MOE} always has a shared expert")
+    return MIXTRAL
+
+
 def _to_hf(m: ModelConfig) -> dict:
     """config.json; llama3 scaling as rope_scaling (which transformers 4 and 5 both read)."""
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    name = _export_class(m)
+    hf = {"architectures": [name], "model_type": MODEL_TYPES[name],
           "num_hidden_layers": m.num_layers, "hidden_size": m.hidden_size,
           "num_attention_heads": m.num_heads, "num_key_value_heads": m.kv_heads,
           "head_dim": m.head_dim, "intermediate_size": m.ffn,
@@ -82,19 +167,40 @@ def _to_hf(m: ModelConfig) -> dict:
           "rms_norm_eps": m.layernorm_eps, "rope_theta": m.rope_theta,
           "hidden_act": "silu", "attention_dropout": m.dropout,
           "initializer_range": m.init_std, "tie_word_embeddings": False,
-          "attention_bias": False, "mlp_bias": False,
           "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32"}
+    if name == LLAMA:
+        hf.update(attention_bias=False, mlp_bias=False)
+    if name in (QWEN2, QWEN2_MOE):
+        hf.update(use_sliding_window=False)
+    if m.moe:
+        hf.update(num_experts_per_tok=m.moe_top_k, router_aux_loss_coef=m.moe_aux_loss)
+    if name == MIXTRAL:
+        hf.update(num_local_experts=m.moe_experts, intermediate_size=m.expert_ffn,
+                  sliding_window=None, router_jitter_noise=0.0)
+    if name == QWEN2_MOE:
+        hf.update(num_experts=m.moe_experts, moe_intermediate_size=m.expert_ffn,
+                  shared_expert_intermediate_size=m.moe_shared_ffn,
+                  norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=[],
+                  qkv_bias=m.qkv_bias)
     if m.rope_scaling == "llama3":
         hf["rope_scaling"] = {"rope_type": "llama3",
                               **{hf_key: getattr(m, key) for key, hf_key in LLAMA3.items()}}
     return hf
 
 
+MODEL_TYPES = {LLAMA: "llama", QWEN2: "qwen2", MIXTRAL: "mixtral", QWEN2_MOE: "qwen2_moe"}
+# a routed expert's three matrices in each MoE class's per-expert names, under its prefix
+EXPERTS = {MIXTRAL: ("block_sparse_moe", ("w1", "w3", "w2")),
+           QWEN2_MOE: ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
 def _names(m: ModelConfig) -> list:
-    """LlamaForCausalLM: k_proj and v_proj are the two parts of w_kv."""
+    """The family's classes: k_proj and v_proj are the two parts of w_kv (their biases of
+    b_kv); a MoE's experts, one tensor each in the names save_pretrained writes, the parts
+    of the experts' leaves (their axis E)."""
     n, k, d, h = m.num_heads, m.kv_heads, m.head_dim, m.hidden_size
     layer = lambda pattern: each_layer("model.layers.{i}." + pattern, m)  # noqa: E731
-    return [
+    names = [
         ("model.embed_tokens.weight", ("embed", "wte"), *SAME),
         ("model.norm.weight", ("final_norm", "scale"), *SAME),
         ("lm_head.weight", ("head", "w_head"), lambda x: x.T, lambda x: x.T),
@@ -104,10 +210,42 @@ def _names(m: ModelConfig) -> list:
         (layer("self_attn.k_proj.weight"), ("layers", "attn", "w_kv", 0), *linear((h, k, d))),
         (layer("self_attn.v_proj.weight"), ("layers", "attn", "w_kv", 1), *linear((h, k, d))),
         (layer("self_attn.o_proj.weight"), ("layers", "attn", "w_o"), *linear((n, d, h), 2)),
-        (layer("mlp.gate_proj.weight"), ("layers", "mlp", "w_gate"), *linear((h, m.ffn))),
-        (layer("mlp.up_proj.weight"), ("layers", "mlp", "w_up"), *linear((h, m.ffn))),
-        (layer("mlp.down_proj.weight"), ("layers", "mlp", "w_down"), *linear((m.ffn, h))),
     ]
+    if m.qkv_bias:
+        names += [
+            (layer("self_attn.q_proj.bias"), ("layers", "attn", "b_q"),
+             *reshaped((n, d), (n * d,))),
+            (layer("self_attn.k_proj.bias"), ("layers", "attn", "b_kv", 0),
+             *reshaped((k, d), (k * d,))),
+            (layer("self_attn.v_proj.bias"), ("layers", "attn", "b_kv", 1),
+             *reshaped((k, d), (k * d,)))]
+    if not m.moe:
+        return names + _swiglu(m, "mlp", ("layers", "mlp"), m.ffn)
+    prefix, (gate, up, down) = EXPERTS[_export_class(m)]
+    fe, mlp = m.expert_ffn, ("layers", "mlp")
+    names.append((layer(f"{prefix}.gate.weight"), (*mlp, "w_router"),
+                  *linear((h, m.moe_experts))))
+    for j in range(m.moe_experts):
+        expert = f"{prefix}.experts.{j}.{{}}.weight"
+        names += [(layer(expert.format(gate)), (*mlp, "w_experts_gate", j), *linear((h, fe))),
+                  (layer(expert.format(up)), (*mlp, "w_experts_up", j), *linear((h, fe))),
+                  (layer(expert.format(down)), (*mlp, "w_experts_down", j), *linear((fe, h)))]
+    if m.moe_shared_ffn:
+        names += _swiglu(m, "mlp.shared_expert", (*mlp, "shared"), m.moe_shared_ffn)
+        names.append((layer("mlp.shared_expert_gate.weight"), (*mlp, "w_shared_gate"),
+                      *linear((h, 1))))
+    return names
+
+
+def _swiglu(m: ModelConfig, module: str, path: tuple, f: int) -> list:
+    """A SwiGLU MLP of width f (w_gate, w_up, w_down under `path`) as the transformers
+    `module`'s gate_proj, up_proj and down_proj."""
+    h = m.hidden_size
+    return [(each_layer(f"model.layers.{{i}}.{module}.{proj}.weight", m), (*path, leaf),
+             *linear(shape))
+            for proj, leaf, shape in (("gate_proj", "w_gate", (h, f)),
+                                      ("up_proj", "w_up", (h, f)),
+                                      ("down_proj", "w_down", (f, h)))]
 
 
 def _extras(m: ModelConfig) -> dict:
@@ -116,18 +254,51 @@ def _extras(m: ModelConfig) -> dict:
 
 
 def _canonical(m: ModelConfig, tensors: dict) -> dict:
-    """A Llama with tied embeddings has no lm_head.weight."""
+    """A Llama with tied embeddings has no lm_head.weight; a MoE's experts may come as
+    transformers 5 keeps them (`_per_expert`)."""
     if "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
         tensors = {**tensors, "lm_head.weight": tensors["model.embed_tokens.weight"]}
-    return tensors
+    return _per_expert(m, tensors) if m.moe else tensors
+
+
+def _per_expert(m: ModelConfig, tensors: dict) -> dict:
+    """The spellings transformers 5 loads beside the per-expert names that save_pretrained
+    writes: a layer's experts fused, mlp.experts.gate_up_proj [E, 2 fe, h] (each expert's
+    gate rows, then its up rows) and mlp.experts.down_proj [E, h, fe], and Mixtral's
+    modules under mlp. (its legacy name block_sparse_moe. is the one written)."""
+    prefix, (gate, up, down) = EXPERTS[_export_class(m)]
+    module = re.compile(rf"model\.layers\.(\d+)\.(?:mlp|{prefix})\.(.+)")
+    out = {}
+    for name, value in tensors.items():
+        found = module.fullmatch(name)
+        if found is None:
+            out[name] = value
+            continue
+        base, rest = f"model.layers.{found.group(1)}.{prefix}.", found.group(2)
+        if rest in ("experts.gate_up_proj", "experts.down_proj"):
+            require(value.ndim == 3, f"tensor {name!r} has shape {tuple(value.shape)}: "
+                    "fused experts are [experts, out, in]")
+            fe = value.shape[1] // 2
+            parts = ({gate: value[:, :fe], up: value[:, fe:]} if rest.endswith("gate_up_proj")
+                     else {down: value})
+            out.update({f"{base}experts.{j}.{proj}.weight": stacked[j]
+                        for proj, stacked in parts.items() for j in range(len(value))})
+        else:
+            out[base + rest] = value
+    return out
 
 
 FAMILY = Family(
     name="llama", load=_load, config_errors=_config_errors,
     options={"num_kv_heads": "model.num_kv_heads={value}: only model.arch=llama has "
              "grouped-query attention (0: as many as model.num_heads)",
+             "qkv_bias": "model.qkv_bias={value}: only model.arch=llama has the query, key "
+             "and value biases option (gpt and bert always have theirs)",
              **{key: f"model.{key}={{value}}: only model.arch=llama has rotary embeddings"
                 for key in ("rope_scaling", *LLAMA3)}, **PACKED_ROWS},
-    hf=HFMap(classes={"LlamaForCausalLM": HFClass(_from_hf)}, export_config=_to_hf,
-             names=_names, extras=_extras, parts={"w_kv": 1},
+    hf=HFMap(classes={LLAMA: HFClass(_llama_from_hf), QWEN2: HFClass(_qwen2_from_hf),
+                      MIXTRAL: HFClass(_mixtral_from_hf), QWEN2_MOE: HFClass(_qwen2_moe_from_hf)},
+             export_config=_to_hf, names=_names, extras=_extras,
+             parts={"w_kv": 1, "b_kv": 0, "w_experts_gate": 0, "w_experts_up": 0,
+                    "w_experts_down": 0},
              vocab_axes={("embed", "wte"): 0, ("head", "w_head"): 1}, canonical=_canonical))

@@ -40,6 +40,7 @@ class ModelConfig:
     layernorm_eps: float = 1e-5  # LayerNorm's (RMSNorm's for llama) epsilon
     ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
     num_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: num_heads
+    qkv_bias: bool = False  # llama: biases on the query, key and value projections (Qwen2's)
     rope_theta: float = 10000.0  # llama: base of the rotary position embedding
     # llama: rotary frequency scaling, none | llama3 (Llama 3.1's: frequencies whose
     # wavelength exceeds rope_original_seq_len / rope_low_freq_factor divided by rope_factor,

@@ -11,6 +11,8 @@ Parameter tree (global shapes; n heads, k key/value heads, d = h / n, f = model.
     layers/attn/w_kv [L, h, 2, k, d]     column-parallel by key/value heads when the tensor
                                          size t divides k; else replicated (t a multiple
                                          of k), each rank using the one head its queries share
+    layers/attn/b_q [L, n, d], b_kv [L, 2, k, d]   model.qkv_bias only (Qwen2's), split as
+                                         w_q and w_kv
     layers/attn/w_o [L, n, d, h]         row-parallel
     layers/mlp/w_gate, w_up [L, h, f], w_down [L, f, h]   column-, column-, row-parallel
                                          (a mixture of experts' instead: model/moe.py, with
@@ -40,7 +42,8 @@ from jaxptd.model import fused, stack
 from jaxptd.model.layers import Block, attend, residual_std, rms_norm
 from jaxptd.model.moe import MoE, active_mlp_flops
 from jaxptd.model.sequence import Rows, local_positions
-from jaxptd.model.tensor import Layout, dense, enter_tensor, exit_tensor, normal, weight
+from jaxptd.model.tensor import (Layout, dense, enter_tensor, exit_tensor, normal, weight,
+                                 zeros)
 from jaxptd.model.vocab import Embed
 
 
@@ -80,7 +83,8 @@ def rotary(x, positions, inv_freq):
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary positions, no biases."""
+    """Grouped-query causal self-attention with rotary positions; biases on the query, key
+    and value projections with model.qkv_bias (Qwen2's), none on the output."""
 
     cfg: ModelConfig
     layout: Layout
@@ -92,16 +96,21 @@ class Attention(nn.Module):
         t, d = layout.tensor, cfg.head_dim
         sharded = kv_sharded(cfg, t)
         kv_name = "kv_heads" if sharded else "kv_heads_replicated"
+        kv_heads = cfg.kv_heads // t if sharded else cfg.kv_heads  # this rank's
         w_q = weight(self, "w_q", normal(cfg.init_std, ("embed", "heads", "kv")),
                      (cfg.hidden_size, cfg.num_heads // t, d))
         w_kv = weight(self, "w_kv", normal(cfg.init_std, ("embed", "qkv", kv_name, "kv")),
-                      (cfg.hidden_size, 2, cfg.kv_heads // t if sharded else cfg.kv_heads, d))
+                      (cfg.hidden_size, 2, kv_heads, d))
         w_o = weight(self, "w_o", normal(residual_std(cfg), ("heads", "kv", "embed")),
                      (cfg.num_heads // t, d, cfg.hidden_size))
 
         x_in = enter_tensor(x, layout)
         q = dense(self, "w_q", x_in, w_q)  # [b, s, n/t, d]
         kv = dense(self, "w_kv", x_in, w_kv)  # [b, s, 2, k/t (or k), d]
+        if cfg.qkv_bias:  # split (or replicated) as their weights' output columns
+            b_q = self.param("b_q", zeros(("heads", "kv")), (cfg.num_heads // t, d))
+            b_kv = self.param("b_kv", zeros(("qkv", kv_name, "kv")), (2, kv_heads, d))
+            q, kv = q + b_q.astype(q.dtype), kv + b_kv.astype(kv.dtype)
         k, v = kv[:, :, 0], kv[:, :, 1]
         if not sharded and layout.tensor_axis is not None:
             # t / k consecutive ranks share key/value head r // (t / k); the gradient of
@@ -170,14 +179,15 @@ def init_params(cfg: ModelConfig, vocab: int, key):
 
 
 def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
-    """Logical names; the key/value heads are 'kv_heads' (split over tensor) when `tensor`
-    divides them, else 'kv_heads_replicated'."""
+    """Logical names; the key/value heads (of w_kv and b_kv) are 'kv_heads' (split over
+    tensor) when `tensor` divides them, else 'kv_heads_replicated'."""
     specs = nn.get_partition_spec(jax.eval_shape(
         lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
     if not kv_sharded(cfg, tensor):
         attn = specs["layers"]["attn"]
-        attn["w_kv"] = P(*("kv_heads_replicated" if n == "kv_heads" else n
-                           for n in attn["w_kv"]))
+        for name in ("w_kv", "b_kv") if cfg.qkv_bias else ("w_kv",):
+            attn[name] = P(*("kv_heads_replicated" if n == "kv_heads" else n
+                             for n in attn[name]))
     return specs
 
 
