@@ -316,6 +316,8 @@ class Progress:
                  f"left {_clock(per_step * (self.total - done))}"]
         if record.get("mfu") is not None:
             parts.insert(3, f"MFU {100 * record['mfu']:.1f}%")
+        if "moe_load" in record:  # the busiest expert over the mean, the worst layer's
+            parts.insert(2, f"expert load {record['moe_load']:.2f}x mean")
         return "  ".join(parts)
 
     def summary(self, last: int, metrics: MetricsLog, where: str) -> str:

@@ -209,6 +209,9 @@ class Run:
                                        self.jax.device_count(), self.peak)}
         if self.config.optimizer.loss_scale == "dynamic":
             record["loss_scale"] = float(out["loss_scale"])
+        if "moe" in out:  # each layer's balance losses, expert load and drops
+            record.update(metrics.moe_record(out["moe"], self.config.model,
+                                             self.config.train.global_batch))
         self.metrics_log.write(record)
         LOG.info(self.progress.line(record))
 

@@ -93,15 +93,16 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
 
 
 def call(kernel_call, *operands, interpret: bool, checked: bool = True):
-    """Apply a pallas_call; its result (an array or a tuple) varies over the manual axes of
-    `operands[0]`.
+    """Apply a pallas_call; its result (an array or a tuple) varies over the manual axes any
+    operand varies over (a grouped GEMM's weight gradient: over the tensor axis of its
+    output gradient, not only its tokens').
 
     Interpret mode evaluates the kernel at lowering time by re-binding its primitives on
     the (varying) blocks next to its own (invariant) constants; under
     `shard_map(check_vma=True)` jax 0.10 rejects that ("requires varying manual axes to
     match"). So in interpret mode, when an operand varies, the call runs in a nested
     `shard_map` over no new axes with check_vma=False, and the result is cast back to
-    the main operand's varying axes. Callers sit inside a custom_vjp, so nothing
+    the operands' varying axes. Callers sit inside a custom_vjp, so nothing
     differentiates through the cast. Compiled Triton lowering needs none of this when
     the kernel's out_shape says how it varies (`out_struct`: `checked`); a kernel of
     JAX's own (pallas_kernels/flash.py) does not say, so it runs unchecked compiled too.
@@ -116,5 +117,5 @@ def call(kernel_call, *operands, interpret: bool, checked: bool = True):
         erased, mesh=jax.sharding.get_abstract_mesh(), in_specs=P(), out_specs=P(),
         axis_names=set(), check_vma=False)
     result = unchecked(*operands)
-    varying = tuple(sorted(varying_axes(operands[0])))
+    varying = tuple(sorted(axes))
     return jax.tree.map(lambda r: jax.lax.pcast(r, varying, to="varying"), result)

@@ -66,6 +66,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _forward
 from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as _transposed
 
+from jaxptd.sharding import mark_varying, varying_axes
 from jaxptd.target import TARGETS
 from pallas_kernels import backend
 
@@ -171,6 +172,11 @@ def grouped_matmul(x, w, group_sizes, *, gpu: bool):
     """
     if not uses_kernels(x, w, gpu):
         return jax.lax.ragged_dot(x, w, group_sizes)
+    # inside a shard_map: both operands typed as varying over the axes either does (rows
+    # the same on every tensor rank meet a tensor rank's expert slice), so the kernels'
+    # gradients have their operands' types; the casts' transposes sum over those axes
+    axes = tuple(sorted(varying_axes(x) | varying_axes(w)))
+    x, w = mark_varying(x, axes), mark_varying(w, axes)
     (m, k), n = x.shape, w.shape[2]
     x_tiled = _pad_to(_pad_to(x, 0, BLOCK), 1, BLOCK)
     w_tiled = _pad_to(_pad_to(w, 1, BLOCK), 2, BLOCK)
