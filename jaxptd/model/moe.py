@@ -265,17 +265,28 @@ class _Dispatch:
     # ----------------------------------------------------------------------- dropless
 
     def dropless(self, tokens, choice):
+        """Dropless; with expert parallelism on a GPU in two halves of the tokens, so that
+        one half's exchange can travel while the other's experts compute (XLA's scheduler
+        overlaps an async all-to-all with the independent half's kernels)."""
+        t = choice.shape[0]
+        if not (self.exchanges and self.layout.platform == "gpu" and t % 256 == 0):
+            return self._dropless(tokens, choice)
+        halves = [self._dropless(tokens[i:i + t // 2], choice[i:i + t // 2])
+                  for i in (0, t // 2)]
+        return jnp.concatenate([out for out, _ in halves]), jnp.float32(0)
+
+    def _dropless(self, tokens, choice):
         t, k = choice.shape
         flat = choice.reshape(-1)  # assignment a = token a // k, its (a % k)-th choice
         order = jnp.argsort(flat, stable=True)
+        back = jnp.argsort(order)  # its inverse
         sizes = jnp.bincount(flat, length=self.n)  # [E] rows each expert gets
-        rows = tokens[order // k]  # [A, h] sorted by expert
+        rows = permute(jnp.repeat(tokens, k, axis=0), order, back)  # [A, h] by expert
         if self.exchanges:
             out = self._exchanged(rows, sizes)
         else:
             out = self._grouped(rows, sizes)
-        out = jnp.zeros_like(out).at[order].set(out)  # back to assignment order
-        return out.reshape(t, k, -1), jnp.float32(0)
+        return permute(out, back, order).reshape(t, k, -1), jnp.float32(0)
 
     def _exchanged(self, rows, sizes):
         """Expert parallelism, dropless: rows [A, h] sorted by expert (so by destination
@@ -296,8 +307,8 @@ class _Dispatch:
                                             c, total_repeat_length=width))(counts)
         ids = jnp.where(jnp.arange(width) < counts.sum(-1, keepdims=True), ids, local)
         order = jnp.argsort(ids.reshape(-1), stable=True)  # by expert, padding last
-        done = self._grouped(arrived[order], mine.sum(0))
-        done = jnp.zeros_like(done).at[order].set(done)
+        back = jnp.argsort(order)
+        done = permute(self._grouped(permute(arrived, order, back), mine.sum(0)), back, order)
         if self.layout.platform == "gpu":
             return _ragged_back(done, sent, me, axis, rows.shape[0])
         return _padded_back(done, sent, me, axis, rows.shape[0])
@@ -340,6 +351,27 @@ class _Dispatch:
 
 
 # ------------------------------------------------------------------ the exchanges
+
+@jax.custom_vjp
+def permute(x, index, inverse):
+    """x's rows reordered, x[index], for `index` a permutation of them and `inverse` its
+    inverse: a gather both ways (the backward is dy[inverse]), where autodiff's transpose
+    of a gather is a scatter-add, and XLA:GPU sorts a scatter's indices first (the
+    deviceless Mixtral compile: u32 [rows, h] buffers of 1 GiB)."""
+    return x.at[index].get(mode="promise_in_bounds", unique_indices=True)
+
+
+def _permute_fwd(x, index, inverse):
+    return permute(x, index, inverse), (index, inverse)
+
+
+def _permute_bwd(kept, dy):
+    index, inverse = kept
+    return dy.at[inverse].get(mode="promise_in_bounds", unique_indices=True), None, None
+
+
+permute.defvjp(_permute_fwd, _permute_bwd)
+
 
 def _padded_there(rows, sent, me, axis):
     """rows [A, h] by destination -> [e A, h]: source s's rows to this rank at s A..,
