@@ -439,3 +439,48 @@ def test_seed003_runs_scaled_are_what_the_planner_says(config):
               if line.startswith("{")][-1]
     assert report["offloaded_state_on_device"] and report["fits"]
     assert report["planned_ratio"] == pytest.approx(1.0, abs=0.1), report["planned_ratio"]
+
+
+def _custom_calls(module, target) -> list:
+    """Result shapes of every custom call to `target` in the program."""
+    return [hlo.arrays(i.type)[0][1] for c in module.computations.values() for i in c.instrs
+            if i.attr("custom_call_target") == target]
+
+
+MOE = ["model.arch=llama", "model.num_kv_heads=2", "model.moe_experts=8",
+       "model.moe_top_k=2", "model.moe_shared_ffn=256", "model.seq_len=1024",
+       *layout(4, 1, 2, 1, "parallel.expert=4")]
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_moe_experts_are_grouped_gemms_and_their_tokens_travel_ragged():
+    """A dropless mixture of experts at expert 4 x tensor 2: every expert matmul is a
+    Mosaic-GPU grouped GEMM (3 a layer and half forward, 6 backward, the forward again
+    under full recomputation: none is a dense product over the experts, no dot has the
+    routed rows), the rows go and come back by ragged all-to-all (2 a half forward, 2
+    backward), and some of those travel while the other half's kernels run."""
+    config, _, report, module = compiled(*MOE, "model.remat=full")
+    assert report["fits"]
+    layers, halves = config.model.num_layers, 2
+    kernels = _custom_calls(module, "mosaic_gpu_v2")
+    assert len(kernels) == layers * halves * (3 + 3 + 6), len(kernels)
+    rows = 4 * (2 * 1024 // halves) * 2  # e x T/2 x k: a half's receive buffer
+    assert {shape[0] for shape in kernels if len(shape) == 2} == {rows}
+    assert all(rows not in hlo.arrays(i.type)[0][1] for c in module.computations.values()
+               for i in c.instrs if i.opcode == "dot")
+    ragged = [c for c in hlo.collectives(module) if c.kind == "ragged-all-to-all"]
+    assert len(ragged) >= layers * halves * 4, len(ragged)
+    assert any(compile_check.covered(c, H100) for c in ragged)
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_mixtral_8x7b_fits_16_h100s():
+    """configs/gpu/mixtral_8x7b.yaml (46.7B parameters; expert 8 x tensor 2 on 2 hosts of
+    8) compiles for 16 H100s and fits, its experts grouped GEMMs."""
+    config = load_config(os.path.join(ROOT, "configs/gpu/mixtral_8x7b.yaml"))
+    step, seconds = compile_check.compile_step(config, H100, 8)
+    report = compile_check.analyse(config, step, H100, seconds)
+    assert report["fits"]
+    assert _custom_calls(hlo.parse(step.as_text()), "mosaic_gpu_v2")
