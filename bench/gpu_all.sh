@@ -13,6 +13,9 @@
 #   llama       the Llama-style sizes (skipped, with a note, until model.arch=llama exists)
 #   long        Llama-1.3B at an 8k sequence: one stream, packed rows (cuDNN's masked
 #               kernel), and with 2 GPUs or more context parallelism 2 (ring, all-gather)
+#   moe         Llama-350M dense against its mixture of experts of equal active FLOPs (8
+#               experts of half the width, top 2): dropless (Mosaic grouped GEMMs) and
+#               with a capacity of 1.25 (bench/kernels.py's grouped-GEMM row: the kernels)
 #   variants    GPT-1.3B: attention xla/cudnn x kernels xla/pallas x remat
 #               none/minimal/selective/full, scanned layers (the GPU default unrolls them),
 #               one change at a time from the config
@@ -34,7 +37,7 @@
 # 2-layer models, eager PyTorch): what CI runs (tests/test_bench_gpu.py).
 set -u -o pipefail
 
-ALL_PARTS=(env kernels sizes llama long variants microbatch profile pipeline)
+ALL_PARTS=(env kernels sizes llama long moe variants microbatch profile pipeline)
 usage="usage: bench/gpu_all.sh [--toy] OUT_DIR [PART ...]; parts: ${ALL_PARTS[*]}"
 TOY=""
 if [ "${1:-}" = "--toy" ]; then TOY=1; shift; fi
@@ -64,11 +67,12 @@ PART_TIMEOUT=${GPU_ALL_PART_TIMEOUT_S:-580}
 
 if [ -n "$TOY" ]; then
   BIG=gpt-toy; MID=gpt-toy; SMALL=gpt-toy; LLAMA=llama-toy; LONG=llama-toy; SEQ=64
+  MOE=llama-toy; EXPERT_FFN=128
   TRAIN=(--steps 2 --warmup 1 --budget-s "$BUDGET" --out-dir "$OUT")
   KERNELS=(--toy --reps 2)
 else
   BIG=gpt-1.3B; MID=gpt-350M; SMALL=gpt-125M; LLAMA=llama-125M,llama-350M,llama-1.3B
-  LONG=llama-1.3B; SEQ=8192
+  LONG=llama-1.3B; SEQ=8192; MOE=llama-350M; EXPERT_FFN=2048
   TRAIN=(--budget-s "$BUDGET" --out-dir "$OUT" --previous bench/results)
   KERNELS=()
 fi
@@ -94,6 +98,12 @@ part_long() {
     echo "one device: no context parallelism rows"
   fi
   $PY bench/gpu_train.py --models "$LONG" --variants "${variants[@]}" "${TRAIN[@]}"
+}
+part_moe() {  # (--toy: the dropless row alone, the dense one is the llama part's)
+  local moe="experts=8,topk=2,expert_ffn=$EXPERT_FFN"
+  local variants=(base "$moe" "$moe,capacity=1.25")
+  [ -n "$TOY" ] && variants=("$moe")
+  $PY bench/gpu_train.py --models "$MOE" --variants "${variants[@]}" "${TRAIN[@]}"
 }
 part_variants() {
   $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants \

@@ -59,7 +59,9 @@ TOY = ("model.num_layers=2", "model.hidden_size=64", "model.num_heads=4",
 ARCHS = {"gpt": (), "llama": ("model.arch=llama",)}
 VARIANT_KEYS = {"attention": "model.attention", "kernels": "model.kernels",
                 "remat": "model.remat", "scan": "model.scan_layers", "seq": "model.seq_len",
-                "pack": "model.document_end", "context": "parallel.context"}
+                "pack": "model.document_end", "context": "parallel.context",
+                "experts": "model.moe_experts", "topk": "model.moe_top_k",
+                "expert_ffn": "model.moe_ffn", "capacity": "model.moe_capacity"}
 RUN_TIMEOUT_S = 300
 
 
