@@ -57,6 +57,7 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused
+from jaxptd.model.layers import residual_std
 from jaxptd.model.tensor import Layout, enter_tensor, exit_tensor, normal, zeros
 from jaxptd.sharding import varying_axes
 
@@ -162,7 +163,7 @@ class MoE(nn.Module):
         cfg, layout = self.cfg, self.layout
         n, h, f = cfg.moe_experts // layout.expert, cfg.hidden_size, \
             cfg.expert_ffn // layout.tensor
-        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)  # layers.residual_std
+        out_std = residual_std(cfg)
 
         def param(name, std, names, shape):
             return self.param(name, normal(std, ("experts", *names)), (n, *shape), jnp.float32)
