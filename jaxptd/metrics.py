@@ -94,15 +94,16 @@ def moe_record(stats: dict, model: ModelConfig, batch: int) -> dict:
     balanced); moe_dropped: the share of routed rows dropped (capacity; 0 dropless)."""
     import numpy as np
 
-    layers = lambda v: np.asarray(v, np.float64).reshape(-1, *np.shape(v)[-1:]) \
-        if np.ndim(v) > 1 and np.shape(v)[-1] == model.moe_experts and v is stats["load"] \
-        else np.asarray(v, np.float64).reshape(-1)
-    load = layers(stats["load"])  # [L, E]
+    load = np.asarray(stats["load"], np.float64)
+    load = load.reshape(-1, load.shape[-1])  # [L, E]
+
+    def layers(name):  # [L]
+        return np.asarray(stats[name], np.float64).reshape(-1)
     routed = batch * model.seq_len * model.moe_top_k
-    per_layer = {"moe_aux": layers(stats["aux"]) / batch,
-                 "moe_z": layers(stats["z"]) / (batch * model.seq_len),
+    per_layer = {"moe_aux": layers("aux") / batch,
+                 "moe_z": layers("z") / (batch * model.seq_len),
                  "moe_load": load.max(-1) / load.mean(-1),
-                 "moe_dropped": layers(stats["dropped"]) / routed}
+                 "moe_dropped": layers("dropped") / routed}
     record = {f"{name}_layers": [round(float(x), 6) for x in values]
               for name, values in per_layer.items()}
     record.update({"moe_aux": float(per_layer["moe_aux"].mean()),

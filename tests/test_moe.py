@@ -14,7 +14,7 @@ import pytest
 from helpers import (TINY, assert_grads_match_single_device, assert_same_state,
                      assert_steps_match_single_device, fixed_batches, make_setup, placed_state)
 
-from jaxptd import model as models
+from jaxptd import metrics
 from jaxptd.checkpoint.files import layout_metadata
 from jaxptd.checkpoint.store import Checkpointer
 from jaxptd.config import ConfigError, load_config
@@ -163,6 +163,7 @@ PARITY = [
     _case(2, 1, 2, "parallel.expert=2", "parallel.context=2"),
     _case(2, 1, 1, "parallel.expert=2", "model.remat=full"),
     _case(2, 1, 1, "parallel.expert=2", "offload.activations=true"),
+    _case(2, 1, 1, "parallel.expert=2", "offload.optimizer=true", "parallel.microbatches=2"),
     _case(2, 1, 2, "parallel.expert=2", "model.moe_capacity=4.0"),
     _case(2, 1, 2, "parallel.expert=2", *DEEPSEEK),
     _case(2, 2, 2, "parallel.expert=2", "parallel.microbatches=2", arch=GPT),
@@ -214,6 +215,20 @@ def test_step_reports_statistics_and_moves_the_balance_bias():
     expected = bias0 + 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
     np.testing.assert_allclose(bias, expected, rtol=1e-6)
     assert np.any(bias != bias0)
+
+
+def test_log_record_is_per_layer_in_model_order():
+    """metrics.moe_record: pipelined statistics [v, p, Lc, ...] flatten to model order;
+    aux a sequence, z a token, the busiest expert over the mean, the share dropped."""
+    cfg = load_config(None, TINY + LLAMA).model  # 16 tokens a row, top 2 of 4
+    load = np.array([[[[8, 8, 8, 8]], [[32, 0, 0, 0]]]])  # [v=1, p=2, Lc=1, E=4]
+    stats = {"load": load, "aux": np.array([[[2.0], [4.0]]]), "z": np.array([[[32.0], [0.0]]]),
+             "dropped": np.array([[[0.0], [8.0]]])}
+    record = metrics.moe_record(stats, cfg, batch=2)  # 2 rows: 64 routed rows a layer
+    assert record["moe_load_layers"] == [1.0, 4.0] and record["moe_load"] == 4.0
+    assert record["moe_aux_layers"] == [1.0, 2.0]
+    assert record["moe_z_layers"] == [1.0, 0.0]
+    assert record["moe_dropped_layers"] == [0.0, 0.125]
 
 
 def test_config_rules_name_the_key():
