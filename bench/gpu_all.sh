@@ -105,14 +105,16 @@ part_moe() {  # (--toy: the dropless row alone, the dense one is the llama part'
   [ -n "$TOY" ] && variants=("$moe")
   $PY bench/gpu_train.py --models "$MOE" --variants "${variants[@]}" "${TRAIN[@]}"
 }
-part_variants() {
-  $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants \
-    attention=xla,b=2 attention=xla,kernels=pallas,b=2 attention=xla,remat=selective \
-    kernels=pallas remat=minimal remat=full scan=true
+part_variants() {  # (--toy: two of them, the driver's plumbing, not the variants)
+  local variants=(attention=xla,b=2 attention=xla,kernels=pallas,b=2
+                  attention=xla,remat=selective kernels=pallas remat=minimal remat=full
+                  scan=true)
+  [ -n "$TOY" ] && variants=(kernels=pallas remat=full)
+  $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants "${variants[@]}"
 }
-part_microbatch() {  # two commands sharing one budget (--toy: one size less in each)
+part_microbatch() {  # two commands sharing one budget (--toy: one size in each)
   local start=$SECONDS status big=(b=1 b=2 b=8) small=(b=4 b=16)
-  [ -n "$TOY" ] && big=(b=1 b=8) && small=(b=4)
+  [ -n "$TOY" ] && big=(b=1) && small=(b=4)
   $PY bench/gpu_train.py --models "$BIG" --variants "${big[@]}" "${TRAIN[@]}" \
     --budget-s $((BUDGET * 3 / 5))
   status=$?

@@ -96,7 +96,6 @@ def test_padding_is_masked_out_of_attention():
 
 @pytest.mark.parametrize("data, pipe, tensor, extra", [
     (2, 1, 4, ["model.kernels=pallas", "optimizer.zero1=true"]),
-    pytest.param(8, 1, 1, [], marks=pytest.mark.slow),
     pytest.param(1, 2, 2, ["parallel.schedule=interleaved", "parallel.chunks=2"],
                  marks=pytest.mark.slow),
     pytest.param(1, 2, 2, ["model.norm_position=post", "model.gelu=erf",

@@ -103,13 +103,9 @@ def steady(module, loop) -> bool:
 
 
 LAYOUTS = {
-    "sp": layout(2, 1, 4, 1, "parallel.sequence_parallel=true"),
     "fsdp": layout(8, 1, 1, 1, "parallel.fsdp=true"),
     "1f1b": layout(2, 2, 2, 8),
     "1f1b inputs": layout(2, 2, 2, 8, "parallel.stash=inputs"),
-    "interleaved": layout(1, 4, 2, 8, "parallel.schedule=interleaved", "parallel.chunks=2",
-                          "model.num_layers=8"),
-    "zb-h1": layout(2, 2, 2, 8, "parallel.schedule=zb-h1"),
     "zb-interleaved": layout(2, 2, 2, 8, "parallel.schedule=zb-interleaved",
                              "parallel.chunks=2"),
     "offload": layout(8, 1, 1, 1, "offload.optimizer=true", "offload.activations=true"),
@@ -394,7 +390,7 @@ def test_static_cost_counts_a_known_program():
 
 @needs_compiler
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["none", "minimal"])
+@pytest.mark.parametrize("remat", ["minimal"])
 def test_a_layer_keeps_what_the_planner_says(remat):
     """One H100, flash attention: the temporary memory one more layer adds (8 layers
     against 4) is the planner's layer (jaxptd/plan/model.py: what it keeps) plus its float32
@@ -421,7 +417,7 @@ def test_a_layer_keeps_what_the_planner_says(remat):
 
 @needs_compiler
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["gpt_1t_seq2048", "gpt3_175b_seq512"])
+@pytest.mark.parametrize("config", ["gpt_1t_seq2048"])
 def test_seed003_runs_scaled_are_what_the_planner_says(config):
     """seeds/003's FSDP runs (one matmul's weight gathered at a time, the optimizer state
     offloaded with a streamed update, SGD) at a width a test compiles, for 8 H100s: the
@@ -447,40 +443,30 @@ def _custom_calls(module, target) -> list:
             if i.attr("custom_call_target") == target]
 
 
-MOE = ["model.arch=llama", "model.num_kv_heads=2", "model.moe_experts=8",
-       "model.moe_top_k=2", "model.moe_shared_ffn=256", "model.seq_len=1024",
-       *layout(4, 1, 2, 1, "parallel.expert=4")]
-
-
 @needs_compiler
 @pytest.mark.slow
-def test_moe_experts_are_grouped_gemms_and_their_tokens_travel_ragged():
-    """A dropless mixture of experts at expert 4 x tensor 2: every expert matmul is a
-    Mosaic-GPU grouped GEMM (3 a layer and half forward, 6 backward, the forward again
-    under full recomputation: none is a dense product over the experts, no dot has the
-    routed rows), the rows go and come back by ragged all-to-all (2 a half forward, 2
-    backward), and some of those travel while the other half's kernels run."""
-    config, _, report, module = compiled(*MOE, "model.remat=full")
-    assert report["fits"]
-    layers, halves = config.model.num_layers, 2
-    kernels = _custom_calls(module, "mosaic_gpu_v2")
-    assert len(kernels) == layers * halves * (3 + 3 + 6), len(kernels)
-    rows = 4 * (2 * 1024 // halves) * 2  # e x T/2 x k: a half's receive buffer
-    assert {shape[0] for shape in kernels if len(shape) == 2} == {rows}
+def test_mixtral_8x7b_fits_16_h100s_its_experts_grouped_gemms():
+    """configs/gpu/mixtral_8x7b.yaml (46.7B parameters; expert 8 x tensor 2 on 2 hosts of
+    8, dropless, full recomputation) compiles for 16 H100s and fits. Every expert matmul is
+    a Mosaic-GPU grouped GEMM (3 a layer and half of the tokens forward, again in the
+    recomputation, 6 backward: forward and input gradients over the routed rows, weight
+    gradients of the rank's expert): none is a dense product over the experts and no dot
+    has the routed rows; the rows go and come back by ragged all-to-all (2 a half forward,
+    2 backward), and some of those travel while the other half's kernels run."""
+    config = load_config(os.path.join(ROOT, "configs/gpu/mixtral_8x7b.yaml"))
+    step, seconds = compile_check.compile_step(config, H100, 8)
+    assert compile_check.analyse(config, step, H100, seconds)["fits"]
+    module = hlo.parse(step.as_text())
+    m, halves = config.model, 2
+    kernels = _custom_calls(module, "mosaic_gpu_v2")  # (the layers are a scan: its body's)
+    rows = 8 * (m.seq_len // halves) * m.moe_top_k  # e x T/2 x k: a half's receive buffer
+    f, h = m.expert_ffn // config.parallel.tensor, m.hidden_size
+    # forward and input gradients [rows, f] and [rows, h]; weight gradients [E/e, h, f]...
+    assert {tuple(k) for k in kernels if len(k) == 2} == {(rows, f), (rows, h)}
+    assert {tuple(k) for k in kernels if len(k) == 3} == {(1, h, f), (1, f, h)}
+    assert len(kernels) >= halves * (3 + 3 + 6)
     assert all(rows not in hlo.arrays(i.type)[0][1] for c in module.computations.values()
                for i in c.instrs if i.opcode == "dot")
     ragged = [c for c in hlo.collectives(module) if c.kind == "ragged-all-to-all"]
-    assert len(ragged) >= layers * halves * 4, len(ragged)
+    assert len(ragged) >= halves * 4, len(ragged)
     assert any(compile_check.covered(c, H100) for c in ragged)
-
-
-@needs_compiler
-@pytest.mark.slow
-def test_mixtral_8x7b_fits_16_h100s():
-    """configs/gpu/mixtral_8x7b.yaml (46.7B parameters; expert 8 x tensor 2 on 2 hosts of
-    8) compiles for 16 H100s and fits, its experts grouped GEMMs."""
-    config = load_config(os.path.join(ROOT, "configs/gpu/mixtral_8x7b.yaml"))
-    step, seconds = compile_check.compile_step(config, H100, 8)
-    report = compile_check.analyse(config, step, H100, seconds)
-    assert report["fits"]
-    assert _custom_calls(hlo.parse(step.as_text()), "mosaic_gpu_v2")

@@ -36,15 +36,11 @@ GRADS = [
     _case(2, 1, 4, SP, slow=False),
     _case(1, 1, 4, SP, "parallel.microbatches=2"),
     *[_case(1, 2, 4, SP, *PIPE, f"parallel.schedule={kind}", f"parallel.chunks={v}")
-      for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1),
-                      ("zb-interleaved", 2))],
-    _case(8, 1, 1, FSDP),
+      for kind, v in (("interleaved", 2), ("zb-h1", 1))],
     _case(8, 1, 1, FSDP, MATMUL, slow=False),
     _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
     _case(2, 2, 2, FSDP, *PIPE),
-    _case(2, 2, 2, FSDP, MATMUL, *PIPE),
     _case(4, 1, 2, FSDP, SP),
-    _case(2, 2, 2, FSDP, SP, *PIPE, "parallel.schedule=zb-h1"),
     _case(2, 2, 2, FSDP, SP, MATMUL, *PIPE, "parallel.schedule=zb-h1"),
     _case(4, 1, 2, FSDP, "parallel.fsdp_group=2", "optimizer.zero1=true"),
     _case(8, 1, 1, "optimizer.zero1=true", "parallel.microbatches=2",
@@ -318,7 +314,6 @@ def test_pipelined_chunk_reduction_waits_for_no_later_round(kind):
 
 
 RESTORES = [  # (writer, reader): (data, pipe, tensor, extra)
-    ((4, 1, 2, (FSDP,)), (2, 1, 4, ())),
     ((2, 2, 2, ("parallel.schedule=interleaved", "parallel.chunks=2")),
      (8, 1, 1, (FSDP, "parallel.fsdp_group=4"))),
     ((8, 1, 1, ("optimizer.zero1=true",)), (2, 2, 2, (FSDP,))),
@@ -383,13 +378,11 @@ def _train(tmp_path, name, overrides):
 
 @pytest.mark.slow
 def test_train_cli_memory_options_equal_the_plain_run(tmp_path):
-    """`python -m jaxptd.train` for three steps: SP, HSDP with ZeRO-1, ZeRO-1 alone and
-    offload give the plain (2, 1, 4) run's losses."""
+    """`python -m jaxptd.train` for three steps: HSDP with ZeRO-1 and offload give the
+    plain (2, 1, 4) run's losses (SP and ZeRO-1 alone: the parity grids')."""
     plain = _train(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4"])
     variants = {
-        "sp": ["parallel.data=2", "parallel.tensor=4", SP],
         "hsdp": ["parallel.data=8", FSDP, "parallel.fsdp_group=4", "optimizer.zero1=true"],
-        "zero1": ["parallel.data=8", "optimizer.zero1=true"],
         "offload": ["parallel.data=2", "parallel.tensor=4", "offload.optimizer=true",
                     "offload.activations=true"],
     }

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from helpers import (TINY, assert_grads_match_single_device, assert_same_state,
-                     assert_steps_match_single_device, fixed_batches, make_setup, placed_state)
+                     fixed_batches, make_setup, placed_state)
 
 from jaxptd import metrics
 from jaxptd.checkpoint.files import layout_metadata
@@ -147,11 +147,9 @@ def _case(data, pipe, tensor, *extra, slow=True, arch=LLAMA):
 
 
 PARITY = [
-    _case(2, 1, 2, "parallel.expert=2", "parallel.microbatches=2"),
     _case(2, 2, 2, "parallel.expert=2", "parallel.microbatches=2", slow=False),
     _case(4, 2, 1, "parallel.expert=4", "parallel.microbatches=2", "parallel.schedule=zb-h1"),
-    _case(4, 1, 2, "parallel.expert=4"),
-    _case(2, 1, 2, "parallel.expert=2", "parallel.sequence_parallel=true"),
+    _case(4, 1, 2, "parallel.expert=4", "parallel.sequence_parallel=true"),
     _case(1, 2, 2, "parallel.microbatches=4", "parallel.schedule=interleaved",
           "parallel.chunks=2"),
     _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=2", "parallel.schedule=gpipe",
@@ -159,14 +157,12 @@ PARITY = [
     _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=4",
           "parallel.schedule=zb-interleaved", "parallel.chunks=2"),
     _case(4, 1, 1, "parallel.expert=2", "parallel.fsdp=true"),
-    _case(4, 1, 1, "parallel.expert=2", "optimizer.zero1=true"),
+    _case(4, 1, 1, "parallel.expert=2", "optimizer.zero1=true", "model.remat=full"),
     _case(2, 1, 2, "parallel.expert=2", "parallel.context=2"),
-    _case(2, 1, 1, "parallel.expert=2", "model.remat=full"),
-    _case(2, 1, 1, "parallel.expert=2", "offload.activations=true"),
-    _case(2, 1, 1, "parallel.expert=2", "offload.optimizer=true", "parallel.microbatches=2"),
-    _case(2, 1, 2, "parallel.expert=2", "model.moe_capacity=4.0"),
-    _case(2, 1, 2, "parallel.expert=2", *DEEPSEEK),
-    _case(2, 2, 2, "parallel.expert=2", "parallel.microbatches=2", arch=GPT),
+    _case(2, 1, 1, "parallel.expert=2", "offload.activations=true", "offload.optimizer=true",
+          "parallel.microbatches=2"),
+    _case(2, 1, 2, "parallel.expert=2", "model.moe_capacity=4.0", *DEEPSEEK),
+    _case(2, 1, 2, "parallel.expert=2", "parallel.sequence_parallel=true", arch=GPT),
 ]
 
 
@@ -183,14 +179,6 @@ def test_loss_and_gradients_match_single_device(data, pipe, tensor, extra):
                                             setup.batch_sharding),
             state["rng"], state["step"], jnp.float32(1))
         assert float(jnp.sum(stats["dropped"])) == 0
-
-
-@pytest.mark.slow
-def test_training_steps_match_single_device():
-    """Three AdamW steps at (data 2 = expert 2, pipe 2, tensor 2) give the single-device
-    losses."""
-    assert_steps_match_single_device(make_setup(2, 2, 2, [
-        *LLAMA, "parallel.expert=2", "parallel.microbatches=2"]))
 
 
 # --------------------------------------------------------------------------- the step

@@ -68,7 +68,11 @@ def _param(stash, case, form="auto"):
                         id="-".join(map(str, (stash, form) + case)))
 
 
-PARITY = ([_param("activations", c) for c in CASES + ZB_CASES]
+# the layouts whose lowering and simulation tests/test_schedules.py checks as data, left out
+# of the executor's grid (the suite's time): zb-h1 at p = 2 t = 4, p = m = 3, p = 5 m = 6;
+# zb-interleaved v = 3, and m = 5 or m = 1 with data or at p = 4
+OMITTED = {ZB_CASES[i] for i in (4, 8, 9, 13, 16, 17)}
+PARITY = ([_param("activations", c) for c in CASES + ZB_CASES if c not in OMITTED]
           + [_param("inputs", c) for c in (CASES[4], ZB_CASES[1], ZB_CASES[11])]
           + [_param("activations", c, "steady") for c in (CASES[1], ZB_CASES[3])]
           + [_param("inputs", ZB_CASES[2], "steady"), _param("activations", CASES[3], "masked"),
@@ -123,7 +127,6 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
 @pytest.mark.parametrize("stash, case, remat", [
     ("activations", CASES[1], "none"),
     pytest.param("activations", ZB_CASES[11], "minimal", marks=pytest.mark.slow),
-    pytest.param("inputs", ZB_CASES[3], "minimal", marks=pytest.mark.slow),
     pytest.param("activations", CASES[3], "full", marks=pytest.mark.slow)])
 def test_unrolled_layers_match_single_device(stash, case, remat):
     """model.scan_layers=false (a GPU target's default: each layer's kept values in
@@ -138,7 +141,7 @@ def test_unrolled_layers_match_single_device(stash, case, remat):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, chunks, extra", [
-    ("interleaved", 2, "optimizer.zero1=true"), ("zb-h1", 1, "optimizer.zero1=true"),
+    ("interleaved", 2, "optimizer.zero1=true"),
     ("zb-interleaved", 2, "optimizer.overlap_grad_reduce=true")])
 def test_pipelined_training_steps_match_single_device(schedule, chunks, extra):
     """Three optimizer steps (ZeRO-1, or all-reduced) give the single-device losses; with
@@ -237,8 +240,7 @@ def compiled_temp_bytes(schedule, micro, chunks=1, stash="activations"):
 
 @pytest.mark.parametrize("schedule, chunks, stash", [
     *[pytest.param(*case, marks=pytest.mark.slow) for case in (
-        ("1f1b", 1, "activations"), ("interleaved", 2, "activations"),
-        ("zb-h1", 1, "activations"), ("zb-h1", 1, "inputs"), ("1f1b", 1, "inputs"))]])
+        ("interleaved", 2, "activations"), ("zb-h1", 1, "inputs"), ("1f1b", 1, "inputs"))]])
 def test_stash_memory_does_not_grow_with_microbatches(schedule, chunks, stash):
     small = compiled_temp_bytes(schedule, 8, chunks, stash)
     large = compiled_temp_bytes(schedule, 32, chunks, stash)
