@@ -105,7 +105,6 @@ def steady(module, loop) -> bool:
 LAYOUTS = {
     "fsdp": layout(8, 1, 1, 1, "parallel.fsdp=true"),
     "1f1b": layout(2, 2, 2, 8),
-    "1f1b inputs": layout(2, 2, 2, 8, "parallel.stash=inputs"),
     "zb-interleaved": layout(2, 2, 2, 8, "parallel.schedule=zb-interleaved",
                              "parallel.chunks=2"),
     "offload": layout(8, 1, 1, 1, "offload.optimizer=true", "offload.activations=true"),
