@@ -95,7 +95,7 @@ def _plain_shared(p, x, cfg, gated: bool):
 
 
 @pytest.mark.parametrize("arch, extra", [
-    ("llama", LLAMA), ("gpt", GPT),
+    ("llama", LLAMA), pytest.param("gpt", GPT, marks=pytest.mark.slow),
     pytest.param("llama", LLAMA + DEEPSEEK, marks=pytest.mark.slow),
     pytest.param("llama", LLAMA + ["model.moe_capacity=0.5"], marks=pytest.mark.slow)])
 def test_layer_is_the_plain_per_token_loop(arch, extra):
@@ -105,7 +105,8 @@ def test_layer_is_the_plain_per_token_loop(arch, extra):
     cfg = load_config(None, TINY + extra).model
     gated = arch == "llama"
     family = llama if gated else gpt
-    params = family.init_params(cfg, cfg.padded_vocab(1), jax.random.key(1))
+    params = jax.jit(family.init_params, static_argnums=(0, 1))(cfg, cfg.padded_vocab(1),
+                                                                 jax.random.key(1))
     mlp = jax.tree.map(lambda v: v[0], params["layers"]["mlp"])
     bias = None
     if cfg.moe_bias_rate:  # a bias that changes which experts are picked
@@ -183,6 +184,7 @@ def test_loss_and_gradients_match_single_device(data, pipe, tensor, extra):
 
 # --------------------------------------------------------------------------- the step
 
+@pytest.mark.slow
 def test_step_reports_statistics_and_moves_the_balance_bias():
     """The step's statistics are the global batch's (load sums to tokens x top_k in every
     layer, laid out as the layers: pipelined [v, p, Lc, E]), and DeepSeek-V3's bias moves

@@ -126,7 +126,7 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
 
 
 @pytest.mark.parametrize("stash, case, remat", [
-    ("activations", CASES[1], "none"),
+    pytest.param("activations", CASES[1], "none", marks=pytest.mark.slow),
     pytest.param("activations", ZB_CASES[11], "minimal", marks=pytest.mark.slow),
     pytest.param("activations", CASES[3], "full", marks=pytest.mark.slow)])
 def test_unrolled_layers_match_single_device(stash, case, remat):
