@@ -13,7 +13,9 @@
 #   llama       the Llama-style sizes (skipped, with a note, until model.arch=llama exists)
 #   long        Llama-1.3B at an 8k sequence: one stream, packed rows (cuDNN's masked
 #               kernel), and with 2 GPUs or more context parallelism 2 (ring, all-gather)
-#   moe         Llama-350M dense against its mixture of experts of equal active FLOPs (8
+#   moe         with 2 GPUs or more bench/moe_check.py first (expert parallelism's ragged
+#               all-to-all against one device, float32: its first run anywhere), then
+#               Llama-350M dense against its mixture of experts of equal active FLOPs (8
 #               experts of half the width, top 2): dropless (Mosaic grouped GEMMs) and
 #               with a capacity of 1.25 (bench/kernels.py's grouped-GEMM row: the kernels)
 #   variants    GPT-1.3B: attention xla/cudnn x kernels xla/pallas x remat
@@ -27,7 +29,7 @@
 # Everything goes under OUT_DIR, in at most 8 files (what a device command hands back):
 # gpu_all.log (all output), env.txt, kernels_<device>.json, gpu_train_<device>.json,
 # gpu_train_runs.log (every run's own output), profile_gpt-1.3B_<device>.json,
-# pipeline_rounds.json. gpu_train_<device>.json starts from bench/results/ of the copy it
+# pipeline_rounds.json, moe_check.json (2+ GPUs). gpu_train_<device>.json starts from bench/results/ of the copy it
 # runs in when OUT_DIR has none, so parts run in separate commands add up once each
 # command's file is copied back there. A failing part is reported and the next one runs;
 # a failing run inside a part is an `error` in its row. Exit status: the number of failed
@@ -100,10 +102,12 @@ part_long() {
   $PY bench/gpu_train.py --models "$LONG" --variants "${variants[@]}" "${TRAIN[@]}"
 }
 part_moe() {  # (--toy: the dropless row alone, the dense one is the llama part's)
-  local moe="experts=8,topk=2,expert_ffn=$EXPERT_FFN"
+  local moe="experts=8,topk=2,expert_ffn=$EXPERT_FFN" status=0
   local variants=(base "$moe" "$moe,capacity=1.25")
   [ -n "$TOY" ] && variants=("$moe")
-  $PY bench/gpu_train.py --models "$MOE" --variants "${variants[@]}" "${TRAIN[@]}"
+  $PY bench/moe_check.py --json "$OUT/moe_check.json" || status=$?  # (2+ devices)
+  $PY bench/gpu_train.py --models "$MOE" --variants "${variants[@]}" "${TRAIN[@]}" || status=$?
+  return $status
 }
 part_variants() {  # (--toy: two of them, the driver's plumbing, not the variants)
   local variants=(attention=xla,b=2 attention=xla,kernels=pallas,b=2
