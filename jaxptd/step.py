@@ -174,7 +174,7 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
     if not setup.policy.overlaps_grad_reduce:  # every microbatch in the scan, reduced after
         grads, (loss, stats) = sums(m)
         return reduction.after(grads), loss, stats
-    acc, loss, stats = None, loss0, None  # (no loop at all for one microbatch: not even its buffers)
+    acc, loss, stats = None, loss0, None  # (one microbatch: no loop at all, not its buffers)
     if m > 1:
         acc, (loss, stats) = sums(m - 1)
     grads, (last, last_stats) = jax.grad(loss_fn, has_aux=True)(

@@ -23,15 +23,16 @@ The objective adds moe_aux_loss x aux + moe_z_loss x z of every layer (`objectiv
 Dispatch. Each token's k choices are A = T k rows, sorted by expert. Dropless (default): the
 experts run as grouped matrix products over their row groups (pallas_kernels/grouped.py:
 JAX's Mosaic-GPU grouped GEMM kernels on a GPU, whose XLA lowers `lax.ragged_dot` to a
-dense product over all experts; `lax.ragged_dot` elsewhere; no padding to a capacity). With model.moe_capacity = cf each expert takes at most
-C = ceil(cf A / E) rows of the rank's microbatch, first choices before second ones (GShard's
-priority), the rest dropped and counted; the experts then run as one batched matmul over
-[E, C] slots.
+dense product over all experts; `lax.ragged_dot` elsewhere; no padding to a capacity).
+With model.moe_capacity = cf each expert takes at most C = ceil(cf A / E) rows of the rank's
+microbatch, first choices before second ones (GShard's priority), the rest dropped and
+counted; the experts then run as one batched matmul over [E, C] slots.
 
 Expert parallelism (layout.expert = e > 1): rank r holds experts r E/e .. (r + 1) E/e - 1.
 The sorted rows are already grouped by destination rank; an all-to-all over the expert axis
 sends each rank its experts' rows, the experts run, a second all-to-all brings the results
-back (and the same two, transposed, in the backward). Dropless, how many rows arrive is
+back (and the same two, transposed, in the backward); on a GPU in two halves of the tokens,
+one half's exchange travelling beside the other half's kernels. Dropless, how many rows arrive is
 known only at run time: on a GPU `lax.ragged_all_to_all` moves just the rows sent, into a
 receive buffer sized for the worst case (all e A rows of the group to one rank); XLA's CPU
 has no ragged all-to-all, so there each destination's rows travel in a block padded to A

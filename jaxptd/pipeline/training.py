@@ -82,10 +82,10 @@ class Training:
 
     def layer_vjp(self, x, mb, chunk):
         """jax.vjp of the chunk's layers at x -> ((y, statistics), backward, dense inputs,
-        the weights' leaves). The vjp's first argument is the tuple of those leaves (`kept.Kept` finds
-        them among the residuals there). Split: in (weights, x, perturbations), dense
-        inputs taped (the dense() weights' cotangent is unused: XLA drops it); else in
-        (weights, x), no dense inputs."""
+        the weights' leaves). The vjp's first argument is the tuple of those leaves
+        (`kept.Kept` finds them among the residuals there). Split: in (weights, x,
+        perturbations), dense inputs taped (the dense() weights' cotangent is unused: XLA
+        drops it); else in (weights, x), no dense inputs."""
         given, tree = self.vjp_weights(chunk)
         if not self.split:
             y, backward = jax.vjp(lambda w, x: self.stage.layers(
