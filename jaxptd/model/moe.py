@@ -31,9 +31,9 @@ counted; the experts then run as one batched matmul over [E, C] slots.
 Expert parallelism (layout.expert = e > 1): rank r holds experts r E/e .. (r + 1) E/e - 1.
 The sorted rows are already grouped by destination rank; an all-to-all over the expert axis
 sends each rank its experts' rows, the experts run, a second all-to-all brings the results
-back (and the same two, transposed, in the backward); on a GPU in two halves of the tokens,
-one half's exchange travelling beside the other half's kernels. Dropless, how many rows arrive is
-known only at run time: on a GPU `lax.ragged_all_to_all` moves just the rows sent, into a
+back (and the same two, transposed, in the backward); on a GPU in two halves of the
+tokens, one half's exchange travelling beside the other half's kernels. Dropless, how many
+rows arrive is known only at run time: on a GPU `lax.ragged_all_to_all` moves just the rows sent, into a
 receive buffer sized for the worst case (all e A rows of the group to one rank); XLA's CPU
 has no ragged all-to-all, so there each destination's rows travel in a block padded to A
 (e times the bytes, the same rows arriving). With a capacity every block is E/e x C slots,
@@ -41,7 +41,7 @@ a plain all-to-all. Expert tensor parallelism: each expert's hidden width is spl
 tensor ranks like the dense MLP's (column-parallel in, row-parallel out, the same f and g),
 so the router, the routing and the exchange are the same on every tensor rank.
 
-Statistics (sown in the collection STATS, one dict a layer, see `Stats`): aux and z (the
+Statistics (sown in the collection STATS, one dict a layer): aux and z (the
 sums above), load [E] (rows routed to each expert, before any drop) and dropped (rows
 dropped). Under sequence parallelism they are computed on the gathered tokens, the same on
 every tensor rank; `_same_on_tensor` makes their type say so (and so their gradient right).
