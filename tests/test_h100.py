@@ -103,7 +103,6 @@ def steady(module, loop) -> bool:
 
 
 LAYOUTS = {
-    "fsdp": layout(8, 1, 1, 1, "parallel.fsdp=true"),
     "1f1b": layout(2, 2, 2, 8),
     "zb-interleaved": layout(2, 2, 2, 8, "parallel.schedule=zb-interleaved",
                              "parallel.chunks=2"),

@@ -38,7 +38,6 @@ GRADS = [
     *[_case(1, 2, 4, SP, *PIPE, f"parallel.schedule={kind}", f"parallel.chunks={v}")
       for kind, v in (("interleaved", 2), ("zb-h1", 1))],
     _case(8, 1, 1, FSDP, MATMUL, slow=False),
-    _case(4, 1, 2, FSDP, "parallel.microbatches=2"),
     _case(2, 2, 2, FSDP, *PIPE),
     _case(4, 1, 2, FSDP, SP),
     _case(2, 2, 2, FSDP, SP, MATMUL, *PIPE, "parallel.schedule=zb-h1"),

@@ -142,10 +142,11 @@ def _schedule(name, chunks=1):
     return [f"parallel.schedule={name}", f"parallel.chunks={chunks}", "parallel.microbatches=4"]
 
 
-# (data, pipe, tensor, extra): every architecture at tensor sizes 2, 4 and 8 (their
-# paddings), data, ZeRO-1, FSDP, SP and a pipeline; one other schedule each (the ends are laid out on the
+# (data, pipe, tensor, extra): every architecture at tensor sizes 2 and 4 (their
+# paddings; 8's: gpt's zb-interleaved case is 4, test_checkpoint restores at 8), data,
+# ZeRO-1, FSDP, SP and a pipeline; one other schedule each (the ends are laid out on the
 # pipe the same way by each). The fast subset keeps one layout of llama's and BERT's.
-LAYOUTS = [(1, 1, 2, []), (2, 1, 4, ["optimizer.zero1=true", SP]), (1, 1, 8, []),
+LAYOUTS = [(1, 1, 2, []), (2, 1, 4, ["optimizer.zero1=true", SP]),
            (2, 2, 2, [FSDP, SP, *_schedule("1f1b")])]
 SCHEDULES = {"gpt": [(1, 2, 4, _schedule("zb-interleaved", 2))],
              "llama": [(1, 2, 2, _schedule("interleaved", 2))],
