@@ -42,10 +42,10 @@ GPU path (`gpu=True`, bf16 or f16):
   persistent grid) at trace time. In the deviceless H100 compile (shared/DESIGN.md) the
   process's devices are CPUs, which have no such field; no argument or public API sets
   it (jax 0.10.2). `_transposed_ragged_dot` is therefore JAX's own function rebuilt from
-  its code with one global changed: `jax` is `_FixedCores`, jax with a `devices()` whose
-  first device has the H100 SXM's 132 cores, the same grid JAX's forward kernel hardcodes.
-  JAX's module is not touched. On a GPU with another SM count the grid stays 132 blocks,
-  each looping over tiles (correct; on an H100 PCIe's 114 SMs a second wave).
+  its code with one global changed: `jax` is `_FixedCores`, jax whose `devices()`, when
+  the process has no GPU, is one device with the H100 SXM's 132 cores (the grid JAX's
+  forward kernel hardcodes); with GPUs it is the GPUs, their own SM count. JAX's module
+  is not touched.
 - Inside `jax.shard_map` (check_vma on) it compiles as alone (measured: expert-sharded
   x, w and group sizes over 8 deviceless H100s, forward and both gradients: three
   kernels, no dot): the calls go through `backend.call` unchecked, as flash.py's.
@@ -80,11 +80,15 @@ _TILES = dict(block_m=BLOCK, block_n=BLOCK, block_k=BLOCK_K, max_concurrent_step
 
 
 class _FixedCores:
-    """`jax` as JAX's transposed kernel sees it: jax, except that `devices()` is one
-    device with the H100's SM count (the module docstring says why)."""
+    """`jax` as JAX's transposed kernel sees it: jax, except that `devices()` without a
+    GPU (the deviceless compile: CPU devices, no SM count) is one device with the H100's
+    SM count (the module docstring says why); on GPUs, the GPUs."""
     cores = TARGETS["h100"].chip.cores
 
     def devices(self, *args, **kwargs):
+        found = jax.devices(*args, **kwargs)
+        if found and hasattr(found[0], "core_count"):
+            return found
         return [types.SimpleNamespace(core_count=self.cores)]
 
     def __getattr__(self, name):
