@@ -164,7 +164,8 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
         gradients (the sums live in host memory, where zeros would be made on the device
         and moved)."""
         if not setup.policy.streams:
-            stats0 = zeros_as(jax.eval_shape(lambda: grads_of(0)[1][1]))
+            stats0 = None if not config.model.moe else zeros_as(  # (its shapes: a trace)
+                jax.eval_shape(lambda: grads_of(0)[1][1]))
             zeros = (jax.tree.map(jnp.zeros_like, varying), (loss0, stats0))
             return lax.scan(one, zeros, jnp.arange(count))[0]
         first = grads_of(0)

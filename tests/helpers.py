@@ -304,6 +304,20 @@ def _tiny_llama(kind: str):
     return model.eval()
 
 
+def assert_export_is_bitwise(checkpoint, hf_dir, dest):
+    """`python -m jaxptd.hf export checkpoint dest` writes hf_dir's model.safetensors
+    again: the same names, every tensor bit for bit."""
+    from safetensors.numpy import load_file
+
+    from jaxptd import hf
+    assert hf.main(["export", str(checkpoint), str(dest)]) == 0
+    exported = load_file(Path(dest) / "model.safetensors")
+    original = load_file(Path(hf_dir) / "model.safetensors")
+    assert set(exported) == set(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
 def torch_logits(model, tokens):
     """A transformers causal LM's logits of token ids [b, s], as numpy."""
     import torch

@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
-from helpers import (HF_VOCAB, TINY_LLAMAS, generate_ids, tiny_hf_model,  # noqa: E402
-                     torch_logits)
+from helpers import (HF_VOCAB, TINY_LLAMAS, assert_export_is_bitwise,  # noqa: E402
+                     generate_ids, tiny_hf_model, torch_logits)
 from jaxptd import hf  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.arch import HF_CLASSES, family  # noqa: E402
@@ -112,12 +112,7 @@ def test_export_round_trips_every_tensor(imported, tmp_path):
     """import -> export: the tensors save_pretrained wrote, bit for bit, under the same
     names; transformers loads the directory and gives the original's logits."""
     _, model, hf_dir, out = imported
-    assert hf.main(["export", str(out), str(tmp_path / "hf")]) == 0
-    exported = load_file(tmp_path / "hf" / "model.safetensors")
-    original = load_file(hf_dir / "model.safetensors")
-    assert set(exported) == set(original)
-    for name, value in original.items():
-        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+    assert_export_is_bitwise(out, hf_dir, tmp_path / "hf")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(reloaded) is type(model)
     np.testing.assert_array_equal(torch_logits(reloaded, TOKENS), torch_logits(model, TOKENS))
