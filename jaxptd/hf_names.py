@@ -8,8 +8,9 @@ Owns the vocabulary of those maps:
   jaxptd's model section, with a one-line `HFError` for what jaxptd cannot represent);
 - `HFMap`: a family's classes, its config.json for export, and its tensor names:
   `names(m)`, a list of (HF name, jaxptd path, to jaxptd, to HF). An ends leaf has one HF
-  name; a layer leaf (its path starts with 'layers') a tuple of num_layers names, one per
-  layer, stacked on a leading [L] axis. A path ending in an int is one part of a leaf
+  name; a layer leaf (its path starts with 'layers') a tuple of names, one per element of
+  the layer stack (a layer, or a unit's layer j: model.moe_every), stacked on its leading
+  axis. A path ending in an int is one part of a leaf
   that transformers keeps as several tensors (k_proj and v_proj -> Llama's w_kv; BERT's
   query, key, value -> w_qkv), stacked on the leaf's axis `parts[name]` (of one layer's
   value). `extras(m)`: what a checkpoint may hold beside them, a tied copy (the name it
@@ -78,8 +79,10 @@ def gelu(hf: dict, key: str, default: str) -> str:
 SAME = (lambda x: x, lambda x: x)
 
 
-def each_layer(pattern: str, m: ModelConfig) -> tuple[str, ...]:
-    return tuple(pattern.format(i=i) for i in range(m.num_layers))
+def each_layer(pattern: str, m: ModelConfig, j: int = 0) -> tuple[str, ...]:
+    """pattern's names of layer j of every unit of the layer stack, layers j, j + k, ...
+    (k = m.unit; with one layer a unit, every layer), in the stack's order."""
+    return tuple(pattern.format(i=i) for i in range(j, m.num_layers, m.unit))
 
 
 def reshaped(shape, back):

@@ -87,17 +87,18 @@ class StepTimer:
 
 def moe_record(stats: dict, model: ModelConfig, batch: int) -> dict:
     """A step's mixture-of-experts statistics (the step's metrics['moe'], numpy, each
-    leaf laid out as the layers: [L, ...] or pipelined [v, p, Lc, ...], whose flattening
-    is model order) -> the log record's entries: per layer (lists, model order) and their
-    summary (scalars). moe_aux: the load-balancing loss a sequence (1 when balanced);
+    leaf laid out as the layer stack: [units, ...] or pipelined [v, p, Uc, ...], whose
+    flattening is model order) -> the log record's entries: per MoE layer (lists, model
+    order; with model.moe_every = k entry i is layer (i + 1) k - 1) and their summary
+    (scalars). moe_aux: the load-balancing loss a sequence (1 when balanced);
     moe_z: the z-loss a token; moe_load: the busiest expert's rows over the mean (1 when
     balanced); moe_dropped: the share of routed rows dropped (capacity; 0 dropless)."""
     import numpy as np
 
     load = np.asarray(stats["load"], np.float64)
-    load = load.reshape(-1, load.shape[-1])  # [L, E]
+    load = load.reshape(-1, load.shape[-1])  # [MoE layers, E]
 
-    def layers(name):  # [L]
+    def layers(name):  # [MoE layers]
         return np.asarray(stats[name], np.float64).reshape(-1)
     routed = batch * model.seq_len * model.moe_top_k
     per_layer = {"moe_aux": layers("aux") / batch,

@@ -3,7 +3,7 @@ the change between the layouts.
 
 The state is a dict {params, opt_state, step, rng, loss_scale}. Logical layout
 (checkpoints, initialisation): each layer leaf has a leading [num_layers] axis in model
-order. In memory with pipe > 1: [v, p, L/(p v), ...] (chunks, stages, layers of a chunk), a
+order (model.units: a unit of model.moe_every layers an element). In memory with pipe > 1: [v, p, L/(p v), ...] (chunks, stages, layers of a chunk), a
 free reshape of the logical order in which rank r's dimension-1 slice holds virtual stages
 r, r + p, ...; each ends leaf [p, ...] over pipe, held in the slot of the stage that reads
 it (the embedding's stage 0, the head's stage p - 1, a tied embedding in both, equal) and

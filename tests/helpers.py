@@ -270,14 +270,16 @@ def tiny_hf_model(kind: str):
 
 
 # The llama family's other classes, tiny (2 layers, 4 heads over 2 kv heads, 4 experts of
-# which each token takes 2): transformers class, its config class, the sizes of its own
+# which each token takes 2; Qwen2-MoE 4 layers, every second a mixture, the others dense):
+# transformers class, its config class, the sizes of its own
 TINY_LLAMAS = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(intermediate_size=44)),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
         intermediate_size=40, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2-moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
         intermediate_size=44, moe_intermediate_size=20, shared_expert_intermediate_size=36,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False)),
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=4,
+        decoder_sparse_step=2)),
 }
 
 
@@ -290,9 +292,10 @@ def _tiny_llama(kind: str):
 
     name, config, sizes = TINY_LLAMAS[kind]
     model = getattr(transformers, name)(getattr(transformers, config)(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-        vocab_size=HF_VOCAB, max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, **sizes))
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=HF_VOCAB,
+        max_position_embeddings=64, rope_theta=1000.0, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+        **{"num_hidden_layers": 2, **sizes}))
     with torch.no_grad():
         for param_name, value in model.named_parameters():
             if param_name.endswith("bias"):

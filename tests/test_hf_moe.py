@@ -1,6 +1,7 @@
 """The llama family's other transformers classes against transformers itself, live:
 Qwen2ForCausalLM (query, key and value biases), MixtralForCausalLM and Qwen2MoeForCausalLM
-(mixtures of experts; Qwen2-MoE's gated shared expert and biases), tiny and random
+(mixtures of experts; Qwen2-MoE's gated shared expert and biases, in every second layer
+of four: jaxptd's model.moe_every), tiny and random
 (float32). The maps name exactly what save_pretrained writes and take the fused experts
 transformers 5 keeps in memory; the exported config.json builds the same model in
 transformers; imported, a model gives transformers' logits and greedy ids; exported, it
@@ -25,6 +26,7 @@ from jaxptd.arch import HF_CLASSES, family  # noqa: E402
 from jaxptd.config import from_dict, load_config  # noqa: E402
 from jaxptd.hf_files import read_hf  # noqa: E402
 from jaxptd.hf_names import HFError  # noqa: E402
+from jaxptd.model import stack  # noqa: E402
 from jaxptd.model.tensor import Layout  # noqa: E402
 
 PROMPT = [5, 17, 250, 3, 99]
@@ -121,7 +123,8 @@ def test_export_round_trips_every_tensor(imported, tmp_path):
 JAXPTD_MOES = {  # a jaxptd mixture of experts -> the class export writes
     "MixtralForCausalLM": ["model.moe_ffn=20"],
     "Qwen2MoeForCausalLM": ["model.moe_shared_ffn=24", "model.moe_shared_gate=true",
-                            "model.qkv_bias=true", "model.moe_norm_topk=false"],
+                            "model.qkv_bias=true", "model.moe_norm_topk=false",
+                            "model.num_layers=4", "model.moe_every=2"],
 }
 
 
@@ -139,10 +142,12 @@ def test_a_jaxptd_mixture_of_experts_exports(name, tmp_path):
     vocab = m.padded_vocab(1)
     params = jax.device_get(models.get(m).init_params(m, vocab, jax.random.key(7)))
     keys = iter(jax.random.split(jax.random.key(8), 8))
-    attn = params["layers"]["attn"]
-    for leaf in ("b_q", "b_kv") if m.qkv_bias else ():
-        attn[leaf] = np.asarray(0.1 * jax.random.normal(next(keys), attn[leaf].shape))
-    mlp = params["layers"]["mlp"]  # a router with clear margins (as tiny_hf_model's)
+    for layer in stack.layer_trees(params["layers"], m):
+        attn = layer["attn"]
+        for leaf in ("b_q", "b_kv") if m.qkv_bias else ():
+            attn[leaf] = np.asarray(0.1 * jax.random.normal(next(keys), attn[leaf].shape))
+    # a router with clear margins (as tiny_hf_model's)
+    mlp = stack.layer_tree(params["layers"], m, m.unit - 1)["mlp"]
     mlp["w_router"] = np.asarray(0.5 * jax.random.normal(next(keys), mlp["w_router"].shape))
     # (the import's own steps: the single-device layout and a step-0 checkpoint)
     hf._save(hf._single_device_setup(config), params, tmp_path / "run" / "checkpoints")
@@ -164,7 +169,7 @@ def test_a_jaxptd_mixture_of_experts_exports(name, tmp_path):
 @pytest.mark.parametrize("kind, changes, message", [
     ("mixtral", {"sliding_window": 16}, "sliding_window=16"),
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
-    ("qwen2-moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ("qwen2-moe", {"decoder_sparse_step": 3}, "decoder_sparse_step=3"),
     ("qwen2-moe", {"mlp_only_layers": [1]}, "mlp_only_layers=[1]"),
     ("qwen2-moe", {"use_sliding_window": True}, "sliding-window"),
     ("qwen2", {"layer_types": ["sliding_attention", "full_attention"]}, "sliding-window"),
@@ -187,6 +192,7 @@ def test_import_refuses_what_jaxptd_cannot_represent(kind, changes, message, tmp
     (["model.moe_shared_ffn=32"], "moe_shared_gate=false"),
     (["model.qkv_bias=true"], "qkv_bias=true without a shared expert"),
     (["model.moe_norm_topk=false"], "moe_norm_topk=false without a shared expert"),
+    (["model.moe_every=2"], "moe_every=2 without a shared expert"),
 ])
 def test_export_refuses_what_neither_class_holds(overrides, message):
     m = load_config(None, ["model.arch=llama", "model.moe_experts=4", *overrides]).model

@@ -147,23 +147,28 @@ def _case(data, pipe, tensor, *extra, slow=True, arch=LLAMA):
                         + "-".join(e.split(".")[-1] for e in extra))
 
 
-PARITY = [
+PARITY = [  # (model.moe_every > 1: units of dense layers and a mixture, model/stack.py)
     _case(2, 2, 2, "parallel.expert=2", "parallel.microbatches=2", slow=False),
-    _case(4, 2, 1, "parallel.expert=4", "parallel.microbatches=2", "parallel.schedule=zb-h1"),
+    _case(4, 2, 1, "parallel.expert=4", "parallel.microbatches=2", "parallel.schedule=zb-h1",
+          "model.moe_every=2"),
     _case(4, 1, 2, "parallel.expert=4", "parallel.sequence_parallel=true"),
     _case(1, 2, 2, "parallel.microbatches=4", "parallel.schedule=interleaved",
           "parallel.chunks=2"),
     _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=2", "parallel.schedule=gpipe",
           "parallel.stash=inputs"),
     _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=4",
-          "parallel.schedule=zb-interleaved", "parallel.chunks=2"),
+          "parallel.schedule=zb-interleaved", "parallel.chunks=2", "model.num_layers=8",
+          "model.moe_every=2"),
     _case(4, 1, 1, "parallel.expert=2", "parallel.fsdp=true"),
-    _case(4, 1, 1, "parallel.expert=2", "optimizer.zero1=true", "model.remat=full"),
+    _case(4, 1, 1, "parallel.expert=2", "optimizer.zero1=true", "model.remat=full",
+          "model.moe_every=4"),
     _case(2, 1, 2, "parallel.expert=2", "parallel.context=2"),
     _case(2, 1, 1, "parallel.expert=2", "offload.activations=true", "offload.optimizer=true",
           "parallel.microbatches=2"),
-    _case(2, 1, 2, "parallel.expert=2", "model.moe_capacity=4.0", *DEEPSEEK),
-    _case(2, 1, 2, "parallel.expert=2", "parallel.sequence_parallel=true", arch=GPT),
+    _case(2, 1, 2, "parallel.expert=2", "model.moe_capacity=4.0", "model.moe_every=2",
+          *DEEPSEEK),
+    _case(2, 1, 2, "parallel.expert=2", "parallel.sequence_parallel=true", "model.moe_every=2",
+          arch=GPT),
 ]
 
 
@@ -187,21 +192,26 @@ def test_loss_and_gradients_match_single_device(data, pipe, tensor, extra):
 @pytest.mark.slow
 def test_step_reports_statistics_and_moves_the_balance_bias():
     """The step's statistics are the global batch's (load sums to tokens x top_k in every
-    layer, laid out as the layers: pipelined [v, p, Lc, E]), and DeepSeek-V3's bias moves
-    by moe_bias_rate towards the mean load, untouched by the optimizer."""
+    MoE layer, laid out as the layer stack: pipelined [v, p, Uc, E], here units of a dense
+    layer and a mixture), and DeepSeek-V3's bias moves by moe_bias_rate towards the mean
+    load, untouched by the optimizer."""
     setup = make_setup(2, 2, 1, [*LLAMA, *DEEPSEEK, "parallel.expert=2",
-                                 "parallel.microbatches=2"])
+                                 "parallel.microbatches=2", "model.moe_every=2"])
     cfg = setup.config
+
+    def bias_of(state):
+        return np.asarray(jax.device_get(
+            state["params"]["layers"]["layer_1"]["mlp"]["router_bias"]))
     state = placed_state(setup)
-    bias0 = np.asarray(jax.device_get(state["params"]["layers"]["mlp"]["router_bias"]))
+    bias0 = bias_of(state)
     step = build_train_step(setup)
     state, metrics = step(state, jax.device_put(fixed_batches(cfg, 1)[0],
                                                 setup.batch_sharding))
     load = np.asarray(metrics["moe"]["load"])
-    assert load.shape == (1, 2, 2, 4)  # [v, p, Lc, E]
+    assert load.shape == (1, 2, 1, 4)  # [v, p, Uc, E]
     tokens = cfg.train.global_batch * cfg.model.seq_len
     np.testing.assert_array_equal(load.sum(-1), tokens * cfg.model.moe_top_k)
-    bias = np.asarray(jax.device_get(state["params"]["layers"]["mlp"]["router_bias"]))
+    bias = bias_of(state)
     expected = bias0 + 0.01 * np.sign(load.mean(-1, keepdims=True) - load)
     np.testing.assert_allclose(bias, expected, rtol=1e-6)
     assert np.any(bias != bias0)
@@ -231,7 +241,11 @@ def test_config_rules_name_the_key():
             (["parallel.expert=2", "parallel.data=2"], "parallel.expert"),
             (["model.moe_experts=4", "model.moe_shared_gate=true"], "model.moe_shared_gate"),
             (["model.moe_experts=4", "model.moe_bias_rate=0.1", "offload.optimizer=true"],
-             "model.moe_bias_rate")]:
+             "model.moe_bias_rate"),
+            (["model.moe_experts=4", "model.moe_every=3"], "model.moe_every"),
+            (["model.moe_experts=4", "model.moe_every=2", "parallel.pipe=4",
+              "parallel.microbatches=4"], "model.moe_every"),
+            (["model.moe_every=2"], "model.moe_every")]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(None, TINY + overrides)
 

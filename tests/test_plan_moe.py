@@ -120,6 +120,28 @@ def test_moe_flops_from_active_parameters(capsys):
         3 * 8 * S * L * (43520 - 6 * H * 4 * H))  # the dense MLP: ffn = 4h
 
 
+def test_every_other_layer_a_mixture(capsys):
+    """model.moe_every = 2 (L = 2: a dense layer of ffn 4h, then the mixture): half the
+    experts' parameters and all-to-all bytes; a layer's FLOPs and activations the mean of
+    the dense layer's and the mixture's (full recomputation: a unit keeps its input)."""
+    every, full = (report(capsys, "parallel.expert=2", *extra) for extra in
+                   (["model.moe_every=2"], []))
+    assert every["moe"]["every"] == 2 and full["moe"]["every"] == 1
+    assert every["moe"]["params_experts"] == full["moe"]["params_experts"] / 2
+    assert every["comm_bytes"]["expert_per_microbatch"] == \
+        full["comm_bytes"]["expert_per_microbatch"] / 2
+    flops = {name: models.get(cfg).forward_flops(cfg, 256)["layer"] for name, cfg in (
+        (name, load_config(None, TINY + extra).model) for name, extra in
+        (("every", MOE + ["model.moe_every=2"]), ("moe", MOE), ("dense", [])))}
+    assert flops["every"] == (flops["moe"] + flops["dense"]) / 2
+    layer, f = plan_model.layer_activation_bytes, 4 * H
+    assert layer(B_ROWS, S, H, 4, 2, 2, ffn=f, gated=True, moe=moe(ep=2, every=2)) == (
+        layer(B_ROWS, S, H, 4, 2, 2, ffn=f, gated=True, moe=moe(ep=2))
+        + layer(B_ROWS, S, H, 4, 2, 2, ffn=f, gated=True)) / 2
+    assert layer(B_ROWS, S, H, 4, 2, 2, remat="full", moe=moe(every=2)) == layer(
+        B_ROWS, S, H, 4, 2, 2, remat="full") / 2
+
+
 def test_all_to_all_bytes_and_time_by_hand(capsys):
     """Each of the 2 layers sends A h = 128 x 64 float32 = 32 KiB four times a microbatch
     (dispatch, combine, forward and backward), half of it to the other expert rank: 128

@@ -3,7 +3,8 @@ config validation and the Hugging Face bridge read it before JAX may start) and 
 it loads (`Architecture`: the functions over a parameter tree, jaxptd/model/<family>.py's
 record, whose import starts JAX).
 
-A parameter tree is {'layers': [L, ...] stacked layer leaves, plus the "ends" (every other
+A parameter tree is {'layers': [L, ...] stacked layer leaves (with model.moe_every = k
+> 1, [L/k, ...] units of k layers: model/stack.py's Unit), plus the "ends" (every other
 top-level key: embedding, final norm, output layer)}. A batch row is what the data gives
 (token rows [s + 1]) turned into the architecture's row by `make_batch`; every stage gets
 the microbatch's rows. The loss convention: the step divides the sum of `head_loss` over

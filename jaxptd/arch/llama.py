@@ -114,19 +114,25 @@ def _mixtral_from_hf(hf: dict) -> dict:
 
 
 def _qwen2_moe_from_hf(hf: dict) -> dict:
-    """Qwen2MoeForCausalLM: every layer a mixture (decoder_sparse_step 1, no
-    mlp_only_layers) of moe_intermediate_size experts and a sigmoid-gated shared expert;
-    the top-k weights renormalised only with norm_topk_prob; query, key and value biases
+    """Qwen2MoeForCausalLM: every decoder_sparse_step-th layer (k - 1, 2k - 1, ...: jaxptd's
+    model.moe_every) a mixture of moe_intermediate_size experts and a sigmoid-gated shared
+    expert, the others intermediate_size's dense MLP (none named in mlp_only_layers); the
+    top-k weights renormalised only with norm_topk_prob; query, key and value biases
     unless qkv_bias is false."""
     _no_sliding_window(hf)
     step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-    require(step == 1 and not dense, f"decoder_sparse_step={step}, mlp_only_layers={dense}: "
-            "jaxptd's mixture of experts is every layer's MLP (1 and [] only)")
+    require(not dense, f"mlp_only_layers={dense}: jaxptd's dense layers are the ones "
+            "decoder_sparse_step skips (set [])")
+    layers = hf["num_hidden_layers"]
+    require(step >= 1 and layers % step == 0, f"decoder_sparse_step={step}: jaxptd's "
+            f"mixture of experts is every k-th layer with k dividing num_hidden_layers="
+            f"{layers}")
     shared = hf.get("shared_expert_intermediate_size", 5632)
     require(shared > 0, f"shared_expert_intermediate_size={shared}: must be positive")
     return {**_moe_from_hf(hf, "num_experts"), "qkv_bias": hf.get("qkv_bias", True),
             "moe_ffn": hf["moe_intermediate_size"], "moe_shared_ffn": shared,
-            "moe_shared_gate": True, "moe_norm_topk": hf.get("norm_topk_prob", False)}
+            "moe_shared_gate": True, "moe_norm_topk": hf.get("norm_topk_prob", False),
+            "moe_every": step}
 
 
 # transformers' classes of the family, by what a model has (`_export_class`)
@@ -153,6 +159,8 @@ def _export_class(m: ModelConfig) -> str:
             f"attention biases and {QWEN2_MOE} always has a shared expert")
     require(m.moe_norm_topk, f"model.moe_norm_topk=false without a shared expert: {MIXTRAL} "
             f"always renormalises the top k and {QWEN2_MOE} always has a shared expert")
+    require(m.moe_every == 1, f"model.moe_every={m.moe_every} without a shared expert: "
+            f"{MIXTRAL}'s every layer is a mixture and {QWEN2_MOE} always has a shared expert")
     return MIXTRAL
 
 
@@ -180,7 +188,8 @@ def _to_hf(m: ModelConfig) -> dict:
     if name == QWEN2_MOE:
         hf.update(num_experts=m.moe_experts, moe_intermediate_size=m.expert_ffn,
                   shared_expert_intermediate_size=m.moe_shared_ffn,
-                  norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=1, mlp_only_layers=[],
+                  norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=m.moe_every,
+                  mlp_only_layers=[],
                   qkv_bias=m.qkv_bias)
     if m.rope_scaling == "llama3":
         hf["rope_scaling"] = {"rope_type": "llama3",
@@ -197,51 +206,61 @@ EXPERTS = {MIXTRAL: ("block_sparse_moe", ("w1", "w3", "w2")),
 def _names(m: ModelConfig) -> list:
     """The family's classes: k_proj and v_proj are the two parts of w_kv (their biases of
     b_kv); a MoE's experts, one tensor each in the names save_pretrained writes, the parts
-    of the experts' leaves (their axis E)."""
+    of the experts' leaves (their axis E). With model.moe_every = k, unit position j's
+    layers (j, j + k, ...) under ('layers', 'layer_j')."""
+    names = [("model.embed_tokens.weight", ("embed", "wte"), *SAME),
+             ("model.norm.weight", ("final_norm", "scale"), *SAME),
+             ("lm_head.weight", ("head", "w_head"), lambda x: x.T, lambda x: x.T)]
+    for j in range(m.unit):
+        names += _layer_names(m, j, sparse=m.moe and j == m.unit - 1)
+    return names
+
+
+def _layer_names(m: ModelConfig, j: int, sparse: bool) -> list:
+    """The names of layer j of every unit: attention, norms and its MLP, a mixture of
+    experts if `sparse`."""
     n, k, d, h = m.num_heads, m.kv_heads, m.head_dim, m.hidden_size
-    layer = lambda pattern: each_layer("model.layers.{i}." + pattern, m)  # noqa: E731
+    layer = lambda pattern: each_layer("model.layers.{i}." + pattern, m, j)  # noqa: E731
+    at = ("layers", *m.layer_path(j))
     names = [
-        ("model.embed_tokens.weight", ("embed", "wte"), *SAME),
-        ("model.norm.weight", ("final_norm", "scale"), *SAME),
-        ("lm_head.weight", ("head", "w_head"), lambda x: x.T, lambda x: x.T),
-        (layer("input_layernorm.weight"), ("layers", "ln1", "scale"), *SAME),
-        (layer("post_attention_layernorm.weight"), ("layers", "ln2", "scale"), *SAME),
-        (layer("self_attn.q_proj.weight"), ("layers", "attn", "w_q"), *linear((h, n, d))),
-        (layer("self_attn.k_proj.weight"), ("layers", "attn", "w_kv", 0), *linear((h, k, d))),
-        (layer("self_attn.v_proj.weight"), ("layers", "attn", "w_kv", 1), *linear((h, k, d))),
-        (layer("self_attn.o_proj.weight"), ("layers", "attn", "w_o"), *linear((n, d, h), 2)),
+        (layer("input_layernorm.weight"), (*at, "ln1", "scale"), *SAME),
+        (layer("post_attention_layernorm.weight"), (*at, "ln2", "scale"), *SAME),
+        (layer("self_attn.q_proj.weight"), (*at, "attn", "w_q"), *linear((h, n, d))),
+        (layer("self_attn.k_proj.weight"), (*at, "attn", "w_kv", 0), *linear((h, k, d))),
+        (layer("self_attn.v_proj.weight"), (*at, "attn", "w_kv", 1), *linear((h, k, d))),
+        (layer("self_attn.o_proj.weight"), (*at, "attn", "w_o"), *linear((n, d, h), 2)),
     ]
     if m.qkv_bias:
         names += [
-            (layer("self_attn.q_proj.bias"), ("layers", "attn", "b_q"),
+            (layer("self_attn.q_proj.bias"), (*at, "attn", "b_q"),
              *reshaped((n, d), (n * d,))),
-            (layer("self_attn.k_proj.bias"), ("layers", "attn", "b_kv", 0),
+            (layer("self_attn.k_proj.bias"), (*at, "attn", "b_kv", 0),
              *reshaped((k, d), (k * d,))),
-            (layer("self_attn.v_proj.bias"), ("layers", "attn", "b_kv", 1),
+            (layer("self_attn.v_proj.bias"), (*at, "attn", "b_kv", 1),
              *reshaped((k, d), (k * d,)))]
-    if not m.moe:
-        return names + _swiglu(m, "mlp", ("layers", "mlp"), m.ffn)
+    if not sparse:
+        return names + _swiglu(m, j, "mlp", (*at, "mlp"), m.ffn)
     prefix, (gate, up, down) = EXPERTS[_export_class(m)]
-    fe, mlp = m.expert_ffn, ("layers", "mlp")
+    fe, mlp = m.expert_ffn, (*at, "mlp")
     names.append((layer(f"{prefix}.gate.weight"), (*mlp, "w_router"),
                   *linear((h, m.moe_experts))))
-    for j in range(m.moe_experts):
-        expert = f"{prefix}.experts.{j}.{{}}.weight"
-        names += [(layer(expert.format(gate)), (*mlp, "w_experts_gate", j), *linear((h, fe))),
-                  (layer(expert.format(up)), (*mlp, "w_experts_up", j), *linear((h, fe))),
-                  (layer(expert.format(down)), (*mlp, "w_experts_down", j), *linear((fe, h)))]
+    for e in range(m.moe_experts):
+        expert = f"{prefix}.experts.{e}.{{}}.weight"
+        names += [(layer(expert.format(gate)), (*mlp, "w_experts_gate", e), *linear((h, fe))),
+                  (layer(expert.format(up)), (*mlp, "w_experts_up", e), *linear((h, fe))),
+                  (layer(expert.format(down)), (*mlp, "w_experts_down", e), *linear((fe, h)))]
     if m.moe_shared_ffn:
-        names += _swiglu(m, "mlp.shared_expert", (*mlp, "shared"), m.moe_shared_ffn)
+        names += _swiglu(m, j, "mlp.shared_expert", (*mlp, "shared"), m.moe_shared_ffn)
         names.append((layer("mlp.shared_expert_gate.weight"), (*mlp, "w_shared_gate"),
                       *linear((h, 1))))
     return names
 
 
-def _swiglu(m: ModelConfig, module: str, path: tuple, f: int) -> list:
+def _swiglu(m: ModelConfig, j: int, module: str, path: tuple, f: int) -> list:
     """A SwiGLU MLP of width f (w_gate, w_up, w_down under `path`) as the transformers
-    `module`'s gate_proj, up_proj and down_proj."""
+    `module`'s gate_proj, up_proj and down_proj, in layer j of every unit."""
     h = m.hidden_size
-    return [(each_layer(f"model.layers.{{i}}.{module}.{proj}.weight", m), (*path, leaf),
+    return [(each_layer(f"model.layers.{{i}}.{module}.{proj}.weight", m, j), (*path, leaf),
              *linear(shape))
             for proj, leaf, shape in (("gate_proj", "w_gate", (h, f)),
                                       ("up_proj", "w_up", (h, f)),
@@ -250,7 +269,8 @@ def _swiglu(m: ModelConfig, module: str, path: tuple, f: int) -> list:
 
 def _extras(m: ModelConfig) -> dict:
     """The rotary frequencies older checkpoints keep (a buffer)."""
-    return dict.fromkeys(each_layer("model.layers.{i}.self_attn.rotary_emb.inv_freq", m))
+    return dict.fromkeys(name for j in range(m.unit) for name in
+                         each_layer("model.layers.{i}.self_attn.rotary_emb.inv_freq", m, j))
 
 
 def _canonical(m: ModelConfig, tensors: dict) -> dict:

@@ -46,7 +46,7 @@ POSITIVE = (
     "model.rope_high_freq_factor", "model.rope_original_seq_len", "parallel.data",
     "parallel.pipe", "parallel.tensor",
     "parallel.context", "parallel.expert", "parallel.microbatches", "parallel.chunks",
-    "train.steps",
+    "model.moe_every", "train.steps",
     "train.global_batch",
     "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
     "runtime.heartbeat_timeout_s",
@@ -157,7 +157,7 @@ def _validate_moe(config: Config) -> None:
     """The mixture of experts: which families have it, the router's top k, the widths
     tensor parallelism splits, and expert parallelism's share of the data ranks."""
     m, par = config.model, config.parallel
-    moe_keys = ("moe_ffn", "moe_shared_ffn", "moe_shared_gate", "moe_capacity",
+    moe_keys = ("moe_every", "moe_ffn", "moe_shared_ffn", "moe_shared_gate", "moe_capacity",
                 "moe_bias_rate", "moe_z_loss", "moe_router", "moe_norm_topk", "moe_top_k",
                 "moe_aux_loss")
     if not m.moe:
@@ -173,6 +173,9 @@ def _validate_moe(config: Config) -> None:
              f"model.arch={m.arch} has no mixture of experts (gpt and llama have)")
     _require(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k}: must be "
              f"between 1 and model.moe_experts={m.moe_experts}")
+    _require(m.num_layers % m.moe_every == 0,
+             f"model.moe_every={m.moe_every}: must divide "
+             f"model.num_layers={m.num_layers} (every k-th layer is a mixture)")
     _require(m.expert_ffn % par.tensor == 0, f"model.moe_ffn={m.expert_ffn}: must be "
              f"divisible by parallel.tensor={par.tensor} (each expert's width is split)")
     _require(m.moe_shared_ffn % par.tensor == 0, f"model.moe_shared_ffn={m.moe_shared_ffn}: "
@@ -206,6 +209,10 @@ def _validate_parallel(config: Config) -> None:
     _require(m.num_layers % stages == 0,
              f"model.num_layers={m.num_layers}: must be divisible by parallel.pipe x "
              f"parallel.chunks = {par.pipe} x {par.chunks} = {stages}")
+    _require(m.units % stages == 0,
+             f"model.moe_every={m.moe_every}: a stage holds whole units of moe_every layers; "
+             f"model.num_layers / moe_every = {m.units} must be divisible by parallel.pipe x "
+             f"parallel.chunks = {stages}")
     _require(par.chunks == 1 or "interleaved" in par.schedule,
              f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
              f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})")

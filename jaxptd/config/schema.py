@@ -59,9 +59,12 @@ class ModelConfig:
     # corpus's eot id, or directly); attention never crosses it, positions restart after it and the
     # target after it takes no loss. -1: rows are one stream (attention spans documents)
     document_end: int = -1
-    # Mixture of experts (gpt, llama; model/moe.py): every layer's MLP becomes moe_experts
+    # Mixture of experts (gpt, llama; model/moe.py): a layer's MLP becomes moe_experts
     # routed experts of which each token takes moe_top_k, plus optional shared experts
     moe_experts: int = 0  # routed experts a layer; 0: the dense MLP
+    # every moe_every-th layer is a mixture (layers k-1, 2k-1, ..., as Qwen2-MoE's
+    # decoder_sparse_step and Llama 4's interleave step), the others keep the dense MLP
+    moe_every: int = 1
     moe_top_k: int = 2  # experts each token is sent to
     moe_ffn: int = 0  # a routed expert's hidden width (fine-grained experts); 0: model.ffn
     moe_shared_ffn: int = 0  # hidden width of the always-active shared expert(s); 0: none
@@ -81,6 +84,22 @@ class ModelConfig:
     def moe(self) -> bool:
         """Whether the layers' MLPs are mixtures of experts."""
         return self.moe_experts > 0
+
+    @property
+    def unit(self) -> int:
+        """Layers per element of the layer stack: moe_every with a mixture of experts (a
+        unit of moe_every - 1 dense layers and a mixture, model/stack.py's Unit), else 1."""
+        return self.moe_every if self.moe else 1
+
+    @property
+    def units(self) -> int:
+        """Elements of the layer stack: the leading axis of every layer leaf."""
+        return self.num_layers // self.unit
+
+    def layer_path(self, j: int) -> tuple:
+        """Where layer j of a unit lives in the layer stack's tree: () with one layer a
+        unit, else ('layer_j',)."""
+        return () if self.unit == 1 else (f"layer_{j}",)
 
     @property
     def expert_ffn(self) -> int:

@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxptd.arch import family
 from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
-from jaxptd.model import moe
+from jaxptd.model import moe, stack
 from jaxptd.model.layers import RESIDUAL
 from jaxptd.model.tensor import DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, Layout, matmul
 from jaxptd.sharding import zeros_as
@@ -124,7 +124,8 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
             return layer.apply(variables, x, deterministic, mask, rngs=rngs), (None, None)
         y, state = layer.apply(variables, x, deterministic, mask, rngs=rngs,
                                mutable=collections)
-        stats = state[moe.STATS]["mlp"]["stats"] if cfg.moe else None
+        stats = stack.layer_tree(state[moe.STATS], cfg, cfg.unit - 1)["mlp"]["stats"] \
+            if cfg.moe else None
         return y, (stats, state[DENSE_INPUTS] if taped else None)
 
     if layout.offload_activations:

@@ -23,17 +23,16 @@ from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import stack
 from jaxptd.model.layers import MLP, Block, layer_norm
-from jaxptd.model.moe import MoE, active_mlp_flops
+from jaxptd.model.moe import MoE, mlp_flops
 from jaxptd.model.tensor import Layout, enter_tensor
 from jaxptd.model.vocab import Embed
 
 
-def block(cfg: ModelConfig, layout: Layout) -> Block:
-    """One layer (the stack is applied by jaxptd.model.apply_layers); with model.moe_experts
-    its MLP is a mixture of GeLU experts (model/moe.py)."""
-    if cfg.moe:
-        return Block(cfg, layout, mlp=functools.partial(MoE, shared=MLP, gated=False))
-    return Block(cfg, layout)
+def block(cfg: ModelConfig, layout: Layout) -> nn.Module:
+    """The layer stack's element (stack.block; applied by jaxptd.model.apply_layers): a
+    layer, with model.moe_experts a mixture of GeLU experts (model/moe.py) as its MLP, in
+    every model.moe_every-th layer."""
+    return stack.block(cfg, layout, Block, functools.partial(MoE, shared=MLP, gated=False))
 
 
 def _embed(cfg: ModelConfig, layout: Layout) -> Embed:
@@ -78,10 +77,10 @@ def max_length(cfg: ModelConfig) -> int:
 
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (24 h^2 + 4 s h with ffn = 4h,
-    PTD-P eq. 3; a mixture of experts' MLP: its active part, moe.active_mlp_flops), its
+    PTD-P eq. 3; the MLP's moe.mlp_flops, with a mixture of experts its active part), its
     attention core (4 s h) and the logit layer (2 h V)."""
     h, s = cfg.hidden_size, cfg.seq_len
-    mlp = active_mlp_flops(cfg, 4) if cfg.moe else 4 * h * cfg.ffn
+    mlp = mlp_flops(cfg, 4)
     return {"layer": 8 * h * h + mlp + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
 
 

@@ -17,7 +17,9 @@ Parameter tree (global shapes; n heads, k key/value heads, d = h / n, f = model.
     layers/mlp/w_gate, w_up [L, h, f], w_down [L, f, h]   column-, column-, row-parallel
                                          (a mixture of experts' instead: model/moe.py, with
                                          SwiGLU experts [L, E, ...] and this MLP as the
-                                         shared experts, layers/mlp/shared/...)
+                                         shared experts, layers/mlp/shared/...; with
+                                         model.moe_every = k, units [L/k, ...] of k
+                                         layers, layers/layer_j/..., the last a mixture)
     final_norm/scale [h]
     head/w_head [h, V]                   column-parallel by vocabulary
 
@@ -40,7 +42,7 @@ from jaxptd.arch.interface import Architecture, Decoder
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused, stack
 from jaxptd.model.layers import Block, attend, residual_std, rms_norm
-from jaxptd.model.moe import MoE, active_mlp_flops
+from jaxptd.model.moe import MoE, mlp_flops
 from jaxptd.model.sequence import Rows, local_positions
 from jaxptd.model.tensor import (Layout, dense, enter_tensor, exit_tensor, normal, weight,
                                  zeros)
@@ -162,9 +164,12 @@ class Head(nn.Module):
         return dense(self, "w_head", enter_tensor(x, self.layout), w_head).astype(jnp.float32)
 
 
-def block(cfg: ModelConfig, layout: Layout) -> Block:
-    mlp = functools.partial(MoE, shared=MLP, gated=True) if cfg.moe else MLP
-    return Block(cfg, layout, attention=Attention, mlp=mlp, norm=rms_norm)
+def block(cfg: ModelConfig, layout: Layout) -> nn.Module:
+    """The layer stack's element (stack.block): a layer, or with model.moe_every > 1 a
+    unit of layers."""
+    return stack.block(cfg, layout,
+                       functools.partial(Block, attention=Attention, mlp=MLP, norm=rms_norm),
+                       functools.partial(MoE, shared=MLP, gated=True))
 
 
 def _boxed_init(cfg: ModelConfig, vocab: int, key):
@@ -184,10 +189,11 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
     specs = nn.get_partition_spec(jax.eval_shape(
         lambda: _boxed_init(cfg, vocab, jax.random.key(0))))
     if not kv_sharded(cfg, tensor):
-        attn = specs["layers"]["attn"]
-        for name in ("w_kv", "b_kv") if cfg.qkv_bias else ("w_kv",):
-            attn[name] = P(*("kv_heads_replicated" if n == "kv_heads" else n
-                             for n in attn[name]))
+        for layer in stack.layer_trees(specs["layers"], cfg):
+            attn = layer["attn"]
+            for name in ("w_kv", "b_kv") if cfg.qkv_bias else ("w_kv",):
+                attn[name] = P(*("kv_heads_replicated" if n == "kv_heads" else n
+                                 for n in attn[name]))
     return specs
 
 
@@ -208,10 +214,11 @@ def init_cache(cfg: ModelConfig, layout: Layout, batch: int, length: int):
 
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (queries and output 2 h^2 each,
-    keys and values 4 h k d, SwiGLU 6 h f or a mixture of experts' active part,
-    moe.active_mlp_flops; attention core 4 s h), its core, the head."""
+    keys and values 4 h k d, the MLP's moe.mlp_flops: SwiGLU 6 h f, a mixture of experts'
+    active part, a mean over the layers when every k-th is one; attention core 4 s h), its
+    core, the head."""
     h, s = cfg.hidden_size, cfg.seq_len
-    mlp = active_mlp_flops(cfg, 6) if cfg.moe else 6 * h * cfg.ffn
+    mlp = mlp_flops(cfg, 6)
     return {"layer": 4 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim + mlp
             + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
 

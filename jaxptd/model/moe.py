@@ -52,6 +52,7 @@ import dataclasses
 import math
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -98,15 +99,26 @@ def active_mlp_flops(cfg: ModelConfig, per_width: int) -> int:
             + per_width * h * cfg.moe_shared_ffn + 2 * h * cfg.moe_shared_gate)
 
 
+def mlp_flops(cfg: ModelConfig, per_width: int) -> float:
+    """Forward matmul FLOPs a token spends in a layer's MLP, the mean over the layers: the
+    dense MLP's per_width h f, or with a mixture of experts `active_mlp_flops` in one layer
+    of every model.moe_every and the dense MLP's in the others."""
+    dense = per_width * cfg.hidden_size * cfg.ffn
+    if not cfg.moe:
+        return dense
+    return (active_mlp_flops(cfg, per_width) + (cfg.unit - 1) * dense) / cfg.unit
+
+
 def update_bias(params, load, apply, cfg: ModelConfig):
     """DeepSeek-V3's auxiliary-loss-free balance, after a step: each layer's router_bias
     moves by moe_bias_rate towards its experts' mean load (up for an expert under it, down
     over it). load: the step's rows per expert [..., E], laid out as the layers; apply:
     False leaves the biases (a step skipped by the loss scale)."""
-    mlp = params["layers"]["mlp"]
+    path = ("layers", *cfg.layer_path(cfg.unit - 1), "mlp", "router_bias")
+    flat = traverse_util.flatten_dict(params)
     move = cfg.moe_bias_rate * jnp.sign(jnp.mean(load, -1, keepdims=True) - load)
-    bias = mlp["router_bias"] + jnp.where(apply, move, 0.0)
-    return {**params, "layers": {**params["layers"], "mlp": {**mlp, "router_bias": bias}}}
+    flat[path] = flat[path] + jnp.where(apply, move, 0.0)
+    return traverse_util.unflatten_dict(flat)
 
 
 class MoE(nn.Module):

@@ -1,9 +1,12 @@
-"""What the architectures share: stacked initialisation with logical names (every
-architecture's), and for the decoders the scan over layers with a KV cache (decoding;
-training's layer scan is jaxptd.model.apply_layers) and their interface functions.
+"""What the architectures share: the stacked element (`block`: a layer, or a `Unit` of
+model.moe_every layers when every k-th layer is a mixture of experts), stacked
+initialisation with logical names (every architecture's), and for the decoders the scan
+over layers with a KV cache (decoding; training's layer scan is jaxptd.model.apply_layers)
+and their interface functions.
 
-Layers are `layers.Block`s whose parameters are stacked on a leading [L] axis named
-'layers'; layer i of a stack draws dropout from fold_in(key, i).
+The stacked elements' parameters are stacked on a leading [model.units] axis named
+'layers' (one element a layer, unless a Unit); element i of a stack draws dropout from
+fold_in(key, i).
 
 Initialisation does not depend on the layout: every parameter is drawn at the real
 vocabulary (model.vocab_size), and its axes named 'vocab' are then padded with zeros to the
@@ -13,6 +16,9 @@ looked up and never take probability (vocab.vocab_parallel_xent), so their gradi
 Adam moments are zero, and AdamW's decay of a zero is zero.
 """
 from __future__ import annotations
+
+import functools
+from typing import Callable
 
 import flax.linen as nn
 import jax
@@ -25,19 +31,68 @@ from jaxptd.model.tensor import Layout
 from jaxptd.model.vocab import embedding_dropout, vocab_parallel_xent
 
 
+class Unit(nn.Module):
+    """model.moe_every = k consecutive layers as one element of the layer stack:
+    layer_0 .. layer_{k-2} with the dense MLP, layer_{k-1} with the mixture of experts
+    (model layer u k + j is unit u's layer_j), so that the stack stays one scan over
+    identical trees. Called like a Block; its KV cache is [k, ...] (init_cache)."""
+
+    cfg: ModelConfig
+    layout: Layout
+    dense: Callable  # (cfg, layout, name=) -> the dense layer, a Block
+    sparse: Callable  # the same with the mixture of experts
+
+    @nn.compact
+    def __call__(self, x, deterministic: bool = True, mask=None, cache=None):
+        k = self.cfg.unit
+        caches = []
+        for j in range(k):
+            layer = (self.sparse if j == k - 1 else self.dense)(self.cfg, self.layout,
+                                                                name=f"layer_{j}")
+            if cache is None:
+                x = layer(x, deterministic, mask)
+            else:
+                x, kv = layer(x, deterministic, mask, (cache[0][j], cache[1][j], cache[2]))
+                caches.append(kv)
+        return x if cache is None else (x, tuple(jnp.stack(c) for c in zip(*caches)))
+
+
+def block(cfg: ModelConfig, layout: Layout, layer: Callable, moe_mlp: Callable) -> nn.Module:
+    """The layer stack's element: layer(cfg, layout) (a Block factory), with a mixture of
+    experts its MLP moe_mlp in every layer, or in every moe_every-th (a Unit)."""
+    if not cfg.moe:
+        return layer(cfg, layout)
+    sparse = functools.partial(layer, mlp=moe_mlp)
+    if cfg.unit == 1:
+        return sparse(cfg, layout)
+    return Unit(cfg, layout, dense=layer, sparse=sparse)
+
+
+def layer_tree(layers: dict, cfg: ModelConfig, j: int) -> dict:
+    """A stack's tree (of parameters, or anything keyed alike) -> the subtree of layer j of
+    a unit (with one layer a unit: layers itself; the mixture is layer cfg.unit - 1)."""
+    return functools.reduce(lambda tree, name: tree[name], cfg.layer_path(j), layers)
+
+
+def layer_trees(layers: dict, cfg: ModelConfig) -> list[dict]:
+    """The subtrees of all of a unit's layers (layer_tree)."""
+    return [layer_tree(layers, cfg, j) for j in range(cfg.unit)]
+
+
 def init_layers(block: nn.Module, cfg: ModelConfig, key, x):
-    """Boxed parameters of cfg.num_layers independently drawn layers, stacked [L, ...],
+    """Boxed parameters of cfg.units independently drawn elements, stacked [units, ...],
     with 'layers' prepended to every logical name. x: a [1, s, h] example input."""
     layers = jax.vmap(lambda k: block.init(k, x)["params"])(
-        jax.random.split(key, cfg.num_layers))
+        jax.random.split(key, cfg.units))
     return jax.tree.map(lambda b: b.replace(names=("layers",) + tuple(b.names)), layers,
                         is_leaf=lambda b: isinstance(b, nn.Partitioned))
 
 
 def init_cache(cfg: ModelConfig, kv_heads: int, batch: int, length: int):
     """Zero keys and values for decoding: two [L, batch, length, kv_heads, d] arrays (this
-    rank's key/value heads) in the compute dtype."""
-    shape = (cfg.num_layers, batch, length, kv_heads, cfg.head_dim)
+    rank's key/value heads) in the compute dtype ([units, k, ...] with Units of k)."""
+    unit = (cfg.unit,) if cfg.unit > 1 else ()
+    shape = (cfg.units, *unit, batch, length, kv_heads, cfg.head_dim)
     return jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)
 
 
@@ -54,7 +109,7 @@ def decode_layers(block: nn.Module, layers, x, cache, start):
 
 
 def boxed_init(cfg: ModelConfig, vocab: int, key, block, keyed: dict, norms: dict):
-    """Global parameters as Flax boxes: {'layers': cfg.num_layers blocks} plus the ends,
+    """Global parameters as Flax boxes: {'layers': cfg.units stacked elements} plus the ends,
     padded to the vocabulary `vocab` (module docstring).
 
     block: the layer's factory of (cfg, layout); keyed: {name: (factory of (cfg, layout),

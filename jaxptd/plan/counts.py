@@ -55,7 +55,9 @@ def real_counts(config: Config) -> dict:
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
     the last stage read, a tied embedding, whose gradients those two exchange). Layers are
     split over pipe whether or not a leaf's layout names 'stages' (pipe is not in `split`);
-    FSDP and ZeRO-1 pick a dimension past the layer one (sharding.py's rule).
+    FSDP and ZeRO-1 pick a dimension past the layer one (sharding.py's rule). "One layer"
+    is one element of the layer stack: with model.moe_every = k a unit of k layers, which
+    FSDP gathers and offload streams as one.
 
     A mixture of experts' routed experts (the leaves the 'experts' rule puts on the mesh's
     expert axis) are split over parallel.expert like any sharded dimension, the other
@@ -121,11 +123,11 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, spli
         both = tensor_local if kind == "both" else 0
         return {**counts, "ends_params": tensor_local, "ends_weight_params": weights,
                 "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0}
-    one = tensor_local / model.num_layers
+    one = tensor_local / model.units  # one element of the layer stack (gathered, streamed)
     gathered = sharded != spec  # FSDP splits it: a gather brings it whole
     by_matmul = par.fsdp_unit == "matmul"  # else the layer is gathered whole
     return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
-            "layer_params": one, "layer_weight_params": weights * par.pipe / model.num_layers,
+            "layer_params": one, "layer_weight_params": weights * par.pipe / model.units,
             "dense_unit_params": one if name in DENSE and gathered and by_matmul else 0.0,
             "layer_gathered_params": one if gathered and not (name in DENSE and by_matmul)
             else 0.0}

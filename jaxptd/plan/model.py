@@ -56,7 +56,7 @@ that takes over balanced routing is what the planner reports as the imbalance he
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -74,8 +74,9 @@ class Moe:
     """A mixture of experts' shape as the formulas read it (jaxptd/model/moe.py): E routed
     experts of hidden width fe (model.expert_ffn), top_k of them a token, a shared expert
     of width fs (0: none), ep expert-parallel ranks (parallel.expert), capacity factor cf
-    (model.moe_capacity, 0: dropless). balanced: the experts' rows as balanced routing
-    would need them, not as the layer allocates them (moe_rows)."""
+    (model.moe_capacity, 0: dropless), in one layer of every `every` (model.moe_every; the
+    others dense). balanced: the experts' rows as balanced routing would need them, not as
+    the layer allocates them (moe_rows)."""
     experts: int
     top_k: int
     ffn: int
@@ -83,6 +84,7 @@ class Moe:
     ep: int = 1
     capacity: float = 0.0
     balanced: bool = False
+    every: int = 1
 
 
 def moe_rows(tokens: float, moe: Moe) -> dict:
@@ -172,15 +174,18 @@ def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = Fal
     first matmuls; c, method: context parallelism (attention_terms); s is the whole
     sequence, of which a rank holds s/c tokens. moe: the MLP is a mixture of experts
     (moe_mlp_bytes in place of the dense MLP's term; model.remat=minimal keeps it whole,
-    an assumption: not measured against the compiled step)."""
+    an assumption: not measured against the compiled step), in one layer of every
+    moe.every: the mean over the layers (full recomputation keeps a unit's input)."""
     n = s // c
     sbh, ffn, kv_heads = n * b * h, ffn or 4 * h, kv_heads or a
     stream = 2 * sbh * e / (t if sp else 1)  # x and the residual after attention
+    every = moe.every if moe else 1
     if remat == "full":
-        return stream / 2
+        return stream / 2 / every
     qkv = sbh * (1 + 2 * kv_heads / a) * e / t
-    mlp = moe_mlp_bytes(b * n, h, t, e, moe, gated) if moe else \
-        sbh * ffn / h * (2 if gated else 1) * e / t
+    mlp = sbh * ffn / h * (2 if gated else 1) * e / t
+    if moe:
+        mlp = (moe_mlp_bytes(b * n, h, t, e, moe, gated) + (every - 1) * mlp) / every
     context = sbh * e / t
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
     if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed;
@@ -266,7 +271,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     blocks are Pallas's flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash
     attention. The ring recomputes nothing of its own (selective recomputation leaves it
     alone); its XLA blocks add RING_UNITS of its unit to a layer's backward.
-    moe: every layer's MLP is this mixture of experts (layer_activation_bytes).
+    moe: a layer's MLP is this mixture of experts (layer_activation_bytes), in one layer of
+    every moe.every: the layers are then recomputed a unit of moe.every at a time (the
+    stack's element), so full and minimal recomputation's transient is a unit's; the
+    others' is the unit's largest layer's.
     """
     ring = c > 1 and method == "ring"
     shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method, moe=moe)
@@ -280,9 +288,15 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
-    transient = {"none": 0.5 * layer, "minimal": 1.5 * layer - kept,
-                 "selective": 0.5 * layer + (0.0 if ring else scores),
-                 "full": 1.5 * layer}[remat]
+    unit = moe.every if moe else 1
+    if unit > 1:  # the largest layer of a unit (the mixture or a dense one) for its own part
+        largest = max(layer_activation_bytes(b, s, h, a, t, e, sp, flash, **{
+            **shape, "moe": m}) for m in (replace(moe, every=1), None))
+    else:
+        largest = layer
+    transient = {"none": 0.5 * largest, "minimal": (1.5 * layer - kept) * unit,
+                 "selective": 0.5 * largest + (0.0 if ring else scores),
+                 "full": 1.5 * layer * unit}[remat]
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients
         transient += (RING_UNITS if ring else 2) * scores
     span = chunk_layers if pipe > 1 else layers_per_stage

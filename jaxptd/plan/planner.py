@@ -77,7 +77,7 @@ def moe_shape(config: Config, balanced: bool = False) -> pm.Moe | None:
         return None
     return pm.Moe(experts=m_cfg.moe_experts, top_k=m_cfg.moe_top_k, ffn=m_cfg.expert_ffn,
                   shared_ffn=m_cfg.moe_shared_ffn, ep=config.parallel.expert,
-                  capacity=m_cfg.moe_capacity, balanced=balanced)
+                  capacity=m_cfg.moe_capacity, balanced=balanced, every=m_cfg.unit)
 
 
 def _memory(config: Config, counts: dict, slots: dict, platform: str,
@@ -211,7 +211,8 @@ def _moe(config: Config, inputs: PlanInputs, counts: dict, slots: dict, device: 
     m_cfg, par, hw = config.model, config.parallel, inputs.hardware
     balanced = _memory(config, counts, slots, inputs.platform, balanced=True)[0]["total"]
     tokens = config.microbatch_size * m_cfg.seq_len / par.context
-    return {"experts": moe.experts, "top_k": moe.top_k, "expert_ffn": moe.ffn,
+    return {"experts": moe.experts, "top_k": moe.top_k, "every": moe.every,
+            "expert_ffn": moe.ffn,
             "shared_ffn": moe.shared_ffn, "ranks": par.expert,
             "experts_per_rank": moe.experts // par.expert, "capacity": moe.capacity,
             "params_total": counts["params_model"], "params_active": counts["params_active"],
@@ -286,7 +287,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         expert_grad_bytes=4 * counts["expert_weight_params"],
         expert_replicas=replicas // par.expert,
         moe=pt.moe_volumes(rows=pm.moe_rows(b * s / c, moe)["balanced"],
-                           h=h, e=e, ep=par.expert, layers_per_stage=layers,
+                           h=h, e=e, ep=par.expert, layers_per_stage=layers // moe.every,
                            forward_again=again) if moe else None,
         stage_params=counts["stage_params"], gather_bytes=gather,
         tied_grad_bytes=counts["tied_params"] * gather,

@@ -97,18 +97,20 @@ def _moe_lines(r: dict) -> list:
     if x is None:
         return []
     shared = f", a shared expert of width {x['shared_ffn']}" if x["shared_ffn"] else ""
+    every = f" in one layer of every {x['every']} (the others dense)" if x["every"] > 1 else ""
     routing = (f"capacity factor {x['capacity']:g}: {x['rows']['allocated']:,.0f} rows a layer, "
                "overflow dropped" if x["capacity"] else "dropless")
     return [
-        f"experts     E={x['experts']} top-{x['top_k']} of width {x['expert_ffn']}{shared}, "
+        f"experts     E={x['experts']} top-{x['top_k']} of width {x['expert_ffn']}{shared}"
+        f"{every}, "
         f"{routing}; expert ranks e={x['ranks']} ({x['experts_per_rank']} experts a rank); "
         f"params total {x['params_total'] / 1e9:.4f} B, active {x['params_active'] / 1e9:.4f} "
         f"B a token; expert weights {x['expert_weight_bytes'] / GB:.3f} GB/dev (masters, "
         "gradients, moments)",
         f"  FLOPs from the active parameters: a layer's MLP {x['mlp_flops_per_token']:,.0f} "
         "a token forward = 2 h E (router) + top_k x 6 h fe (SwiGLU; GeLU 4 h fe) + 6 h fs "
-        "(shared; GeLU 4 h fs) + 2 h (shared gate); a layer = attention + that; x 3 forward "
-        "and backward",
+        "(shared; GeLU 4 h fs) + 2 h (shared gate); a layer = attention + that (with dense "
+        "layers between: their mean); x 3 forward and backward",
         f"  all-to-all  {x['all_to_all_per_microbatch'] / MB:.2f} MB/microbatch leave a rank "
         f"(dispatch and combine, forward and backward, {x['all_to_all_message'] / MB:.2f} MB "
         f"each, (e-1)/e of it sent) over {x['link']}-node links: "

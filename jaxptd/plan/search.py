@@ -60,11 +60,11 @@ def search(config: Config, inputs: PlanInputs, n: int) -> list:
     contexts = [c for c in CONTEXTS if c == 1 or (model.seq_len % (2 * c) == 0 and
                                                   model.seq_len // c >= MIN_CONTEXT_TOKENS)]
     for t, c in ((t, c) for t in tensors for c in contexts if n % (t * c) == 0):
-        for p in (p for p in pm.divisors(model.num_layers) if n % (t * c * p) == 0):
+        for p in (p for p in pm.divisors(model.units) if n % (t * c * p) == 0):
             d = n // (t * c * p)
             if B % d:
                 continue
-            chunks = [1] if p == 1 else [v for v in (1, 2, 4) if model.num_layers % (p * v) == 0]
+            chunks = [1] if p == 1 else [v for v in (1, 2, 4) if model.units % (p * v) == 0]
             for v, ep in ((v, ep) for v in chunks for ep in _experts(model, d)):
                 for b in pm.divisors(B // d):
                     m = B // (d * b)

@@ -67,13 +67,14 @@ def _in_host_memory(config: Config, setup):
     """dims -> whether the CPU program's buffer of those dimensions is one a GPU program
     keeps in host memory, by its shape: unpipelined, with offload.optimizer the stacked
     layer gradients [L, ...] (shaped like the state's layer leaves), with
-    offload.activations the stacked layer inputs [L, b, s, h] ([L, b, s/t, h] with SP)."""
+    offload.activations the stacked layer inputs [L, b, s, h] ([L, b, s/t, h] with SP;
+    L: the stack's elements, model.units)."""
     import jax
     par, model = config.parallel, config.model
     grads = {tuple(leaf.sharding.shard_shape(leaf.shape))
              for leaf in jax.tree.leaves(setup.state_layout.abstract_state()["params"]["layers"])}
     split = par.tensor if par.sequence_parallel else 1
-    inputs = (model.num_layers, config.microbatch_size, model.seq_len // split,
+    inputs = (model.units, config.microbatch_size, model.seq_len // split,
               model.hidden_size)
 
     def in_host(dims) -> bool:
@@ -96,8 +97,9 @@ def _planned_on_cpu(config: Config, report: dict) -> tuple[float, float, float]:
 
 def _loop_body_flops(config: Config, report: dict) -> float:
     """What XLA's cost analysis counts: it counts a while loop's body once, so the
-    microbatch scan and the layer scan contribute one microbatch through one layer
-    (forward, backward and what model.remat recomputes; Appendix) plus the logit
+    microbatch scan and the layer scan contribute one microbatch through one element of
+    the stack, a layer or a unit of model.moe_every (forward, backward and what model.remat
+    recomputes; Appendix) plus the logit
     layer (6 b s h V), per device (a context rank's s/c tokens). A step that reduces
     gradients inside the last microbatch's backward runs that microbatch outside the scan:
     two microbatches."""
@@ -106,7 +108,8 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     tokens = config.microbatch_size * m_cfg.seq_len
     per_token = get(m_cfg).forward_flops(m_cfg, m_cfg.padded_vocab(par.tensor))
     forward, core = per_token["layer"], per_token["core"]
-    layer = 3 * forward + {"none": 0, "selective": core, "full": forward}[recomputation(config)]
+    layer = m_cfg.unit * (3 * forward + {"none": 0, "selective": core,
+                                         "full": forward}[recomputation(config)])
     bodies = 2 if config.peels_last_microbatch else 1
     return bodies * tokens * (layer + 3 * per_token["head"]) / (par.tensor * par.context)
 
