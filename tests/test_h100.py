@@ -110,6 +110,10 @@ LAYOUTS = {
     "llama gqa": layout(2, 1, 4, 1, "model.arch=llama", "model.num_kv_heads=2",
                         "parallel.sequence_parallel=true"),
     "bert": layout(2, 1, 4, 1, "model.arch=bert", "model.vocab_size=1004"),
+    # a pipelined mixture of experts every second layer: the kept backward rebuilt from the
+    # stash runs the grouped GEMMs' custom_vjp on rows received by ragged all-to-all
+    "moe": layout(4, 2, 1, 8, "model.arch=llama", "model.moe_experts=8", "model.moe_ffn=256",
+                  "model.moe_every=2", "parallel.expert=4"),
 }
 FAST = ("llama gqa",)  # (1f1b and the rest: the full suite)
 

@@ -61,7 +61,7 @@ from jaxptd.config import ModelConfig
 from jaxptd.model import fused
 from jaxptd.model.layers import residual_std
 from jaxptd.model.tensor import Layout, enter_tensor, exit_tensor, normal, zeros
-from jaxptd.sharding import varying_axes
+from jaxptd.sharding import mark_varying, varying_axes
 
 STATS = "moe_stats"  # the Flax collection a MoE layer sows its statistics into
 
@@ -417,7 +417,7 @@ def _ragged_there(rows, sent, me, axis):
     send = sent[me]
     offsets = jnp.cumsum(send) - send  # where each destination's rows start here
     lands = (jnp.cumsum(sent, 0) - sent)[me]  # where they land there: after lower sources
-    buffer = jnp.zeros((e * a, rows.shape[-1]), rows.dtype)
+    buffer = _receive_buffer((e * a, rows.shape[-1]), rows, axis)
     return lax.ragged_all_to_all(rows, buffer, offsets, send, lands, sent[:, me],
                                  axis_name=axis)
 
@@ -427,6 +427,15 @@ def _ragged_back(done, sent, me, axis, a):
     recv = sent[:, me]
     offsets = jnp.cumsum(recv) - recv  # source s's rows here
     lands = (jnp.cumsum(sent, 1) - sent)[:, me]  # where they started at source s
-    buffer = jnp.zeros((a, done.shape[-1]), done.dtype)
+    buffer = _receive_buffer((a, done.shape[-1]), done, axis)
     return lax.ragged_all_to_all(done, buffer, offsets, recv, lands, sent[me],
                                  axis_name=axis)
+
+
+def _receive_buffer(shape, sent, axis):
+    """Zeros for lax.ragged_all_to_all to receive into, typed as varying like the rows
+    sent and over the exchange's axis (the result takes the buffer's type: an invariant
+    one typed the received rows invariant, and a pipeline stash, whose residuals come
+    back varying over pipe, then broke the grouped kernels' custom_vjp on the H100)."""
+    return mark_varying(jnp.zeros(shape, sent.dtype),
+                        tuple(sorted(varying_axes(sent) | {axis})))
