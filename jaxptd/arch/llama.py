@@ -189,8 +189,7 @@ def _to_hf(m: ModelConfig) -> dict:
         hf.update(num_experts=m.moe_experts, moe_intermediate_size=m.expert_ffn,
                   shared_expert_intermediate_size=m.moe_shared_ffn,
                   norm_topk_prob=m.moe_norm_topk, decoder_sparse_step=m.moe_every,
-                  mlp_only_layers=[],
-                  qkv_bias=m.qkv_bias)
+                  mlp_only_layers=[], qkv_bias=m.qkv_bias)
     if m.rope_scaling == "llama3":
         hf["rope_scaling"] = {"rope_type": "llama3",
                               **{hf_key: getattr(m, key) for key, hf_key in LLAMA3.items()}}

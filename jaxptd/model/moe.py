@@ -52,9 +52,9 @@ import dataclasses
 import math
 
 import flax.linen as nn
-from flax import traverse_util
 import jax
 import jax.numpy as jnp
+from flax import traverse_util
 from jax import lax
 
 from jaxptd.config import ModelConfig
