@@ -208,6 +208,7 @@ def test_context_allgather_and_packed_rows_run_cudnn():
 
 
 @needs_compiler
+@pytest.mark.slow  # (the fast subset's cuDNN check: the "llama gqa" step above)
 def test_cudnn_attention_only_where_asked():
     """The model's loss gradient compiled for one H100 (the GPU layout): model.attention=
     cudnn runs cuDNN flash attention, one forward and one backward a layer; xla none (off a
