@@ -268,8 +268,8 @@ def _swiglu(m: ModelConfig, j: int, module: str, path: tuple, f: int) -> list:
 
 def _extras(m: ModelConfig) -> dict:
     """The rotary frequencies older checkpoints keep (a buffer)."""
-    return dict.fromkeys(name for j in range(m.unit) for name in
-                         each_layer("model.layers.{i}.self_attn.rotary_emb.inv_freq", m, j))
+    return dict.fromkeys(f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
+                         for i in range(m.num_layers))
 
 
 def _canonical(m: ModelConfig, tensors: dict) -> dict:

@@ -206,13 +206,11 @@ def _validate_parallel(config: Config) -> None:
              "offload.activations=true: needs parallel.pipe=1 (a pipeline keeps its "
              "activations in its stash; parallel.stash=inputs keeps only the stage inputs)")
     stages = par.pipe * par.chunks
-    _require(m.num_layers % stages == 0,
-             f"model.num_layers={m.num_layers}: must be divisible by parallel.pipe x "
-             f"parallel.chunks = {par.pipe} x {par.chunks} = {stages}")
+    units = "" if m.unit == 1 else (f" / model.moe_every={m.moe_every} (a stage holds "
+                                     f"whole units of moe_every layers) = {m.units}")
     _require(m.units % stages == 0,
-             f"model.moe_every={m.moe_every}: a stage holds whole units of moe_every layers; "
-             f"model.num_layers / moe_every = {m.units} must be divisible by parallel.pipe x "
-             f"parallel.chunks = {stages}")
+             f"model.num_layers={m.num_layers}{units}: must be divisible by parallel.pipe x "
+             f"parallel.chunks = {par.pipe} x {par.chunks} = {stages}")
     _require(par.chunks == 1 or "interleaved" in par.schedule,
              f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
              f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})")

@@ -288,12 +288,9 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
-    unit = moe.every if moe else 1
-    if unit > 1:  # the largest layer of a unit (the mixture or a dense one) for its own part
-        largest = max(layer_activation_bytes(b, s, h, a, t, e, sp, flash, **{
-            **shape, "moe": m}) for m in (replace(moe, every=1), None))
-    else:
-        largest = layer
+    unit = moe.every if moe else 1  # the largest of a unit's layers, for its own part:
+    largest = layer if unit == 1 else max(layer_activation_bytes(
+        b, s, h, a, t, e, sp, flash, **{**shape, "moe": m}) for m in (replace(moe, every=1), None))
     transient = {"none": 0.5 * largest, "minimal": (1.5 * layer - kept) * unit,
                  "selective": 0.5 * largest + (0.0 if ring else scores),
                  "full": 1.5 * layer * unit}[remat]
