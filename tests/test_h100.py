@@ -36,6 +36,7 @@ from jaxptd import model as models
 from jaxptd.config import load_config
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
+from jaxptd.pipeline import buffers
 from jaxptd.target import TARGETS, TargetError, topology_devices
 from pallas_kernels.grouped import grouped_matmul
 
@@ -150,6 +151,30 @@ def test_step_compiles_for_h100(name):
         # some pipelines (jaxptd/target.py)
         split = "zb" in par.schedule
         assert all(all(o) if split else any(o) for o in overlapped.values()), overlapped
+
+
+@needs_compiler
+def test_a_slot_read_after_values_waits_for_them():
+    """buffers.after, which orders a stash=inputs B slot's recomputed forward after the
+    previous B slot's weight gradients (jaxptd/pipeline/training.py): the index comes back
+    unchanged whatever the values hold (NaN, infinities, negative zero), and the H100
+    program XLA optimizes still computes the read's index from the values (a dependence
+    it folded away would leave it free to read the stash before they exist)."""
+    odd = (jnp.array([jnp.nan, 1.0]), jnp.array([-jnp.inf]), jnp.array([-0.0], jnp.bfloat16),
+           jnp.array([-3.0]))
+    for index in (0, 2):
+        assert int(jax.jit(buffers.after)(jnp.int32(index), odd, like=odd[0])) == index
+    one = SingleDeviceSharding(topology_devices(H100, 1, 1)[0])
+
+    def read(stash, slot, x, w):
+        grads = jnp.tanh(x @ w)  # the values the read must wait for
+        return buffers.read(stash, buffers.after(slot, grads, like=grads)) * 2, grads
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in (
+        ((3, 256, 512), jnp.bfloat16), ((), jnp.int32), ((256, 512), jnp.bfloat16),
+        ((512, 512), jnp.bfloat16))]
+    module = hlo.parse(jax.jit(read).lower(*args).compile().as_text())
+    assert any(i.opcode == "shift-right-arithmetic" for c in module.computations.values()
+               for i in c.instrs)
 
 
 # context parallelism on a Llama with grouped-query attention, tensor 2 (8 H100s: c = 4)

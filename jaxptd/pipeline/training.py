@@ -168,11 +168,20 @@ class Training:
         """B: the input gradient (sent to the previous stage) and the gradients of the ends
         and of the chunk (split: all but the dense() weights, whose W slot gets the taps)."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
-        x_in = buffers.read(carry["stash"], row["b_slot"])
+        received = buffers.read(carry["gbuf"], row["b_grad_slot"])
+        slot = row["b_slot"]
+        if not self.keep_activations:
+            # the stage's forward is recomputed only once its output gradient is there and
+            # the earlier B slots' weight gradients are summed: where XLA unrolls rounds
+            # it would recompute it beside the previous B's weight gradients, which keep
+            # their inputs, two B slots' activations at once (+2.6 GiB, the H100 compile
+            # of GPT-1.3B at (2,2,2)); kept activations are better left to XLA's schedule
+            slot = buffers.after(slot, (received, carry["grads"]), like=received)
+        x_in = buffers.read(carry["stash"], slot)
         is_last = self.stage.vstage(chunk) == self.stage.last
         g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
                               (*TOKENS, PIPE))
-        g_out = jnp.where(is_last, 0.0, buffers.read(carry["gbuf"], row["b_grad_slot"]))
+        g_out = jnp.where(is_last, 0.0, received)
         if self.keep_activations:
             loss, g_ends, g_layers, g_x, taps = self._backward_kept(
                 carry, row, x_in, g_out, g_loss, seg)
