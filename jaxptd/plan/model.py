@@ -242,7 +242,7 @@ def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n,
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
-                      method="ring", moe=None) -> dict:
+                      method="ring", moe=None, xla_gpu=False) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -275,6 +275,13 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     every moe.every: the layers are then recomputed a unit of moe.every at a time (the
     stack's element), so full and minimal recomputation's transient is a unit's; the
     others' is the unit's largest layer's.
+    xla_gpu: XLA's attention core (not flash) compiled for a GPU, which holds a layer's
+    [b, a/t, s, s] twice where nothing recomputes it: where a layer's forward and backward
+    are one program (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the
+    probabilities in the softmax's backward from the scores, which it keeps beside them;
+    from a stash, the B slot reads them out twice, as stored and transposed for the
+    values' gradient (the H100 compile of GPT-1.3B, buffer by buffer: one device, and
+    1F1B at (2,2,2) with each stash).
     """
     ring = c > 1 and method == "ring"
     shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method, moe=moe)
@@ -299,6 +306,11 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     span = chunk_layers if pipe > 1 else layers_per_stage
     stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers, kept,
                                                keep_activations, b, n, h, t, e)
+    twice = attention["kept"] if xla_gpu and remat == "none" else 0.0
+    if pipe > 1 and keep_activations:
+        stash += 2 * chunk_layers * twice  # read out of the stash twice
+    else:
+        kept += twice  # the scores beside the probabilities
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
             "layer_transient": transient,
             "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1),

@@ -97,7 +97,8 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         flash=flash_attention(config, platform),
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention,
-        moe=moe_shape(config, balanced))
+        moe=moe_shape(config, balanced),
+        xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform))
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full") \
