@@ -116,7 +116,7 @@ class Setup:
 
     def compiler_options(self) -> dict | None:
         """The XLA options the step compiles with on its target (jaxptd/target.py)."""
-        return target.compiler_options(self.target)
+        return target.compiler_options(self.target, pipelined=self.config.parallel.pipe > 1)
 
     def gathers(self):
         """FSDP's (ends, layer) gathers inside the shard_map (reduction.fsdp_gathers)."""

@@ -37,8 +37,8 @@ GPU_XLA_FLAGS = (
     # the round loop's iterations: XLA 0.10.2 aborts compiling an interleaved step with it
     # ("p2p_schedule_preparation.cc:365 Check failed: kind == kPipelined"), and a zb-h1
     # one at p = 8, m = 32; with loop double-buffering, scheduling fails instead
-    # ("kExceedsOverlapLimit"). Seen compiling for H100. Without it a round's permute sent
-    # after its last slot overlaps nothing: jaxptd/pipeline/executor.py.)
+    # ("kExceedsOverlapLimit"). Seen compiling for H100. The executor sends a round's
+    # input gradient at the start of the next round instead: jaxptd/pipeline/executor.py.)
     # Data parallelism: gradient reductions and parameter gathers pipelined across loop
     # iterations, and large enough to use the links' bandwidth (at least one layer's
     # gradients or weights per collective).
@@ -52,6 +52,13 @@ GPU_XLA_FLAGS = (
     # (the round scans and the layer scan).
     "--xla_gpu_enable_while_loop_double_buffering=true",
 )
+# Pipelined steps only: up to three collectives in flight at once (XLA's default: one). A
+# round's input gradient travels beside its F slot and its output beside its B slot, and
+# XLA had serialised them, the first done before the F slot began (the H100 compile of
+# GPT-1.3B at (2,2,2): 2 of a steady round's 4 permutes overlapped no GEMM, then all).
+# Two were enough there; a mixture of experts' F slot has its all-to-alls in flight too.
+# Unpipelined, it moved FSDP's gathers off the GEMMs (36 -> 32 of 55 overlapped).
+PIPELINE_XLA_FLAGS = ("--xla_gpu_experimental_parallel_collective_overlap_limit=3",)
 
 
 @dataclass(frozen=True)
@@ -187,12 +194,13 @@ def topology_devices(target: Target, hosts: int, per_host: int) -> list:
     return list(topology.devices)
 
 
-def compiler_options(target: Target) -> dict | None:
-    """The XLA options of a step compiled for `target` (name -> value, GPU_XLA_FLAGS; None
-    on CPU)."""
+def compiler_options(target: Target, pipelined: bool = False) -> dict | None:
+    """The XLA options of a step compiled for `target` (name -> value, GPU_XLA_FLAGS, and
+    PIPELINE_XLA_FLAGS for a pipelined step; None on CPU)."""
     if target.platform != "gpu":
         return None
+    flags = GPU_XLA_FLAGS + (PIPELINE_XLA_FLAGS if pipelined else ())
 
     def value(text: str):
         return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
-    return {name: value(text) for name, text in (f[2:].split("=", 1) for f in GPU_XLA_FLAGS)}
+    return {name: value(text) for name, text in (f[2:].split("=", 1) for f in flags)}

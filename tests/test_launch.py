@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from jaxptd.target import GPU_XLA_FLAGS, MEM_FRACTION, TARGETS
+from jaxptd.target import GPU_XLA_FLAGS, MEM_FRACTION, PIPELINE_XLA_FLAGS, TARGETS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
 
 
 def test_gpu_xla_options_parse_on_this_jaxlib():
-    flags = list(GPU_XLA_FLAGS)
+    flags = list(GPU_XLA_FLAGS + PIPELINE_XLA_FLAGS)
     assert "--xla_gpu_enable_latency_hiding_scheduler=true" in flags
     env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,

@@ -417,8 +417,11 @@ def _contains_matmul(eqn) -> bool:
     ("1f1b", "cond"), pytest.param("zb-h1", "steady", marks=pytest.mark.slow)])
 def test_no_matmul_waits_for_its_rounds_messages(schedule, form):
     """In every round body of the traced step, nothing that computes a matmul (directly or
-    inside a cond, scan or call) consumes a value derived from that round's ppermutes:
-    messages are only stored, so the collective-permutes can overlap the later slots."""
+    inside a cond, scan or call) consumes a value derived from the round's output message
+    (sent to r + 1): it is only stored, so its collective-permute overlaps the B and W
+    slots. The input gradient (sent to r - 1 at the round's start) is read by the round's
+    B slot, but in a round with an F slot a matmul that does not wait for it (the F
+    slot's) comes between (cool-down rounds have nothing to run beside it)."""
     setup = pipelined_setup(1, 4, 2, schedule, 1, 8, 4, [f"parallel.round_form={form}"])
     config = setup.config
     batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
@@ -427,13 +430,23 @@ def test_no_matmul_waits_for_its_rounds_messages(schedule, form):
     bodies = list(_round_scans(jaxpr))
     assert bodies, "no round loop found"
     for body in bodies:
-        tainted, senders = set(), 0
+        tainted, covered, senders = {1: set(), -1: set()}, {}, 0
         for eqn in body.eqns:
-            uses = any(not isinstance(v, Literal) and v in tainted for v in eqn.invars)
+            uses = {d for d, vs in tainted.items()
+                    if any(not isinstance(v, Literal) and v in vs for v in eqn.invars)}
             if eqn.primitive.name == "ppermute":
                 senders += 1
-                tainted.update(eqn.outvars)
-            elif uses:
-                assert not _contains_matmul(eqn), f"{eqn.primitive.name} waits for a message"
-                tainted.update(eqn.outvars)
+                step = 1 if (0, 1) in eqn.params["perm"] else -1
+                tainted[step].update(eqn.outvars)
+                covered[step] = False
+                continue
+            assert not (1 in uses and _contains_matmul(eqn)), \
+                f"{eqn.primitive.name} waits for the round's output message"
+            if -1 in uses and _contains_matmul(eqn) and 1 in covered:  # (F slot runs)
+                assert covered[-1], f"{eqn.primitive.name} waits for an input gradient " \
+                                    "with no matmul beside it"
+            if not uses and _contains_matmul(eqn):
+                covered = dict.fromkeys(covered, True)
+            for d in uses:
+                tainted[d].update(eqn.outvars)
         assert senders >= 1

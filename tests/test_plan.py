@@ -303,7 +303,8 @@ def test_table1_fits_in_80gb_at_the_papers_layout(capsys, name):
         m = config.model
         stage_input = lay["microbatch_size"] * m.seq_len * m.hidden_size * 2 / lay["tensor"]
         slots = report["pipeline_slots"]
-        assert memory["stash"] == pytest.approx((slots["stash"] + slots["grad"]) * stage_input)
+        assert memory["stash"] == pytest.approx(  # + the input gradient carried a round
+            (slots["stash"] + slots["grad"] + 1) * stage_input)
 
 
 def test_1t_row_without_sequence_parallelism_does_not_fit(capsys):
@@ -315,7 +316,7 @@ def test_1t_row_without_sequence_parallelism_does_not_fit(capsys):
     memory = report["memory_bytes_per_device"]
     assert not report["fits"] and memory["total"] > 100e9
     assert report["pipeline_slots"]["stash"] == 192
-    assert memory["stash"] == pytest.approx((192 * 3 + 1) * 2048 * 25600 * 2)
+    assert memory["stash"] == pytest.approx((192 * 3 + 1 + 1) * 2048 * 25600 * 2)
 
 
 FSDP_RUNS = os.path.join(ROOT, "configs", "pytorch_fsdp")
@@ -546,7 +547,7 @@ def test_sequence_parallel_memory_matches_compiled_step():
     # the stash of the pipelined proxy is [b, s/t, h] per slot
     proxy = reports["table 1 proxy"]
     assert proxy["memory_bytes_per_device"]["stash"] == pytest.approx(
-        sum(proxy["pipeline_slots"].values()) * 4 * 256 * 512 * 4 / 4)
+        (sum(proxy["pipeline_slots"].values()) + 1) * 4 * 256 * 512 * 4 / 4)
 
 
 FSDP_LAYOUTS = {

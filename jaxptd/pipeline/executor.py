@@ -6,12 +6,16 @@ rank r, at most one forward (F slot), one backward (B slot) and one weight-gradi
 slot, zero-bubble kinds) with the buffer slots they use. A round, read top to bottom in
 `_round`, is
 
-    F slot -> send its output to r+1 -> B slot -> send its input gradient to r-1 -> W slot
-           -> store what arrived
+    send the previous round's input gradient to r-1 -> F slot -> send its output to r+1
+      -> store the gradient that arrived -> B slot -> W slot -> store the output that arrived
 
-Nothing in a round reads what arrives in it: each message is stored at the end of the round
-(`buffers.arrive`) and used from the next, so XLA's asynchronous collective-permutes can
-run beside the round's later slots. A `lax.scan` runs the rounds of each segment.
+Nothing in a round reads what is sent in it: an output travels beside the round's B and W
+slots and is stored at the end of the round (`buffers.arrive`); an input gradient, made at
+the end of a B slot, is carried into the next round and sent at its start, so it travels
+beside that round's F slot (sent at the end of its own round, it had nothing to overlap:
+a loop iteration ends with its sends done), and stored before the B slot that reads it.
+The last round's input gradient is never sent: no later B slot reads it. A `lax.scan`
+runs the rounds of each segment.
 
 Round forms (parallel.round_form; `segments`):
 - cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
@@ -51,12 +55,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxptd.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
 from jaxptd.pipeline.lowering import Rounds, Segment, chunks_done, lower, segments
 from jaxptd.pipeline.training import Training
+from jaxptd.sharding import mark_varying
 
+# the carry's B message of the previous round ({x, valid, slot}: what it is and where it
+# is stored), sent at the start of the next round (see the module docstring)
+PENDING = "pending"
 SLOT_FIELDS = {
     "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "recv_f_valid", "recv_f_slot"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "recv_b_valid",
@@ -111,18 +120,25 @@ def _round(program, seg: Segment):
 
     def one_round(carry, row):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
+        carry = dict(carry)
+        pending = carry.pop(PENDING, None)  # the previous round's B output, sent now
+        sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor)
         y, carry = _run_slot(seg.modes[0], program.forward, carry, row, "f_valid", seg, idle)
         sent_f = None if y is None else buffers.send(y, p, v, 1, tensor)
+        carry = dict(carry)
+        if sent_b is not None:  # stored after the F slot it travelled beside, for this B
+            carry["gbuf"] = buffers.arrive(carry["gbuf"], sent_b, pending["valid"],
+                                           pending["slot"], tensor)
         g_x, carry = _run_slot(seg.modes[1], program.backward, carry, row, "b_valid", seg, idle)
-        sent_b = None if g_x is None else buffers.send(g_x, p, v, -1, tensor)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
         carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
         if sent_f is not None:
             carry["stash"] = buffers.arrive(carry["stash"], sent_f, row["recv_f_valid"],
                                             row["recv_f_slot"], tensor)
-        if sent_b is not None:
-            carry["gbuf"] = buffers.arrive(carry["gbuf"], sent_b, row["recv_b_valid"],
-                                           row["recv_b_slot"], tensor)
+        if pending is not None:
+            carry[PENDING] = {"x": idle, "valid": jnp.zeros_like(pending["valid"]),
+                              "slot": pending["slot"]} if g_x is None else {
+                "x": g_x, "valid": row["recv_b_valid"], "slot": row["recv_b_slot"]}
         return carry, None
     return one_round
 
@@ -131,6 +147,9 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     """Runs every segment's scan over the program's carry; returns the final carry.
     cuts: rounds after which the scans are cut and at_cut(round, carry) is called."""
     carry = program.initial_carry()
+    if "gbuf" in carry:  # nothing pending before the first round
+        nothing = mark_varying(jnp.zeros((), jnp.int32), (PIPE,))
+        carry[PENDING] = {"x": program.stage.buffer(1)[0], "valid": nothing, "slot": nothing}
     for seg in segments(rounds, form):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):

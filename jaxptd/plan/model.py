@@ -235,7 +235,7 @@ def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n,
     taped = dense_input_bytes(b, n, h, t, e) if slots.get("w") else 0.0
     per_slot = stage_input + (chunk_layers * (kept + taped) + stage_input
                               if keep_activations else 0.0)
-    return (slots.get("stash", 0) * per_slot + slots.get("grad", 0) * stage_input
+    return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 1) * stage_input
             + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, n, h, t, e))
 
 
@@ -261,7 +261,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     weights again for its backward: a layer keeps none.) pipe > 1: one microbatch through
     one chunk, plus the executor's buffers, `slots`
     = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
-    in the compute dtype: a stash slot holds a stage input and, with parallel.stash =
+    in the compute dtype, and the input gradient a round carries to the next, which sends
+    it (jaxptd/pipeline/executor.py): a stash slot holds a stage input and, with parallel.stash =
     activations, what the chunk's backward keeps and its output (zero-bubble kinds: the
     backward of everything but the dense() weights keeps about as much, its dense() inputs
     included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
