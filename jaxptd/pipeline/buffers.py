@@ -24,8 +24,8 @@ def read(buffer, slot):
 
 def after(index, values, like):
     """index (int32, >= 0), made to depend on every leaf of `values`: XLA schedules no read
-    at it before they are computed. JAX has no control dependencies and XLA removes
-    optimization barriers before it schedules, so the dependence is data: max(index,
+    at it before they are computed. JAX has no control dependencies (and XLA's optimized
+    program keeps no optimization barrier), so the dependence is data: max(index,
     sum - 1), the sum over the leaves of their first element's sign bit as an integer (-1
     or 0), which is index whatever the leaves hold, NaN included. The sum is reduced over
     the mesh axes the leaves vary over and `like` does not (a scalar all-reduce; tensor

@@ -262,11 +262,11 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     one chunk, plus the executor's buffers, `slots`
     = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
     in the compute dtype, and the input gradient a round carries to the next, which sends
-    it (jaxptd/pipeline/executor.py): a stash slot holds a stage input and, with parallel.stash =
-    activations, what the chunk's backward keeps and its output (zero-bubble kinds: the
-    backward of everything but the dense() weights keeps about as much, its dense() inputs
-    included); a grad slot an output gradient; a W slot (zero-bubble kinds) the chunk's
-    dense_tap_bytes.
+    it (jaxptd/pipeline/executor.py): a stash slot holds a stage input and, with
+    parallel.stash = activations, what the chunk's backward keeps and its output
+    (zero-bubble kinds: the backward of everything but the dense() weights keeps about as
+    much, its dense() inputs included); a grad slot an output gradient; a W slot
+    (zero-bubble kinds) the chunk's dense_tap_bytes.
     c, method: context parallelism; every [b, s, ...] above is [b, s/c, ...] (s stays the
     whole sequence) and the attention core's terms are attention_terms'; flash: the ring's
     blocks are Pallas's flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash
