@@ -268,6 +268,7 @@ def _dots(module) -> list:
 
 
 @needs_compiler
+@pytest.mark.slow  # (17 s; the fast set checks the grouped GEMMs' values: test_grouped.py)
 def test_grouped_matmul_compiles_to_grouped_kernels():
     """pallas_kernels.grouped at Mixtral's up-projection (8192 tokens, 4096 -> 14336, 8
     experts, bf16), forward and both gradients for one H100: three Mosaic-GPU kernels (the
