@@ -1,7 +1,7 @@
 """The planner against independent references: equations (2) and (3) by hand, Table 1 of
-the PTD-P paper, its §5.1 training times, Korthikanti et al.'s activation formulas, the
-executor's lowered buffers, and XLA's compiled memory on up to 64 simulated devices (in a
-subprocess, since this session has 8)."""
+the PTD-P paper, its §5.1 training times, and XLA's compiled memory on up to 64 simulated
+devices (in a subprocess, since this session has 8). Its formulas by hand and against the
+executor's lowering: test_plan_formulas.py."""
 import json
 import os
 import re
@@ -12,10 +12,6 @@ import pytest
 
 from jaxptd import metrics, plan
 from jaxptd.plan import model as plan_model
-from jaxptd.plan import timing as plan_time
-from jaxptd.pipeline import schedules
-from jaxptd.pipeline.lowering import lower
-from jaxptd.pipeline.simulate import simulate
 from jaxptd.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -185,103 +181,6 @@ def test_search_ranks_layouts_that_fit(capsys):
         assert r["tensor"] <= 8 and 64 % (r["data"] * r["microbatches"]) == 0
     tiny = json.loads(run_main(capsys, argv[:-2] + ["--memory-gb", "0.2"], status=1))
     assert tiny == []
-
-
-def test_korthikanti_formulas_by_hand():
-    """Korthikanti et al. 2022, Table 2, for GPT-3 175B at t = 8 (5as/(ht) = 10 here)."""
-    b, s, h, a, t = 1, 2048, 12288, 96, 8
-    sbh, layer = s * b * h, plan_model.korthikanti_layer_bytes
-    assert layer(b, s, h, a, t) == pytest.approx(sbh * (10 + 24 / 8 + 10))
-    assert layer(b, s, h, a, t, sp=True) == pytest.approx(sbh / 8 * (34 + 80))
-    assert layer(b, s, h, a, t, sp=True, remat="selective") == pytest.approx(sbh / 8 * 34)
-    assert layer(b, s, h, a, t, remat="full") == 2 * sbh
-    assert layer(b, s, h, a, t, sp=True, remat="full") == 2 * sbh / 8
-    # the paper's headline: SP + selective recomputation keep about 5x less than t alone
-    assert 5 <= layer(b, s, h, a, t) / layer(b, s, h, a, t, sp=True, remat="selective") < 6
-
-
-def test_our_layer_is_megatrons_less_what_it_recomputes():
-    """Against Megatron's fused 16-bit layer (Korthikanti et al. 2022), by hand: at t = 1
-    with flash attention ours keeps 26 sbh bytes, Megatron's 34 sbh without its attention
-    term (its selective count) less the GeLU output (8: ours recomputes it from the MLP's
-    first output) and the two dropout masks (2: none without dropout) plus a second copy of
-    the attention context (2). With SP both divide the stream by t, but ours keeps f's
-    two gathered norm outputs whole (4 sbh: autodiff's residuals of the column-parallel
-    matmuls; Megatron gathers them again in the backward). remat=minimal drops the norm
-    outputs and the context's copy; full keeps the layer input."""
-    b, s, h, a, e = 1, 2048, 12288, 96, 2
-    sbh = s * b * h
-    ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
-    flash = plan_model.scores_bytes(b, s, a, 1, e, flash=True)  # [b, a, s] float32
-    assert ours(b, s, h, a, 1, e, flash=True) == pytest.approx(26 * sbh + flash)
-    assert theirs(b, s, h, a, 1, remat="selective") - 8 * sbh - 2 * sbh + 2 * sbh == 26 * sbh
-    t = 8
-    split = 2 * (3 + 2 + 4) / t  # q, k, v, context twice, the MLP's first output: split
-    assert ours(b, s, h, a, t, e, sp=True, flash=True) == pytest.approx(
-        sbh * (4 / t + 4 + split) + flash / t)
-    assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal") == pytest.approx(
-        sbh * (4 / t + 2 * (3 + 1 + 4) / t) + flash / t)
-    assert ours(b, s, h, a, t, e, sp=True, remat="full") == pytest.approx(2 * sbh / t)
-    # without flash attention: the [b, a/t, s, s] probabilities in the compute dtype
-    assert ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, flash=True) == pytest.approx(
-        a * s * s * b / t * e - 4 * b * a / t * s)
-
-
-def test_xla_attention_on_a_gpu_holds_its_scores_twice():
-    """XLA's attention core compiled for a GPU (activation_memory's xla_gpu, measured on
-    the H100 compile of GPT-1.3B): one more [b, a/t, s, s] a layer where its forward and
-    backward are one program (unpipelined, stash=inputs), two more a chunk layer where the
-    B slot reads them from the stash; nothing more where recomputation drops them."""
-    b, s, h, a, t, e, layers = 4, 2048, 2048, 16, 2, 2, 12
-    scores = a / t * s * s * b * e
-    common = dict(b=b, s=s, h=h, a=a, t=t, e=e, layers_per_stage=layers, vocab_local=25216)
-    piped = dict(common, pipe=2, slots={"stash": 3, "grad": 1, "w": 0})
-    for kwargs, key, extra in ((dict(common, pipe=1), "kept", layers * scores),
-                               (dict(piped, keep_activations=False), "kept", layers * scores),
-                               (piped, "stash", 2 * layers * scores)):
-        cpu = plan_model.activation_memory(remat="none", **kwargs)
-        gpu = plan_model.activation_memory(remat="none", xla_gpu=True, **kwargs)
-        assert gpu[key] - cpu[key] == pytest.approx(extra)
-    for remat in ("selective", "full"):
-        assert plan_model.activation_memory(remat=remat, xla_gpu=True, pipe=1, **common) == \
-            plan_model.activation_memory(remat=remat, pipe=1, **common)
-
-
-@pytest.mark.parametrize("kind", schedules.KINDS)
-def test_buffer_slots_formula_is_the_lowering(kind):
-    """The formula the planner uses for long schedules against the executor's buffers."""
-    chunks = (2, 3) if "interleaved" in kind else (1,)
-    for p in (2, 3, 4, 8):
-        for m in (p, 2 * p, 3 * p):
-            for v in chunks:
-                rounds = lower(schedules.make_schedule(kind, p, m, v))
-                got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
-                       "w": rounds.num_w_slots}
-                assert plan_model.slots_formula(kind, p, m, v) == got, (p, m, v)
-
-
-def test_zb_h1_buffer_slots_formula_is_the_lowering_at_every_m():
-    """zb-h1 at any m, including 2 <= m < 2p - 2, where it runs one action a round and
-    needs fewer W slots than stash slots."""
-    for p in (2, 3, 4, 5, 8):
-        for m in range(1, 3 * p + 1):
-            rounds = lower(schedules.make_schedule("zb-h1", p, m))
-            got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
-                   "w": rounds.num_w_slots}
-            assert plan_model.slots_formula("zb-h1", p, m, 1) == got, (p, m)
-
-
-def test_zero_bubble_formula_is_the_simulated_bubble():
-    """The bubble the planner uses for long schedules against the lockstep simulator:
-    zb-h1 at every m, zb-interleaved from m = p."""
-    for p in (2, 3, 4, 8):
-        for m in range(1, 3 * p + 1):
-            got = simulate(schedules.make_schedule("zb-h1", p, m)).bubble_fraction
-            assert plan_time.bubble_formula(p, 1, m, True) == pytest.approx(got), (p, m)
-            if m >= p:
-                got = simulate(schedules.make_schedule("zb-interleaved", p, m, 2))
-                assert plan_time.bubble_formula(p, 2, m, True) == pytest.approx(
-                    got.bubble_fraction), (p, m)
 
 
 TABLE1_ROWS = sorted(TABLE1.values()) + ["gpt3_175b"]

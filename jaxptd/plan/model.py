@@ -446,8 +446,8 @@ def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
     (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at
     m < 2p - 2 (one action a round: min(m, p)); one grad slot. Exact for m a multiple of
     p, which Megatron's interleaved schedule requires, and for ZB-H1 at every m
-    (tests/test_plan.py checks both against the lowering); other m can need a few more
-    (the planner lowers those)."""
+    (tests/test_plan_formulas.py checks both against the lowering); other m can need a
+    few more (the planner lowers those)."""
     if kind == "gpipe":
         stash = m
     elif kind in ("1f1b", "zb-h1"):
