@@ -34,6 +34,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxptd import compile_check, hlo
 from jaxptd import model as models
 from jaxptd.config import load_config
+from jaxptd.hlo.cost import counts_as_kernel
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline import buffers
@@ -119,11 +120,28 @@ LAYOUTS = {
 FAST = ("llama gqa",)  # (1f1b and the rest: the full suite)
 
 
+def float32_mlp_gradients(module, width: int) -> list:
+    """Kernels of a layer's MLP backward, GEMMs aside, that write a float32 [..., width]
+    activation (width: the MLP's per-device width): the bias-GeLU's backward writes its
+    input gradient in the compute dtype once (model/fused.py), not float32 for a second
+    kernel to convert and sum."""
+    found = []
+
+    def visit(comp, instr, count):
+        if "transpose(jvp(Block))/mlp/" in instr.op_name and counts_as_kernel(
+                module, instr) and hlo.kernel(module, comp, instr, count).category != "gemm":
+            found.extend(instr.name for dtype, dims in hlo.arrays(instr.type)
+                         if dtype == "f32" and len(dims) >= 3 and dims[-1] == width)
+    hlo.walk(module, visit)
+    return found
+
+
 @needs_compiler
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
                                   for n in LAYOUTS])
 def test_step_compiles_for_h100(name):
-    """Compiles and fits; cuDNN attention (BERT's padding as each row's key count):
+    """Compiles and fits; the bias-GeLU's backward writes no float32 [b, s, ffn]; cuDNN
+    attention (BERT's padding as each row's key count):
     unpipelined one forward and one backward a layer and microbatch
     (two forwards with offloaded layer inputs: the layer is recomputed),
     pipelined as many forwards as backwards (the kept backward re-runs none) or more (a
@@ -140,6 +158,8 @@ def test_step_compiles_for_h100(name):
     else:
         assert backward > 0 and (forward > backward if par.stash == "inputs"
                                  else forward == backward)
+    if config.model.arch != "llama":  # (SwiGLU's gate sums no bias)
+        assert not float32_mlp_gradients(module, config.model.ffn // par.tensor)
     if par.pipe > 1:
         rounds = round_sends(module)
         assert rounds and all(loop.conditionals == 0 for loop in rounds)
