@@ -27,7 +27,8 @@ Inside the step's manual shard_map, values carry JAX's varying-manual-axes (vma)
 last helpers here are jaxptd's one place that reads or sets it: `varying_axes` reads it
 (whichever field this JAX names it by), `mark_varying` sets it, `gather_invariant`
 all-gathers into an invariant value (with a fallback for a JAX without the typed gather)
-and `reduce_to` undoes it by reduction.
+and `reduce_to` undoes it by reduction; `after` makes an index depend on values (an order
+XLA must keep), reducing over the axes they vary over, and `rewritten_at` an array.
 """
 from __future__ import annotations
 
@@ -119,9 +120,11 @@ def regather(prim, *_, **params) -> bool:
         return params["name"] != GATHERED
     if prim.name in ("device_put", "pvary"):  # free to redo: the way from the stored
         return False  # parameter to the named one is kept open, nothing of it stacked
-    if prim.name == "custom_vjp_call":  # a gradient hook (an identity forward) is free too
-        jaxpr = params["call_jaxpr"].jaxpr
-        return list(jaxpr.outvars) != list(jaxpr.invars)
+    if prim.name == "custom_vjp_call":  # a gradient hook (an identity forward) is free too,
+        jaxpr = params["call_jaxpr"].jaxpr  # and so is a gather (reduction.fsdp_gathers)
+        gathered = {v for e in jaxpr.eqns if e.primitive.name == "all_gather"
+                    and not regather(e.primitive, **e.params) for v in e.outvars}
+        return list(jaxpr.outvars) != list(jaxpr.invars) and not set(jaxpr.outvars) <= gathered
     if prim.name == "all_gather":
         names = params["axis_name"]
         return FSDP not in (names if isinstance(names, tuple) else (names,))
@@ -162,6 +165,30 @@ def mark_varying(tree, axes: tuple[str, ...]):
         missing = tuple(a for a in axes if a not in varying_axes(x))
         return lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(cast, tree)
+
+
+def after(index, values, like):
+    """index (int32, >= 0), made to depend on every leaf of `values`: XLA schedules no read
+    at it before they are computed. JAX has no control dependencies (and XLA's optimized
+    program keeps no optimization barrier), so the dependence is data: max(index,
+    sum - 1), the sum over the leaves of their first element's sign bit as an integer (-1
+    or 0), which is index whatever the leaves hold, NaN included. The sum is reduced over
+    the mesh axes the leaves vary over and `like` does not (a scalar all-reduce; tensor
+    for the weight gradients), so that what index reads keeps its type."""
+    signs = sum(lax.shift_right_arithmetic(lax.bitcast_convert_type(
+        jnp.ravel(leaf)[0].astype(jnp.float32), jnp.int32), 31)
+        for leaf in jax.tree.leaves(values))
+    extra = tuple(sorted(varying_axes(signs) - varying_axes(like) - varying_axes(index)))
+    return jnp.maximum(index, (lax.psum(signs, extra) if extra else signs) - 1)
+
+
+def rewritten_at(x, index):
+    """x with its first element written back to itself at `index` (int32, 0 whatever it
+    holds: from `after`): the same values, made to depend on what index depends on."""
+    if x.ndim == 0 or x.size == 0:
+        return x
+    first = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
+    return lax.dynamic_update_slice(x, first, (index,) * x.ndim)
 
 
 def zeros_as(shapes):

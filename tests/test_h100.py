@@ -39,6 +39,7 @@ from jaxptd.hlo.cost import counts_as_kernel
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline import buffers
+from jaxptd.sharding import after
 from jaxptd.target import TARGETS, TargetError, topology_devices
 from pallas_kernels.grouped import grouped_matmul
 
@@ -173,7 +174,7 @@ def test_step_compiles_for_h100(name):
 
 @needs_compiler
 def test_a_slot_read_after_values_waits_for_them():
-    """buffers.after, which orders a stash=inputs B slot's recomputed forward after the
+    """sharding.after, which orders a stash=inputs B slot's recomputed forward after the
     previous B slot's weight gradients (jaxptd/pipeline/training.py): the index comes back
     unchanged whatever the values hold (NaN, infinities, negative zero), and the H100
     program XLA optimizes still computes the read's index from the values (a dependence
@@ -181,12 +182,12 @@ def test_a_slot_read_after_values_waits_for_them():
     odd = (jnp.array([jnp.nan, 1.0]), jnp.array([-jnp.inf]), jnp.array([-0.0], jnp.bfloat16),
            jnp.array([-3.0]))
     for index in (0, 2):
-        assert int(jax.jit(buffers.after)(jnp.int32(index), odd, like=odd[0])) == index
+        assert int(jax.jit(after)(jnp.int32(index), odd, like=odd[0])) == index
     one = SingleDeviceSharding(topology_devices(H100, 1, 1)[0])
 
     def read(stash, slot, x, w):
         grads = jnp.tanh(x @ w)  # the values the read must wait for
-        return buffers.read(stash, buffers.after(slot, grads, like=grads)) * 2, grads
+        return buffers.read(stash, after(slot, grads, like=grads)) * 2, grads
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in (
         ((3, 256, 512), jnp.bfloat16), ((), jnp.int32), ((256, 512), jnp.bfloat16),
         ((512, 512), jnp.bfloat16))]
@@ -460,6 +461,29 @@ def test_a_layer_keeps_what_the_planner_says(remat):
     assert per_layer == pytest.approx(kept + gradients, rel=0.1)
     if remat == "none":
         assert per_layer - gradients <= 1.15 * 34 * s * b * h
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_offloaded_layers_backward_one_at_a_time():
+    """offload.activations on one H100: each layer more adds its float32 weight gradients
+    and its offloaded input, not its recomputed activations (8 layers against 4, within
+    25%). A layer's input gradient waits for its weight gradients
+    (model.weight_gradients_first); left free, XLA deferred every layer's weight-gradient
+    GEMMs behind the input-gradient chain, each keeping its recomputed inputs (268 MB a
+    layer more at this shape, against 52)."""
+    b, s, h = 4, 2048, 1024
+    base = [f"model.hidden_size={h}", "model.num_heads=8", f"model.seq_len={s}",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "parallel.data=8", f"train.global_batch={8 * b}",
+            "offload.optimizer=true", "offload.activations=true"]
+    temps = {}
+    for layers in (4, 8):
+        config = load_config(None, [*base, f"model.num_layers={layers}"])
+        step, _ = compile_check.compile_step(config, H100, 8)
+        temps[layers] = compile_check.memory(step)["temp"]
+    per_layer = (temps[8] - temps[4]) / 4
+    assert per_layer <= 1.25 * (4 * 12 * h * h + 2 * s * b * h), per_layer
 
 
 @needs_compiler

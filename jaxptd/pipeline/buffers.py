@@ -22,21 +22,6 @@ def read(buffer, slot):
     return lax.dynamic_index_in_dim(buffer, slot, 0, keepdims=False)
 
 
-def after(index, values, like):
-    """index (int32, >= 0), made to depend on every leaf of `values`: XLA schedules no read
-    at it before they are computed. JAX has no control dependencies (and XLA's optimized
-    program keeps no optimization barrier), so the dependence is data: max(index,
-    sum - 1), the sum over the leaves of their first element's sign bit as an integer (-1
-    or 0), which is index whatever the leaves hold, NaN included. The sum is reduced over
-    the mesh axes the leaves vary over and `like` does not (a scalar all-reduce; tensor
-    for the weight gradients), so that what index reads keeps its type."""
-    signs = sum(lax.shift_right_arithmetic(lax.bitcast_convert_type(
-        jnp.ravel(leaf)[0].astype(jnp.float32), jnp.int32), 31)
-        for leaf in jax.tree.leaves(values))
-    extra = tuple(sorted(varying_axes(signs) - varying_axes(like) - varying_axes(index)))
-    return jnp.maximum(index, (lax.psum(signs, extra) if extra else signs) - 1)
-
-
 def write(buffer, slot, value, valid):
     """buffer[slot] = value where valid (True: unconditionally)."""
     if valid is not True:

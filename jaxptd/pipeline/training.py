@@ -29,7 +29,7 @@ from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
 from jaxptd.model import moe
-from jaxptd.sharding import mark_varying, zeros_as
+from jaxptd.sharding import after, mark_varying, zeros_as
 
 
 def _cast(tree, dtype):
@@ -176,7 +176,7 @@ class Training:
             # it would recompute it beside the previous B's weight gradients, which keep
             # their inputs, two B slots' activations at once (+2.6 GiB, the H100 compile
             # of GPT-1.3B at (2,2,2)); kept activations are better left to XLA's schedule
-            slot = buffers.after(slot, (received, carry["grads"]), like=received)
+            slot = after(slot, (received, carry["grads"]), like=received)
         x_in = buffers.read(carry["stash"], slot)
         is_last = self.stage.vstage(chunk) == self.stage.last
         g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),

@@ -177,6 +177,20 @@ def _search_and_compile(config: Config, args, given: PlanInputs, target: Target)
     return 0 if any(checked) else 1
 
 
+def _one_pool_bytes(planned: dict) -> float:
+    """The plan's device and host bytes as one memory: XLA's topology devices have no host
+    memory, so what a run offloads is compiled into device memory. The two pools peak at
+    different times: the offloaded layer inputs are all there when the backward starts
+    (the head's transient, no gradient yet) and read as it goes, the host's gradients are
+    whole when the update runs. So: what lives throughout, plus the larger of the
+    backward phase with the offloaded inputs and the update phase with the gradients."""
+    device, host = planned["memory_bytes_per_device"], planned["host_memory_bytes_per_device"]
+    throughout = sum(device[k] + host[k] for k in ("weights", "gradients", "optimizer")) \
+        - host["gradients"]
+    return throughout + max(device["backward_phase"] + host["activations"],
+                            device["update_phase"] + host["gradients"])
+
+
 def _verify_gpu(config: Config, args, given: PlanInputs, target: Target) -> int:
     """--verify for a GPU target: the step compiled for it without one (compile_check),
     checked against the plan. `target` is the record as it is (the flags change the plan's
@@ -190,11 +204,9 @@ def _verify_gpu(config: Config, args, given: PlanInputs, target: Target) -> int:
     planned = plan(config, given)
     compiled, seconds = compile_check.compile_step(config, target,
                                                    given.hardware.gpus_per_node)
-    # XLA's topology devices have no host memory: what a run offloads to the host is
-    # compiled into device memory, so the compiled total is the plan's device + host
     offloads = config.offload.optimizer or config.offload.activations
-    expected = planned["memory_bytes_per_device"]["total"] + (
-        planned["host_memory_bytes_per_device"]["total"] if offloads else 0.0)
+    expected = _one_pool_bytes(planned) if offloads else \
+        planned["memory_bytes_per_device"]["total"]
     report = compile_check.analyse(config, compiled, target, seconds, expected, dump)
     report["offloaded_state_on_device"] = offloads
     report["plan"] = planned
