@@ -223,11 +223,15 @@ def dense_input_bytes(b, s, h, t, e) -> float:
     return s * b * h * (2 + 5 / t) * e
 
 
-def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1) -> float:
+def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1, gpu: bool = False) -> float:
     """Final LayerNorm (3 float32 [b, s/t_sp, h]; with SP also its gathered output) and the
-    float32 logits and exponentials [b, s, V/t]; t_sp = t with SP, else 1."""
+    float32 logits and exponentials [b, s, V/t] (the CPU program); t_sp = t with SP, else
+    1. On a GPU XLA fuses the loss into reductions over the logits in the compute dtype,
+    whose gradient then takes their buffer: one [b, s, V/t] in e bytes (the H100 compile
+    of GPT-1.3B with offload.activations and of seeds/003's FSDP run, buffer by buffer)."""
     gathered = s * b * h * e if t_sp > 1 else 0.0
-    return s * b * (3 * 4 * h / t_sp + 2 * 4 * vocab_local) + gathered
+    logits = e * vocab_local if gpu else 2 * 4 * vocab_local
+    return s * b * (3 * 4 * h / t_sp + logits) + gathered
 
 
 def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n, h, t, e):
@@ -242,7 +246,8 @@ def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n,
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
-                      method="ring", moe=None, xla_gpu=False) -> dict:
+                      method="ring", moe=None, xla_gpu=False, gpu=False,
+                      regathered=False) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -276,6 +281,11 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     every moe.every: the layers are then recomputed a unit of moe.every at a time (the
     stack's element), so full and minimal recomputation's transient is a unit's; the
     others' is the unit's largest layer's.
+    regathered: the layers run under sharding.regather's jax.checkpoint policy (FSDP, or
+    offload.optimizer's streamed masters), which keeps what the MLP's fused activation
+    returns for the second matmul's weight gradient (without it XLA keeps only its input);
+    the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's
+    for a GPU (head_activation_bytes).
     xla_gpu: XLA's attention core (not flash) compiled for a GPU, which holds a layer's
     [b, a/t, s, s] twice where nothing recomputes it: where a layer's forward and backward
     are one program (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the
@@ -296,6 +306,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
         remat = "full"
     # per layer, kept from forward to backward; and the transient of one layer's backward
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
+    if regathered and remat == "none":  # the GeLU's (SwiGLU's) output too: [b, s, ffn/t]
+        kept += b * n * h * e / t * ((ffn or 4 * h) / h)
     unit = moe.every if moe else 1  # the largest of a unit's layers, for its own part:
     largest = layer if unit == 1 else max(layer_activation_bytes(
         b, s, h, a, t, e, sp, flash, **{**shape, "moe": m}) for m in (replace(moe, every=1), None))
@@ -310,11 +322,14 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     twice = attention["kept"] if xla_gpu and remat == "none" else 0.0
     if pipe > 1 and keep_activations:
         stash += 2 * chunk_layers * twice  # read out of the stash twice
+        if gpu:  # a B slot's read of a slot's kept values: copies, but the residual stream
+            stash += chunk_layers * max(0.0, kept - 2 * stage_input)
     else:
         kept += twice  # the scores beside the probabilities
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
             "layer_transient": transient,
-            "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1),
+            "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1,
+                                                    gpu),
             "stash": stash, "offloaded": span * stage_input if offload else 0.0}
 
 
@@ -322,7 +337,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
 
 
 def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
-                        whole_layer: bool = True, recomputed: bool = False) -> dict:
+                        whole_layer: bool = True, recomputed: bool = False,
+                        gpu: bool = False) -> dict:
     """What FSDP holds gathered on a device, {"layer": in a layer's backward, "head": in
     the head's} (jaxptd/step.py): the unit it gathers, in gather_dtype
     (optimizer.grad_reduce_dtype), cast to the compute dtype when that differs, and the
@@ -335,14 +351,16 @@ def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
     final norm) gathered and cast back to the masters' float32. A whole layer recomputed
     from its input (`recomputed`, model.remat=full) has no gradient of it held beside it:
     each weight's is reduce-scattered as it is made (measured on the CPU compile,
-    tests/test_plan.py)."""
+    tests/test_plan.py). gpu: the head's backward holds the ends gathered in the compute
+    dtype alone (XLA's GPU program casts before gathering, and the tied embedding's
+    float32 gradient comes after: the H100 compile of seeds/003's FSDP run)."""
     gather_bytes, e = DTYPE_BYTES[gather_dtype], DTYPE_BYTES[dtype]
     unit = gather_bytes + (e if dtype != gather_dtype else 0) + e  # a gathered element
     layer_unit = unit - (e if recomputed else 0)
     rest = counts["layer_gathered_params"] * (layer_unit if whole_layer else gather_bytes)
     return {"layer": unit * counts["dense_unit_params"] + rest
             + 4 * counts["shared_ends_params"],
-            "head": (gather_bytes + 4) * counts["ends_params"]}
+            "head": (e if gpu else gather_bytes + 4) * counts["ends_params"]}
 
 
 def offloaded_state_bytes(counts: dict, streams: bool) -> dict:

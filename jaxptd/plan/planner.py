@@ -98,10 +98,12 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention,
         moe=moe_shape(config, balanced),
-        xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform))
+        xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
+        gpu=platform == "gpu",
+        regathered=par.fsdp_size > 1 or (config.offload.optimizer and par.pipe == 1))
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
-                                      recomputation(config) == "full") \
+                                      recomputation(config) == "full", platform == "gpu") \
         if par.fsdp_size > 1 else None
     device, host = pm.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
