@@ -45,6 +45,8 @@ ROWS = {
                                       "parallel.stash=inputs"),
     "(2,2,2) 1f1b m8": layout(2, 2, 2, 8),
     "(2,2,2) 1f1b m8 SP": layout(2, 2, 2, 8, "parallel.sequence_parallel=true"),
+    "(2,2,2) 1f1b m8 SP min zero1": layout(2, 2, 2, 8, "parallel.sequence_parallel=true",
+                                           "model.remat=minimal", "optimizer.zero1=true"),
     "(1,4,2) interleaved": layout(1, 4, 2, 8, "parallel.schedule=interleaved",
                                   "parallel.chunks=2"),
     "(2,2,2) zb-h1": layout(2, 2, 2, 4, "parallel.schedule=zb-h1"),
