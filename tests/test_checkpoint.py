@@ -85,7 +85,8 @@ def test_whole_checkpoint_of_another_model_is_a_different_model(saved):
     assert (directory / "2").is_dir() and (directory / "1").is_dir()
 
 
-@pytest.mark.parametrize("tensor", [pytest.param(1, marks=pytest.mark.slow), 8])
+@pytest.mark.parametrize("tensor", [pytest.param(1, marks=pytest.mark.slow),
+                                    pytest.param(8, marks=pytest.mark.slow)])
 def test_restore_at_another_tensor_size_is_the_state_initialised_there(tmp_path, tensor):
     """A fresh Llama state saved at tensor 2 (vocabulary 257 padded to 512; its untied head
     padded by columns) restores at tensor 1 (384: the padding cut) and 8 (1024: padded with

@@ -93,8 +93,9 @@ def _dense(q, k, v, hidden, scale):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-@pytest.mark.parametrize("kind", ["causal", "causal flash", "causal segments",
-                                  "bidirectional padding"])
+@pytest.mark.parametrize("kind", [pytest.param("causal", marks=pytest.mark.slow),
+                                  pytest.param("causal flash", marks=pytest.mark.slow),
+                                  "causal segments", "bidirectional padding"])
 def test_ring_attention_and_its_vjp_match_dense_attention(kind):
     """The ring (context 4, its own backward) against one dense attention of the whole rows
     with the mask built from row indices: the output and the vjp for q, k, v of a random

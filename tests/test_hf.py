@@ -260,6 +260,7 @@ def test_unexpected_or_missing_tensors_are_named(imported, tmp_path, capsys):
     assert attempt("buffers", buffers) == 0
 
 
+@pytest.mark.slow
 def test_gpt2_with_the_exact_gelu_round_trips(tmp_path):
     """activation_function=gelu (erf, not GPT-2's tanh) imports as model.gelu=erf with
     transformers' logits, and exports as it came."""

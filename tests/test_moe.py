@@ -148,10 +148,10 @@ def _case(data, pipe, tensor, *extra, slow=True, arch=LLAMA):
 
 
 PARITY = [  # (model.moe_every > 1: units of dense layers and a mixture, model/stack.py)
-    _case(2, 2, 2, "parallel.expert=2", "parallel.microbatches=2", slow=False),
+    _case(2, 2, 2, "parallel.expert=2", "parallel.microbatches=2"),
     _case(4, 2, 1, "parallel.expert=4", "parallel.microbatches=2", "parallel.schedule=zb-h1",
           "model.moe_every=2"),
-    _case(4, 1, 2, "parallel.expert=4", "parallel.sequence_parallel=true"),
+    _case(4, 1, 2, "parallel.expert=4", "parallel.sequence_parallel=true", slow=False),
     _case(1, 2, 2, "parallel.microbatches=4", "parallel.schedule=interleaved",
           "parallel.chunks=2"),
     _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=2", "parallel.schedule=gpipe",

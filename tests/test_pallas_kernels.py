@@ -180,7 +180,8 @@ def test_ops_inside_shard_map_with_check_vma(mesh):
         _close(jax.device_get(grad), grad_ref, jnp.float32)
 
 
-@pytest.mark.parametrize("causal", [pytest.param(False, marks=SLOW), True])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=SLOW),
+                                    pytest.param(True, marks=SLOW)])
 def test_flash_blocks_combine_into_the_whole_attention(causal):
     """pallas_kernels.flash (JAX's Pallas flash attention, interpret mode): queries over
     two key blocks, combined by their log-sum-exps, give the attention over all the keys;

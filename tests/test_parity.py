@@ -151,7 +151,7 @@ LAYOUTS = [(1, 1, 2, []), (2, 1, 4, ["optimizer.zero1=true", SP]),
 SCHEDULES = {"gpt": [(1, 2, 4, _schedule("zb-interleaved", 2))],
              "llama": [(1, 2, 2, _schedule("interleaved", 2))],
              "bert": [(1, 2, 2, _schedule("zb-h1"))]}
-FAST = {("llama", 1, 1, 2), ("bert", 2, 1, 4)}
+FAST = {("llama", 1, 1, 2)}
 START_CASES = [pytest.param(arch, *layout, marks=() if (arch, *layout[:3]) in FAST
                             else pytest.mark.slow)
                for arch in ARCHS for layout in LAYOUTS + SCHEDULES[arch]]

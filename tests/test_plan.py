@@ -280,6 +280,7 @@ def test_seed003_1t_fits_in_40gb_as_the_paper_trained_it(capsys, gpus):
     assert adamw["memory_fits"] and adamw["host_memory_fits"] == (gpus > 128)
 
 
+@pytest.mark.slow
 def test_search_considers_the_memory_options(capsys):
     """GPT-3 175B on 128 A100-40GB at sequence 1024, with AdamW and XLA attention (more
     to fit than seeds/003's run, so more layouts need options): the search mixes layouts
