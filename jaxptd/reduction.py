@@ -60,15 +60,17 @@ def fsdp_gathers(state: StateLayout, layout: Layout):
 @functools.lru_cache(maxsize=None)
 def _gather_for_matmul(dim: int, compute, reduce, dtype):
     """shard (a layer's dense() weight, `dtype`) -> the whole weight as its matmul uses it,
-    gathered over fsdp on `dim`: cast to the compute dtype before the gather, so that
+    gathered over fsdp on `dim`: cast to the compute dtype before the gather (the values
+    of a gather in grad_reduce_dtype, `reduce`, the bytes of the compute dtype), so that
     nothing between the gather and the layer's use is a value sharding.regather lets the
     layer's jax.checkpoint keep (the cast after it was: every layer's whole weights kept
     from the forward to the backward, 2.25 GiB at FSDP 8 for GPT-1.3B on H100); the
     gradient reduce-scattered in optimizer.grad_reduce_dtype (`reduce`), as the gather's
     transpose did."""
     @jax.custom_vjp
-    def gathered(shard):
-        return lax.all_gather(shard.astype(compute), FSDP, axis=dim, tiled=True)
+    def gathered(shard):  # (rounded through grad_reduce_dtype, as the gather in it did)
+        return lax.all_gather(shard.astype(reduce).astype(compute), FSDP, axis=dim,
+                              tiled=True)
 
     def backward(_, g):
         part = lax.psum_scatter(g.astype(reduce), FSDP, scatter_dimension=dim, tiled=True)
