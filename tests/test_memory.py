@@ -391,8 +391,8 @@ def test_train_cli_memory_options_equal_the_plain_run(tmp_path):
 
 def test_fsdp_layer_keeps_no_gathered_weight(capsys):
     """A layer's dense() weight gathered by FSDP's layer unit (reduction.fsdp_gathers) under
-    the layer's jax.checkpoint policy (sharding.regather): the backward keeps the shard
-    (cast for the gather), never the gathered weight. Cast after the gather, the cast
+    the layer's jax.checkpoint policy (sharding.regather): the backward gathers it again
+    and keeps no gathered weight (JAX's saved residuals). Cast after the gather, the cast
     weight was a value the policy kept: every layer's whole weights from the forward to
     the backward (2.25 GiB at FSDP 8 for GPT-1.3B, the H100 compile)."""
     from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
