@@ -88,6 +88,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
     from jaxptd import model as models
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
+    streams = config.offload.optimizer and par.pipe == 1  # the masters fetched per layer
     acts = pm.activation_memory(
         b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, a=m_cfg.num_heads,
         t=par.tensor, e=e, layers_per_stage=m_cfg.num_layers // par.pipe,
@@ -100,7 +101,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         moe=moe_shape(config, balanced),
         xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
         gpu=platform == "gpu",
-        regathered=par.fsdp_size > 1 or (config.offload.optimizer and par.pipe == 1))
+        regathered=par.fsdp_size > 1 or streams)
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full", platform == "gpu") \
@@ -108,7 +109,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
     device, host = pm.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
         offload_optimizer=config.offload.optimizer,
-        streams=config.offload.optimizer and par.pipe == 1,
+        streams=streams,
         peeled=par.microbatches if config.peels_last_microbatch else 0,
         zero1_hook=config.overlaps_grad_reduce and config.optimizer.zero1
         and par.fsdp_size == 1 and par.data > 1,
