@@ -63,7 +63,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 # Compiled programs are reused by a later command on the same machine (a rerun of a part).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxptd-jax-cache}
-PY=${PYTHON:-python}
+PY=${PYTHON:-python3}  # (the GPU image's python3 holds torch; it may have no `python`)
 BUDGET=${GPU_ALL_BUDGET_S:-500}
 PART_TIMEOUT=${GPU_ALL_PART_TIMEOUT_S:-580}
 

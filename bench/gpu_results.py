@@ -81,6 +81,13 @@ def _problem(row: dict) -> str | None:
     return next((f"{kind}: {row[kind]}" for kind in ("error", "skipped") if row.get(kind)), None)
 
 
+def _baseline(row: dict) -> str:
+    """A baseline's problem, or what it measured (shown where its jaxptd row failed)."""
+    return _problem(row) or (f"{row['tokens_per_s']:.0f} tokens/s, step "
+                             f"{row['step_time_s'] * 1e3:.1f} ms, peak "
+                             f"{row['peak_memory_bytes'] / GB:.1f} GB")
+
+
 def _line(run: dict, summary: dict) -> str:
     row = dict(run, step_ms=run["step_time_s"] * 1e3 if "step_time_s" in run else None,
                peak_gb=run["peak_memory_bytes"] / GB if run.get("peak_memory_bytes") else None)
@@ -106,8 +113,10 @@ def table(doc: dict, keys: list | None = None) -> str:
              " ".join(f"{header:>{width}}" if fmt else f"{header:<{width}}"
                       for header, _, fmt, width in COLUMNS)]
     lines += [_line(run, summary) for run in runs]
-    lines += [f"torch baseline {b['model']} b={b.get('microbatch_size')}: {_problem(b)}"
-              for b in doc["baselines"] if b["model"] in models and _problem(b)]
+    failed = {r["model"] for r in runs if r["variant"] == "base" and _problem(r)}
+    lines += [f"torch baseline {b['model']} b={b.get('microbatch_size')}: {_baseline(b)}"
+              for b in doc["baselines"]
+              if b["model"] in models and (_problem(b) or b["model"] in failed)]
     return "\n".join(lines)
 
 

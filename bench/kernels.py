@@ -212,6 +212,7 @@ def measure(shapes, reps, cudnn=True, hopper=False):
     and every non-XLA implementation's error against XLA's output; the grouped GEMM on a
     Hopper GPU only."""
     bandwidth = copy_bandwidth(shapes.copy_elems, reps)
+    print(f"measured copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
     rows, outputs = [], {}
     for cases in (softmax_cases(shapes), bias_gelu_cases(shapes),
                   attention_cases(shapes, cudnn), flash_block_cases(shapes),
@@ -222,6 +223,8 @@ def measure(shapes, reps, cudnn=True, hopper=False):
             gbps = None if nbytes is None else nbytes / seconds / GB
             rows.append(dict(op=op, impl=impl, pass_=pass_, ms=seconds * 1e3, gbps=gbps,
                              pct_hbm=None if gbps is None else 100 * gbps / bandwidth))
+            # (as it goes: a device command cut off at its time limit keeps these lines)
+            print(f"measured {op} {impl} {pass_}: {seconds * 1e3:.3f} ms", flush=True)
     for row in rows:
         key = (row["op"], row["impl"], row["pass_"])
         if row["impl"] not in ("xla", *UNCOMPARED):

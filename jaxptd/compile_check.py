@@ -60,7 +60,7 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
     began = time.perf_counter()
     try:
         lowered = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch)
-        compiled = lowered.compile(setup.compiler_options())
+        compiled = setup.compile(lowered)
     except Exception as e:  # noqa: BLE001 -- a program that does not trace or compile
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ConfigError(f"--verify --target {target.name}: the step does not compile: "

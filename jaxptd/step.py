@@ -118,6 +118,10 @@ class Setup:
         """The XLA options the step compiles with on its target (jaxptd/target.py)."""
         return target.compiler_options(self.target, pipelined=self.config.parallel.pipe > 1)
 
+    def compile(self, lowered):
+        """The step's compiled program, with `compiler_options` (those this XLA knows)."""
+        return target.compile_lowered(lowered, self.compiler_options())
+
     def gathers(self):
         """FSDP's (ends, layer) gathers inside the shard_map (reduction.fsdp_gathers)."""
         return fsdp_gathers(self.state_layout, self.local_layout)

@@ -19,6 +19,8 @@ the launcher: CUDA's context, cuDNN/cuBLAS workspaces and NCCL's buffers need th
 """
 from __future__ import annotations
 
+import re
+import sys
 from dataclasses import dataclass
 
 from jaxptd.units import MiB
@@ -204,3 +206,25 @@ def compiler_options(target: Target, pipelined: bool = False) -> dict | None:
     def value(text: str):
         return {"true": True, "false": False}.get(text, int(text) if text.isdigit() else text)
     return {name: value(text) for name, text in (f[2:].split("=", 1) for f in flags)}
+
+
+def compile_lowered(lowered, options: dict | None):
+    """`lowered.compile(options)`, leaving out the options the running XLA does not know.
+
+    The flags above are checked against jaxlib 0.10.2; a newer XLA renames or retires some
+    (0.11.2 on the H100: no xla_gpu_enable_pipelined_all_reduce/_all_gather). It refuses
+    an unknown option before compiling, so each retry is cheap; each one left out is named
+    on stderr."""
+    import jax  # (this module is read by --help paths that never start a backend)
+
+    options = dict(options or {})
+    while True:
+        try:
+            return lowered.compile(options or None)
+        except jax.errors.JaxRuntimeError as e:
+            unknown = re.search(r"No such compile option: '(\w+)'", str(e))
+            if not unknown or unknown.group(1) not in options:
+                raise
+            print(f"note: this XLA (jaxlib {jax.lib.__version__}) has no option "
+                  f"{unknown.group(1)}: compiling without it", file=sys.stderr)
+            del options[unknown.group(1)]

@@ -161,7 +161,7 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
     from jaxptd.step import build_train_step  # optax, the pipeline: ~70 ms of --help
 
     config = setup.config
-    train_step = build_train_step(setup).lower(state, batch).compile(setup.compiler_options())
+    train_step = setup.compile(build_train_step(setup).lower(state, batch))
     compile_s = timer.lap(1)
     preflight.check_compiled(config, train_step, available)
     flops = metrics.flops_per_iteration(config.model, config.train.global_batch, setup.vocab,

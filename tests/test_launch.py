@@ -1,6 +1,6 @@
 """The SLURM template's environment and the GPU step's XLA options: every option of
 jaxptd/target.py parses on the installed jaxlib (an unknown flag stops XLA at start-up),
-the template sets the memory fraction the planner assumes, and no PyTorch-only variable
+a newer XLA that lacks one compiles the step without it, the template sets the memory fraction the planner assumes, and no PyTorch-only variable
 is left in it."""
 import json
 import os
@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from jaxptd.target import GPU_XLA_FLAGS, MEM_FRACTION, PIPELINE_XLA_FLAGS, TARGETS
+from jaxptd.target import (GPU_XLA_FLAGS, MEM_FRACTION, PIPELINE_XLA_FLAGS, TARGETS,
+                           compile_lowered)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBATCH = os.path.join(ROOT, "launch", "slurm", "train.sbatch")
@@ -25,6 +26,25 @@ def test_gpu_xla_options_parse_on_this_jaxlib():
     bad = dict(env, XLA_FLAGS="--xla_gpu_no_such_flag=true")  # the check can fail
     assert subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=bad,
                           capture_output=True, timeout=120).returncode != 0
+
+
+def test_compile_leaves_out_options_this_xla_lacks(capsys):
+    """jax 0.11.2 on an H100 refused the whole step over two options 0.10.2 has
+    (xla_gpu_enable_pipelined_all_reduce/_all_gather): the step compiles without them and
+    says so; an option it knows stays, and an error of another kind still raises."""
+    import jax
+    import jax.numpy as jnp
+
+    lowered = jax.jit(lambda x: x * 2).lower(jnp.ones(3))
+    compiled = compile_lowered(lowered, {"xla_no_such_option_a": True,
+                                         "xla_cpu_enable_fast_math": False,
+                                         "xla_no_such_option_b": 1})
+    assert compiled(jnp.ones(3)).tolist() == [2.0, 2.0, 2.0]
+    err = capsys.readouterr().err
+    assert "xla_no_such_option_a" in err and "xla_no_such_option_b" in err
+    assert "fast_math" not in err
+    with pytest.raises(Exception, match="xla_cpu_enable_fast_math"):
+        compile_lowered(lowered, {"xla_cpu_enable_fast_math": "not a bool"})
 
 
 def run_sbatch(tmp_path, env=()) -> dict:
