@@ -287,7 +287,7 @@ def test_search_considers_the_memory_options(capsys):
     that need no option with ones that need SP, FSDP or offloading (and, for GPT 1.7B on
     64 GPUs of 8 GB, ZeRO-1 and HSDP); each row re-planned with its options fits, and is
     as fast as the search said. Zero-bubble schedules are among the rows at sequence 512
-    (at 1024 none fits: their W slots keep every layer's matmul inputs and output
+    (at 1024 none fits: their W and tape slots keep every layer's matmul inputs and output
     gradients, 2-3 layers' activations a slot)."""
     config = os.path.join(FSDP_RUNS, "gpt3_175b_seq512.yaml")
     heavier = ["optimizer.name=adamw", "model.attention=xla", "model.seq_len=1024"]

@@ -71,6 +71,11 @@ def test_xla_attention_on_a_gpu_holds_its_scores_twice():
             plan_model.activation_memory(remat=remat, pipe=1, **common)
 
 
+def _slots(rounds) -> dict:
+    return {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
+            "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
+
+
 @pytest.mark.parametrize("kind", schedules.KINDS)
 def test_buffer_slots_formula_is_the_lowering(kind):
     """The formula the planner uses for long schedules against the executor's buffers."""
@@ -79,9 +84,7 @@ def test_buffer_slots_formula_is_the_lowering(kind):
         for m in (p, 2 * p, 3 * p):
             for v in chunks:
                 rounds = lower(schedules.make_schedule(kind, p, m, v))
-                got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
-                       "w": rounds.num_w_slots}
-                assert plan_model.slots_formula(kind, p, m, v) == got, (p, m, v)
+                assert plan_model.slots_formula(kind, p, m, v) == _slots(rounds), (p, m, v)
 
 
 def test_zb_h1_buffer_slots_formula_is_the_lowering_at_every_m():
@@ -90,9 +93,7 @@ def test_zb_h1_buffer_slots_formula_is_the_lowering_at_every_m():
     for p in (2, 3, 4, 5, 8):
         for m in range(1, 3 * p + 1):
             rounds = lower(schedules.make_schedule("zb-h1", p, m))
-            got = {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
-                   "w": rounds.num_w_slots}
-            assert plan_model.slots_formula("zb-h1", p, m, 1) == got, (p, m)
+            assert plan_model.slots_formula("zb-h1", p, m, 1) == _slots(rounds), (p, m)
 
 
 def test_zero_bubble_formula_is_the_simulated_bubble():

@@ -372,24 +372,28 @@ def test_zb_peak_stash_keeps_the_base_kinds_and_does_not_grow_with_m():
                                         ("zb-interleaved", 4, 6, 2),
                                         ("zb-interleaved", 2, 5, 3)])
 def test_zb_w_slot_tables_replay(kind, p, m, v):
-    """Every B fills the W slot its W later empties, one W per B, no live W slot is
-    overwritten, and a W never runs before its B."""
+    """Every B fills the W slot its W later empties, every F the tape slot its W empties,
+    one W per B, no live W or tape slot is overwritten, and a W never runs before its B."""
     R = lower(make_schedule(kind, p, m, v))
     wbuf = [[None] * R.num_w_slots for _ in range(p)]
+    tapes = [[None] * R.num_tape_slots for _ in range(p)]
     ran = set()
     for t in range(R.num_rounds):
         for r in range(p):
+            if R.f_valid[t][r]:  # (a round's F writes before its W reads)
+                assert tapes[r][R.f_tslot[t][r]] is None
+                tapes[r][R.f_tslot[t][r]] = (R.f_mb[t][r], R.f_chunk[t][r])
             if R.b_valid[t][r]:
                 key = (R.b_mb[t][r], R.b_chunk[t][r])
                 assert wbuf[r][R.b_wslot[t][r]] is None
                 wbuf[r][R.b_wslot[t][r]] = key
             if R.w_valid[t][r]:
                 key = (R.w_mb[t][r], R.w_chunk[t][r])
-                assert wbuf[r][R.w_slot[t][r]] == key
-                wbuf[r][R.w_slot[t][r]] = None
+                assert wbuf[r][R.w_slot[t][r]] == key == tapes[r][R.w_tslot[t][r]]
+                wbuf[r][R.w_slot[t][r]] = tapes[r][R.w_tslot[t][r]] = None
                 ran.add((r,) + key)
     assert ran == {(r, j, c) for r in range(p) for j in range(m) for c in range(v)}
-    assert all(x is None for rank in wbuf for x in rank)
+    assert all(x is None for rank in wbuf + tapes for x in rank)
     assert max(sum(row) for row in zip(*R.w_valid)) <= R.num_rounds  # one W slot a round
 
 

@@ -2,10 +2,11 @@
 
 Owns the buffers a pipeline needs and which slot of each every action uses. Pure Python.
 `Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0. Per
-round and rank: an F slot (microbatch, chunk, the stash slot of its input), a B slot (its
-input's stash slot, the grad slot of its output gradient, and with zero-bubble kinds the
-W slot it fills), a W slot (the W slot it empties), and the messages that arrive at the end
-of the round (activations into a stash slot, gradients into a grad slot).
+round and rank: an F slot (microbatch, chunk, the stash slot of its input, and with
+zero-bubble kinds the tape slot it fills), a B slot (its input's stash slot, the grad slot
+of its output gradient, and with zero-bubble kinds the W slot it fills), a W slot (the W
+and tape slots it empties), and the messages that arrive at the end of the round
+(activations into a stash slot, gradients into a grad slot).
 
 Slot lifetimes (lowest free index first; a slot freed in round t is reusable from t + 1
 unless said otherwise):
@@ -14,8 +15,11 @@ unless said otherwise):
 - grad: an incoming output gradient from its arrival until the B that reads it; a grad
   slot freed by round t's B may receive round t's message (arrivals are stored after the
   round's slots have read their inputs);
-- W (zero-bubble kinds): what a B keeps for its W (each weight matmul's input and output
-  gradient) from the B until the W.
+- W (zero-bubble kinds): what a B keeps for its W (each weight matmul's output gradient,
+  and with parallel.stash=inputs its input too) from the B until the W;
+- tape (zero-bubble kinds, used with parallel.stash=activations): each weight matmul's
+  input as the F computed it, from the F until the W, so the B neither reads nor copies
+  it (a slot taken by a round's F is not one its W frees).
 The stash the schedule reports (`peak_stash`) counts, per rank, the microbatch-stages held
 at once: stash slots plus W slots, i.e. from arrival until the last backward piece.
 
@@ -29,8 +33,8 @@ from dataclasses import dataclass
 from jaxptd.pipeline.schedules import Costs, Schedule, format_grid, round_cells, validate
 
 TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
-          "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "recv_f_valid",
-          "recv_f_slot", "recv_b_valid", "recv_b_slot")
+          "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "f_tslot",
+          "w_tslot", "recv_f_valid", "recv_f_slot", "recv_b_valid", "recv_b_slot")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class Rounds:
     w_mb: tuple
     w_chunk: tuple
     w_slot: tuple
+    f_tslot: tuple
+    w_tslot: tuple
     recv_f_valid: tuple
     recv_f_slot: tuple
     recv_b_valid: tuple
@@ -61,6 +67,7 @@ class Rounds:
     num_stash_slots: int
     num_grad_slots: int
     num_w_slots: int
+    num_tape_slots: int
     forward_only: bool
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
@@ -113,8 +120,9 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     p, v, T = schedule.stages, schedule.chunks, len(packed)
     S = p * v
     tab = {k: [[0] * p for _ in range(T)] for k in TABLES}
-    pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w")}
-    stash_of, grad_of, w_of = {}, {}, {}  # (rank, microbatch, virtual stage) -> slot
+    pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w", "tape")}
+    stash_of, grad_of, w_of, tape_of = {}, {}, {}, {}  # (rank, mb, virtual stage) -> slot
+    taped = schedule.split_backward and not schedule.forward_only
     for t, row in enumerate(packed):
         freed_w = []
         for r, (fa, _, _) in enumerate(row):  # F slot, then activation arrivals
@@ -122,7 +130,10 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
                 j, s = fa.microbatch, fa.chunk * p + r
                 if s == 0:
                     stash_of[(r, j, s)] = pools["stash"][r].take()
-                _put(tab, "f", t, r, fa, f_slot=stash_of[(r, j, s)])
+                tslot = 0
+                if taped:
+                    tape_of[(r, j, s)] = tslot = pools["tape"][r].take()
+                _put(tab, "f", t, r, fa, f_slot=stash_of[(r, j, s)], f_tslot=tslot)
                 if s < S - 1:
                     dst = (r + 1) % p
                     stash_of[(dst, j, s + 1)] = slot = pools["stash"][dst].take()
@@ -143,20 +154,23 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
                 if s < S - 1:
                     pools["grad"][r].give(grad_slot)
             if wa:
-                slot = w_of.pop((r, wa.microbatch, wa.chunk * p + r))
-                _put(tab, "w", t, r, wa, w_slot=slot)
-                freed_w.append((r, slot))
+                key = (r, wa.microbatch, wa.chunk * p + r)
+                slot, tslot = w_of.pop(key), tape_of.pop(key)
+                _put(tab, "w", t, r, wa, w_slot=slot, w_tslot=tslot)
+                freed_w.append((r, slot, tslot))
         for r, (_, ba, _) in enumerate(row):  # gradient arrivals
             if ba and ba.chunk * p + r > 0:
                 dst, key = (r - 1) % p, (ba.microbatch, ba.chunk * p + r - 1)
                 grad_of[(dst,) + key] = slot = pools["grad"][dst].take()
                 tab["recv_b_valid"][t][dst], tab["recv_b_slot"][t][dst] = 1, slot
-        for r, slot in freed_w:  # a W reads its slot after the round's B wrote theirs
-            pools["w"][r].give(slot)
+        for r, slot, tslot in freed_w:  # a W reads its slots after the round's B and F
+            pools["w"][r].give(slot)     # wrote theirs
+            pools["tape"][r].give(tslot)
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     size = {k: max(pool.size for pool in pools[k]) for k in pools}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
+                  num_tape_slots=size["tape"],
                   forward_only=schedule.forward_only,
                   split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
 

@@ -8,9 +8,12 @@ between a stage's F and B slot:
 - inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
   stage on it, recomputing the forward (per-stage activation recomputation).
 Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
-everything but the dense() weights, keeping each dense() matmul's input and output gradient
-(the model's taps) in a W slot; W computes those weights' gradients from them alone
-(`model.dense_weight_grads`): no second forward.
+everything but the dense() weights, keeping each dense() matmul's output gradient (the
+model's taps) in a W slot; W computes those weights' gradients from them and the matmuls'
+inputs alone (`model.dense_weight_grads`): no second forward. With stash=activations the
+F slot writes those inputs into a tape slot that W reads (lowering.py), so they are stored
+once from F to W; with stash=inputs they are the B slot's recomputation and go into the W
+slot beside the taps.
 
 The first virtual stage also runs the embedding, the last the head and the loss (in the B
 slot, from the kept stage output: the loss is the head's primal there), so a microbatch's
@@ -42,8 +45,9 @@ class Training:
     """The slots of a training schedule on this pipe rank: forward, backward and weight,
     each (carry, row, valid, seg) -> (message, carry). The carry holds the stage-input
     stash, the received output gradients (gbuf), what F keeps for B (saved: the backward's
-    residuals, the stage output, the dense inputs), what B keeps for W (wsaved: dense inputs
-    and output gradients), the gradient sums and the loss."""
+    residuals and the stage output), for W (tapes: the dense inputs) and what B keeps for W
+    (wsaved: the dense output gradients; with stash=inputs the dense inputs too), the
+    gradient sums and the loss."""
 
     def __init__(self, context: Context, rounds: Rounds, params, batch, key, loss_scale,
                  deterministic: bool):
@@ -58,6 +62,7 @@ class Training:
         self.layers = models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
         self.keep_activations = context.stash == "activations"
         self.split = rounds.split_backward
+        self.taped = self.split and self.keep_activations  # F writes the dense inputs
         self.probe = self._probe() if self.keep_activations or self.split else None
         self.loss_norm = context.loss_norm
         self.stats_template = self._stats_template()
@@ -140,11 +145,13 @@ class Training:
         kept, y, wkept = self.probe or (None, None, None)
         saved = ()
         if self.keep_activations:
-            saved = buffers.slots((kept.templates, y, wkept[0] if self.split else ()),
-                                  rounds.num_stash_slots)
+            saved = buffers.slots((kept.templates, y), rounds.num_stash_slots)
+        inputs, taps = wkept or (None, None)
         return {"stash": stage.buffer(rounds.num_stash_slots),
                 "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
-                "wsaved": buffers.slots(wkept, rounds.num_w_slots) if self.split else (),
+                "tapes": buffers.slots(inputs, rounds.num_tape_slots) if self.taped else (),
+                "wsaved": buffers.slots(taps if self.taped else wkept, rounds.num_w_slots)
+                if self.split else (),
                 "grads": jax.tree.map(jnp.zeros_like, self.params),
                 "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE)),
                 "stats": jax.tree.map(lambda t: buffers.slots(t, self.v)[:, None],
@@ -160,9 +167,12 @@ class Training:
                                          with_stats=True)
             return y, self._add_stats(carry, chunk, stats, valid)
         (y, stats), backward, inputs, _ = self.layer_vjp(x, mb, chunk)
-        kept = (self.probe[0].keep(backward), y, inputs if self.split else ())
+        kept = (self.probe[0].keep(backward), y)
         carry = self._add_stats(carry, chunk, stats, valid)
-        return y, {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, valid)}
+        carry = {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, valid)}
+        if self.taped:
+            carry["tapes"] = buffers.write_tree(carry["tapes"], row["f_tslot"], inputs, valid)
+        return y, carry
 
     def backward(self, carry, row, valid, seg):
         """B: the input gradient (sent to the previous stage) and the gradients of the ends
@@ -201,7 +211,7 @@ class Training:
     def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg):
         """B from what F kept: the head's vjp, the kept chunk backward, the embedding's."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
-        residuals, y, inputs = buffers.read_tree(carry["saved"], row["b_slot"])
+        residuals, y = buffers.read_tree(carry["saved"], row["b_slot"])
         loss, head_vjp = jax.vjp(
             lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
         g_head, g_y = head_vjp(g_loss)
@@ -214,7 +224,7 @@ class Training:
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
         g_embed, g_x_in = embed_vjp(g_x)
         g_ends = jax.tree.map(jnp.add, g_head, g_embed)
-        return loss, g_ends, g_layers, g_x_in, (inputs, g_taps[0]) if self.split else None
+        return loss, g_ends, g_layers, g_x_in, g_taps[0] if self.split else None
 
     def _backward_recomputed(self, x_in, mb, chunk, g_out, g_loss, seg):
         """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input
@@ -245,7 +255,11 @@ class Training:
 
     def weight(self, carry, row, valid, seg):
         """W: the dense() weights' gradients from what the microbatch's B kept."""
-        inputs, g_taps = buffers.read_tree(carry["wsaved"], row["w_slot"])
+        if self.taped:
+            inputs = buffers.read_tree(carry["tapes"], row["w_tslot"])
+            g_taps = buffers.read_tree(carry["wsaved"], row["w_slot"])
+        else:
+            inputs, g_taps = buffers.read_tree(carry["wsaved"], row["w_slot"])
         chunk = buffers.chunk_of(row, "w", self.v)
         dense, _ = models.split_dense(buffers.chunk(self.params["layers"], chunk))
         g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout,

@@ -210,16 +210,16 @@ def korthikanti_layer_bytes(b, s, h, a, t, sp: bool = False, remat: str = "none"
 
 
 def dense_tap_bytes(b, s, h, t, e) -> float:
-    """What a zero-bubble B keeps per layer for its W: each dense() matmul's input
-    (dense_input_bytes) and its output gradient (qkv [b, s, 3h/t], the two row-parallel
-    partial sums [b, s, h], fc1 [b, s, 4h/t]), in the compute dtype: sbh (4 + 12/t) e."""
-    return dense_input_bytes(b, s, h, t, e) + s * b * h * (2 + 7 / t) * e
+    """Each dense() matmul's output gradient, a layer's, which a zero-bubble B keeps for
+    its W (qkv [b, s, 3h/t], the two row-parallel partial sums [b, s, h], fc1 [b, s, 4h/t]),
+    in the compute dtype: sbh (2 + 7/t) e."""
+    return s * b * h * (2 + 7 / t) * e
 
 
 def dense_input_bytes(b, s, h, t, e) -> float:
     """Each dense() matmul's input, a layer's: the gathered [b, s, h] twice, the context
-    [b, s, h/t], the GeLU output [b, s, 4h/t]: sbh (2 + 5/t) e. A zero-bubble schedule's F
-    tapes them beside what its backward keeps (jaxptd/model/__init__.py)."""
+    [b, s, h/t], the GeLU output [b, s, 4h/t]: sbh (2 + 5/t) e. A zero-bubble schedule's W
+    reads them: taped by the F (stash=activations) or the B's recomputation (inputs)."""
     return s * b * h * (2 + 5 / t) * e
 
 
@@ -236,11 +236,12 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1, gpu: bool = Fa
 
 def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n, h, t, e):
     """The pipeline executor's buffers (activation_memory's `slots`)."""
-    taped = dense_input_bytes(b, n, h, t, e) if slots.get("w") else 0.0
-    per_slot = stage_input + (chunk_layers * (kept + taped) + stage_input
-                              if keep_activations else 0.0)
+    per_slot = stage_input + (chunk_layers * kept + stage_input if keep_activations else 0.0)
+    inputs = chunk_layers * dense_input_bytes(b, n, h, t, e)  # in tape or W slots
     return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 1) * stage_input
-            + slots.get("w", 0) * chunk_layers * dense_tap_bytes(b, n, h, t, e))
+            + slots.get("w", 0) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
+                                   + (0.0 if keep_activations else inputs))
+            + (slots.get("tape", 0) * inputs if keep_activations else 0.0))
 
 
 def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat, pipe,
@@ -265,13 +266,14 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     memory and the layer is recomputed, whatever remat says. (FSDP gathers a layer's
     weights again for its backward: a layer keeps none.) pipe > 1: one microbatch through
     one chunk, plus the executor's buffers, `slots`
-    = {stash, grad, w} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
+    = {stash, grad, w, tape} (jaxptd/pipeline/lowering.py), each [b, s, h] ([b, s/t, h] with SP)
     in the compute dtype, and the input gradient a round carries to the next, which sends
     it (jaxptd/pipeline/executor.py): a stash slot holds a stage input and, with
     parallel.stash = activations, what the chunk's backward keeps and its output
     (zero-bubble kinds: the backward of everything but the dense() weights keeps about as
     much, its dense() inputs included); a grad slot an output gradient; a W slot
-    (zero-bubble kinds) the chunk's dense_tap_bytes.
+    (zero-bubble kinds) the chunk's dense_tap_bytes, with stash = inputs also its
+    dense_input_bytes, which with activations a tape slot holds from F to W.
     c, method: context parallelism; every [b, s, ...] above is [b, s/c, ...] (s stays the
     whole sequence) and the attention core's terms are attention_terms'; flash: the ring's
     blocks are Pallas's flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash
@@ -462,7 +464,8 @@ def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
     """The executor's buffer slots per rank when lowering the schedule would take too long:
     GPipe m stash slots; 1F1B and ZB-H1 min(m, 2p - 1); the interleaved kinds min(vm,
     (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at
-    m < 2p - 2 (one action a round: min(m, p)); one grad slot. Exact for m a multiple of
+    m < 2p - 2 (one action a round: min(m, p)), and as many tape slots as stash slots;
+    one grad slot. Exact for m a multiple of
     p, which Megatron's interleaved schedule requires, and for ZB-H1 at every m
     (tests/test_plan_formulas.py checks both against the lowering); other m can need a
     few more (the planner lowers those)."""
@@ -473,7 +476,8 @@ def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
     else:
         stash = min(v * m, (v + 1) * p)
     w = min(m, p) if kind == "zb-h1" and m < 2 * p - 2 else stash
-    return {"stash": stash, "grad": 1, "w": w if kind.startswith("zb") else 0}
+    zb = kind.startswith("zb")
+    return {"stash": stash, "grad": 1, "w": w if zb else 0, "tape": stash if zb else 0}
 
 
 def divisors(n: int) -> list:

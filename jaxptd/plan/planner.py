@@ -45,18 +45,18 @@ def recomputation(config: Config) -> str:
 def _lowered_slots(kind: str, p: int, m: int, v: int) -> dict:
     rounds = lower(schedules.make_schedule(kind, p, m, v))
     return {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
-            "w": rounds.num_w_slots}
+            "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
 
 
 def schedule_stats(config: Config, simulate: bool = True):
-    """(bubble fraction, buffer slots {stash, grad, w}, (Stats, Schedule) or None).
+    """(bubble fraction, buffer slots {stash, grad, w, tape}, (Stats, Schedule) or None).
 
     The bubble comes from the simulator when asked and small enough, else from the
     formula. The slots are the executor's (the schedule lowered) when it is small, or
     when an interleaved m is not a multiple of p; else model.slots_formula."""
     par = config.parallel
     if par.pipe == 1:
-        return 0.0, {"stash": 0, "grad": 0, "w": 0}, None
+        return 0.0, {"stash": 0, "grad": 0, "w": 0, "tape": 0}, None
     p, v, m, kind = par.pipe, par.chunks, par.microbatches, par.schedule
     irregular = v > 1 and m % p != 0
     slots = _lowered_slots(kind, p, m, v) if (simulate and p * m * v <= LOWER_LIMIT) \

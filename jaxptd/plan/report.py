@@ -45,7 +45,8 @@ def format_report(r: dict, hw: Target) -> str:
     ] + _moe_lines(r) + _memory_lines(r, hw) + [
         f"pipeline    bubble {r['bubble_fraction']:.4f}   peak stash {r['peak_stash']} "
         f"microbatch-stages   buffers {r['pipeline_slots']['stash']} stash, "
-        f"{r['pipeline_slots']['grad']} grad, {r['pipeline_slots']['w']} W slots",
+        f"{r['pipeline_slots']['grad']} grad, {r['pipeline_slots']['w']} W, "
+        f"{r['pipeline_slots']['tape']} tape slots",
         f"comm/dev    p2p {comm['p2p_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"tensor {comm['tensor_per_microbatch'] / MB:.2f} MB/microbatch, "
         f"context {comm['context_per_microbatch'] / MB:.2f} MB/microbatch, "
