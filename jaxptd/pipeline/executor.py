@@ -14,7 +14,7 @@ slots and is stored at the end of the round (`buffers.arrive`); an input gradien
 the end of a B slot, is carried into the next round and sent at its start, so it travels
 beside that round's F slot (sent at the end of its own round, it had nothing to overlap:
 a loop iteration ends with its sends done), and stored before the B slot that reads it.
-Zero-bubble kinds store a message only once the slot before the store has made its output
+zb-interleaved stores a message only once the slot before the store has made its output
 (`_stored_after`), so that XLA keeps the transfer in flight across that slot's last GEMMs.
 The last round's input gradient is never sent: no later B slot reads it. A `lax.scan`
 runs the rounds of each segment.
@@ -122,18 +122,20 @@ def _stored_after(slot, made, message):
     before what reads it and its start only as far back as its latency estimate needs,
     which a few small fusions can cover. Stored after the F slot's output (an input
     gradient, which the B slot reads) or the B slot's (an output, stored at the end of the
-    round), a message's transfer overlaps at least that slot's last GEMMs. Zero-bubble
-    kinds only, as measured in the H100 compiles at (2,2,2): zb-interleaved's steady loops
-    went from 4 + 0 of 4 + 4 sends with a GEMM in flight to 2 + 4 (0 + 2 of the small
-    test layout's to 2 + 2), zb-h1 at 8 microbatches stayed 4 of 4; 1F1B's were all
-    overlapped without it and with it lost 2 of 4 (the mixture of experts' layout)."""
+    round), a message's transfer overlaps at least that slot's last GEMMs. zb-interleaved
+    only, as measured in the H100 compiles at (2,2,2): its steady loops went from 4 + 0 of
+    4 + 4 sends with a GEMM in flight to 2 + 4 (the small test layout's from 0 + 2 to
+    2 + 2). zb-h1 at 8 microbatches had all 4 without it and with it kept them but lost
+    tensor all-reduce overlap (72 of 501 collectives with a GEMM in flight -> 29 of 503);
+    1F1B's sends were all overlapped without it and with it lost 2 of 4 (the mixture of
+    experts' layout)."""
     return slot if made is None else after(slot, made, like=message)
 
 
 def _round(program, seg: Segment):
     """The scan body of a segment: the slots of `program` in order, then the arrivals."""
     p, v, tensor = program.p, program.v, program.tensor
-    wait = getattr(program, "split", False)  # _stored_after: zero-bubble kinds
+    wait = getattr(program, "split", False) and v > 1  # _stored_after: zb-interleaved
 
     def one_round(carry, row):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
