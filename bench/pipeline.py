@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 
 from jaxptd.config import load_config  # noqa: E402
 from jaxptd.mesh import make_mesh  # noqa: E402
-from jaxptd.pipeline.executor import round_form, rounds_for  # noqa: E402
-from jaxptd.pipeline.lowering import segments  # noqa: E402
+from jaxptd.pipeline.executor import rounds_for  # noqa: E402
+from jaxptd.pipeline.lowering import round_costs, round_form, segments  # noqa: E402
 from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
 from jaxptd.pipeline.simulate import simulate  # noqa: E402
 from jaxptd.step import Setup, build_train_step  # noqa: E402
@@ -66,10 +66,11 @@ def sent_messages(config) -> tuple:
     the pipe ranks (see the module docstring)."""
     par = config.parallel
     p, v, m = par.pipe, par.chunks, par.microbatches
-    rounds = rounds_for(par.schedule, p, m, v)
+    form = round_form(config, jax.devices()[0].platform)
+    rounds = rounds_for(par.schedule, p, m, v, form)
     links = p if v > 1 else p - 1  # per direction
     sent = sum((seg.stop - seg.start) * sum(mode != "off" for mode in seg.modes[:2])
-               for seg in segments(rounds, round_form(config, jax.devices()[0].platform)))
+               for seg in segments(rounds, form))
     return sent * links / p, 2 * m * (p * v - 1) / p
 
 
@@ -93,7 +94,9 @@ def measure(data, pipe, schedule, chunks, micro, stash, form, steps):
         message = b * config.model.seq_len * config.model.hidden_size * 4  # f32, t = 1
         sent, useful = sent_messages(config)
         row["sent_bytes"], row["useful_bytes"] = sent * message, useful * message
-        row["bubble"] = simulate(make_schedule(schedule, pipe, micro, chunks)).bubble_fraction
+        costs = round_costs(round_form(config, jax.devices()[0].platform))
+        row["bubble"] = simulate(make_schedule(schedule, pipe, micro, chunks, costs),
+                                 costs).bubble_fraction
     return row
 
 

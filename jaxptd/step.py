@@ -55,7 +55,8 @@ from jaxptd.mesh import BATCH, CONTEXT, EXPERT, FSDP, PIPE, TENSOR, TOKENS
 from jaxptd.model import moe
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
-from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss, round_form
+from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
+from jaxptd.pipeline.lowering import round_form
 from jaxptd.reduction import REDUCED, Reduction, compose, fsdp_gathers
 from jaxptd.sharding import mark_varying, regather, zeros_as
 from jaxptd.state import StateLayout

@@ -170,7 +170,8 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
     record = {"step": int(state["step"]), "event": "compiled", "compile_time_s": compile_s,
               "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
               "argument_bytes_per_device": getattr(memory, "argument_size_in_bytes", None),
-              "flops_per_iteration": flops, "bubble_fraction": schedule_stats(config)[0]}
+              "flops_per_iteration": flops, "bubble_fraction": schedule_stats(
+                  config, setup.target.platform)[0]}
     if metrics_log is not None:
         metrics_log.write(record)
     LOG.info(f"compiled the step in {compile_s:.1f} s: "

@@ -76,34 +76,47 @@ def _slots(rounds) -> dict:
             "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
 
 
+MASKED = (False, True)  # rounds packed and timed as the cond form / a GPU's forms run them
+
+
+def _lowered(kind, p, m, v, masked):
+    costs = schedules.Costs(masked=masked)
+    return lower(schedules.make_schedule(kind, p, m, v, costs), costs)
+
+
+@pytest.mark.parametrize("masked", MASKED, ids=["cond", "masked"])
 @pytest.mark.parametrize("kind", schedules.KINDS)
-def test_buffer_slots_formula_is_the_lowering(kind):
+def test_buffer_slots_formula_is_the_lowering(kind, masked):
     """The formula the planner uses for long schedules against the executor's buffers."""
     chunks = (2, 3) if "interleaved" in kind else (1,)
     for p in (2, 3, 4, 8):
         for m in (p, 2 * p, 3 * p):
             for v in chunks:
-                rounds = lower(schedules.make_schedule(kind, p, m, v))
-                assert plan_model.slots_formula(kind, p, m, v) == _slots(rounds), (p, m, v)
+                assert plan_model.slots_formula(kind, p, m, v, masked) == \
+                    _slots(_lowered(kind, p, m, v, masked)), (p, m, v)
 
 
-def test_zb_h1_buffer_slots_formula_is_the_lowering_at_every_m():
+@pytest.mark.parametrize("masked", MASKED, ids=["cond", "masked"])
+def test_zb_h1_buffer_slots_formula_is_the_lowering_at_every_m(masked):
     """zb-h1 at any m, including 2 <= m < 2p - 2, where it runs one action a round and
     needs fewer W slots than stash slots."""
     for p in (2, 3, 4, 5, 8):
         for m in range(1, 3 * p + 1):
-            rounds = lower(schedules.make_schedule("zb-h1", p, m))
-            assert plan_model.slots_formula("zb-h1", p, m, 1) == _slots(rounds), (p, m)
+            assert plan_model.slots_formula("zb-h1", p, m, 1, masked) == \
+                _slots(_lowered("zb-h1", p, m, 1, masked)), (p, m)
 
 
-def test_zero_bubble_formula_is_the_simulated_bubble():
+@pytest.mark.parametrize("masked", MASKED, ids=["cond", "masked"])
+def test_zero_bubble_formula_is_the_simulated_bubble(masked):
     """The bubble the planner uses for long schedules against the lockstep simulator:
     zb-h1 at every m, zb-interleaved from m = p."""
+    costs = schedules.Costs(masked=masked)
     for p in (2, 3, 4, 8):
         for m in range(1, 3 * p + 1):
-            got = simulate(schedules.make_schedule("zb-h1", p, m)).bubble_fraction
-            assert plan_time.bubble_formula(p, 1, m, True) == pytest.approx(got), (p, m)
+            got = simulate(schedules.make_schedule("zb-h1", p, m, 1, costs), costs)
+            assert plan_time.bubble_formula(p, 1, m, True, masked) == pytest.approx(
+                got.bubble_fraction), (p, m)
             if m >= p:
-                got = simulate(schedules.make_schedule("zb-interleaved", p, m, 2))
-                assert plan_time.bubble_formula(p, 2, m, True) == pytest.approx(
+                got = simulate(schedules.make_schedule("zb-interleaved", p, m, 2, costs), costs)
+                assert plan_time.bubble_formula(p, 2, m, True, masked) == pytest.approx(
                     got.bubble_fraction), (p, m)

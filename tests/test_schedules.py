@@ -12,7 +12,7 @@ import pytest
 from jaxptd.pipeline import simulate as sim
 from jaxptd.pipeline.lowering import lower
 from jaxptd.pipeline.schedules import (Action, Costs, Schedule, ScheduleError, check_layers,
-                                       forward_only, make_schedule, validate)
+                                       forward_only, make_schedule, packed_time, validate)
 from jaxptd.pipeline.simulate import simulate
 
 UNIFORM = Costs(1.0, 1.0, 1.0)  # t_f = t_b = t_w; a kind without W runs B + W = 2 t_f
@@ -368,13 +368,15 @@ def test_zb_peak_stash_keeps_the_base_kinds_and_does_not_grow_with_m():
         assert peaks == {base + 1}
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["cond", "masked"])
 @pytest.mark.parametrize("kind,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 3, 1),
                                         ("zb-interleaved", 4, 6, 2),
                                         ("zb-interleaved", 2, 5, 3)])
-def test_zb_w_slot_tables_replay(kind, p, m, v):
+def test_zb_w_slot_tables_replay(kind, p, m, v, masked):
     """Every B fills the W slot its W later empties, every F the tape slot its W empties,
     one W per B, no live W or tape slot is overwritten, and a W never runs before its B."""
-    R = lower(make_schedule(kind, p, m, v))
+    costs = Costs(masked=masked)
+    R = lower(make_schedule(kind, p, m, v, costs), costs)
     wbuf = [[None] * R.num_w_slots for _ in range(p)]
     tapes = [[None] * R.num_tape_slots for _ in range(p)]
     ran = set()
@@ -428,3 +430,68 @@ def test_cli_zero_bubble_json():
     # the last rank defers W0 to round 3, where rank 0's B1 sets the cost
     assert "rank 0  F0 . .  F1 . .  . B0 W0 . B1 .  . . W1" in text
     assert "rank 1  . . .   F0 B0 . F1 B1 . . . W0  . . W1" in text
+
+
+# --------------------------------------------------------------------------- masked rounds
+
+
+MASKED = Costs(1.0, 1.0, 1.0, masked=True)
+
+
+def test_masked_zb_h1_p2_m8_hand_worked():
+    """A GPU's round forms run a slot kind some rank uses on every rank, so a W that only
+    one rank runs costs the other a W too. Packed for that, both ranks run their W's in
+    the same rounds: F and B present in 9 rounds each, W in 8, 26 units (1F1B's 27 less
+    the (p - 1) W's of its bubble); packed for skipped idle slots (25 units there), the
+    rounds cost 27 masked: one W round more, and two of W's alone at the end."""
+    packed = lower(make_schedule("zb-h1", 2, 8, 1, MASKED), MASKED)
+    assert packed.grid().splitlines()[1:] == [
+        "rank 0  F0 . .   F1 . .   F2 B0 W0 F3 B1 W1 F4 B2 W2 F5 B3 W3 F6 B4 W4 F7 B5 W5"
+        " . B6 W6  . B7 W7",
+        "rank 1  . . .    F0 B0 .  F1 B1 W0 F2 B2 W1 F3 B3 W2 F4 B4 W3 F5 B5 W4 F6 B6 W5"
+        " F7 B7 W6 . . W7"]
+    assert simulate(make_schedule("zb-h1", 2, 8, 1, MASKED), MASKED).total_time == 26
+    skipped = lower(make_schedule("zb-h1", 2, 8)).packed  # packed for skipped idle slots
+    assert packed_time(skipped, UNIFORM, True, 1) == 25
+    assert packed_time(skipped, MASKED, True, 1) == 27
+    assert simulate(make_schedule("1f1b", 2, 8), MASKED).total_time == 27
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_masked_zb_bubble_is_two_thirds_of_1f1b_for_every_m(p):
+    """Masked rounds: the F and B slots keep 1F1B's bubble, (p - 1)(t_f + t_b), and the W
+    slots add none (W's in m v rounds, every rank's together): 2(p - 1)/(3 v m) at uniform
+    costs, zb-h1 at every m, zb-interleaved from m = p; the kinds without W are timed as
+    skipped idle slots time them; the peak stash stays the base kind's."""
+    for m in range(1, 3 * p + 1):
+        stats = simulate(make_schedule("zb-h1", p, m, 1, MASKED), MASKED)
+        assert stats.bubble_fraction == pytest.approx(2 * (p - 1) / (3 * m)), m
+        assert max(stats.peak_stash) == min(m, 2 * p - 1), m
+        w_rounds = sum(any(row) for row in stats.rounds.w_valid)
+        assert w_rounds == m, m
+        for v in (2, 3) if m >= p > 1 else ():
+            stats = simulate(make_schedule("zb-interleaved", p, m, v, MASKED), MASKED)
+            assert stats.bubble_fraction == pytest.approx(2 * (p - 1) / (3 * v * m)), (m, v)
+            base = simulate(make_schedule("interleaved", p, m, v), MASKED)
+            assert base.bubble_fraction == pytest.approx(
+                simulate(make_schedule("interleaved", p, m, v)).bubble_fraction), (m, v)
+        for kind in ("gpipe", "1f1b"):
+            assert simulate(make_schedule(kind, p, m), MASKED).bubble_fraction == \
+                pytest.approx((p - 1) / m)
+
+
+def test_masked_timeline_starts_each_slot_after_the_longest_before_it():
+    """Each rank's B starts where the longest F of the round ends, not after its own."""
+    costs = Costs(2.0, 1.0, 1.0, masked=True)
+    stats = simulate(make_schedule("zb-h1", 2, 2, 1, costs), costs)
+    starts = {(r, a.kind, a.microbatch): start for r, rank in enumerate(stats.timeline)
+              for start, _, a in rank}
+    assert starts[(1, "B", 0)] == 2 + 2  # round 1 starts at 2, its F slot lasts 2
+    assert stats.total_time == sum(costs.round(row, True, 1) for row in stats.rounds.packed)
+
+
+def test_cli_masked_json():
+    out = _cli("--kind", "zb-h1", "--stages", "4", "--microbatches", "8", "--masked",
+               "--json")
+    got = json.loads(out.stdout)
+    assert out.returncode == 0 and got["bubble_fraction"] == pytest.approx(6 / 24)

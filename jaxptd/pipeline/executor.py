@@ -61,7 +61,8 @@ from jaxptd.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
-from jaxptd.pipeline.lowering import Rounds, Segment, chunks_done, lower, segments
+from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, lower, round_costs,
+                                     segments)
 from jaxptd.pipeline.training import Training
 from jaxptd.sharding import after, mark_varying
 
@@ -77,20 +78,13 @@ SLOT_FIELDS = {
 
 
 @lru_cache(maxsize=32)
-def rounds_for(kind: str, stages: int, microbatches: int, chunks: int,
+def rounds_for(kind: str, stages: int, microbatches: int, chunks: int, form: str,
                forward_only: bool = False) -> Rounds:
-    """The lowered rounds of a schedule (training, or its forwards alone for evaluation)."""
-    schedule = schedules.make_schedule(kind, stages, microbatches, chunks)
-    return lower(schedules.forward_only(schedule) if forward_only else schedule)
-
-
-def round_form(config, platform: str) -> str:
-    """parallel.round_form, with 'auto' resolved for the target's platform: cond on CPU,
-    steady on a GPU."""
-    form = config.parallel.round_form
-    if form == "auto":
-        return "steady" if platform == "gpu" else "cond"
-    return form
+    """The lowered rounds of a schedule (training, or its forwards alone for evaluation),
+    packed for the round form that runs them (`round_costs`: where zero-bubble W's go)."""
+    costs = round_costs(form)
+    schedule = schedules.make_schedule(kind, stages, microbatches, chunks, costs)
+    return lower(schedules.forward_only(schedule) if forward_only else schedule, costs)
 
 
 # --------------------------------------------------------------------------- rounds
@@ -199,7 +193,8 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
     depends on no later round and runs beside them (Megatron's --overlap-grad-reduce);
     the layers' gradients returned are its results, concatenated over the chunks.
     """
-    rounds = rounds_for(context.schedule, context.pipe, context.microbatches, context.chunks)
+    rounds = rounds_for(context.schedule, context.pipe, context.microbatches, context.chunks,
+                        context.round_form)
     program = Training(context, rounds, params, batch, key, loss_scale, deterministic)
     done = chunks_done(rounds) if reduce_chunk is not None else ()
     reduced = {}
@@ -225,6 +220,6 @@ def pipeline_loss(params, batch, *, context: Context):
     the global token mean (nonzero on the last stage's rank), as pipeline_grads does.
     """
     rounds = rounds_for(context.schedule, context.pipe, context.microbatches, context.chunks,
-                        forward_only=True)
+                        context.round_form, forward_only=True)
     return _run(Evaluation(context, rounds, params, batch), rounds, context.round_form,
                 "F")["loss"]

@@ -205,6 +205,22 @@ class Segment:
         return "cond" if not self.inline else "inline" if (name, slot) in self.ends else "off"
 
 
+def round_form(config, platform: str) -> str:
+    """parallel.round_form, with 'auto' resolved for the target's platform: cond on CPU,
+    steady on a GPU."""
+    form = config.parallel.round_form
+    if form == "auto":
+        return "steady" if platform == "gpu" else "cond"
+    return form
+
+
+def round_costs(form: str) -> Costs:
+    """How a round form's rounds cost (Costs.masked: every form but cond runs a slot kind
+    some rank uses on every rank), uniform t_f = t_b = t_w: what the schedule is packed for
+    (where zero-bubble W's go) and timed by."""
+    return Costs(masked=form != "cond")
+
+
 def _slot_state(valid_row) -> str:
     return "run" if all(valid_row) else "some" if any(valid_row) else "off"
 

@@ -7,12 +7,16 @@ Lockstep cost model: in a round every rank runs its F, B and W slots back to bac
 messages of the round are stored at its end, so a round costs the busiest rank's work,
 max over ranks of (t_f [F] + t_b [B] + t_w [W]) / v, plus one hop latency (the executor's
 messages overlap the rest of the round; the last one's latency is exposed). A kind without
-W runs B + W in its B. Pure Python.
+W runs B + W in its B. Masked costs (Costs.masked: the steady and masked round forms, a
+GPU's) run every slot kind some rank uses on every rank: a round costs the sum over its
+kinds of the longest action of each. Pure Python.
 
 With uniform costs the lockstep bubble is (p-1)/m for gpipe and 1f1b, (p-1)/(v m) for
 interleaved (m >= p), and for the zero-bubble kinds the paper's (p-1)(t_f+t_b-t_w) /
 (m (t_f+t_b+t_w)): for zb-h1 from m >= p on, for zb-interleaved (divided by v) from
-m >= 2p-2 on; see schedules/make.py for below that.
+m >= 2p-2 on; see schedules/make.py for below that. Masked, the same for the kinds without
+W, and 2(p-1) / (3 v m) for the zero-bubble kinds at every m (from m >= p for v > 1): the
+W's fill no bubble there, they only stop adding to it (jaxptd/plan/timing.py).
 """
 from __future__ import annotations
 
@@ -99,15 +103,18 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), hop_latency: float = 0.
     split = schedule.split_backward
     timeline, now = [[] for _ in range(p)], 0.0
     for row in rounds.packed:
-        busiest = 0.0
+        # masked: each slot kind starts where the longer earlier slots end on every rank
+        lasts = costs.slot_times(row, split, v)
+        offsets = (0.0, lasts[0], lasts[0] + lasts[1])
         for r, slots in enumerate(row):
             start = now
-            for action in filter(None, slots):
-                end = start + costs.of(action, split, v)
-                timeline[r].append((start, end, action))
-                start = end
-            busiest = max(busiest, start - now)
-        now += busiest + hop_latency
+            for k, action in enumerate(slots):
+                if action:
+                    start = now + offsets[k] if costs.masked else start
+                    end = start + costs.of(action, split, v)
+                    timeline[r].append((start, end, action))
+                    start = end
+        now += costs.round(row, split, v) + hop_latency
     ideal = m * (costs.fwd + (0.0 if schedule.forward_only else costs.bwd + costs.wgt))
     sends = sum(map(sum, rounds.recv_f_valid)), sum(map(sum, rounds.recv_b_valid))
     return Stats(total_time=now, ideal_time=ideal, bubble_fraction=(now - ideal) / ideal,
@@ -133,6 +140,10 @@ def _parse_args(argv):
                         help="the weight-gradient part (W); default: --bwd-cost. Kinds "
                              "without W run B + W in one backward")
     parser.add_argument("--hop-latency", type=float, default=0.0)
+    parser.add_argument("--masked", action="store_true",
+                        help="pack and time the rounds as a GPU's round forms (steady, "
+                             "masked) run them: a slot kind some rank uses runs on every "
+                             "rank (default: as the cond form does, idle slots skipped)")
     parser.add_argument("--forward-only", action="store_true",
                         help="the schedule's forwards alone (what evaluation runs)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -170,7 +181,7 @@ def main(argv=None) -> int:
     wgt = args.bwd_cost if args.wgt_cost is None else args.wgt_cost
     if min(args.fwd_cost, args.bwd_cost, wgt) <= 0 or args.hop_latency < 0:
         _fail("--fwd-cost, --bwd-cost and --wgt-cost must be > 0 and --hop-latency >= 0")
-    costs = Costs(args.fwd_cost, args.bwd_cost, wgt)
+    costs = Costs(args.fwd_cost, args.bwd_cost, wgt, args.masked)
     _check_size(args, costs)
     try:
         schedule = make_schedule(args.kind, args.stages, args.microbatches, args.chunks, costs)

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         if args.verify:
             report["verify"] = verify(config, report, dump)
         if args.png:
-            plan_report.draw(report, args.png, schedule_stats(config)[2])
+            plan_report.draw(report, args.png, schedule_stats(config, given.platform)[2])
     except ConfigError as e:
         _fail(str(e))
     print(json.dumps(report) if args.json else plan_report.format_report(report,

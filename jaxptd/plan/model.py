@@ -270,9 +270,9 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     in the compute dtype, and the input gradient a round carries to the next, which sends
     it (jaxptd/pipeline/executor.py): a stash slot holds a stage input and, with
     parallel.stash = activations, what the chunk's backward keeps and its output
-    (zero-bubble kinds: the backward of everything but the dense() weights keeps about as
-    much, its dense() inputs included); a grad slot an output gradient; a W slot
-    (zero-bubble kinds) the chunk's dense_tap_bytes, with stash = inputs also its
+    (zero-bubble kinds: the backward of everything but the dense() weights, which keeps
+    the same less the dense() inputs a tape slot holds); a grad slot an output gradient;
+    a W slot (zero-bubble kinds) the chunk's dense_tap_bytes, with stash = inputs also its
     dense_input_bytes, which with activations a tape slot holds from F to W.
     c, method: context parallelism; every [b, s, ...] above is [b, s/c, ...] (s stays the
     whole sequence) and the attention core's terms are attention_terms'; flash: the ring's
@@ -319,13 +319,22 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients
         transient += (RING_UNITS if ring else 2) * scores
     span = chunk_layers if pipe > 1 else layers_per_stage
-    stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers, kept,
-                                               keep_activations, b, n, h, t, e)
+    # what a stash slot keeps of a layer: a zero-bubble F tapes the dense() inputs for its W
+    # (a tape slot), and the vjp of the rest, the B's, keeps the two norm outputs and the
+    # context (as the output projection's input) nowhere: with remat none or selective
+    # they are the kept dense() inputs (minimal and full keep none of them; the context
+    # cuDNN keeps is its own residual). The H100 compile of GPT-1.3B, zb-h1 at (2,2,2):
+    # 2.48 GB a stash slot, the full layer's kept values less these, buffer by buffer.
+    taped = keep_activations and (slots or {}).get("tape", 0) > 0
+    slot_kept = kept - (n * b * h * (2 + 1 / t) * e if taped and remat in ("none", "selective")
+                        else 0.0)
+    stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers,
+                                               slot_kept, keep_activations, b, n, h, t, e)
     twice = attention["kept"] if xla_gpu and remat == "none" else 0.0
     if pipe > 1 and keep_activations:
         stash += 2 * chunk_layers * twice  # read out of the stash twice
         if gpu:  # a B slot's read of a slot's kept values: copies, but the residual stream
-            stash += chunk_layers * max(0.0, kept - 2 * stage_input)
+            stash += chunk_layers * max(0.0, slot_kept - 2 * stage_input)
     else:
         kept += twice  # the scores beside the probabilities
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
@@ -460,13 +469,15 @@ def _backward_phase(activations: dict, grads: float, *, microbatches: int,
 BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace")
 
 
-def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
+def slots_formula(kind: str, p: int, m: int, v: int, masked: bool = False) -> dict:
     """The executor's buffer slots per rank when lowering the schedule would take too long:
     GPipe m stash slots; 1F1B and ZB-H1 min(m, 2p - 1); the interleaved kinds min(vm,
     (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at
     m < 2p - 2 (one action a round: min(m, p)), and as many tape slots as stash slots;
-    one grad slot. Exact for m a multiple of
-    p, which Megatron's interleaved schedule requires, and for ZB-H1 at every m
+    one grad slot. Packed for masked rounds (a GPU's round forms: every rank runs its W's
+    in the same rounds, schedules/packing.py) zero-bubble kinds need min(m, p) W slots, and
+    zb-interleaved one tape slot fewer than stash slots from m = 2p on. Exact for m a
+    multiple of p, which Megatron's interleaved schedule requires, and for ZB-H1 at every m
     (tests/test_plan_formulas.py checks both against the lowering); other m can need a
     few more (the planner lowers those)."""
     if kind == "gpipe":
@@ -476,8 +487,12 @@ def slots_formula(kind: str, p: int, m: int, v: int) -> dict:
     else:
         stash = min(v * m, (v + 1) * p)
     w = min(m, p) if kind == "zb-h1" and m < 2 * p - 2 else stash
+    tape = stash
+    if masked:
+        w = min(m, p)
+        tape = stash - (kind == "zb-interleaved" and m >= 2 * p)
     zb = kind.startswith("zb")
-    return {"stash": stash, "grad": 1, "w": w if zb else 0, "tape": stash if zb else 0}
+    return {"stash": stash, "grad": 1, "w": w if zb else 0, "tape": tape if zb else 0}
 
 
 def divisors(n: int) -> list:

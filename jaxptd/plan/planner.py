@@ -19,7 +19,7 @@ from functools import lru_cache
 from jaxptd.config import Config
 from jaxptd.metrics import flops_per_iteration
 from jaxptd.pipeline import schedules
-from jaxptd.pipeline.lowering import lower
+from jaxptd.pipeline.lowering import lower, round_costs, round_form
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
 from jaxptd.plan import model as pm
 from jaxptd.plan import timing as pt
@@ -42,14 +42,18 @@ def recomputation(config: Config) -> str:
 
 
 @lru_cache(maxsize=64)
-def _lowered_slots(kind: str, p: int, m: int, v: int) -> dict:
-    rounds = lower(schedules.make_schedule(kind, p, m, v))
+def _lowered_slots(kind: str, p: int, m: int, v: int, form: str) -> dict:
+    costs = round_costs(form)
+    rounds = lower(schedules.make_schedule(kind, p, m, v, costs), costs)
     return {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
             "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
 
 
-def schedule_stats(config: Config, simulate: bool = True):
-    """(bubble fraction, buffer slots {stash, grad, w, tape}, (Stats, Schedule) or None).
+def schedule_stats(config: Config, platform: str, simulate: bool = True):
+    """(bubble fraction, buffer slots {stash, grad, w, tape}, (Stats, Schedule) or None) of
+    the schedule as the round form the step runs on `platform` packs and times it
+    (lowering.round_costs: a GPU's steady form runs a slot kind some rank uses on every
+    rank).
 
     The bubble comes from the simulator when asked and small enough, else from the
     formula. The slots are the executor's (the schedule lowered) when it is small, or
@@ -58,13 +62,15 @@ def schedule_stats(config: Config, simulate: bool = True):
     if par.pipe == 1:
         return 0.0, {"stash": 0, "grad": 0, "w": 0, "tape": 0}, None
     p, v, m, kind = par.pipe, par.chunks, par.microbatches, par.schedule
+    form = round_form(config, platform)
+    masked = round_costs(form).masked
     irregular = v > 1 and m % p != 0
-    slots = _lowered_slots(kind, p, m, v) if (simulate and p * m * v <= LOWER_LIMIT) \
-        or irregular else pm.slots_formula(kind, p, m, v)
+    slots = _lowered_slots(kind, p, m, v, form) if (simulate and p * m * v <= LOWER_LIMIT) \
+        or irregular else pm.slots_formula(kind, p, m, v, masked)
     if not simulate or p * p * m * v * 3 > SIMULATE_LIMIT:
-        return pt.bubble_formula(p, v, m, kind in schedules.ZERO_BUBBLE), slots, None
-    sched = schedules.make_schedule(kind, p, m, v)
-    stats = simulate_schedule(sched)
+        return pt.bubble_formula(p, v, m, kind in schedules.ZERO_BUBBLE, masked), slots, None
+    sched = schedules.make_schedule(kind, p, m, v, round_costs(form))
+    stats = simulate_schedule(sched, round_costs(form))
     return stats.bubble_fraction, slots, (stats, sched)
 
 
@@ -142,7 +148,8 @@ def _causal(config: Config) -> bool:
 def device_memory_bytes(config: Config, platform: str) -> float:
     """The plan's bytes on the busiest device (the `memory/dev` total) of `platform`,
     nothing allocated: what a run compares with its devices' memory before compiling."""
-    return _memory(config, real_counts(config), schedule_stats(config)[1], platform)[0]["total"]
+    return _memory(config, real_counts(config), schedule_stats(config, platform)[1],
+                   platform)[0]["total"]
 
 
 def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
@@ -154,7 +161,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
     l, h, a, s = m_cfg.num_layers, m_cfg.hidden_size, m_cfg.num_heads, m_cfg.seq_len
     V, n, B, b = counts["vocab_padded"], config.num_devices, config.train.global_batch, \
         config.microbatch_size
-    bubble, slots, stats = schedule_stats(config, simulate)
+    bubble, slots, stats = schedule_stats(config, inputs.platform, simulate)
     hw = inputs.hardware
     device, host, acts = _memory(config, counts, slots, inputs.platform)
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),

@@ -32,6 +32,10 @@ Invariants:
   bubble (p-1)/m; interleaved keeps Megatron's count and reaches (p-1)/(v*m) for m >= p.
 - Zero-bubble kinds are made two ways, and make_schedule keeps the one whose rounds cost
   less (make.py).
+- A round's cost (Costs): its busiest rank's work where idle slots are skipped (the cond
+  round form), or, Costs.masked, the sum over its slot kinds of the longest action (a
+  GPU's forms run a kind some rank uses on every rank); the W's are placed for the one
+  given (packing.py), so the executor packs for the round form it runs.
 """
 from jaxptd.pipeline.schedules.actions import (KINDS, ZERO_BUBBLE, Action, Costs, Schedule,
                                                ScheduleError)

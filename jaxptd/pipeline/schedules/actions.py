@@ -26,15 +26,33 @@ class Action:
 @dataclass(frozen=True)
 class Costs:
     """One microbatch's forward, input-gradient (B) and weight-gradient (W) time over all
-    of a rank's layers; a kind without W runs B + W in its B."""
+    of a rank's layers (a kind without W runs B + W in its B), and how a lockstep round
+    costs them. masked=False: a round lasts its busiest rank's work, idle slots skipped
+    (the executor's cond round form). masked=True: a slot kind that some rank uses in a
+    round runs on every rank (the steady and masked forms, a GPU's: no conditional), so
+    the round lasts the sum over its slot kinds of the longest action of that kind; a W
+    placed where no other rank has one costs every rank a W."""
     fwd: float = 1.0
     bwd: float = 1.0
     wgt: float = 1.0
+    masked: bool = False
 
     def of(self, action: Action, split: bool, chunks: int) -> float:
         """The time of one action (one chunk's share of the rank's layers)."""
         full = {"F": self.fwd, "B": self.bwd if split else self.bwd + self.wgt, "W": self.wgt}
         return full[action.kind] / chunks
+
+    def slot_times(self, row, split: bool, chunks: int) -> tuple:
+        """Masked: how long each slot (F, B, W) of a round lasts on every rank, its longest
+        action (0 where no rank uses it). row: per rank, its (F, B, W) actions or None."""
+        return tuple(max((self.of(slots[k], split, chunks) for slots in row if slots[k]),
+                         default=0.0) for k in range(3))
+
+    def round(self, row, split: bool, chunks: int) -> float:
+        """The time of one round (the model of the class docstring)."""
+        if self.masked:
+            return sum(self.slot_times(row, split, chunks))
+        return max(sum(self.of(a, split, chunks) for a in slots if a) for slots in row)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,13 @@
 F and B first: each rank takes its next action in the first slot of its kind where it is
 ready, never reorders (a `one_per_round` schedule: every action so, at most one a rank a
 round). Then, for zero-bubble kinds, the W's in the slots (`_place_weight_grads`): round
-by round, each rank runs at most one pending W, where it costs nothing (the rank has slack
-in a round whose cost another rank sets) or where it must (the microbatches a rank holds
-from F to W would exceed the base kind's peak stash). Leftover W's run after the last B.
+by round, each rank runs at most one pending W, where it must (the microbatches a rank
+holds from F to W would exceed the base kind's peak stash) or where it costs nothing. With
+a round lasting its busiest rank's work, that is where the rank has slack in a round whose
+cost another rank sets. Masked (Costs.masked: a W slot, once some rank runs one, lasts a W
+on every rank), the W slot opens where some rank must, or where every rank with the most
+W's left can run one (such a round brings the W slots still needed, at least that most,
+one down), and then every rank with a W ready runs one. Leftover W's run after the last B.
 make.py compares this with the other making of zero-bubble schedules.
 """
 from __future__ import annotations
@@ -33,9 +37,8 @@ def pack_rounds(schedule: Schedule, costs: Costs = Costs()) -> list:
 
 
 def packed_time(packed: list, costs: Costs, split: bool, chunks: int) -> float:
-    """The lockstep time of packed rounds: each round costs its busiest rank's work."""
-    return sum(max(sum(costs.of(a, split, chunks) for a in slots if a) for slots in row)
-               for row in packed)
+    """The lockstep time of packed rounds, each round as costs.round prices it."""
+    return sum(costs.round(row, split, chunks) for row in packed)
 
 
 def can_run(ran: dict, a: Action, s: int, t: int, last: int) -> bool:
@@ -105,22 +108,26 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
     while t < len(packed) or any(queues):
         row = packed[t] if t < len(packed) else [(None, None, None)] * p
         work = [sum(costs.of(a, True, v) for a in slots if a) for slots in row]
+        left = [len(q) for q in queues]  # W's each rank has still to run, this round's too
         chosen = [None] * p
         for r, (fa, ba, _) in enumerate(row):
             held[r] += arrivals[t][r] if t < len(packed) else 0
             if ba:
                 backward_done.add((r, ba.microbatch, ba.chunk))
-            ready = queues[r] and (r, queues[r][0].microbatch, queues[r][0].chunk) in \
-                backward_done
+        ready = [bool(q) and (r, q[0].microbatch, q[0].chunk) in backward_done
+                 for r, q in enumerate(queues)]
+        for r in range(p):
             coming = arrivals[t + 1][r] if t + 1 < len(packed) else 0
-            if ready and (held[r] + coming > cap or t >= len(packed)):
+            if ready[r] and (held[r] + coming > cap or t >= len(packed)):
                 chosen[r] = queues[r].popleft()
                 work[r] += costs.wgt / v
-        round_cost = max(work)
+        if costs.masked:
+            open_slot = any(chosen) or all(ready[r] for r in range(p) if left[r] == max(left))
+            free = [open_slot] * p
+        else:
+            free = [work[r] + costs.wgt / v <= max(work) + 1e-12 for r in range(p)]
         for r in range(p):
-            ready = queues[r] and (r, queues[r][0].microbatch, queues[r][0].chunk) in \
-                backward_done
-            if chosen[r] is None and ready and work[r] + costs.wgt / v <= round_cost + 1e-12:
+            if chosen[r] is None and ready[r] and free[r]:
                 chosen[r] = queues[r].popleft()
             held[r] -= chosen[r] is not None
         assert t < len(packed) or any(chosen), "a W that no B precedes (validate's rule)"
