@@ -120,3 +120,23 @@ def test_zero_bubble_formula_is_the_simulated_bubble(masked):
                 got = simulate(schedules.make_schedule("zb-interleaved", p, m, 2, costs), costs)
                 assert plan_time.bubble_formula(p, 2, m, True, masked) == pytest.approx(
                     got.bubble_fraction), (p, m)
+
+
+def test_the_plan_times_the_round_form_its_platform_runs():
+    """The planner's bubble and slots are the executor's: a GPU's steady form packs
+    zero-bubble W's for masked rounds (2(p-1)/(3m), min(m, p) W slots), the CPU's cond form
+    for skipped idle slots ((p-1)/(3m)); parallel.round_form overrides the platform's."""
+    from jaxptd.config import load_config
+    from jaxptd.plan import schedule_stats
+
+    p, m = 4, 8
+    config = load_config(None, [f"parallel.pipe={p}", "parallel.schedule=zb-h1",
+                                f"parallel.microbatches={m}", "model.num_layers=8",
+                                f"train.global_batch={m}"])
+    gpu, cpu = (schedule_stats(config, platform) for platform in ("gpu", "cpu"))
+    assert gpu[0] == pytest.approx(2 * (p - 1) / (3 * m)) and gpu[1]["w"] == p
+    assert cpu[0] == pytest.approx((p - 1) / (3 * m)) and cpu[1]["w"] == 2 * p - 1
+    forced = load_config(None, [f"parallel.pipe={p}", "parallel.schedule=zb-h1",
+                                f"parallel.microbatches={m}", "model.num_layers=8",
+                                f"train.global_batch={m}", "parallel.round_form=cond"])
+    assert schedule_stats(forced, "gpu")[0] == pytest.approx(cpu[0])
