@@ -481,13 +481,17 @@ def test_masked_zb_bubble_is_two_thirds_of_1f1b_for_every_m(p):
 
 
 def test_masked_timeline_starts_each_slot_after_the_longest_before_it():
-    """Each rank's B starts where the longest F of the round ends, not after its own."""
+    """A rank's B starts where the round's longest F ends, also on a rank without an F
+    (p = 2, m = 8: round 8, rank 0 runs B6 while rank 1 runs F7)."""
     costs = Costs(2.0, 1.0, 1.0, masked=True)
-    stats = simulate(make_schedule("zb-h1", 2, 2, 1, costs), costs)
-    starts = {(r, a.kind, a.microbatch): start for r, rank in enumerate(stats.timeline)
-              for start, _, a in rank}
-    assert starts[(1, "B", 0)] == 2 + 2  # round 1 starts at 2, its F slot lasts 2
-    assert stats.total_time == sum(costs.round(row, True, 1) for row in stats.rounds.packed)
+    stats = simulate(make_schedule("zb-h1", 2, 8, 1, costs), costs)
+    packed = stats.rounds.packed
+    t = next(t for t, row in enumerate(packed) if row[0][0] is None and row[0][1]
+             and row[1][0] is not None)
+    begins = sum(costs.round(row, True, 1) for row in packed[:t])
+    starts = {(a.kind, a.microbatch): start for start, _, a in stats.timeline[0]}
+    assert starts[("B", packed[t][0][1].microbatch)] == begins + 2.0
+    assert stats.total_time == sum(costs.round(row, True, 1) for row in packed)
 
 
 def test_cli_masked_json():
