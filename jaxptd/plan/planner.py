@@ -312,8 +312,14 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         comm=comm, c=c, method=par.context_attention, layers_per_stage=layers,
         block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
         device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
+    # the head is the last stage's work, not spread over pipe: a lockstep round lasts as
+    # long as the last stage's (the steady form runs it on every rank)
+    from jaxptd.model import get  # JAX: --verify configures it first
+    head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
+        m_cfg, counts["vocab_padded"])["head"]
     time = pt.step_time(
-        flops_device=executed / config.num_devices, bubble=bubble, comm=comm,
+        flops_device=(executed + (par.pipe - 1) * head) / config.num_devices, bubble=bubble,
+        comm=comm,
         m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
         fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
