@@ -63,14 +63,15 @@ def schedule_stats(config: Config, platform: str, simulate: bool = True):
         return 0.0, {"stash": 0, "grad": 0, "w": 0, "tape": 0}, None
     p, v, m, kind = par.pipe, par.chunks, par.microbatches, par.schedule
     form = round_form(config, platform)
-    masked = round_costs(form).masked
+    costs = round_costs(form)
     irregular = v > 1 and m % p != 0
     slots = _lowered_slots(kind, p, m, v, form) if (simulate and p * m * v <= LOWER_LIMIT) \
-        or irregular else pm.slots_formula(kind, p, m, v, masked)
+        or irregular else pm.slots_formula(kind, p, m, v, costs.masked)
     if not simulate or p * p * m * v * 3 > SIMULATE_LIMIT:
-        return pt.bubble_formula(p, v, m, kind in schedules.ZERO_BUBBLE, masked), slots, None
-    sched = schedules.make_schedule(kind, p, m, v, round_costs(form))
-    stats = simulate_schedule(sched, round_costs(form))
+        zero_bubble = kind in schedules.ZERO_BUBBLE
+        return pt.bubble_formula(p, v, m, zero_bubble, costs.masked), slots, None
+    sched = schedules.make_schedule(kind, p, m, v, costs)
+    stats = simulate_schedule(sched, costs)
     return stats.bubble_fraction, slots, (stats, sched)
 
 
@@ -318,9 +319,8 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
     head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
         m_cfg, counts["vocab_padded"])["head"]
     time = pt.step_time(
-        flops_device=(executed + (par.pipe - 1) * head) / config.num_devices, bubble=bubble,
-        comm=comm,
-        m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
+        flops_device=(executed + (par.pipe - 1) * head) / config.num_devices,
+        bubble=bubble, comm=comm, m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
         fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
         weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
