@@ -56,7 +56,7 @@ from jaxptd.model import moe
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
-from jaxptd.pipeline.lowering import round_form
+from jaxptd.pipeline.lowering import round_form, spreads_head
 from jaxptd.reduction import REDUCED, Reduction, compose, fsdp_gathers
 from jaxptd.sharding import mark_varying, regather, zeros_as
 from jaxptd.state import StateLayout
@@ -196,15 +196,17 @@ def pipeline_context(setup: Setup) -> Context:
     the local layout and FSDP's gathers."""
     par = setup.config.parallel
     gather_ends, gather_layer = setup.gathers()
+    form = round_form(setup.config, setup.target.platform)
     return Context(
         schedule=par.schedule, pipe=par.pipe, chunks=par.chunks,
-        microbatches=par.microbatches, stash=par.stash,
-        round_form=round_form(setup.config, setup.target.platform),
+        microbatches=par.microbatches, stash=par.stash, round_form=form,
         # PTD-P's scatter/gather splits a message over tensor; with sequence parallelism
         # the activations are already split over the sequence
         message_split=1 if setup.local_layout.split_sequence else par.tensor,
         model=setup.config.model, layout=setup.local_layout, arch=setup.arch,
-        loss_norm=setup.policy.loss_norm, gather_ends=gather_ends, gather_layer=gather_layer)
+        loss_norm=setup.policy.loss_norm,
+        spread_head=spreads_head(form, setup.config.microbatch_size, par.pipe),
+        gather_ends=gather_ends, gather_layer=gather_layer)
 
 
 def build_grads(setup: Setup, deterministic: bool):

@@ -147,8 +147,9 @@ def test_step_compiles_for_h100(name):
     unpipelined one forward and one backward a layer and microbatch
     (two forwards with offloaded layer inputs: the layer is recomputed),
     pipelined as many forwards as backwards (the kept backward re-runs none) or more (a
-    stage recomputed from its input); the pipeline's round loops hold no conditional, and
-    each of their sends has a GEMM or attention in flight."""
+    stage recomputed from its input); the pipeline's round loops hold no conditional.
+    (Whether their sends overlap is test_gpt_1_3b_steady_sends_overlap's: at this width
+    XLA's scheduler overlaps them by accident or not at all.)"""
     config, _, report, module = compiled(*LAYOUTS[name])
     assert report["fits"]
     par = config.parallel
@@ -165,11 +166,27 @@ def test_step_compiles_for_h100(name):
     if par.pipe > 1:
         rounds = round_sends(module)
         assert rounds and all(loop.conditionals == 0 for loop in rounds)
-        overlapped = {loop: [bool(set(c.overlap) & {"gemm", "attention"}) for c in sends]
-                      for loop, sends in rounds.items() if steady(module, loop)}
-        assert overlapped
-        # the input gradient too, sent at the start of the next round (beside its F slot)
-        assert all(all(o) for o in overlapped.values()), overlapped
+        assert any(steady(module, loop) for loop in rounds)
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_gpt_1_3b_steady_sends_overlap():
+    """GPT-1.3B (configs/gpu/gpt_1.3b.yaml) at (2, 2, 2), 1F1B, 4 microbatches of 4, the
+    head spread over pipe: every send of the steady rounds' loop has a GEMM or attention
+    in flight, the input gradient too (sent at the start of the next round, beside its F
+    slot). Checked at the real width: XLA's latency-hiding scheduler starts a transfer
+    only as far back as its latency estimate needs, and in the small layouts above that
+    span holds a GEMM by accident or not at all (4 layers of width 256, (2, 2, 2) 1F1B m8:
+    4 of 4 sends overlapped with b = 2 before the head was spread, the head's own GEMM;
+    0 of 4 with b = 1, and 0 of 4 spread; width 2048: 3 of 4)."""
+    config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [
+        *layout(2, 2, 2, 4), "train.global_batch=32", "runtime.target=h100"])
+    step, _ = compile_check.compile_step(config, H100, 8)
+    module = hlo.parse(step.as_text())
+    overlapped = {loop: [bool(set(c.overlap) & {"gemm", "attention"}) for c in sends]
+                  for loop, sends in round_sends(module).items() if steady(module, loop)}
+    assert overlapped and all(all(o) for o in overlapped.values()), overlapped
 
 
 @needs_compiler

@@ -88,17 +88,21 @@ def pipelined_setup(data, pipe, tensor, schedule, chunks, micro, layers, extra=(
 
 
 @pytest.mark.slow
-def test_ends_live_where_they_are_read_and_stay_there():
+@pytest.mark.parametrize("form", ["cond", "steady"])
+def test_ends_live_where_they_are_read_and_stay_there(form):
     """Pipelined, each ends leaf is held in the slot of the stage that reads it: after two
     optimizer steps (weight decay on, gradients clipped) GPT's tied embedding is equal in
     the first and last stage's slots, positions in the first only, the final norm in the
     last only, every other slot still exactly zero, and the step's gradient norm is the
-    single-device one (the tied gradient counted once)."""
-    from jaxptd.step import build_grads
+    single-device one (the tied gradient counted once); also where every rank runs the
+    head on its rows (steady, b = p: the head's gradients go back to the last slot)."""
+    from jaxptd.step import build_grads, pipeline_context
     import optax
 
     p = 4
-    setup = pipelined_setup(1, p, 1, "1f1b", 1, 4, 4, ["optimizer.clip_norm=0.5"])
+    setup = pipelined_setup(1, p, 1, "1f1b", 1, 4, 4, [
+        "optimizer.clip_norm=0.5", f"parallel.round_form={form}", "train.global_batch=16"])
+    assert pipeline_context(setup).spread_head == (form == "steady")
     state, step = placed_state(setup), build_train_step(setup)
     batches = fixed_batches(setup.config, 2)
     grads, _, _ = jax.jit(build_grads(setup, deterministic=True))(
@@ -122,6 +126,39 @@ def test_ends_live_where_they_are_read_and_stay_there():
 def test_pipelined_gradients_match_single_device(stash, case, form):
     setup = pipelined_setup(*case, extra=[f"parallel.stash={stash}",
                                           f"parallel.round_form={form}"])
+    assert_grads_match_single_device(setup)
+
+
+# The head spread over the pipe ranks (round forms without conditionals, b % p == 0:
+# jaxptd/pipeline/head.py; PARITY's steady and masked cases at p = 2 spread it too): p = 4
+# with interleaving (the last rank's B slots of its other chunk run no head), the stage
+# recomputed (the head inside the B slot's vjp), FSDP with sequence parallelism, and the
+# untied head of Llama (its embedding read by the first stage alone) and BERT's heads.
+LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.num_kv_heads=4"]
+SPREAD = [
+    pytest.param((1, 4, 1, "interleaved", 2, 4, 8), "activations", [], id="interleaved-p4"),
+    pytest.param((1, 4, 1, "1f1b", 1, 4, 4), "inputs", [], id="inputs-p4",
+                 marks=pytest.mark.slow),
+    pytest.param((2, 2, 2, "1f1b", 1, 2, 4), "activations",
+                 ["parallel.fsdp=true", "parallel.sequence_parallel=true"], id="fsdp-sp",
+                 marks=pytest.mark.slow),
+    pytest.param((1, 2, 2, "zb-h1", 1, 3, 4), "activations", LLAMA, id="llama-zb",
+                 marks=pytest.mark.slow),
+    pytest.param((1, 2, 1, "1f1b", 1, 2, 4), "inputs", ["model.arch=bert"], id="bert",
+                 marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("case, stash, extra", SPREAD)
+def test_spread_head_matches_single_device(case, stash, extra):
+    """Each pipe rank runs the head on 1/p of the last stage's rows (an all-to-all in the
+    program, none in the cond form's): the single-device loss and gradients."""
+    from jaxptd.step import pipeline_context
+
+    data, pipe, micro = case[0], case[1], case[5]
+    setup = pipelined_setup(*case, extra=[
+        f"parallel.stash={stash}", "parallel.round_form=steady",
+        f"train.global_batch={pipe * data * micro}", *extra])
+    assert pipeline_context(setup).spread_head
     assert_grads_match_single_device(setup)
 
 

@@ -26,6 +26,7 @@ class Context:
     layout: Layout  # one tensor rank's view of the parameters (step.Setup.local_layout)
     arch: Any  # the model family's module: embed(...) and head_loss(...)
     loss_norm: float  # 1 / (global batch * seq_len): every loss is a scaled token sum
+    spread_head: bool  # every rank runs the head on 1/p of the rows (lowering.spreads_head)
     # FSDP's all-gathers inside the shard_map (step.Setup.gathers); None without FSDP
     gather_ends: Callable | None = None
     gather_layer: Callable | None = None

@@ -61,8 +61,8 @@ from jaxptd.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
-from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, lower, round_costs,
-                                     segments)
+from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, lower,
+                                     round_costs, segments)
 from jaxptd.pipeline.training import Training
 from jaxptd.sharding import after, mark_varying
 
@@ -90,11 +90,16 @@ def rounds_for(kind: str, stages: int, microbatches: int, chunks: int, form: str
 # --------------------------------------------------------------------------- rounds
 
 
-def _tables(rounds: Rounds, rank, kinds: str, seg: Segment) -> dict:
-    """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays."""
+def _tables(rounds: Rounds, rank, kinds: str, seg: Segment, head: bool) -> dict:
+    """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays;
+    head: with the last rank's head_on and head_mb (`lowering.head_rows`: a spread head)."""
     names = [n for k in kinds for n in SLOT_FIELDS[k]]
-    return {n: jnp.asarray(getattr(rounds, n)[seg.start:seg.stop], jnp.int32)[:, rank]
+    rows = {n: jnp.asarray(getattr(rounds, n)[seg.start:seg.stop], jnp.int32)[:, rank]
             for n in names}
+    if head:
+        rows.update({n: jnp.asarray(column, jnp.int32)
+                     for n, column in head_rows(rounds, seg.start, seg.stop).items()})
+    return rows
 
 
 def _run_slot(mode, fn, carry, row, valid_field, seg, idle_message):
@@ -168,8 +173,9 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
             part = dataclasses.replace(seg, start=start, stop=stop)
-            carry, _ = lax.scan(_round(program, part), carry,
-                                _tables(rounds, program.stage.rank, kinds, part))
+            carry, _ = lax.scan(_round(program, part), carry, _tables(
+                rounds, program.stage.rank, kinds, part, getattr(program, "head", None)
+                is not None))
             if stop in cuts:
                 at_cut(stop, carry)
             start = stop
@@ -204,7 +210,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
             reduced[c] = reduce_chunk(jax.tree.map(lambda g: g[c:c + 1],
                                                    carry["grads"]["layers"]))
     carry = _run(program, rounds, context.round_form, "FBW", done, reduce_done)
-    grads = carry["grads"]
+    grads = program.ends_grads(carry)
     if reduce_chunk is not None:
         grads = {**grads, "layers": jax.tree.map(lambda *parts: jnp.concatenate(parts),
                                                  *(reduced[c] for c in range(program.v)))}

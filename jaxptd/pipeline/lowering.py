@@ -214,6 +214,23 @@ def round_form(config, platform: str) -> str:
     return form
 
 
+def spreads_head(form: str, rows: int, pipe: int) -> bool:
+    """Whether every pipe rank computes the head and loss of 1/p of the last stage's rows
+    (pipeline/head.py): where every rank runs the head anyway (a round form without
+    conditionals) and the b rows of a microbatch split evenly over the p ranks."""
+    return form != "cond" and pipe > 1 and rows % pipe == 0
+
+
+def head_rows(rounds: Rounds, start: int, stop: int) -> dict:
+    """Per round of [start, stop): whether the last rank's B slot is the last virtual
+    stage's (head_on) and its microbatch (head_mb), which every rank reads when the head
+    is spread (the same on every rank)."""
+    last, chunk = rounds.stages - 1, rounds.chunks - 1
+    on = [int(rounds.b_valid[t][last] and rounds.b_chunk[t][last] == chunk)
+          for t in range(start, stop)]
+    return {"head_on": on, "head_mb": [rounds.b_mb[t][last] for t in range(start, stop)]}
+
+
 def round_costs(form: str) -> Costs:
     """How a round form's rounds cost (Costs.masked: every form but cond runs a slot kind
     some rank uses on every rank), uniform t_f = t_b = t_w: what the schedule is packed for

@@ -17,7 +17,8 @@ slot beside the taps.
 
 The first virtual stage also runs the embedding, the last the head and the loss (in the B
 slot, from the kept stage output: the loss is the head's primal there), so a microbatch's
-backward can start in the round its forward ends.
+backward can start in the round its forward ends; in the round forms without conditionals
+every rank runs the head on 1/p of its rows instead (`head.SpreadHead`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from jaxptd import model as models
 from jaxptd.mesh import PIPE, TOKENS
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
+from jaxptd.pipeline.head import SpreadHead
 from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
@@ -47,7 +49,7 @@ class Training:
     stash, the received output gradients (gbuf), what F keeps for B (saved: the backward's
     residuals and the stage output), for W (tapes: the dense inputs) and what B keeps for W
     (wsaved: the dense output gradients; with stash=inputs the dense inputs too), the
-    gradient sums and the loss."""
+    gradient sums and the loss (a spread head: its weights' gradient sums, head_grads)."""
 
     def __init__(self, context: Context, rounds: Rounds, params, batch, key, loss_scale,
                  deterministic: bool):
@@ -66,6 +68,7 @@ class Training:
         self.probe = self._probe() if self.keep_activations or self.split else None
         self.loss_norm = context.loss_norm
         self.stats_template = self._stats_template()
+        self.head = SpreadHead(self.stage, self.ends) if context.spread_head else None
 
     def chunk_weights(self, chunk):
         """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
@@ -147,15 +150,26 @@ class Training:
         if self.keep_activations:
             saved = buffers.slots((kept.templates, y), rounds.num_stash_slots)
         inputs, taps = wkept or (None, None)
-        return {"stash": stage.buffer(rounds.num_stash_slots),
-                "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
-                "tapes": buffers.slots(inputs, rounds.num_tape_slots) if self.taped else (),
-                "wsaved": buffers.slots(taps if self.taped else wkept, rounds.num_w_slots)
-                if self.split else (),
-                "grads": jax.tree.map(jnp.zeros_like, self.params),
-                "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE)),
-                "stats": jax.tree.map(lambda t: buffers.slots(t, self.v)[:, None],
-                                      self.stats_template)}
+        carry = {"stash": stage.buffer(rounds.num_stash_slots),
+                 "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
+                 "tapes": buffers.slots(inputs, rounds.num_tape_slots) if self.taped else (),
+                 "wsaved": buffers.slots(taps if self.taped else wkept, rounds.num_w_slots)
+                 if self.split else (),
+                 "grads": jax.tree.map(jnp.zeros_like, self.params),
+                 "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE)),
+                 "stats": jax.tree.map(lambda t: buffers.slots(t, self.v)[:, None],
+                                       self.stats_template)}
+        if self.head is not None:
+            carry["head_grads"] = self.head.zeros()
+        return carry
+
+    def ends_grads(self, carry):
+        """The final carry's gradient sums, a spread head's added to the ends slots."""
+        grads = carry["grads"]
+        if self.head is None:
+            return grads
+        return {**grads, **jax.tree.map(jnp.add, models.ends(grads),
+                                        self.head.grads(carry["head_grads"]))}
 
     def forward(self, carry, row, valid, seg):
         """F: the stage's forward -> its output; keeps what B needs (activations mode)."""
@@ -189,32 +203,45 @@ class Training:
             slot = after(slot, (received, carry["grads"]), like=received)
         x_in = buffers.read(carry["stash"], slot)
         is_last = self.stage.vstage(chunk) == self.stage.last
-        g_loss = mark_varying(jnp.where(is_last, self.loss_scale, 0.0).astype(jnp.float32),
-                              (*TOKENS, PIPE))
+        # the loss's seed: the last stage's own; a spread head's part is every rank's
+        g_loss = mark_varying(jnp.where(is_last | (self.head is not None), self.loss_scale,
+                                        0.0).astype(jnp.float32), (*TOKENS, PIPE))
         g_out = jnp.where(is_last, 0.0, received)
         if self.keep_activations:
-            loss, g_ends, g_layers, g_x, taps = self._backward_kept(
+            loss, g_ends, g_head, g_layers, g_x, taps = self._backward_kept(
                 carry, row, x_in, g_out, g_loss, seg)
         else:
-            loss, g_ends, g_layers, g_x, taps = self._backward_recomputed(
-                x_in, mb, chunk, g_out, g_loss, seg)
+            loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
+                x_in, row, g_out, g_loss, seg)
         grads = carry["grads"]
         grads = {**{k: jax.tree.map(jnp.add, grads[k], g) for k, g in
                     buffers.masked(g_ends, valid).items()},
                  "layers": buffers.add_chunk(grads["layers"], chunk,
                                              buffers.masked(g_layers, valid))}
-        carry = {**carry, "grads": grads, "loss": carry["loss"] + buffers.masked(loss, valid)}
+        if self.head is None:
+            loss = buffers.masked(loss, valid)
+        else:  # the last rank's part of the work: head_on masked it, not this rank's slot
+            carry = {**carry, "head_grads": self.head.add(carry["head_grads"], g_head)}
+        carry = {**carry, "grads": grads, "loss": carry["loss"] + loss}
         if self.split:
             carry["wsaved"] = buffers.write_tree(carry["wsaved"], row["b_wslot"], taps, valid)
         return g_x.astype(x_in.dtype), carry
+
+    def _head_loss(self, ends, weights, y, row, chunk, piece):
+        """A B slot's loss: the last stage's own (Stage.head, from `ends`) or this rank's
+        part of a spread head (from its broadcast `weights`)."""
+        if self.head is None or piece == "off":
+            return self.stage.head(ends, y, row["b_mb"], chunk, piece)
+        return self.head.loss(weights, y, row["head_mb"], row["head_on"])
 
     def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg):
         """B from what F kept: the head's vjp, the kept chunk backward, the embedding's."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
         residuals, y = buffers.read_tree(carry["saved"], row["b_slot"])
-        loss, head_vjp = jax.vjp(
-            lambda e, y: self.stage.head(e, y, mb, chunk, seg.piece("head", "B")), self.ends, y)
-        g_head, g_y = head_vjp(g_loss)
+        piece = seg.piece("head", "B")
+        loss, head_vjp = jax.vjp(lambda e, w, y: self._head_loss(e, w, y, row, chunk, piece),
+                                 self.ends, self.head and self.head.weights, y)
+        g_head, g_weights, g_y = head_vjp(g_loss)
         given, tree = self.vjp_weights(chunk)
         g_given, g_x, *g_taps = self.probe[0].run(
             (g_out + g_y.astype(g_out.dtype), self._stats_seed()), residuals, given)
@@ -224,34 +251,37 @@ class Training:
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
         g_embed, g_x_in = embed_vjp(g_x)
         g_ends = jax.tree.map(jnp.add, g_head, g_embed)
-        return loss, g_ends, g_layers, g_x_in, g_taps[0] if self.split else None
+        return loss, g_ends, g_weights, g_layers, g_x_in, g_taps[0] if self.split else None
 
-    def _backward_recomputed(self, x_in, mb, chunk, g_out, g_loss, seg):
+    def _backward_recomputed(self, x_in, row, g_out, g_loss, seg):
         """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input
         (split: in everything but the dense() weights, whose W slot gets the taps)."""
+        mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
         weights = self.chunk_weights(chunk)
         dense, _ = models.split_dense(weights)
 
-        def stage(ends, layers, x_in, added=None):
+        def stage(ends, head, layers, x_in, added=None):
             x = self.stage.embed_or_input(ends, x_in, mb, chunk, seg.piece("embed", "B"))
             w = models.merge_dense(dense, layers) if self.split else layers
             out = self.stage.layers(w, x, mb, chunk, added, with_stats=True)
             (y, stats), inputs = out if self.split else (out, None)
-            loss = self.stage.head(ends, y, mb, chunk, seg.piece("head", "B"))
+            loss = self._head_loss(ends, head, y, row, chunk, seg.piece("head", "B"))
             return (loss, y, stats), inputs
 
         cotangents = (g_loss, g_out, self._stats_seed())
+        head = self.head and self.head.weights
         if not self.split:
-            (loss, _, _), backward, _ = jax.vjp(stage, self.ends, weights, x_in, has_aux=True)
-            g_ends, g_layers, g_x = backward(cotangents)
-            return loss, g_ends, g_layers, g_x, None
+            (loss, _, _), backward, _ = jax.vjp(stage, self.ends, head, weights, x_in,
+                                                has_aux=True)
+            g_ends, g_head, g_layers, g_x = backward(cotangents)
+            return loss, g_ends, g_head, g_layers, g_x, None
         added = models.perturbations(weights, x_in, self.model, self.layout,
                                      self.stage.prepare)
         rest = models.split_dense(weights)[1]
-        (loss, _, _), backward, inputs = jax.vjp(stage, self.ends, rest, x_in, added,
+        (loss, _, _), backward, inputs = jax.vjp(stage, self.ends, head, rest, x_in, added,
                                                  has_aux=True)
-        g_ends, g_layers, g_x, g_taps = backward(cotangents)
-        return loss, g_ends, g_layers, g_x, (inputs, g_taps)
+        g_ends, g_head, g_layers, g_x, g_taps = backward(cotangents)
+        return loss, g_ends, g_head, g_layers, g_x, (inputs, g_taps)
 
     def weight(self, carry, row, valid, seg):
         """W: the dense() weights' gradients from what the microbatch's B kept."""

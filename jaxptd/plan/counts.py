@@ -51,7 +51,9 @@ def real_counts(config: Config) -> dict:
     unit: all of it); layer_weight_params and ends_weight_params (one
     layer's and the ends' part of weight_params: what offload.optimizer fetches and
     updates at a time); shared_ends_params (the ends both the embedding and the head
-    read, a tied embedding); layer_grad_params (the stage's reduced layer
+    read, a tied embedding); head_params (the ends the head reads, tensor-local: what a
+    head spread over pipe broadcasts, jaxptd/pipeline/head.py); layer_grad_params (the
+    stage's reduced layer
     gradients, split like a moment), tied_params (pipelined: the ends both the first and
     the last stage read, a tied embedding, whose gradients those two exchange). Layers are
     split over pipe whether or not a leaf's layout names 'stages' (pipe is not in `split`);
@@ -77,7 +79,8 @@ def real_counts(config: Config) -> dict:
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
                             "stage_params", "layer_params", "ends_params", "dense_unit_params",
                             "layer_gathered_params", "layer_weight_params",
-                            "ends_weight_params", "shared_ends_params", "layer_grad_params",
+                            "ends_weight_params", "shared_ends_params", "head_params",
+                            "layer_grad_params",
                             "tied_params", "expert_weight_params", "expert_moment_params"), 0.0)
     leaves = _leaves(config, vocab)
 
@@ -122,7 +125,8 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, spli
     if not is_layer:
         both = tensor_local if kind == "both" else 0
         return {**counts, "ends_params": tensor_local, "ends_weight_params": weights,
-                "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0}
+                "shared_ends_params": both, "tied_params": both if par.pipe > 1 else 0,
+                "head_params": tensor_local if kind != "first" else 0}
     one = tensor_local / model.units  # one element of the layer stack (gathered, streamed)
     gathered = sharded != spec  # FSDP splits it: a gather brings it whole
     by_matmul = par.fsdp_unit == "matmul"  # else the layer is gathered whole

@@ -19,7 +19,7 @@ from functools import lru_cache
 from jaxptd.config import Config
 from jaxptd.metrics import flops_per_iteration
 from jaxptd.pipeline import schedules
-from jaxptd.pipeline.lowering import lower, round_costs, round_form
+from jaxptd.pipeline.lowering import lower, round_costs, round_form, spreads_head
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
 from jaxptd.plan import model as pm
 from jaxptd.plan import timing as pt
@@ -109,6 +109,8 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
         gpu=platform == "gpu",
         regathered=par.fsdp_size > 1 or streams)
+    if _spreads_head(config, platform):  # the broadcast weights, their gradient sums
+        acts["stash"] += 8.0 * counts["head_params"]
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full", platform == "gpu") \
@@ -126,6 +128,12 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         or (par.pipe == 1 and par.microbatches == 1) else  # ZeRO-1: this replica's part
         1.0 / par.data if config.optimizer.zero1 else 1.0)
     return device, host, acts
+
+
+def _spreads_head(config: Config, platform: str) -> bool:
+    """Whether the step spreads the head over the pipe ranks (jaxptd/pipeline/head.py)."""
+    return spreads_head(round_form(config, platform), config.microbatch_size,
+                        config.parallel.pipe)
 
 
 def flash_attention(config: Config, platform: str) -> bool:
@@ -307,19 +315,24 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         host_per_microbatch=2 * host["activations"], c=c,
         context=pt.context_volumes(b=b, s=s, h=h, a=m_cfg.num_heads, t=par.tensor, e=e, c=c,
                                    kv_heads=m_cfg.kv_heads, layers_per_stage=layers,
-                                   method=par.context_attention, forward_again=again))
+                                   method=par.context_attention, forward_again=again),
+        head=pt.head_volumes(b=b, s=s / c, h=h, e=e, p=par.pipe, t=par.tensor,
+                             sp=par.sequence_parallel and par.tensor > 1,
+                             head_params=counts["head_params"])
+        if _spreads_head(config, inputs.platform) else None)
     link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
     overlap = pt.context_overlap(
         comm=comm, c=c, method=par.context_attention, layers_per_stage=layers,
         block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
         device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
-    # the head is the last stage's work, not spread over pipe: a lockstep round lasts as
-    # long as the last stage's (the steady form runs it on every rank)
+    # the head, unless spread over pipe (_spreads_head), is the last stage's work: a
+    # lockstep round lasts as long as the last stage's, as if every rank ran it
     from jaxptd.model import get  # JAX: --verify configures it first
     head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
         m_cfg, counts["vocab_padded"])["head"]
+    unspread = 0 if _spreads_head(config, inputs.platform) else par.pipe - 1
     time = pt.step_time(
-        flops_device=(executed + (par.pipe - 1) * head) / config.num_devices,
+        flops_device=(executed + unspread * head) / config.num_devices,
         bubble=bubble, comm=comm, m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
         fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,

@@ -21,7 +21,7 @@ NOTES = {
     "gradients": "float32 sums (offload, pipe 1: on the host, a layer's on the device)",
     "optimizer": "optimizer moments, float32: Adam mu and nu, SGD momentum",
     "activations": "one microbatch's working set (host: offloaded layer inputs)",
-    "stash": "the pipeline's buffers: stage inputs, gradients, W taps",
+    "stash": "the pipeline's buffers: stage inputs, gradients, W taps, a spread head",
     "fsdp_gathered": "FSDP: one matmul's weight gathered, cast, its gradient (or the ends)",
     "gradient_workspace": "m > 1: a microbatch's gradient before it is added",
 }

@@ -109,7 +109,7 @@ def moe_volumes(*, rows: float, h, e, ep: int, layers_per_stage, forward_again=F
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
                  stage_params=0.0, gather_bytes=4, tied_grad_bytes=0.0, host_per_step=0.0,
                  host_per_microbatch=0.0, c=1, context=None, expert_grad_bytes=0.0,
-                 expert_replicas=1, moe=None) -> dict:
+                 expert_replicas=1, moe=None, head=None) -> dict:
     """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
     stages (b s h / t with scatter/gather, §4.1, or sequence parallelism); tensor
     8 b s h (t - 1) / t per layer per microbatch (forward + backward; sequence parallelism's
@@ -127,7 +127,7 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     Expert parallelism: `moe` (moe_volumes) is the all-to-all traffic; the experts'
     expert_grad_bytes of grad_bytes are all-reduced over their own expert_replicas (the
     data ranks holding the same experts: replicas / parallel.expert), the rest over all
-    `replicas`.
+    `replicas`. A head spread over pipe: `head` (head_volumes).
     """
     n = s / c
     context = context or {"block": 0.0, "gradient_block": 0.0, "per_microbatch": 0.0}
@@ -147,7 +147,22 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
         + ring(expert_replicas, expert_grad_bytes),
         "tied_per_step": tied_grad_bytes,
         "host_per_step": host_per_step, "host_per_microbatch": host_per_microbatch,
+        **(head or head_volumes()),
     }
+
+
+def head_volumes(*, b=0, s=0, h=0, e=2, p=1, t=1, sp=False, head_params=0.0) -> dict:
+    """A head spread over the p pipe ranks (jaxptd/pipeline/head.py), bytes a device:
+    per microbatch the last stage's output [b, s, h] to the other ranks by an all-to-all
+    and its gradient back, (p - 1)/p of it each way (every tensor rank sends its own; with
+    sequence parallelism it is gathered over tensor first and its gradient reduce-scattered:
+    (t - 1)/t of it each way on the tensor link); per step the head's float32 weights
+    broadcast and their gradients summed over pipe, two ring all-reduces. Zeros: no
+    spread head."""
+    ring = 2 * (p - 1) / p * 4 * head_params
+    return {"head_per_microbatch": 2 * (p - 1) / p * b * s * h * e,
+            "head_tensor_per_microbatch": 2 * (t - 1) / t * b * s * h * e if sp else 0.0,
+            "head_per_step": 2 * ring}
 
 
 def context_overlap(*, comm, c, method, layers_per_stage, block_flops, device_flops,
@@ -190,7 +205,8 @@ def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_p
     overlapped: a layer's expert matmuls wait for their tokens and the next layer for
     the combine, and the schedule gives them no independent work), point-to-point forward
     and backward (inter-node when a stage spans beyond a node)
-    and the tied embedding's exchange between the first and last stage,
+    and the tied embedding's exchange between the first and last stage (a spread head's
+    traffic, head_volumes, beside them on the pipe and tensor links),
     FSDP's gathers (intra-node when a group's g p ep c t devices fit in a node), the data-
     parallel reduction (inter-node unless the whole job fits in one node) and host
     transfers at host_bw. The mesh is [data, fsdp, pipe, expert, context, tensor], tensor
@@ -206,10 +222,12 @@ def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_p
     data_bw = intra_bw if t * c * p * d <= gpus_per_node else inter_bw
     parts = {
         "compute": compute,
-        "tensor": m * comm["tensor_per_microbatch"] / tensor_bw,
+        "tensor": m * (comm["tensor_per_microbatch"] + comm["head_tensor_per_microbatch"])
+        / tensor_bw,
         "context": m * context_exposed_s,
         "expert": m * comm["expert_per_microbatch"] / expert_bw,
-        "p2p": (2 * m * v * comm["p2p_per_microbatch"] + comm["tied_per_step"]) / p2p_bw
+        "p2p": (2 * m * v * comm["p2p_per_microbatch"] + comm["tied_per_step"]
+                + m * comm["head_per_microbatch"] + comm["head_per_step"]) / p2p_bw
         if p > 1 else 0.0,
         "fsdp": m * comm["fsdp_per_microbatch"] / fsdp_bw,
         "data": comm["data_per_step"] / data_bw,

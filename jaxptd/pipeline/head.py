@@ -1,0 +1,98 @@
+"""The head and loss spread over the pipe ranks, in the round forms without conditionals.
+
+Owns `SpreadHead`. In lockstep rounds every rank waits for the last stage's B slot, and
+that slot runs the head: the logits and the cross-entropy over the whole vocabulary
+(GPT-1.3B: 2 h V = 206 MFLOP a token forward against a layer's 24 h^2 + 4 s h = 117 M, the
+work of 1.8 layers more than the other stages' slots). The steady and masked forms run it
+on every rank anyway (inline: computed, then selected), so instead each rank computes it
+for 1/p of the last stage's rows:
+
+- the rows: the last rank's stage output y [b, s, h] goes out by an all-to-all over pipe
+  (rank r gets rows r b/p .. (r + 1) b/p; with sequence parallelism y, a block of the
+  b s tokens on each tensor rank, is first gathered over tensor into rows and the rows'
+  tokens split over tensor again: one all-gather over tensor more a slot); the
+  gradient of each rank's rows comes back by the all-to-all's transpose, inside the B
+  slot's vjp;
+- the weights: the ends leaves the head reads (models.ends_readers: 'last', 'both') are
+  held in the last rank's slot (jaxptd/state.py); they are broadcast over pipe once a step
+  (a psum of that slot, the others masked to zeros) and typed varying over pipe, so that
+  a slot's vjp gives this rank's partial gradient (of an invariant input it would give
+  the sum over pipe: a psum a slot); summed over the rounds here, the partial gradients
+  go back through the broadcast's transpose once after the last round (summed over pipe,
+  into the last rank's slot), where the step's tied-embedding exchange and reduction find
+  them as before.
+
+Every rank's part of the loss is its own (the step sums the loss over pipe). It applies
+where `lowering.spreads_head` says: an inline round form and b divisible by p.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+from jax import lax
+
+from jaxptd import model as models
+from jaxptd.mesh import PIPE
+from jaxptd.model.tensor import enter_tensor, token_block
+from jaxptd.pipeline.stage import Stage
+from jaxptd.sharding import mark_varying
+
+
+class SpreadHead:
+    """The head's weights on every pipe rank for one step, and its per-slot work."""
+
+    def __init__(self, stage: Stage, ends):
+        """stage: this rank's Stage; ends: its ends slots (leaves [1, ...], FSDP shards)."""
+        self.stage, self.p = stage, stage.context.pipe
+        readers = models.ends_readers(stage.model, stage.layout.vocab)
+        self.paths = frozenset(path for path, reader in readers.items() if reader != "first")
+        # weights: the whole ends tree as the head reads it, its leaves broadcast from the
+        # last rank (the embedding-only leaves: this rank's own, which the head never reads)
+        self.weights, self._back = jax.vjp(self._broadcast, ends)
+
+    def _broadcast(self, ends):
+        whole = traverse_util.flatten_dict(self.stage.gather_ends(ends))
+        on_last = self.stage.rank == self.p - 1
+        return traverse_util.unflatten_dict({
+            path: mark_varying(lax.psum(jnp.where(on_last, x, 0), PIPE), (PIPE,))
+            if path in self.paths else x for path, x in whole.items()})
+
+    def zeros(self):
+        """The per-rank gradient sums of the broadcast weights (the leaves the head reads)."""
+        flat = traverse_util.flatten_dict(self.weights)
+        return {path: jnp.zeros_like(flat[path]) for path in sorted(self.paths)}
+
+    def add(self, sums, g_weights):
+        """sums += this slot's gradient of the broadcast weights."""
+        flat = traverse_util.flatten_dict(g_weights)
+        return {path: total + flat[path] for path, total in sums.items()}
+
+    def loss(self, weights, y, mb, on):
+        """This rank's part of the last stage's loss (scaled to the global token mean, 0
+        where `on` is not set): the head on its 1/p of the rows of y [b, s, h], the last
+        rank's stage output of microbatch mb (the tables' head_mb, head_on; y on the
+        other ranks is sent and unused)."""
+        layout = self.stage.layout
+        # sequence parallelism: a tensor rank's [b, s/t, h] is a block of the b s tokens,
+        # not of the rows; gathered (tensor.enter_tensor) into rows, split by rows, and
+        # the rows' tokens split over tensor again (tensor.token_block)
+        y = enter_tensor(y, layout)
+        b = y.shape[0]
+        rows = b // self.p
+        # [p, b/p, s, h]: from rank j, j's rows for this rank; the last rank's are the ones
+        mine = token_block(lax.all_to_all(y.reshape(self.p, rows, *y.shape[1:]), PIPE, 0,
+                                          0)[-1], layout)
+        tokens = lax.dynamic_slice_in_dim(self.stage.tokens(mb), self.stage.rank * rows,
+                                          rows)
+        loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
+                                                 self.stage.layout)
+        return jnp.where(on > 0, loss * self.stage.context.loss_norm, 0.0)
+
+    def grads(self, sums):
+        """This rank's gradient sums -> the ends slots' gradients (leaves [1, ...]):
+        summed over pipe into the last rank's slot, zeros elsewhere (FSDP: scattered to
+        the shards)."""
+        flat = traverse_util.flatten_dict(self.weights)
+        cotangent = {path: sums.get(path, jnp.zeros_like(x)) for path, x in flat.items()}
+        return self._back(traverse_util.unflatten_dict(cotangent))[0]
