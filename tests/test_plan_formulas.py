@@ -140,3 +140,49 @@ def test_the_plan_times_the_round_form_its_platform_runs():
                                 f"parallel.microbatches={m}", "model.num_layers=8",
                                 f"train.global_batch={m}", "parallel.round_form=cond"])
     assert schedule_stats(forced, "gpu")[0] == pytest.approx(cpu[0])
+
+
+@pytest.mark.parametrize("form, rows", [("steady", 4), ("cond", 4), ("steady", 2)])
+def test_the_plan_counts_the_head_where_the_step_runs_it(form, rows):
+    """A GPU's round form with b divisible by p spreads the head over the pipe ranks
+    (jaxptd/pipeline/head.py): the plan's compute loses the p - 1 heads a lockstep round
+    otherwise takes on every rank, its stash gains the broadcast float32 weights and their
+    gradient sums (8 bytes a head parameter), and its pipe link carries the rows and
+    their gradients ((p - 1)/p of b s h each way a microbatch) and the weights' two ring
+    all-reduces; the cond form, or b = 2 at p = 4, spreads nothing."""
+    from jaxptd.config import load_config
+    from jaxptd.model import get
+    from jaxptd.plan import PlanInputs, executed_flops, plan, real_counts
+    from jaxptd.target import TARGETS
+
+    p, m, t = 4, 8, 2
+
+    def config_in(round_form):
+        return load_config(None, [
+            f"parallel.pipe={p}", f"parallel.tensor={t}", f"parallel.microbatches={m}",
+            "model.num_layers=8", f"train.global_batch={m * rows}", "model.dtype=bfloat16",
+            f"parallel.round_form={round_form}"])
+    config = config_in(form)
+    spread = form == "steady" and rows % p == 0
+    hw = TARGETS["h100"]
+    report = plan(config, PlanInputs(hw, 0.5 * hw.peak_bf16, "gpu"))
+    counts = real_counts(config)
+    model = config.model
+    s, h = model.seq_len, model.hidden_size
+    head = 3 * m * rows * s * get(model).forward_flops(model, counts["vocab_padded"])["head"]
+    flops = (executed_flops(config, counts["vocab_padded"]) + (0 if spread else (p - 1) * head)) \
+        / config.num_devices
+    bubble = report["bubble_fraction"]
+    assert report["step_time_s"]["compute"] == pytest.approx(
+        flops / (0.5 * hw.peak_bf16) * (1 + bubble))
+    comm = report["comm_bytes"]
+    rows_bytes = 2 * (p - 1) / p * rows * s * h * 2
+    weights = 2 * 2 * (p - 1) / p * 4 * counts["head_params"]
+    assert counts["head_params"] > 0
+    assert comm["head_per_microbatch"] == pytest.approx(rows_bytes if spread else 0)
+    assert comm["head_per_step"] == pytest.approx(weights if spread else 0)
+    without = plan(config_in("cond"), PlanInputs(hw, 0.5 * hw.peak_bf16, "gpu"))  # (1F1B:
+    # the same slots in both forms)
+    extra = report["memory_bytes_per_device"]["stash"] \
+        - without["memory_bytes_per_device"]["stash"]
+    assert extra == pytest.approx(8 * counts["head_params"] if spread else 0)
