@@ -132,8 +132,9 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
 # The head spread over the pipe ranks (round forms without conditionals, b % p == 0:
 # jaxptd/pipeline/head.py; PARITY's steady and masked cases at p = 2 spread it too): p = 4
 # with interleaving (the last rank's B slots of its other chunk run no head), the stage
-# recomputed (the head inside the B slot's vjp), FSDP with sequence parallelism, and the
-# untied head of Llama (its embedding read by the first stage alone) and BERT's heads.
+# recomputed (the head inside the B slot's vjp), FSDP with sequence parallelism, the
+# untied head of Llama (its embedding read by the first stage alone), BERT's heads, and
+# context parallelism (each rank's rows hold s/c of their tokens) with SP.
 LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.num_kv_heads=4"]
 SPREAD = [
     pytest.param((1, 4, 1, "interleaved", 2, 4, 8), "activations", [], id="interleaved-p4"),
@@ -145,6 +146,9 @@ SPREAD = [
     pytest.param((1, 2, 2, "zb-h1", 1, 3, 4), "activations", LLAMA, id="llama-zb",
                  marks=pytest.mark.slow),
     pytest.param((1, 2, 1, "1f1b", 1, 2, 4), "inputs", ["model.arch=bert"], id="bert",
+                 marks=pytest.mark.slow),
+    pytest.param((1, 2, 2, "1f1b", 1, 2, 4), "activations",
+                 ["parallel.context=2", "parallel.sequence_parallel=true"], id="context-sp",
                  marks=pytest.mark.slow)]
 
 

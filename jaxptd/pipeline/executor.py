@@ -25,8 +25,10 @@ Round forms (parallel.round_form; `segments`):
 - steady (the GPU default): no conditional at all. Rounds in which the same slot kinds
   are used by every rank, by some or by none run as one scan: a kind every rank uses runs
   unconditionally, one some ranks use runs masked on every rank (its results discarded
-  where idle), one no rank uses is not traced; the embedding and head are computed by
-  every rank and selected in a scan where some round needs them. On a GPU the ranks run
+  where idle), one no rank uses is not traced; the embedding is computed by every rank
+  and selected in a scan where some round needs it, and so is the head, or where the
+  microbatch's rows split over the ranks each runs it on its part of the last stage's
+  rows (training.py, head.py; the tables' head_on and head_mb). On a GPU the ranks run
   in lockstep, so a round lasts as long as its busiest rank's work whatever the idle ones
   do, while an XLA:GPU conditional copies its predicate to the host and, in the compiled
   H100 program, copied the whole stash it passed through (19.7 GB a step at (2,2,2));
