@@ -146,10 +146,10 @@ def test_the_plan_times_the_round_form_its_platform_runs():
 def test_the_plan_counts_the_head_where_the_step_runs_it(form, rows):
     """A GPU's round form with b divisible by p spreads the head over the pipe ranks
     (jaxptd/pipeline/head.py): the plan's compute loses the p - 1 heads a lockstep round
-    otherwise takes on every rank, its stash gains the broadcast float32 weights and their
-    gradient sums (8 bytes a head parameter), and its pipe link carries the rows and
-    their gradients ((p - 1)/p of b s h each way a microbatch) and the weights' two ring
-    all-reduces; the cond form, or b = 2 at p = 4, spreads nothing."""
+    otherwise takes on every rank, its stash gains the broadcast weights (bf16 here) and
+    their float32 gradient sums (6 bytes a head parameter), and its pipe link carries the
+    rows and their gradients ((p - 1)/p of b s h each way a microbatch) and the weights'
+    two ring all-reduces; the cond form, or b = 2 at p = 4, spreads nothing."""
     from jaxptd.config import load_config
     from jaxptd.model import get
     from jaxptd.plan import PlanInputs, executed_flops, plan, real_counts
@@ -185,4 +185,4 @@ def test_the_plan_counts_the_head_where_the_step_runs_it(form, rows):
     # the same slots in both forms)
     extra = report["memory_bytes_per_device"]["stash"] \
         - without["memory_bytes_per_device"]["stash"]
-    assert extra == pytest.approx(8 * counts["head_params"] if spread else 0)
+    assert extra == pytest.approx(6 * counts["head_params"] if spread else 0)

@@ -15,7 +15,8 @@ for 1/p of the last stage's rows:
   slot's vjp;
 - the weights: the ends leaves the head reads (models.ends_readers: 'last', 'both') are
   held in the last rank's slot (jaxptd/state.py); they are broadcast over pipe once a step
-  (a psum of that slot, the others masked to zeros) and typed varying over pipe, so that
+  (a psum of that slot, the others masked to zeros; each rank keeps the matrices in the
+  compute dtype, as the head multiplies them) and typed varying over pipe, so that
   a slot's vjp gives this rank's partial gradient (of an invariant input it would give
   the sum over pipe: a psum a slot); summed over the rounds here, the partial gradients
   go back through the broadcast's transpose once after the last round (summed over pipe,
@@ -48,8 +49,15 @@ class SpreadHead:
         readers = models.ends_readers(stage.model, stage.layout.vocab)
         self.paths = frozenset(path for path, reader in readers.items() if reader != "first")
         # weights: the whole ends tree as the head reads it, its leaves broadcast from the
-        # last rank (the embedding-only leaves: this rank's own, which the head never reads)
-        self.weights, self._back = jax.vjp(self._broadcast, ends)
+        # last rank (the embedding-only leaves: this rank's own, which the head never reads);
+        # its matrices already in the compute dtype, to which the head casts them where it
+        # multiplies (tensor.dense, Embed.logits): the same products in half the bytes with
+        # bf16, their gradients summed in float32 (the broadcast's, `_back`'s, dtype)
+        broadcast, self._back = jax.vjp(self._broadcast, ends)
+        dtype = jnp.dtype(stage.model.dtype)
+        self.weights = traverse_util.unflatten_dict({
+            path: x.astype(dtype) if path in self.paths and x.ndim >= 2 else x
+            for path, x in traverse_util.flatten_dict(broadcast).items()})
 
     def _broadcast(self, ends):
         whole = traverse_util.flatten_dict(self.stage.gather_ends(ends))
@@ -59,14 +67,15 @@ class SpreadHead:
             if path in self.paths else x for path, x in whole.items()})
 
     def zeros(self):
-        """The per-rank gradient sums of the broadcast weights (the leaves the head reads)."""
+        """The per-rank float32 gradient sums of the broadcast weights (the leaves the head
+        reads)."""
         flat = traverse_util.flatten_dict(self.weights)
-        return {path: jnp.zeros_like(flat[path]) for path in sorted(self.paths)}
+        return {path: jnp.zeros_like(flat[path], jnp.float32) for path in sorted(self.paths)}
 
     def add(self, sums, g_weights):
         """sums += this slot's gradient of the broadcast weights."""
         flat = traverse_util.flatten_dict(g_weights)
-        return {path: total + flat[path] for path, total in sums.items()}
+        return {path: total + flat[path].astype(total.dtype) for path, total in sums.items()}
 
     def loss(self, weights, y, mb, on):
         """This rank's part of the last stage's loss (scaled to the global token mean, 0

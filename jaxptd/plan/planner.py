@@ -109,8 +109,8 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
         gpu=platform == "gpu",
         regathered=par.fsdp_size > 1 or streams)
-    if _spreads_head(config, platform):  # the broadcast weights, their gradient sums
-        acts["stash"] += 8.0 * counts["head_params"]
+    if _spreads_head(config, platform):  # the broadcast weights (compute dtype: their
+        acts["stash"] += (e + 4.0) * counts["head_params"]  # matrices), float32 sums
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full", platform == "gpu") \
