@@ -482,6 +482,33 @@ def test_a_layer_keeps_what_the_planner_says(remat):
 
 @needs_compiler
 @pytest.mark.slow
+def test_full_recomputation_recomputes_one_layer_at_a_time():
+    """model.remat=full at (2, 1, 4) with sequence parallelism on 8 H100s: one more layer
+    (8 against 4) adds the input it keeps and its float32 gradients, within 15% (16.2 MB
+    against the planner's 14.7: a layer's input [b, s/t, h] once more). A layer's
+    input gradient waits for its weight gradients (model.weight_gradients_first); left
+    free, XLA started every layer's recomputation early (its sequence-parallel all-gather
+    first) and kept them all: 35.6 MiB a layer at this shape, against 15.5."""
+    from jaxptd.plan import model as plan_model
+    b, s, h, a, t = 4, 1024, 1024, 8, 4
+    base = [f"model.hidden_size={h}", f"model.num_heads={a}", f"model.seq_len={s}",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
+            "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
+            "model.remat=full"]
+    temps = {}
+    for layers in (4, 8):
+        config = load_config(None, [*base, f"model.num_layers={layers}"])
+        step, _ = compile_check.compile_step(config, H100, 8)
+        temps[layers] = compile_check.memory(step)["temp"]
+    per_layer = (temps[8] - temps[4]) / 4
+    kept = plan_model.layer_activation_bytes(b, s, h, a, t, 2, sp=True, flash=True,
+                                             remat="full")
+    assert per_layer == pytest.approx(kept + 4 * 12 * h * h / t, rel=0.15), per_layer
+
+
+@needs_compiler
+@pytest.mark.slow
 def test_offloaded_layers_backward_one_at_a_time():
     """offload.activations on one H100: each layer more adds its float32 weight gradients
     and its offloaded input, not its recomputed activations (8 layers against 4, within

@@ -116,9 +116,10 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         params, index, added, more = xs
         if prepare is not None:
             params = prepare(params, more)
+        if layout.platform == "gpu" and (layout.offload_activations or (
+                cfg.remat == "full" and not taped and layout.context == 1)):
+            x, params = weight_gradients_first(x, params)
         if layout.offload_activations:
-            if layout.platform == "gpu":
-                x, params = weight_gradients_first(x, params)
             x = checkpoint_name(x, LAYER_INPUT)
         rngs = {"dropout": jax.random.fold_in(key, index)}
         variables = {"params": params, **({PERTURBATIONS: added} if taped else {})}
@@ -162,8 +163,16 @@ def weight_gradients_first(x, params):
     runs the input-gradient chain first (the critical path) and defers every layer's
     weight gradients, each keeping its inputs: with offload.activations, 17 layers'
     recomputed activations at once in the H100 compile of GPT-1.3B (27.8 GiB; 22.5 with
-    this). The dependence is data (sharding.after and rewritten_at). GPU programs only:
-    XLA's CPU schedule is another, which this made larger (seeds/003's proxies)."""
+    this); with model.remat=full and the layers unrolled, a stage's 12 layers recomputed
+    at once ((2,2,2) 1F1B m8 SP: 11.05 -> 7.83 GiB; (2,1,4) SP: 8.81 -> 5.62; no change
+    of the static time). Not with model.remat=minimal, whose matmul outputs are kept
+    anyway (14.50 -> 14.16 GiB there, with the planner's figure then 13% above it), nor
+    for a zero-bubble B slot (`perturbations`: its dense() weights' gradients are the W
+    slot's; made a dependence here, XLA computed them in the B slot too: zb-h1 m4 with
+    full recomputation 197.7 -> 218.4 ms), nor with context parallelism (the ring's last
+    backward send of a layer then overlapped nothing: tests/test_h100.py). The
+    dependence is data (sharding.after and rewritten_at). GPU programs only: XLA's CPU
+    schedule is another, which this made larger (seeds/003's proxies)."""
     return x, params
 
 
