@@ -453,6 +453,17 @@ def test_static_cost_counts_a_known_program():
     assert gemm.seconds(1e12, 1e9) == pytest.approx(gemm.bytes / 1e9)
 
 
+def temp_per_layer(base) -> float:
+    """The temporary bytes one more layer adds to the step compiled for 8 H100s: 8 layers
+    against 4, over 4."""
+    temps = {}
+    for layers in (4, 8):
+        config = load_config(None, [*base, f"model.num_layers={layers}"])
+        step, _ = compile_check.compile_step(config, H100, 8)
+        temps[layers] = compile_check.memory(step)["temp"]
+    return (temps[8] - temps[4]) / 4
+
+
 @needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", ["minimal"])
@@ -466,13 +477,8 @@ def test_a_layer_keeps_what_the_planner_says(remat):
     base = ["model.hidden_size=1024", "model.num_heads=8", "model.seq_len=1024",
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
             "runtime.target=h100", "train.global_batch=4", f"model.remat={remat}"]
-    temps = {}
-    for layers in (4, 8):
-        config = load_config(None, [*base, f"model.num_layers={layers}"])
-        step, _ = compile_check.compile_step(config, H100, 8)
-        temps[layers] = compile_check.memory(step)["temp"]
     b, s, h, a = 4, 1024, 1024, 8
-    per_layer = (temps[8] - temps[4]) / 4
+    per_layer = temp_per_layer(base)
     gradients = 4 * 12 * h * h  # float32, every dense() weight of the layer
     kept = plan_model.layer_activation_bytes(b, s, h, a, 1, 2, flash=True, remat=remat)
     assert per_layer == pytest.approx(kept + gradients, rel=0.1)
@@ -496,12 +502,7 @@ def test_full_recomputation_recomputes_one_layer_at_a_time():
             "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
             "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
             "model.remat=full"]
-    temps = {}
-    for layers in (4, 8):
-        config = load_config(None, [*base, f"model.num_layers={layers}"])
-        step, _ = compile_check.compile_step(config, H100, 8)
-        temps[layers] = compile_check.memory(step)["temp"]
-    per_layer = (temps[8] - temps[4]) / 4
+    per_layer = temp_per_layer(base)
     kept = plan_model.layer_activation_bytes(b, s, h, a, t, 2, sp=True, flash=True,
                                              remat="full")
     assert per_layer == pytest.approx(kept + 4 * 12 * h * h / t, rel=0.15), per_layer
@@ -521,12 +522,7 @@ def test_offloaded_layers_backward_one_at_a_time():
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
             "runtime.target=h100", "parallel.data=8", f"train.global_batch={8 * b}",
             "offload.optimizer=true", "offload.activations=true"]
-    temps = {}
-    for layers in (4, 8):
-        config = load_config(None, [*base, f"model.num_layers={layers}"])
-        step, _ = compile_check.compile_step(config, H100, 8)
-        temps[layers] = compile_check.memory(step)["temp"]
-    per_layer = (temps[8] - temps[4]) / 4
+    per_layer = temp_per_layer(base)
     assert per_layer <= 1.25 * (4 * 12 * h * h + 2 * s * b * h), per_layer
 
 
