@@ -53,11 +53,11 @@ def real_counts(config: Config) -> dict:
     updates at a time); shared_ends_params (the ends both the embedding and the head
     read, a tied embedding); head_params (the ends the head reads, tensor-local: what a
     head spread over pipe broadcasts, jaxptd/pipeline/head.py); layer_grad_params (the
-    stage's reduced layer
-    gradients, split like a moment), tied_params (pipelined: the ends both the first and
-    the last stage read, a tied embedding, whose gradients those two exchange). Layers are
-    split over pipe whether or not a leaf's layout names 'stages' (pipe is not in `split`);
-    FSDP and ZeRO-1 pick a dimension past the layer one (sharding.py's rule). "One layer"
+    stage's reduced layer gradients, split like a moment), tied_params (pipelined: the
+    ends both the first and the last stage read, a tied embedding, whose gradients those
+    two exchange). Layers are split over pipe whether or not a leaf's layout names
+    'stages' (pipe is not in `split`); FSDP and ZeRO-1 pick a dimension past the layer
+    one (sharding.py's rule). "One layer"
     is one element of the layer stack: with model.moe_every = k a unit of k layers, which
     FSDP gathers and offload streams as one.
 
