@@ -92,13 +92,14 @@ def rounds_for(kind: str, stages: int, microbatches: int, chunks: int, form: str
 # --------------------------------------------------------------------------- rounds
 
 
-def _tables(rounds: Rounds, rank, kinds: str, seg: Segment, head: bool) -> dict:
+def _tables(rounds: Rounds, rank, kinds: str, seg: Segment) -> dict:
     """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays;
-    head: with the last rank's head_on and head_mb (`lowering.head_rows`: a spread head)."""
+    with B slots also the last rank's head_on and head_mb (`lowering.head_rows`, which a
+    spread head reads; XLA drops them where nothing does)."""
     names = [n for k in kinds for n in SLOT_FIELDS[k]]
     rows = {n: jnp.asarray(getattr(rounds, n)[seg.start:seg.stop], jnp.int32)[:, rank]
             for n in names}
-    if head:
+    if "B" in kinds:
         rows.update({n: jnp.asarray(column, jnp.int32)
                      for n, column in head_rows(rounds, seg.start, seg.stop).items()})
     return rows
@@ -175,9 +176,8 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
             part = dataclasses.replace(seg, start=start, stop=stop)
-            carry, _ = lax.scan(_round(program, part), carry, _tables(
-                rounds, program.stage.rank, kinds, part, getattr(program, "head", None)
-                is not None))
+            carry, _ = lax.scan(_round(program, part), carry,
+                                _tables(rounds, program.stage.rank, kinds, part))
             if stop in cuts:
                 at_cut(stop, carry)
             start = stop

@@ -95,7 +95,7 @@ class SpreadHead:
         tokens = lax.dynamic_slice_in_dim(self.stage.tokens(mb), self.stage.rank * rows,
                                           rows)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
-                                                 self.stage.layout)
+                                                 layout)
         return jnp.where(on > 0, loss * self.stage.context.loss_norm, 0.0)
 
     def grads(self, sums):
