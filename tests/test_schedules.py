@@ -169,6 +169,32 @@ def test_messages_and_slot_tables_replay(kind, p, m, v, forward):
     assert R.num_stash_slots == max(stats.peak_stash)
 
 
+@pytest.mark.parametrize("kind,p,m,v,free", [
+    ("1f1b", 2, 8, 1, True), ("1f1b", 4, 8, 1, True), ("interleaved", 4, 8, 2, True),
+    ("interleaved", 3, 7, 3, True), ("zb-h1", 4, 8, 1, True), ("zb-interleaved", 2, 4, 2, True),
+    ("1f1b", 4, 3, 1, False), ("gpipe", 3, 4, 1, False)])
+def test_idle_forwards_write_where_nothing_is_kept(kind, p, m, v, free):
+    """Every idle F slot points at a stash slot that holds no kept values in its round
+    (lowering.idle_f_slots_free), so a masked F may write garbage there unmasked: replayed
+    with labels, each B still reads what its own F kept. Not where an idle F's rank holds
+    a kept microbatch in every slot (GPipe's last forwards; 1F1B with m < p): those F's
+    write masked."""
+    costs = Costs(masked=True)
+    R = lower(make_schedule(kind, p, m, v, costs), costs)
+    assert R.idle_f_slots_free == free
+    if not free:
+        return
+    kept = [[None] * R.num_stash_slots for _ in range(p)]
+    for t in range(R.num_rounds):
+        for r in range(p):
+            f = (R.f_mb[t][r], R.f_chunk[t][r]) if R.f_valid[t][r] else "garbage"
+            kept[r][R.f_slot[t][r]] = f
+        for r in range(p):
+            if R.b_valid[t][r]:
+                assert kept[r][R.b_slot[t][r]] == (R.b_mb[t][r], R.b_chunk[t][r])
+                kept[r][R.b_slot[t][r]] = None
+
+
 @pytest.mark.parametrize("kind,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 1, 1),
                                       ("interleaved", 4, 2), ("interleaved", 3, 3),
                                       ("interleaved", 2, 4)])

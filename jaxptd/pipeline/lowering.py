@@ -68,6 +68,7 @@ class Rounds:
     num_grad_slots: int
     num_w_slots: int
     num_tape_slots: int
+    idle_f_slots_free: bool  # every idle F's f_slot holds no kept values (`_idle_f_slots`)
     forward_only: bool
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
@@ -122,6 +123,7 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     tab = {k: [[0] * p for _ in range(T)] for k in TABLES}
     pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w", "tape")}
     stash_of, grad_of, w_of, tape_of = {}, {}, {}, {}  # (rank, mb, virtual stage) -> slot
+    kept_from, kept = {}, []  # F's round of (rank, mb, virtual stage); (rank, slot, F, B)
     taped = schedule.split_backward and not schedule.forward_only
     for t, row in enumerate(packed):
         freed_w = []
@@ -134,6 +136,7 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
                 if taped:
                     tape_of[(r, j, s)] = tslot = pools["tape"][r].take()
                 _put(tab, "f", t, r, fa, f_slot=stash_of[(r, j, s)], f_tslot=tslot)
+                kept_from[(r, j, s)] = t
                 if s < S - 1:
                     dst = (r + 1) % p
                     stash_of[(dst, j, s + 1)] = slot = pools["stash"][dst].take()
@@ -145,6 +148,7 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
             if ba:
                 j, s = ba.microbatch, ba.chunk * p + r
                 slot = stash_of.pop((r, j, s))
+                kept.append((r, slot, kept_from.pop((r, j, s)), t))
                 grad_slot = grad_of.pop((r, j, s)) if s < S - 1 else 0
                 wslot = 0
                 if schedule.split_backward:
@@ -166,13 +170,32 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
         for r, slot, tslot in freed_w:  # a W reads its slots after the round's B and F
             pools["w"][r].give(slot)     # wrote theirs
             pools["tape"][r].give(tslot)
-    frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     size = {k: max(pool.size for pool in pools[k]) for k in pools}
+    free = not schedule.forward_only and _idle_f_slots(tab, kept, size["stash"])
+    frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
-                  num_tape_slots=size["tape"],
+                  num_tape_slots=size["tape"], idle_f_slots_free=free,
                   forward_only=schedule.forward_only,
                   split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
+
+
+def _idle_f_slots(tab, kept, slots: int) -> bool:
+    """Points every idle F (f_valid 0) at a stash slot that holds no kept values in its
+    round: none an F wrote in an earlier round for a B in this one or later. Where each
+    finds one (returned True), an F slot that runs masked on every rank may write what it
+    keeps unmasked, garbage where it is idle: the masked write read the slot's old values
+    first (the H100 compile of (2,2,2) 1F1B m8: 1.9 GiB of them at once, the step's
+    peak). Fills those f_slots (kept: (rank, slot, F's round, B's round))."""
+    found = True
+    for t, row in enumerate(tab["f_valid"]):
+        for r, valid in enumerate(row):
+            if not valid:
+                live = {slot for rank, slot, f, b in kept if rank == r and f < t <= b}
+                free = [slot for slot in range(slots) if slot not in live]
+                tab["f_slot"][t][r] = free[0] if free else 0
+                found = found and bool(free)
+    return found
 
 
 def _put(tab, prefix, t, r, action, **slots) -> None:
