@@ -182,6 +182,20 @@ def after(index, values, like):
     return jnp.maximum(index, (lax.psum(signs, extra) if extra else signs) - 1)
 
 
+def tied(values, x):
+    """(values, x) through one optimization barrier, so that XLA computes every leaf of
+    `values` before what reads x from here: the leaves typed like x (varying over the same
+    manual mesh axes; a barrier's outputs share their axes in JAX's types, so another leaf
+    would change its type or x's); the others pass untouched."""
+    leaves, tree = jax.tree.flatten(values)
+    axes = varying_axes(x)
+    at = [i for i, leaf in enumerate(leaves) if varying_axes(leaf) == axes]
+    held, x = lax.optimization_barrier(([leaves[i] for i in at], x))
+    for i, leaf in zip(at, held):
+        leaves[i] = leaf
+    return jax.tree.unflatten(tree, leaves), x
+
+
 def rewritten_at(x, index):
     """x with its first element written back to itself at `index` (int32, 0 whatever it
     holds: from `after`): the same values, made to depend on what index depends on."""

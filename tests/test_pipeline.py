@@ -166,18 +166,31 @@ def test_spread_head_matches_single_device(case, stash, extra):
     assert_grads_match_single_device(setup)
 
 
-@pytest.mark.parametrize("stash, case, remat", [
-    pytest.param("activations", CASES[1], "none", marks=pytest.mark.slow),
-    pytest.param("activations", ZB_CASES[11], "minimal", marks=pytest.mark.slow),
-    pytest.param("activations", CASES[3], "full", marks=pytest.mark.slow)])
-def test_unrolled_layers_match_single_device(stash, case, remat):
+@pytest.mark.parametrize("stash, case, remat, more", [
+    pytest.param("activations", CASES[1], "none", [], marks=pytest.mark.slow),
+    pytest.param("activations", ZB_CASES[11], "minimal", [], marks=pytest.mark.slow),
+    pytest.param("activations", CASES[3], "full", [], marks=pytest.mark.slow),
+    ("activations", CASES[1], "minimal", ["parallel.sequence_parallel=true"]),
+    pytest.param("activations", CASES[3], "full", ["parallel.sequence_parallel=true"],
+                 marks=pytest.mark.slow),
+    pytest.param("activations", CASES[0], "none", ["model.moe_experts=4"],
+                 marks=pytest.mark.slow)])
+def test_unrolled_layers_match_single_device(stash, case, remat, more):
     """model.scan_layers=false (a GPU target's default: each layer's kept values in
     buffers of their own, the kept backward closing over per-layer weights it is given
     again) and the steady round form: the single-device gradients, with each
-    recomputation policy."""
+    recomputation policy; with sequence parallelism or one tensor rank the kept backward
+    a layer at a time (training.kept_by_layer, but with full recomputation: stored as F
+    makes it, read by B as it goes, a mixture of experts' statistics seeded a layer at a
+    time)."""
+    from jaxptd.pipeline.training import kept_by_layer
+    from jaxptd.step import pipeline_context
+
     setup = pipelined_setup(*case, extra=[
         f"parallel.stash={stash}", "parallel.round_form=steady", "model.scan_layers=false",
-        f"model.remat={remat}"])
+        f"model.remat={remat}", *more])
+    split = case[3].startswith("zb")
+    assert kept_by_layer(pipeline_context(setup), split) == (bool(more) and remat != "full")
     assert_grads_match_single_device(setup)
 
 

@@ -106,10 +106,45 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     with_stats: y is (x, the layers' mixture-of-experts statistics, each [n, ...]: moe.py's
     dict; None for a dense model).
     """
+    one_layer = layer_function(batch, key, cfg, layout, deterministic,
+                               taped=perturbations is not None, prepare=prepare, keep=keep)
+    n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
+    if scans_layers(cfg, layout):
+        xs = (stacked(layers), jnp.arange(n), perturbations, extra)
+        x, (stats, inputs) = lax.scan(one_layer, x, xs)
+    else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
+        outs = []
+        for i in range(n):
+            x, out = one_layer(x, (_layer(layers, i), i, _layer(perturbations, i),
+                                   _layer(extra, i)))
+            outs.append(out)
+        stats, inputs = (stacked([o[j] for o in outs]) if outs[0][j] is not None else None
+                         for j in range(2))
+    y = (x, stats) if with_stats else x
+    return (y, inputs) if perturbations is not None else y
+
+
+def apply_layer(params, x, index: int, batch, key, cfg: ModelConfig, layout: Layout,
+                deterministic: bool, prepare=None, keep=None, apart: bool = False):
+    """Layer `index` of a stack on its own, as apply_layers runs it (params: that layer's
+    tree) -> (y, its mixture-of-experts statistics or None)."""
+    y, (stats, _) = layer_function(batch, key, cfg, layout, deterministic, prepare=prepare,
+                                   keep=keep, apart=apart)(x, (params, index, None, None))
+    return y, stats
+
+
+def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
+                   taped: bool = False, prepare=None, keep=None, apart: bool = False):
+    """What a layer of a stack computes, (x, (params, index, perturbations, extra)) -> (y,
+    (statistics, dense() inputs)), under the recomputation policy of model.remat (see
+    apply_layers). apart: the backward runs in another program slot than the forward (a
+    pipeline's kept backward), so the recomputation needs no barrier against XLA merging it
+    with the forward (jax.checkpoint's prevent_cse): without it the backward reads what it
+    kept where it is, with it XLA first copied every kept value out of the pipeline's stash
+    (11.5 ms a step of the H100 compile of (2,2,2) 1F1B m8 with model.remat=minimal)."""
     arch = get(cfg)
     layer = arch.block(cfg, layout)
     mask = arch.attention_mask(batch, cfg, layout)
-    taped = perturbations is not None
     collections = [DENSE_INPUTS] * taped + [moe.STATS] * cfg.moe
 
     def one_layer(x, xs):
@@ -131,28 +166,12 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
             if cfg.moe else None
         return y, (stats, state[DENSE_INPUTS] if taped else None)
 
-    if layout.offload_activations:
-        one_layer = jax.checkpoint(one_layer, policy=OFFLOAD_LAYER_INPUTS)
-    elif cfg.remat == "full":
-        one_layer = jax.checkpoint(one_layer)
-    elif cfg.remat == "minimal":  # (FSDP's gathered weights are no matmul output: regathered)
-        one_layer = jax.checkpoint(one_layer, policy=MINIMAL)
-    elif keep is not None:  # e.g. parameters gathered for the layer are gathered again
-        one_layer = jax.checkpoint(one_layer, policy=keep)
-    n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
-    if scans_layers(cfg, layout):
-        xs = (stacked(layers), jnp.arange(n), perturbations, extra)
-        x, (stats, inputs) = lax.scan(one_layer, x, xs)
-    else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
-        outs = []
-        for i in range(n):
-            x, out = one_layer(x, (_layer(layers, i), i, _layer(perturbations, i),
-                                   _layer(extra, i)))
-            outs.append(out)
-        stats, inputs = (stacked([o[j] for o in outs]) if outs[0][j] is not None else None
-                         for j in range(2))
-    y = (x, stats) if with_stats else x
-    return (y, inputs) if taped else y
+    policy = OFFLOAD_LAYER_INPUTS if layout.offload_activations else {
+        "full": None, "minimal": MINIMAL}.get(cfg.remat, keep)
+    if layout.offload_activations or cfg.remat in ("full", "minimal") or keep is not None:
+        # (minimal: FSDP's gathered weights are no matmul output, so they are regathered)
+        return jax.checkpoint(one_layer, policy=policy, prevent_cse=not apart)
+    return one_layer
 
 
 @jax.custom_vjp

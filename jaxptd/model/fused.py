@@ -11,6 +11,8 @@ activations exactly this way (34 s b h bytes: norm and GeLU inputs, not their in
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from functools import partial
 
 import jax
@@ -31,13 +33,30 @@ def _varying_like(x, *params):
     return mark_varying(params, tuple(sorted(varying_axes(x))))
 
 
+# set while a backward is traced that runs apart from its forward (`backward_apart`)
+_APART = contextvars.ContextVar("jaxptd_backward_apart", default=False)
+
+
+@contextlib.contextmanager
+def backward_apart():
+    """Within it, the backwards traced run in another program slot than their forwards (a
+    pipeline's kept backward, traced when its B slot calls it): `_recompute` needs no
+    barrier there, and without one XLA reads the residuals where the stash keeps them
+    instead of copying them out first."""
+    token = _APART.set(True)
+    try:
+        yield
+    finally:
+        _APART.reset(token)
+
+
 def _recompute(residuals):
     """The residuals behind an optimization barrier: XLA would otherwise see that the
     backward recomputes what the forward computed (the GeLU's tanh, a norm's centred
     values) and keep the forward's [b, s, ffn] float32 values for it instead (seen in the
     compiled H100 program): the memory these ops exist to save. jax.checkpoint does the
-    same (its prevent_cse)."""
-    return jax.lax.optimization_barrier(residuals)
+    same (its prevent_cse). Not within `backward_apart`."""
+    return residuals if _APART.get() else jax.lax.optimization_barrier(residuals)
 
 
 def _row_sum(x, like):

@@ -14,7 +14,7 @@ from flax import traverse_util
 from jax import lax
 
 from jaxptd.mesh import PIPE, TENSOR
-from jaxptd.sharding import gather_invariant, mark_varying, varying_axes
+from jaxptd.sharding import after, gather_invariant, mark_varying, varying_axes
 
 
 def read(buffer, slot):
@@ -27,6 +27,16 @@ def write(buffer, slot, value, valid):
     if valid is not True:
         value = jnp.where(valid, value, read(buffer, slot))
     return lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype), slot, 0)
+
+
+def read_after(buffer, slot, deps):
+    """buffer[slot], read only once every leaf of `deps` is computed that varies over no
+    mesh axis the read's value does not (sharding.after: a dependence on a leaf varying
+    over more axes would need a reduction over them; such a leaf is left out, and so is
+    an empty one)."""
+    axes = varying_axes(buffer) | varying_axes(slot)
+    ready = [d for d in jax.tree.leaves(deps) if d.size and varying_axes(d) <= axes]
+    return read(buffer, after(slot, ready, like=buffer) if ready else slot)
 
 
 def read_tree(buffers, slot):
@@ -64,14 +74,17 @@ def chunk_of(row, slot: str, chunks: int):
     return row[f"{slot}_chunk"] if chunks > 1 else 0
 
 
-def add_chunk(grads_layers, c, chunk_grads):
-    """grads[c, 0] += chunk_grads for the leaves chunk_grads has (a subtree of the layers)."""
+def add_chunk(grads_layers, c, chunk_grads, layer: int | None = None):
+    """grads[c, 0] += chunk_grads for the leaves chunk_grads has (a subtree of the layers,
+    each [Lc, ...]); with `layer`, grads[c, 0, layer] += one layer's gradients. Written in
+    place."""
+    start = (c, 0) if layer is None else (c, 0, layer)
     flat = traverse_util.flatten_dict(grads_layers)
 
     def add(total, g):
-        current = lax.dynamic_index_in_dim(total, c, 0, keepdims=True)
-        update = current + g.astype(total.dtype)[None, None]
-        return lax.dynamic_update_index_in_dim(total, update, c, 0)
+        g = g.astype(total.dtype).reshape((1,) * len(start) + g.shape)
+        at = (*start, *(0,) * (total.ndim - len(start)))
+        return lax.dynamic_update_slice(total, lax.dynamic_slice(total, at, g.shape) + g, at)
     for path, g in traverse_util.flatten_dict(chunk_grads).items():
         flat[path] = add(flat[path], g)
     return traverse_util.unflatten_dict(flat)

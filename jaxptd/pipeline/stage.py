@@ -76,6 +76,13 @@ class Stage:
                                    perturbations, self.prepare, keep=self.keep,
                                    with_stats=with_stats)
 
+    def layer(self, params, x, mb, chunk, index: int):
+        """Layer `index` of a chunk on its own, as `layers` runs it, for a backward that
+        runs apart from it (a kept backward: models.layer_function) -> (y, statistics)."""
+        return models.apply_layer(params, x, index, self.tokens(mb), self.stage_key(mb, chunk),
+                                  self.model, self.layout, self.deterministic, self.prepare,
+                                  keep=self.keep, apart=True)
+
     def head(self, ends, y, mb, chunk, how: str):
         """The loss contribution (scaled to the global token mean) of the last stage; 0
         elsewhere. how: as for embed_or_input."""

@@ -4,7 +4,13 @@ Owns what each slot computes and keeps. parallel.stash chooses what a stash slot
 between a stage's F and B slot:
 - activations (default): the F slot takes `jax.vjp` of its layer chunk and keeps its
   backward's residuals as arrays (`kept.Kept`; the chunk's own weights, which the backward
-  reads too, are passed in again instead of kept);
+  reads too, are passed in again instead of kept). With unrolled layers (a GPU's) and
+  sequence parallelism or one tensor rank (`kept_by_layer`) it takes one vjp a layer and
+  stores each layer's residuals before the next layer runs; the B slot reads them a
+  layer at a time as its gradient reaches the layer, adds each layer's weight gradients
+  to the sums as they are made, and runs the recomputation without a barrier
+  (model.fused.backward_apart, model.layer_function's apart): the forward is another
+  slot's;
 - inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
   stage on it, recomputing the forward (per-stage activation recomputation).
 Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
@@ -33,14 +39,36 @@ from jaxptd.pipeline.head import SpreadHead
 from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
-from jaxptd.model import moe
-from jaxptd.sharding import after, mark_varying, zeros_as
+from jaxptd.model import fused, moe
+from jaxptd.sharding import after, mark_varying, tied, zeros_as
 
 
 def _cast(tree, dtype):
     """Master weights -> the compute dtype, done before a vjp so that a kept backward reads
     the very values it is given again (not a cast copy of them)."""
     return jax.tree.map(lambda w: w.astype(dtype), tree)
+
+
+def _stacked_stats(stats: list):
+    """Each layer's mixture-of-experts statistics stacked [Lc, ...] (None: dense)."""
+    return None if stats[0] is None else models.stacked(stats)
+
+
+def kept_by_layer(context: Context, split: bool) -> bool:
+    """Whether the kept backward is taken, stored and read a layer at a time (Training's
+    `_layers_kept` and `_layers_back`): kept activations of unrolled layers, no zero-bubble
+    split, and the layers' kept values varying over the mesh axes their input does
+    (sequence parallelism, or one tensor rank), so that F's stores can be tied to the next
+    layer. Elsewhere XLA forwarded F's values to B's reads past the stores: the H100
+    compile of (2,2,2) 1F1B without sequence parallelism went from 0.452 to 0.369 (MFU
+    ceiling) and 23.9 to 24.9 GiB; with it, at 8 microbatches, from 0.597 to 0.606 and 14.5
+    to 12.2 GiB with model.remat=minimal, 0.575 to 0.580 and 21.9 to 18.0 GiB without. Not
+    with model.remat=full, whose layers keep only their inputs (models.
+    weight_gradients_first orders its recomputation): 0.564 to 0.527 there."""
+    layout = context.layout
+    return context.stash == "activations" and not split and \
+        context.model.remat != "full" and not models.scans_layers(context.model, layout) \
+        and (layout.split_sequence or layout.tensor == 1)
 
 
 class Training:
@@ -65,6 +93,7 @@ class Training:
         self.keep_activations = context.stash == "activations"
         self.split = rounds.split_backward
         self.taped = self.split and self.keep_activations  # F writes the dense inputs
+        self.by_layer = kept_by_layer(context, self.split)
         self.probe = self._probe() if self.keep_activations or self.split else None
         self.loss_norm = context.loss_norm
         self.stats_template = self._stats_template()
@@ -73,6 +102,18 @@ class Training:
     def chunk_weights(self, chunk):
         """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
         return buffers.chunk(self.layers, chunk)
+
+    def chunk_layers(self, chunk) -> list:
+        """Chunk c's layers as a list of each layer's tree, as `chunk_weights`. With one
+        chunk each layer is sliced from the float32 masters and cast on its own: slices of
+        the cast [Lc, ...] stack were copies of it, kept for the whole step (0.5 GiB at
+        (2,2,2) in the H100 compile of GPT-1.3B)."""
+        if self.v > 1:
+            return models.per_layer(self.chunk_weights(chunk))
+        dense, rest = models.split_dense(buffers.chunk(self.params["layers"], 0))
+        dtype = jnp.dtype(self.model.dtype)
+        return [models.merge_dense(_cast(d, dtype), r)
+                for d, r in zip(models.per_layer(dense), models.per_layer(rest))]
 
     def vjp_weights(self, chunk):
         """(the leaves of the chunk's weights as its backward reads them, their treedef).
@@ -110,10 +151,38 @@ class Training:
         y, backward, inputs = jax.vjp(layers, tuple(given), x, added, has_aux=True)
         return y, backward, inputs, given
 
+    def _layers_kept(self, saved, x, mb, chunk, slot, written):
+        """F's layers a vjp each (`by_layer`), each layer's residuals written into stash slot
+        `slot` of its buffers (`saved`) before the next layer starts -> ((y, statistics),
+        the buffers). Left free, XLA stored them all only just before the B slot that reads
+        them, keeping the F slot's values meanwhile."""
+        saved, stats = list(saved), []
+        for i, weights in enumerate(self.chunk_layers(chunk)):
+            (x, s), backward, _ = self._one_layer_vjp(weights, x, mb, chunk, i)
+            saved[i] = buffers.write_tree(saved[i], slot, self.probe[0][i].keep(backward),
+                                          written)
+            saved[i], x = tied(saved[i], x)
+            stats.append(s)
+        return (x, _stacked_stats(stats)), saved
+
+    def _one_layer_vjp(self, weights, x, mb, chunk, i):
+        """jax.vjp of layer i of the chunk at x, in (its weights' leaves, x), as
+        `layer_vjp`'s of the chunk's -> ((y, statistics), backward, the leaves)."""
+        given, tree = jax.tree.flatten(weights)
+        y, backward = jax.vjp(lambda w, x: self.stage.layer(
+            jax.tree.unflatten(tree, w), x, mb, chunk, i), tuple(given), x)
+        return y, backward, given
+
     def _probe(self):
         """Traces one chunk to fix what F keeps for B and B for W (XLA drops its compute)."""
         index = self.stage.rank * 0  # traced, like the slots' microbatch and chunk
         x = self.stage.buffer(1)[0]
+        if self.by_layer:
+            kept = []
+            for i, weights in enumerate(self.chunk_layers(index)):
+                (x, _), backward, given = self._one_layer_vjp(weights, x, index, index, i)
+                kept.append(Kept(backward, given))
+            return kept, x, None
         (y, _), backward, inputs, given = self.layer_vjp(x, index, index)
         kept = Kept(backward, given) if self.keep_activations else None
         added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
@@ -148,7 +217,8 @@ class Training:
         kept, y, wkept = self.probe or (None, None, None)
         saved = ()
         if self.keep_activations:
-            saved = buffers.slots((kept.templates, y), rounds.num_stash_slots)
+            templates = [k.templates for k in kept] if self.by_layer else kept.templates
+            saved = buffers.slots((templates, y), rounds.num_stash_slots)
         inputs, taps = wkept or (None, None)
         carry = {"stash": stage.buffer(rounds.num_stash_slots),
                  "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
@@ -180,10 +250,16 @@ class Training:
             y, stats = self.stage.layers(self.chunk_weights(chunk), x, mb, chunk,
                                          with_stats=True)
             return y, self._add_stats(carry, chunk, stats, valid)
-        (y, stats), backward, inputs, _ = self.layer_vjp(x, mb, chunk)
-        kept = (self.probe[0].keep(backward), y)
+        # an idle F's slot holds nothing kept (lowering's idle_f_slots_free): written as is
+        written = True if self.rounds.idle_f_slots_free else valid
+        if self.by_layer:
+            (y, stats), saved = self._layers_kept(carry["saved"][0], x, mb, chunk, slot, written)
+            carry = {**carry, "saved": (saved, buffers.write(carry["saved"][1], slot, y, written))}
+        else:
+            (y, stats), backward, inputs, _ = self.layer_vjp(x, mb, chunk)
+            kept = (self.probe[0].keep(backward), y)
+            carry = {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, written)}
         carry = self._add_stats(carry, chunk, stats, valid)
-        carry = {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, valid)}
         if self.taped:
             carry["tapes"] = buffers.write_tree(carry["tapes"], row["f_tslot"], inputs, valid)
         return y, carry
@@ -209,15 +285,15 @@ class Training:
         g_out = jnp.where(is_last, 0.0, received)
         if self.keep_activations:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_kept(
-                carry, row, x_in, g_out, g_loss, seg)
+                carry, row, x_in, g_out, g_loss, seg, valid)
         else:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
                 x_in, row, g_out, g_loss, seg)
         grads = carry["grads"]
         grads = {**{k: jax.tree.map(jnp.add, grads[k], g) for k, g in
                     buffers.masked(g_ends, valid).items()},
-                 "layers": buffers.add_chunk(grads["layers"], chunk,
-                                             buffers.masked(g_layers, valid))}
+                 "layers": g_layers if self.by_layer else buffers.add_chunk(
+                     grads["layers"], chunk, buffers.masked(g_layers, valid))}
         if self.head is None:
             loss = buffers.masked(loss, valid)
         else:  # the last rank's part of the work: head_on masked it, not this rank's slot
@@ -234,24 +310,57 @@ class Training:
             return self.stage.head(ends, y, row["b_mb"], chunk, piece)
         return self.head.loss(weights, y, row["head_mb"], row["head_on"])
 
-    def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg):
-        """B from what F kept: the head's vjp, the kept chunk backward, the embedding's."""
+    def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg, valid):
+        """B from what F kept: the head's vjp, the kept chunk backward, the embedding's.
+        `by_layer`: the layers' gradients returned are the sums with this slot's added."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
-        residuals, y = buffers.read_tree(carry["saved"], row["b_slot"])
+        saved, y = carry["saved"]
+        y = buffers.read(y, row["b_slot"])
         piece = seg.piece("head", "B")
         loss, head_vjp = jax.vjp(lambda e, w, y: self._head_loss(e, w, y, row, chunk, piece),
                                  self.ends, self.head and self.head.weights, y)
         g_head, g_weights, g_y = head_vjp(g_loss)
-        given, tree = self.vjp_weights(chunk)
-        g_given, g_x, *g_taps = self.probe[0].run(
-            (g_out + g_y.astype(g_out.dtype), self._stats_seed()), residuals, given)
-        g_layers = jax.tree.unflatten(tree, g_given)
-        g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: the rest
+        g = g_out + g_y.astype(g_out.dtype)
+        if self.by_layer:
+            g_layers, g_x = self._layers_back(saved, row["b_slot"], g, chunk,
+                                              carry["grads"]["layers"], valid)
+            g_taps = None
+        else:
+            given, tree = self.vjp_weights(chunk)
+            g_given, g_x, *g_taps = self.probe[0].run(
+                (g, self._stats_seed()), buffers.read_tree(saved, row["b_slot"]), given)
+            g_layers = jax.tree.unflatten(tree, g_given)
+            g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: rest
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
         g_embed, g_x_in = embed_vjp(g_x)
         g_ends = jax.tree.map(jnp.add, g_head, g_embed)
         return loss, g_ends, g_weights, g_layers, g_x_in, g_taps[0] if self.split else None
+
+    def _layers_back(self, saved, slot, g, chunk, sums, valid):
+        """The kept backward a layer at a time, the last first (`by_layer`) -> (the layers'
+        gradient sums `sums` with this slot's added, the chunk input's gradient). Layer i's
+        residuals are read from stash slot `slot` once the gradient reaching it is there
+        (buffers.read_after), so that XLA reads them (and copies them, where a kernel needs
+        a buffer of its own) one layer at a time, not all at the start of the slot; the
+        first of them also once the F slot has stored all it keeps (`saved`: left free,
+        XLA forwarded F's values to these reads, keeping them through the B slot). Each
+        layer's weight gradients are added to the sums as they are made, and the layer
+        below reads its residuals only once they are: left free, XLA deferred them behind
+        the input gradients' chain, keeping their inputs (models.weight_gradients_first's
+        finding)."""
+        seed = self._stats_seed()
+        deps = (g, saved)
+        for i, weights in reversed(list(enumerate(self.chunk_layers(chunk)))):
+            stored = [buffers.read_after(b, slot, deps) for b in saved[i]]
+            given, tree = jax.tree.flatten(weights)
+            seed_i = None if seed is None else jax.tree.map(lambda s: s[i], seed)
+            with fused.backward_apart():  # its recomputation needs no barrier
+                g_given, g = self.probe[0][i].run((g, seed_i), stored, given)
+            sums = buffers.add_chunk(sums, chunk, buffers.masked(
+                jax.tree.unflatten(tree, g_given), valid), layer=i)
+            deps = (g, g_given)
+        return sums, g
 
     def _backward_recomputed(self, x_in, row, g_out, g_loss, seg):
         """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input

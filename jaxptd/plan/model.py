@@ -248,7 +248,7 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
                       method="ring", moe=None, xla_gpu=False, gpu=False,
-                      regathered=False) -> dict:
+                      regathered=False, unrolled=False) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -287,7 +287,12 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     offload.optimizer's streamed masters), which keeps what the MLP's fused activation
     returns for the second matmul's weight gradient (without it XLA keeps only its input);
     the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's
-    for a GPU (head_activation_bytes).
+    for a GPU (head_activation_bytes). unrolled: the layers run unrolled
+    (model.scan_layers), so that with parallel.stash=activations, no zero-bubble split,
+    sequence parallelism (or t = 1) and remat other than full the executor keeps and reads
+    a stash slot a layer at a time (pipeline/training.py, kept_by_layer): an F slot's
+    values in flight are one layer's, not the chunk's, and a B slot copies out one
+    layer's kept values at a time.
     xla_gpu: XLA's attention core (not flash) compiled for a GPU, which holds a layer's
     [b, a/t, s, s] twice where nothing recomputes it: where a layer's forward and backward
     are one program (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the
@@ -331,12 +336,15 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers,
                                                slot_kept, keep_activations, b, n, h, t, e)
     twice = attention["kept"] if xla_gpu and remat == "none" else 0.0
+    by_layer = pipe > 1 and keep_activations and unrolled and not (slots or {}).get("w") \
+        and (sp or t == 1) and remat != "full"
     if pipe > 1 and keep_activations:
         stash += 2 * chunk_layers * twice  # read out of the stash twice
-        if gpu:  # a B slot's read of a slot's kept values: copies, but the residual stream
-            stash += chunk_layers * max(0.0, slot_kept - 2 * stage_input)
+        if gpu and not by_layer:  # a B slot's read of a slot's kept values: copies, but
+            stash += chunk_layers * max(0.0, slot_kept - 2 * stage_input)  # the stream's
     else:
         kept += twice  # the scores beside the probabilities
+    span = 1 if by_layer else span
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
             "layer_transient": transient,
             "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1,
