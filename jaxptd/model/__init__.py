@@ -109,7 +109,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     one_layer = layer_function(batch, key, cfg, layout, deterministic,
                                taped=perturbations is not None, prepare=prepare, keep=keep)
     n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
-    if scans_layers(cfg, layout):
+    if scans_layers(cfg, layout.platform):
         xs = (stacked(layers), jnp.arange(n), perturbations, extra)
         x, (stats, inputs) = lax.scan(one_layer, x, xs)
     else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
@@ -223,10 +223,11 @@ def _layer(tree, i):
     return tree[i] if isinstance(tree, list) else jax.tree.map(lambda a: a[i], tree)
 
 
-def scans_layers(cfg: ModelConfig, layout: Layout) -> bool:
-    """model.scan_layers resolved: auto scans on CPU (compile time) and unrolls on a GPU
-    (no per-layer stacks of kept values: each layer's are buffers of their own)."""
-    return cfg.scan_layers == "true" or (cfg.scan_layers == "auto" and layout.platform != "gpu")
+def scans_layers(cfg: ModelConfig, platform: str) -> bool:
+    """model.scan_layers resolved for a platform (Layout.platform): auto scans on CPU
+    (compile time) and unrolls on a GPU (no per-layer stacks of kept values: each layer's
+    are buffers of their own)."""
+    return cfg.scan_layers == "true" or (cfg.scan_layers == "auto" and platform != "gpu")
 
 
 def perturbations(layers, x, cfg: ModelConfig, layout: Layout, prepare=None):

@@ -65,10 +65,10 @@ def kept_by_layer(context: Context, split: bool) -> bool:
     to 12.2 GiB with model.remat=minimal, 0.575 to 0.580 and 21.9 to 18.0 GiB without. Not
     with model.remat=full, whose layers keep only their inputs (models.
     weight_gradients_first orders its recomputation): 0.564 to 0.527 there."""
-    layout = context.layout
-    return context.stash == "activations" and not split and \
-        context.model.remat != "full" and not models.scans_layers(context.model, layout) \
-        and (layout.split_sequence or layout.tensor == 1)
+    model, layout = context.model, context.layout
+    return context.stash == "activations" and not split and model.remat != "full" and \
+        not models.scans_layers(model, layout.platform) and \
+        (layout.split_sequence or layout.tensor == 1)
 
 
 class Training:
@@ -124,7 +124,7 @@ class Training:
         H100 program)."""
         weights = self.chunk_weights(chunk)
         parts = models.split_dense(weights) if self.split else weights
-        if not models.scans_layers(self.model, self.layout):
+        if not models.scans_layers(self.model, self.layout.platform):
             parts = tuple(map(models.per_layer, parts)) if self.split \
                 else models.per_layer(parts)
         return jax.tree.flatten(parts)
