@@ -118,16 +118,16 @@ class Training:
     def vjp_weights(self, chunk):
         """(the leaves of the chunk's weights as its backward reads them, their treedef).
         The tree is the chunk's weights, split: (dense() weights, the rest); with unrolled
-        layers a list of per-layer trees, sliced here, outside the vjp: the backward then
-        reads these very values, which the vjp keeps as its argument (sliced inside, each
-        layer's weights were kept in the stash as copies of their own, seen in the compiled
-        H100 program)."""
+        layers a list of per-layer trees (`chunk_layers`), sliced here, outside the vjp:
+        the backward then reads these very values, which the vjp keeps as its argument
+        (sliced inside, each layer's weights were kept in the stash as copies of their own,
+        seen in the compiled H100 program)."""
+        unrolled = not models.scans_layers(self.model, self.layout.platform)
+        if unrolled and not self.split:
+            return jax.tree.flatten(self.chunk_layers(chunk))
         weights = self.chunk_weights(chunk)
         parts = models.split_dense(weights) if self.split else weights
-        if not models.scans_layers(self.model, self.layout.platform):
-            parts = tuple(map(models.per_layer, parts)) if self.split \
-                else models.per_layer(parts)
-        return jax.tree.flatten(parts)
+        return jax.tree.flatten(tuple(map(models.per_layer, parts)) if unrolled else parts)
 
     def layer_vjp(self, x, mb, chunk):
         """jax.vjp of the chunk's layers at x -> ((y, statistics), backward, dense inputs,
