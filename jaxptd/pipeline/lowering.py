@@ -1,9 +1,10 @@
 """Lowering: a validated schedule's packed rounds -> the slot tables the executor runs.
 
 Owns the buffers a pipeline needs and which slot of each every action uses. Pure Python.
-`Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0. Per
-round and rank: an F slot (microbatch, chunk, the stash slot of its input, and with
-zero-bubble kinds the tape slot it fills), a B slot (its input's stash slot, the grad slot
+`Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0 (but an
+idle F's f_slot: a slot free of kept values, `_idle_f_slots`). Per round and rank: an F
+slot (microbatch, chunk, the stash slot of its input, and with zero-bubble kinds the tape
+slot it fills), a B slot (its input's stash slot, the grad slot
 of its output gradient, and with zero-bubble kinds the W slot it fills), a W slot (the W
 and tape slots it empties), and the messages that arrive at the end of the round
 (activations into a stash slot, gradients into a grad slot).
