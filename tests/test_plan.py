@@ -503,7 +503,7 @@ def test_seed003_proxies_match_compiled_step():
     whole layer stack: the step's device peak (the most of its temporaries live at once,
     XLA's buffer live ranges, but the stacked gradients and layer inputs a GPU program
     keeps in host memory) is well under its temporaries. (The planner's device total is
-    checked against the GPU program, tests/test_h100.py: XLA's CPU schedule keeps several
+    checked against the GPU program, tests/test_h100_memory.py: XLA's CPU schedule keeps several
     matmul weights gathered at once where the H100 one keeps one.)"""
     # a process each: XLA dumps the step (whose live ranges give the device peak) only
     # where the planner starts JAX

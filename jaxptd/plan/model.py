@@ -19,7 +19,7 @@ time (see device_memory).
 
 Activations per layer per microbatch are what the compiled step keeps for the backward
 pass, in the compute dtype (measured per layer on the H100 compile and the CPU one:
---verify, tests/test_plan.py, tests/test_h100.py). The norms and the GeLU keep only their
+--verify, tests/test_plan.py, tests/test_h100_memory.py). The norms and the GeLU keep only their
 inputs (jaxptd/model/fused.py), so a layer without recomputation keeps
 
     [b, s, h] (SP: [b, s/t, h]): its input x and the residual after attention

@@ -1,0 +1,144 @@
+"""The GPU program's memory against the planner's, compiled for H100s without a GPU
+(jaxptd/compile_check.py, `python -m jaxptd.plan --verify --target h100`): what one more
+layer adds to the compiled step (kept activations, full recomputation, offloaded layers,
+the pipeline's kept backward a layer at a time) and seeds/003's FSDP runs scaled down.
+Slow: each compiles a step twice or at a width that takes minutes. Needs the CUDA compile
+extra, as tests/test_h100.py (whose set-up it shares)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxptd import compile_check
+from jaxptd.config import load_config
+from test_h100 import H100, ROOT, layout, needs_compiler
+
+
+def temp_per_layer(base) -> float:
+    """The temporary bytes one more layer adds to the step compiled for 8 H100s: 8 layers
+    against 4, over 4."""
+    temps = {}
+    for layers in (4, 8):
+        config = load_config(None, [*base, f"model.num_layers={layers}"])
+        step, _ = compile_check.compile_step(config, H100, 8)
+        temps[layers] = compile_check.memory(step)["temp"]
+    return (temps[8] - temps[4]) / 4
+
+
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("remat", ["minimal"])
+def test_a_layer_keeps_what_the_planner_says(remat):
+    """One H100, flash attention: the temporary memory one more layer adds (8 layers
+    against 4) is the planner's layer (jaxptd/plan/model.py: what it keeps) plus its float32
+    gradients, within 10%; without recomputation what it keeps is no more than 15% over
+    Megatron's fused 16-bit layer's 34 s b h (Korthikanti et al. 2022; ours keeps 26: it
+    recomputes the GeLU output and keeps no dropout masks, test_plan.py)."""
+    from jaxptd.plan import model as plan_model
+    base = ["model.hidden_size=1024", "model.num_heads=8", "model.seq_len=1024",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "train.global_batch=4", f"model.remat={remat}"]
+    b, s, h, a = 4, 1024, 1024, 8
+    per_layer = temp_per_layer(base)
+    gradients = 4 * 12 * h * h  # float32, every dense() weight of the layer
+    kept = plan_model.layer_activation_bytes(b, s, h, a, 1, 2, flash=True, remat=remat)
+    assert per_layer == pytest.approx(kept + gradients, rel=0.1)
+    if remat == "none":
+        assert per_layer - gradients <= 1.15 * 34 * s * b * h
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_full_recomputation_recomputes_one_layer_at_a_time():
+    """model.remat=full at (2, 1, 4) with sequence parallelism on 8 H100s: one more layer
+    (8 against 4) adds the input it keeps and its float32 gradients, within 15% (16.2 MB
+    against the planner's 14.7: a layer's input [b, s/t, h] once more). A layer's
+    input gradient waits for its weight gradients (model.weight_gradients_first); left
+    free, XLA started every layer's recomputation early (its sequence-parallel all-gather
+    first) and kept them all: 35.6 MiB a layer at this shape, against 15.5."""
+    from jaxptd.plan import model as plan_model
+    b, s, h, a, t = 4, 1024, 1024, 8, 4
+    base = [f"model.hidden_size={h}", f"model.num_heads={a}", f"model.seq_len={s}",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
+            "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
+            "model.remat=full"]
+    per_layer = temp_per_layer(base)
+    kept = plan_model.layer_activation_bytes(b, s, h, a, t, 2, sp=True, flash=True,
+                                             remat="full")
+    assert per_layer == pytest.approx(kept + 4 * 12 * h * h / t, rel=0.15), per_layer
+
+
+def verify_report(*args) -> dict:
+    """The JSON report of `python -m jaxptd.plan --verify --target h100 --json ARGS` (the
+    step compiled for H100s in a process of its own, beside the planner's figures)."""
+    done = subprocess.run([sys.executable, "-m", "jaxptd.plan", "--verify", "--target", "h100",
+                           "--json", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")][-1]
+
+
+def planned_and_compiled(overrides) -> tuple[float, float]:
+    """(the planner's bytes a device, the compiled step's) for overrides of the default
+    config."""
+    report = verify_report(*overrides)
+    return report["planned_bytes"], report["planned_bytes"] / report["planned_ratio"]
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_kept_backward_is_stored_and_read_a_layer_at_a_time():
+    """(2, 2, 2) 1F1B, 8 microbatches, sequence parallelism, model.remat=minimal on 8 H100s:
+    two more layers a stage (8 layers against 4) add what the planner says (3 stash slots
+    of their kept values, their weights in the compute dtype and float32 gradients),
+    within 10%, and the step is the planner's within 10%. The F slot stores each layer's
+    kept values before the next layer runs and the B slot reads them a layer at a time
+    (pipeline/training.py, by_layer): 173.8 MB a stage layer at this shape, the planner
+    176.4. With a vjp of the whole chunk, which kept the F slot's values until it stored
+    them all and whose B slot copied all of a slot's out at its start, 201.6 (2.3 GiB more
+    for GPT-1.3B at this layout)."""
+    base = ["model.hidden_size=1024", "model.num_heads=8", "model.seq_len=1024",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            *layout(2, 2, 2, 8, "parallel.sequence_parallel=true", "model.remat=minimal",
+                    "optimizer.zero1=true")]
+    (plan4, step4), (plan8, step8) = (planned_and_compiled([*base, f"model.num_layers={n}"])
+                                      for n in (4, 8))
+    assert plan8 == pytest.approx(step8, rel=0.1)
+    assert step8 - step4 == pytest.approx(plan8 - plan4, rel=0.1), (step8 - step4) / 2
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_offloaded_layers_backward_one_at_a_time():
+    """offload.activations on one H100: each layer more adds its float32 weight gradients
+    and its offloaded input, not its recomputed activations (8 layers against 4, within
+    25%). A layer's input gradient waits for its weight gradients
+    (model.weight_gradients_first); left free, XLA deferred every layer's weight-gradient
+    GEMMs behind the input-gradient chain, each keeping its recomputed inputs (268 MB a
+    layer more at this shape, against 52)."""
+    b, s, h = 4, 2048, 1024
+    base = [f"model.hidden_size={h}", "model.num_heads=8", f"model.seq_len={s}",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "parallel.data=8", f"train.global_batch={8 * b}",
+            "offload.optimizer=true", "offload.activations=true"]
+    per_layer = temp_per_layer(base)
+    assert per_layer <= 1.25 * (4 * 12 * h * h + 2 * s * b * h), per_layer
+
+
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["gpt_1t_seq2048"])
+def test_seed003_runs_scaled_are_what_the_planner_says(config):
+    """seeds/003's FSDP runs (one matmul's weight gathered at a time, the optimizer state
+    offloaded with a streamed update, SGD) at a width a test compiles, for 8 H100s: the
+    planner's device + host memory (the topology devices have no host memory: what a
+    run offloads is compiled into device memory) within 10% of the compiled step."""
+    path = os.path.join(ROOT, "configs", "pytorch_fsdp", f"{config}.yaml")
+    overrides = ["parallel.data=8", "model.num_layers=8", "model.hidden_size=2048",
+                 "model.num_heads=16", "model.seq_len=1024", "train.global_batch=32"]
+    report = verify_report("--config", path, *overrides)
+    assert report["offloaded_state_on_device"] and report["fits"]
+    assert report["planned_ratio"] == pytest.approx(1.0, abs=0.1), report["planned_ratio"]
