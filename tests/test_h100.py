@@ -407,6 +407,11 @@ HloModule test
   %z = s32[] constant(0)
   ROOT %u = f32[10,64,32]{2,1,0} dynamic-update-slice(%q0, %r, %q1, %z, %z)
 }
+%peek (r0: f32[10,64,32]) -> f32[1,1] {
+  %r0 = f32[10,64,32]{2,1,0} parameter(0)
+  %flat = f32[640,32]{1,0} bitcast(%r0)
+  ROOT %e = f32[1,1]{1,0} slice(%flat), slice={[0:1], [0:1]}
+}
 %loop (s: (s32[], bf16[64,128], bf16[128,32], f32[10,64,32])) -> (s32[], bf16[64,128], bf16[128,32], f32[10,64,32]) {
   %s = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, f32[10,64,32]{2,1,0}) parameter(0)
   %i = s32[] get-tuple-element(%s), index=0
@@ -415,6 +420,7 @@ HloModule test
   %acc = f32[10,64,32]{2,1,0} get-tuple-element(%s), index=3
   %g = bf16[64,32]{1,0} fusion(%a, %w), kind=kCustom, calls=%body_dot
   %n = f32[10,64,32]{2,1,0} fusion(%acc, %i, %g), kind=kLoop, calls=%update
+  %k = f32[1,1]{1,0} fusion(%n), kind=kLoop, calls=%peek
   %one = s32[] constant(1)
   %j = s32[] add(%i, %one)
   ROOT %t = (s32[], bf16[64,128]{1,0}, bf16[128,32]{1,0}, f32[10,64,32]{2,1,0}) tuple(%j, %a, %w, %n)
@@ -442,7 +448,8 @@ def test_static_cost_counts_a_known_program():
     the GPU checks it serves): a dot fusion in a loop of 10 (trip count from the
     condition's constant) is 10 x 2 m n k FLOPs and its operands and result; the
     dynamic-update-slice fusion writes its update [64, 32] in float32 (and reads the bf16
-    value), not the [10, 64, 32] buffer."""
+    value), not the [10, 64, 32] buffer; a fusion that slices one element of a buffer it
+    sees through a bitcast reads that element, not the buffer."""
     module = hlo.parse(COST_HLO)
     kernels = {k.name: k for k in hlo.cost(module, peak=1e12, bandwidth=1e9)}
     gemm, update = kernels["g"], kernels["n"]
@@ -452,6 +459,7 @@ def test_static_cost_counts_a_known_program():
     assert update.category == "stack write" and update.flops == 0
     assert update.bytes == 4 + 2 * 64 * 32 + 4 * 64 * 32  # index, bf16 in, f32 update out
     assert gemm.seconds(1e12, 1e9) == pytest.approx(gemm.bytes / 1e9)
+    assert kernels["k"].bytes == 4 + 4
 
 
 def _custom_calls(module, target) -> list:

@@ -101,8 +101,12 @@ def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
     outputs = [body.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
     updated = {o.operands[0] for o in outputs if o.opcode == "dynamic-update-slice"}
     total = 0.0
+    def readers_of(name: str) -> list:  # through bitcasts, which move no data
+        found = users.get(name, [])
+        return [r for i in found for r in
+                (readers_of(i.name) if i.opcode == "bitcast" else [i])]
     for param in (i for i in body.instrs if i.opcode == "parameter"):
-        readers = users.get(param.name, [])
+        readers = readers_of(param.name)
         if param.name in updated:
             continue  # the buffer written in place: its update counts, below
         if readers and all(r.opcode in ("slice", "dynamic-slice", "gather") for r in readers):
