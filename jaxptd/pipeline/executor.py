@@ -210,7 +210,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
     def reduce_done(t, carry):  # the chunks done after round t
         for c in (c for c, d in enumerate(done) if d == t):
             reduced[c] = reduce_chunk(jax.tree.map(lambda g: g[c:c + 1],
-                                                   carry["grads"]["layers"]))
+                                                   program.layer_grads(carry)))
     carry = _run(program, rounds, context.round_form, "FBW", done, reduce_done)
     grads = program.ends_grads(carry)
     if reduce_chunk is not None:
