@@ -49,6 +49,13 @@ def _cast(tree, dtype):
     return jax.tree.map(lambda w: w.astype(dtype), tree)
 
 
+def _add_slot(total, g):
+    """total + g for an ends leaf [1, ...] (this rank's slot), added as [...]: XLA folds
+    the add of a scatter-add into zeros (the embedding's gradient) into a scatter-add into
+    the sum, but not through the [1, ...] reshape."""
+    return (total[0] + g[0])[None]
+
+
 def _stacked_stats(stats: list):
     """Each layer's mixture-of-experts statistics stacked [Lc, ...] (None: dense)."""
     return None if stats[0] is None else models.stacked(stats)
@@ -308,9 +315,9 @@ class Training:
         else:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
                 x_in, row, g_out, g_loss, seg)
+            g_ends = buffers.masked(g_ends, valid)
         grads = carry["grads"]
-        grads = {**{k: jax.tree.map(jnp.add, grads[k], g) for k, g in
-                    buffers.masked(g_ends, valid).items()},
+        grads = {**{k: jax.tree.map(_add_slot, grads[k], g) for k, g in g_ends.items()},
                  "layers": g_layers if self.by_layer else buffers.add_chunk(
                      grads["layers"], chunk, buffers.masked(g_layers, valid))}
         if self.head is None:
@@ -330,8 +337,9 @@ class Training:
         return self.head.loss(weights, y, row["head_mb"], row["head_on"])
 
     def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg, valid):
-        """B from what F kept: the head's vjp, the kept chunk backward, the embedding's.
-        `by_layer`: the layers' gradients returned are the sums with this slot's added."""
+        """B from what F kept: the head's vjp, the kept chunk backward, the embedding's. The
+        ends' gradients returned are zero where the slot is not valid; `by_layer`: the
+        layers' gradients returned are the sums with this slot's added."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
         saved, y = carry["saved"]
         y = buffers.read(y, row["b_slot"])
@@ -352,9 +360,13 @@ class Training:
             g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: rest
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
-        g_embed, g_x_in = embed_vjp(g_x)
-        g_ends = jax.tree.map(jnp.add, g_head, g_embed)
-        return loss, g_ends, g_weights, g_layers, g_x_in, g_taps[0] if self.split else None
+        # the embedding's table gradient from a masked input: a scatter-add into zeros that
+        # XLA folds into the add to the sums (_add_slot), where a table-sized select after it
+        # kept the zero-filled table (two f32 [V/t, h] a B slot in the H100 compile)
+        g_embed = embed_vjp(buffers.masked(g_x, valid))[0]
+        g_ends = jax.tree.map(jnp.add, buffers.masked(g_head, valid), g_embed)
+        return (loss, g_ends, g_weights, g_layers, embed_vjp(g_x)[1],
+                g_taps[0] if self.split else None)
 
     def _layers_back(self, saved, slot, g, chunk, sums, valid):
         """The kept backward a layer at a time, the last first (`by_layer`) -> (the layers'
