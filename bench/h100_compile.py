@@ -47,6 +47,9 @@ ROWS = {
     "(2,2,2) 1f1b m8 SP": layout(2, 2, 2, 8, "parallel.sequence_parallel=true"),
     "(2,2,2) 1f1b m8 SP min zero1": layout(2, 2, 2, 8, "parallel.sequence_parallel=true",
                                            "model.remat=minimal", "optimizer.zero1=true"),
+    "(2,2,2) 1f1b m8 SP min-mlp zero1": layout(
+        2, 2, 2, 8, "parallel.sequence_parallel=true", "model.remat=minimal_mlp",
+        "optimizer.zero1=true"),
     "(2,2,2) 1f1b m8 SP full zero1": layout(2, 2, 2, 8, "parallel.sequence_parallel=true",
                                             "model.remat=full", "optimizer.zero1=true"),
     "(1,4,2) interleaved": layout(1, 4, 2, 8, "parallel.schedule=interleaved",

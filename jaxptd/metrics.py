@@ -29,18 +29,24 @@ def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
     """Matmul FLOPs of one training iteration over `batch` sequences (eq. 3 of PTD-P for
     the GPT; the architecture's `forward_flops` per token for any).
 
-    recompute: "none", "minimal" (with XLA attention its core again), "selective" (the
-    attention core again) or "full" (every layer's forward again: equation (3) itself).
+    recompute: model.remat's policy (`recomputed_flops`), "full" equation (3) itself.
     """
     from jaxptd.model import get  # JAX, Flax: the planner imports this module JAX-free
     per_token = get(model).forward_flops(model, vocab)
     layers = model.num_layers * per_token["layer"]
-    core = model.num_layers * per_token["core"]
-    extra = {"none": 0, "selective": core, "full": layers,
-             # keeps the matmul outputs: with flash attention nothing recomputed is a
-             # matmul; the XLA attention core's two matmuls are recomputed
-             "minimal": 0 if model.attention == "cudnn" else core}
-    return batch * model.seq_len * (3 * (layers + per_token["head"]) + extra[recompute])
+    again = model.num_layers * recomputed_flops(model, per_token, recompute)
+    return batch * model.seq_len * (3 * (layers + per_token["head"]) + again)
+
+
+def recomputed_flops(model: ModelConfig, per_token: dict, recompute: str) -> float:
+    """Matmul FLOPs per token that a layer's backward runs again, of the architecture's
+    `forward_flops` (per_token): "none" nothing, "selective" the attention core, "full" the
+    layer's forward; "minimal" keeps the matmul outputs, so with flash attention nothing
+    and with XLA's attention its core's two matmuls; "minimal_mlp" also the q, k, v
+    projection."""
+    core = 0 if model.attention == "cudnn" else per_token["core"]
+    return {"none": 0, "selective": per_token["core"], "full": per_token["layer"],
+            "minimal": core, "minimal_mlp": core + per_token["qkv"]}[recompute]
 
 
 def flops_6n(params: float, model: ModelConfig, batch: int) -> float:

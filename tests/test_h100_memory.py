@@ -29,7 +29,7 @@ def temp_per_layer(base) -> float:
 
 @needs_compiler
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", ["minimal"])
+@pytest.mark.parametrize("remat", ["minimal", "minimal_mlp"])
 def test_a_layer_keeps_what_the_planner_says(remat):
     """One H100, flash attention: the temporary memory one more layer adds (8 layers
     against 4) is the planner's layer (jaxptd/plan/model.py: what it keeps) plus its float32

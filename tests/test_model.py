@@ -156,11 +156,12 @@ def test_cudnn_attention_falls_back_to_xla_off_gpu():
 
 @pytest.mark.slow
 def test_recomputation_keeps_gradients_and_saves_memory():
-    """model.remat=selective (the attention core) and full (each layer) recompute with the
-    same dropout masks, so loss and gradients equal remat=none's; the compiled step keeps
-    less: full < selective < none (seq 64, where the [s, s] probabilities matter)."""
+    """model.remat=selective (the attention core), minimal and minimal_mlp (the matmul
+    outputs kept, but q, k, v by minimal_mlp) and full (each layer) recompute with the same
+    dropout masks, so loss and gradients equal remat=none's; the compiled step keeps less:
+    full < selective < none (seq 64, where the [s, s] probabilities matter)."""
     results = {}
-    for remat in ("none", "selective", "full"):
+    for remat in ("none", "selective", "minimal", "minimal_mlp", "full"):
         setup = make_setup(2, 1, 4, ["model.num_layers=2", "model.seq_len=64",
                                      "model.dropout=0.1", f"model.remat={remat}"])
         state = placed_state(setup)
@@ -172,7 +173,7 @@ def test_recomputation_keeps_gradients_and_saves_memory():
         grads, loss, _ = grads_fn(*args)
         results[remat] = float(loss), jax.device_get(grads), temp
     loss, grads, temp = results["none"]
-    for remat in ("selective", "full"):
+    for remat in ("selective", "minimal", "minimal_mlp", "full"):
         np.testing.assert_allclose(results[remat][0], loss, rtol=1e-6)
         assert_trees_close(results[remat][1], grads, rtol=1e-5)
     assert results["full"][2] < results["selective"][2] < 0.9 * temp, {

@@ -171,8 +171,8 @@ def test_spread_head_matches_single_device(case, stash, extra):
     pytest.param("activations", ZB_CASES[11], "minimal", [], marks=pytest.mark.slow),
     pytest.param("activations", CASES[3], "full", [], marks=pytest.mark.slow),
     ("activations", CASES[1], "minimal", ["parallel.sequence_parallel=true"]),
-    ("activations", CASES[1], "minimal", ["parallel.sequence_parallel=true",
-                                          "optimizer.zero1=true"]),
+    ("activations", CASES[1], "minimal_mlp", ["parallel.sequence_parallel=true",
+                                              "optimizer.zero1=true"]),
     pytest.param("activations", CASES[3], "full", ["parallel.sequence_parallel=true"],
                  marks=pytest.mark.slow),
     pytest.param("activations", CASES[0], "none", ["model.moe_experts=4"],
@@ -184,8 +184,9 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
     recomputation policy; with sequence parallelism or one tensor rank the kept backward
     a layer at a time (training.kept_by_layer, but with full recomputation: stored as F
     makes it, read by B as it goes, a mixture of experts' statistics seeded a layer at a
-    time; with ZeRO-1 the layers' gradients reduced once their last backward is done, from
-    the per-layer sums the kept backward a layer at a time adds to)."""
+    time; with ZeRO-1 and minimal_mlp (q, k, v recomputed) the layers' gradients reduced
+    once their last backward is done, from the per-layer sums the kept backward a layer at
+    a time adds to)."""
     from jaxptd.pipeline.training import kept_by_layer
     from jaxptd.step import pipeline_context
 

@@ -53,6 +53,14 @@ def test_equation_3_by_hand(capsys):
                             "model.seq_len=4", "model.vocab_size=128", "train.global_batch=2",
                             "model.remat=selective", "--json"])
     assert json.loads(out)["flops_per_iteration"] == pytest.approx(3 * 13312 + 1024 + 49152)
+    # minimal_mlp recomputes the q, k, v projection, 6 B s h^2 a layer (XLA's attention: its
+    # core's too, minimal's)
+    for remat, again in (("minimal", 1024), ("minimal_mlp", 1024 + 6 * 2 * 4 * 8 * 8)):
+        out = run_main(capsys, ["model.num_layers=1", "model.hidden_size=8",
+                                "model.num_heads=2", "model.seq_len=4", "model.vocab_size=128",
+                                "train.global_batch=2", f"model.remat={remat}", "--json"])
+        assert json.loads(out)["flops_per_iteration"] == pytest.approx(
+            3 * 13312 + again + 49152)
 
 
 def test_6n_plus_attention_is_equation_3_for_the_matmul_weights():

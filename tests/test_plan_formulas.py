@@ -32,7 +32,8 @@ def test_our_layer_is_megatrons_less_what_it_recomputes():
     the attention context (2). With SP both divide the stream by t, but ours keeps f's
     two gathered norm outputs whole (4 sbh: autodiff's residuals of the column-parallel
     matmuls; Megatron gathers them again in the backward). remat=minimal drops the norm
-    outputs and the context's copy; full keeps the layer input."""
+    outputs and the context's copy, minimal_mlp q, k and v too; full keeps the layer
+    input."""
     b, s, h, a, e = 1, 2048, 12288, 96, 2
     sbh = s * b * h
     ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
@@ -45,6 +46,8 @@ def test_our_layer_is_megatrons_less_what_it_recomputes():
         sbh * (4 / t + 4 + split) + flash / t)
     assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal") == pytest.approx(
         sbh * (4 / t + 2 * (3 + 1 + 4) / t) + flash / t)
+    assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal_mlp") == pytest.approx(
+        sbh * (4 / t + 2 * (1 + 4) / t) + flash / t)
     assert ours(b, s, h, a, t, e, sp=True, remat="full") == pytest.approx(2 * sbh / t)
     # without flash attention: the [b, a/t, s, s] probabilities in the compute dtype
     assert ours(b, s, h, a, t, e) - ours(b, s, h, a, t, e, flash=True) == pytest.approx(

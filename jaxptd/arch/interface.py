@@ -75,7 +75,7 @@ class Architecture:
     # (cfg, layout) -> one layer, a Flax module called (x, deterministic, mask, cache)
     block: Callable
     head_loss: Callable  # (ends, x, batch, cfg, layout) -> the batch's loss sum
-    forward_flops: Callable  # (cfg, vocab) -> matmul FLOPs per token {layer, core, head}
+    forward_flops: Callable  # (cfg, vocab) -> matmul FLOPs per token {layer, core, qkv, head}
     GATED_MLP: bool  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
     decoder: Decoder | None = None  # None: an encoder, nothing to generate with
     batch_width: Callable = token_width  # (cfg) -> columns of a batch row

@@ -26,7 +26,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
-    "model.remat": ("none", "minimal", "selective", "full"),
+    "model.remat": ("none", "minimal", "minimal_mlp", "selective", "full"),
     "model.scan_layers": ("auto", "true", "false"),
     "parallel.fsdp_unit": ("layer", "matmul"),
     "model.gelu": ("tanh", "erf"),

@@ -31,7 +31,8 @@ class ModelConfig:
     kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
     attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
     # activation recomputation: none | minimal (keep matmul outputs and flash attention's
-    # own residuals, recompute norms and activations) | selective (attention core) | full
+    # own residuals, recompute norms and activations) | minimal_mlp (the same but q, k, v:
+    # the attention's projection again) | selective (attention core) | full
     remat: str = "none"
     # layers as one scan (true: one layer's program, per-layer stacks of kept values) or
     # unrolled (false: no stacks to fill and copy, longer compiles); auto: unrolled on a GPU

@@ -16,8 +16,8 @@ dims) of every `dot` inside a fusion or cuBLAS call; cuDNN attention and the Pal
 flash-attention blocks (pallas_kernels/flash.py) forward 4 b h sq skv d, halved with a
 causal mask, their backward 2.5 times that; nothing else.
 Bytes: operands and results once each, except that a fusion operand read only through
-(dynamic-)slice or gather (bitcasts between) costs the slices, and a dynamic-update-slice costs its update,
-not the buffer it writes into. It shows structure, not speed: nothing is autotuned.
+(dynamic-)slice or gather (bitcasts between) costs the slices, and a dynamic-update-slice
+costs its update, not the buffer it writes into. It shows structure, not speed: nothing is autotuned.
 
 Modules: `text` (the parser), `cost` (the kernels a step launches and their static cost;
 `walk`, the traversal the others share), `schedule` (collectives and what overlaps them,

@@ -25,7 +25,8 @@ from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
 from jaxptd.model import moe, stack
 from jaxptd.model.layers import RESIDUAL
-from jaxptd.model.tensor import DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, Layout, matmul
+from jaxptd.model.tensor import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, QKV_OUTPUT,
+                                 Layout, matmul)
 from jaxptd.sharding import after, rewritten_at, zeros_as
 
 
@@ -40,10 +41,19 @@ OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names
 # backward never re-runs attention); norms, activations, bias adds and an XLA attention
 # core are recomputed from them. (The cuDNN forward is recognised by its primitive's name,
 # the one thing here not covered by a public constant: the H100 compile test counts one
-# cuDNN forward per layer, so a renamed primitive fails there.)
-MINIMAL = jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.save_only_these_names(DENSE_OUTPUT, RESIDUAL),
-    lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper")
+# cuDNN forward per layer, so a renamed primitive fails there.) model.remat=minimal_mlp
+# keeps the same but the attention's q, k, v projection, which it recomputes from the
+# layer's input (its norm, the sequence-parallel gather and the GEMM again): 2/3 of a
+# layer's matmul outputs of GPT's [b, s, 4h/t] and [b, s, 3h/t], for a sixth of its
+# forward GEMMs again.
+def _kept_names(*names):
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.save_only_these_names(*names, RESIDUAL),
+        lambda prim, *_, **__: prim.name == "dot_product_attention_fwd_wrapper")
+
+
+MINIMAL = _kept_names(DENSE_OUTPUT, QKV_OUTPUT)
+MINIMAL_MLP = _kept_names(DENSE_OUTPUT)
 
 
 def get(cfg: ModelConfig) -> Architecture:
@@ -94,6 +104,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     `key` seeds dropout; layer i uses fold_in(key, i) of its index in this stack.
     With model.remat == 'full' each layer's activations are recomputed in the backward pass
     ('minimal' keeps the matmul outputs and flash attention's residuals: MINIMAL;
+    'minimal_mlp' the same but q, k and v: MINIMAL_MLP;
     'selective' recomputes only the attention core, inside layers.Attention); with
     layout.offload_activations too, and each layer's input waits for it in host memory.
     With `perturbations` (from `perturbations`: zeros added to every dense() output, so
@@ -167,8 +178,9 @@ def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: 
         return y, (stats, state[DENSE_INPUTS] if taped else None)
 
     policy = OFFLOAD_LAYER_INPUTS if layout.offload_activations else {
-        "full": None, "minimal": MINIMAL}.get(cfg.remat, keep)
-    if layout.offload_activations or cfg.remat in ("full", "minimal") or keep is not None:
+        "full": None, "minimal": MINIMAL, "minimal_mlp": MINIMAL_MLP}.get(cfg.remat, keep)
+    if layout.offload_activations or cfg.remat in ("full", "minimal", "minimal_mlp") or \
+            keep is not None:
         # (minimal: FSDP's gathered weights are no matmul output, so they are regathered)
         return jax.checkpoint(one_layer, policy=policy, prevent_cse=not apart)
     return one_layer

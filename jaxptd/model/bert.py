@@ -224,10 +224,11 @@ def head_loss(ends, x, batch, cfg: ModelConfig, layout: Layout):
 
 
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
-    """Per token: GPT's layer; the head's transform 2 h^2 and tied logits 2 h V, and per
-    sequence the pooler 2 h^2 and SOP 4 h."""
+    """Per token: GPT's layer (and its core and q, k, v projection); the head's transform
+    2 h^2 and tied logits 2 h V, and per sequence the pooler 2 h^2 and SOP 4 h."""
     h, s = cfg.hidden_size, cfg.seq_len
     return {"layer": 8 * h * h + 4 * h * cfg.ffn + 4 * s * h, "core": 4 * s * h,
+            "qkv": 6 * h * h,
             "head": 2 * h * vocab + 2 * h * h + (2 * h * h + 4 * h) / s}
 
 

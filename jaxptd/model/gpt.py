@@ -78,10 +78,11 @@ def max_length(cfg: ModelConfig) -> int:
 def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (24 h^2 + 4 s h with ffn = 4h,
     PTD-P eq. 3; the MLP's moe.mlp_flops, with a mixture of experts its active part), its
-    attention core (4 s h) and the logit layer (2 h V)."""
+    attention core (4 s h) and q, k, v projection (6 h^2), and the logit layer (2 h V)."""
     h, s = cfg.hidden_size, cfg.seq_len
     mlp = mlp_flops(cfg, 4)
-    return {"layer": 8 * h * h + mlp + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
+    return {"layer": 8 * h * h + mlp + 4 * s * h, "core": 4 * s * h, "qkv": 6 * h * h,
+            "head": 2 * h * vocab}
 
 
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,

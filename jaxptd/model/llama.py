@@ -216,11 +216,12 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
     """Matmul FLOPs per token of one forward pass: a layer (queries and output 2 h^2 each,
     keys and values 4 h k d, the MLP's moe.mlp_flops: SwiGLU 6 h f, a mixture of experts'
     active part, a mean over the layers when every k-th is one; attention core 4 s h), its
-    core, the head."""
+    core, its queries', keys' and values' projection, the head."""
     h, s = cfg.hidden_size, cfg.seq_len
     mlp = mlp_flops(cfg, 6)
-    return {"layer": 4 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim + mlp
-            + 4 * s * h, "core": 4 * s * h, "head": 2 * h * vocab}
+    qkv = 2 * h * h + 4 * h * cfg.kv_heads * cfg.head_dim
+    return {"layer": 2 * h * h + qkv + mlp + 4 * s * h, "core": 4 * s * h, "qkv": qkv,
+            "head": 2 * h * vocab}
 
 
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,

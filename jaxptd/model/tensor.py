@@ -118,9 +118,12 @@ DENSE = {
 # completes; model.remat=minimal keeps the residual stream after it, not the partial sum.
 ROW_PARALLEL = ("w_out", "w_fc2", "w_o", "w_down")
 DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
-# checkpoint name of what model.remat=minimal keeps of the matmuls: every other dense()
-# output (the residual stream it also keeps is layers.RESIDUAL)
+# checkpoint names of what model.remat=minimal keeps of the matmuls, every other dense()
+# output: the attention's q, k, v projection (QKV_OUTPUT; minimal_mlp recomputes it) and
+# the rest (DENSE_OUTPUT); the residual stream minimal also keeps is layers.RESIDUAL
 DENSE_OUTPUT = "dense_output"
+QKV_OUTPUT = "qkv_output"
+QKV = ("w_qkv", "w_q", "w_kv")
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
 
 
@@ -134,7 +137,7 @@ def dense(module: nn.Module, name: str, x, w):
     module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
     y = matmul(name, module.layout)(x, w)
     if name not in ROW_PARALLEL:
-        y = checkpoint_name(y, DENSE_OUTPUT)
+        y = checkpoint_name(y, QKV_OUTPUT if name in QKV else DENSE_OUTPUT)
     return module.perturb(name, y, collection=PERTURBATIONS)
 
 

@@ -32,7 +32,8 @@ inputs (jaxptd/model/fused.py), so a layer without recomputation keeps
                                  dtype (flash attention: a float32 [b, a/t, s])
 
 model.remat=minimal keeps x, the residual and the column-parallel matmul outputs and the
-attention's own outputs (norm outputs and an XLA attention core recomputed); full keeps x.
+attention's own outputs (norm outputs and an XLA attention core recomputed); minimal_mlp
+the same but q, k, v; full keeps x.
 Megatron's fused 16-bit layer (Korthikanti et al. 2022, eqs. 1-2: sbh (10 + 24/t +
 5as/(ht)) without, sbh/t (34 + 5as/h) with sequence parallelism) is
 `korthikanti_layer_bytes`, for comparison: ours keeps no dropout masks (none without
@@ -188,9 +189,11 @@ def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = Fal
         mlp = (moe_mlp_bytes(b * n, h, t, e, moe, gated) + (every - 1) * mlp) / every
     context = sbh * e / t
     attention = attention_terms(b, s, h, a, t, e, c, method, flash, kv_heads)
-    if remat == "minimal":  # + the attention's statistics (flash) or nothing (recomputed;
-        # so are the context's gathered keys and the ring's log-sum-exp: no matmul outputs)
-        return stream + qkv + context + mlp + (attention["kept"] if flash else 0.0)
+    if remat in ("minimal", "minimal_mlp"):  # + the attention's statistics (flash) or
+        # nothing (recomputed; so are the context's gathered keys and the ring's
+        # log-sum-exp: no matmul outputs); minimal_mlp recomputes q, k, v too
+        return stream + (qkv if remat == "minimal" else 0.0) + context + mlp + \
+            (attention["kept"] if flash else 0.0)
     norms = 2 * sbh * e  # the two norm outputs (with SP: gathered, whole)
     kept = stream + norms + qkv + 2 * context + mlp + attention["keys"]
     return kept + (attention["kept"] if remat != "selective" or flash else 0.0)
@@ -255,12 +258,13 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     layers' begins), the pipeline's buffers (stash) and what offload.activations puts in
     host memory.
 
-    remat: "none", "minimal" (module docstring), "selective" (each layer keeps all but its
-    attention probabilities, which the layer being differentiated recomputes) or "full"
-    (each layer keeps its input). The backward transient of a layer is half a layer
-    without recomputation (the cotangents of the layer being differentiated), plus what it
-    recomputes: its probabilities (selective, and minimal with XLA attention), the rest
-    of the layer (minimal), the whole layer (full); with XLA attention also the softmax
+    remat: "none", "minimal", "minimal_mlp" (module docstring), "selective" (each layer
+    keeps all but its attention probabilities, which the layer being differentiated
+    recomputes) or "full" (each layer keeps its input). The backward transient of a layer
+    is half a layer without recomputation (the cotangents of the layer being
+    differentiated), plus what it recomputes: its probabilities (selective, and minimal
+    with XLA attention), the rest of the layer (minimal, minimal_mlp), the whole layer
+    (full); with XLA attention also the softmax
     backward's float32 gradients of the probabilities and the scores. pipe = 1: one
     microbatch through all layers. offload (pipe = 1): each layer's input waits in host
     memory and the layer is recomputed, whatever remat says. (FSDP gathers a layer's
@@ -319,6 +323,7 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     largest = layer if unit == 1 else max(layer_activation_bytes(
         b, s, h, a, t, e, sp, flash, **{**shape, "moe": m}) for m in (replace(moe, every=1), None))
     transient = {"none": 0.5 * largest, "minimal": (1.5 * layer - kept) * unit,
+                 "minimal_mlp": (1.5 * layer - kept) * unit,
                  "selective": 0.5 * largest + (0.0 if ring else scores),
                  "full": 1.5 * layer * unit}[remat]
     if not flash:  # the softmax's backward: the probabilities' and the scores' gradients

@@ -26,6 +26,7 @@ from jaxptd.plan import timing as pt
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.inputs import PlanInputs
 
+MINIMAL = ("minimal", "minimal_mlp")  # model.remat's: keep matmul outputs, run the rest again
 SIMULATE_LIMIT = 200_000  # ranks x actions above which the bubble comes from the formula
 LOWER_LIMIT = 4096  # p m v above which the buffer slots come from the formula
 
@@ -268,8 +269,8 @@ def executed_flops(config: Config, vocab: int) -> float:
         return executed
     core = B * m_cfg.seq_len * m_cfg.num_layers * get(m_cfg).forward_flops(m_cfg, vocab)["core"]
     counted = 3 + (remat in ("selective", "full")
-                   or (remat == "minimal" and m_cfg.attention != "cudnn"))
-    ring = 3.5 + (remat in ("full", "minimal"))
+                   or (remat in MINIMAL and m_cfg.attention != "cudnn"))
+    ring = 3.5 + (remat in ("full", *MINIMAL))
     fraction = pt.context_core_fraction(par.context, "ring", _causal(config))
     return executed + core * (ring * fraction - counted)
 
@@ -298,7 +299,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
     gather = pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype]
     b, s, h, c = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, par.context
     layers = m_cfg.num_layers // par.pipe
-    again = recomputation(config) in ("full", "minimal")
+    again = recomputation(config) in ("full", *MINIMAL)
     moe = moe_shape(config)
     replicas = par.data // par.fsdp_size * c  # the context ranks hold the same parameters
     comm = pt.comm_volumes(

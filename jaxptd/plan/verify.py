@@ -15,6 +15,7 @@ import tempfile
 
 from jaxptd import compile_check
 from jaxptd.config import Config, ConfigError
+from jaxptd.metrics import recomputed_flops
 from jaxptd.plan.planner import recomputation
 
 MAX_VERIFY_DEVICES = 1024
@@ -107,9 +108,8 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     m_cfg, par = config.model, config.parallel
     tokens = config.microbatch_size * m_cfg.seq_len
     per_token = get(m_cfg).forward_flops(m_cfg, m_cfg.padded_vocab(par.tensor))
-    forward, core = per_token["layer"], per_token["core"]
-    layer = m_cfg.unit * (3 * forward + {"none": 0, "selective": core,
-                                         "full": forward}[recomputation(config)])
+    layer = m_cfg.unit * (3 * per_token["layer"]
+                          + recomputed_flops(m_cfg, per_token, recomputation(config)))
     bodies = 2 if config.peels_last_microbatch else 1
     return bodies * tokens * (layer + 3 * per_token["head"]) / (par.tensor * par.context)
 
