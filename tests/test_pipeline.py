@@ -176,7 +176,8 @@ def test_spread_head_matches_single_device(case, stash, extra):
     pytest.param("activations", CASES[3], "full", ["parallel.sequence_parallel=true"],
                  marks=pytest.mark.slow),
     pytest.param("activations", CASES[0], "none", ["model.moe_experts=4"],
-                 marks=pytest.mark.slow)])
+                 marks=pytest.mark.slow),
+    ("activations", CASES[5], "minimal", [])])
 def test_unrolled_layers_match_single_device(stash, case, remat, more):
     """model.scan_layers=false (a GPU target's default: each layer's kept values in
     buffers of their own, the kept backward closing over per-layer weights it is given
@@ -194,7 +195,8 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
         f"parallel.stash={stash}", "parallel.round_form=steady", "model.scan_layers=false",
         f"model.remat={remat}", *more])
     split = case[3].startswith("zb")
-    assert kept_by_layer(pipeline_context(setup), split) == (bool(more) and remat != "full")
+    by_layer = ("parallel.sequence_parallel=true" in more or case[2] == 1) and not split
+    assert kept_by_layer(pipeline_context(setup), split) == (by_layer and remat != "full")
     assert setup.config.reduces_chunks_early == ("optimizer.zero1=true" in more)
     assert_grads_match_single_device(setup)
 

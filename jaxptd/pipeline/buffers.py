@@ -74,14 +74,16 @@ def chunk_of(row, slot: str, chunks: int):
     return row[f"{slot}_chunk"] if chunks > 1 else 0
 
 
-def add_chunk(grads_layers, c, chunk_grads):
+def add_chunk(grads_layers, c, chunk_grads, layer: int | None = None):
     """grads[c, 0] += chunk_grads for the leaves chunk_grads has (a subtree of the layers,
-    each [Lc, ...]). Written in place."""
+    each [Lc, ...]); with `layer`, grads[c, 0, layer] += one layer's gradients. Written in
+    place."""
+    start = (c, 0) if layer is None else (c, 0, layer)
     flat = traverse_util.flatten_dict(grads_layers)
 
     def add(total, g):
-        g = g.astype(total.dtype)[None, None]
-        at = (c, *(0,) * (total.ndim - 1))
+        g = g.astype(total.dtype).reshape((1,) * len(start) + g.shape)
+        at = (*start, *(0,) * (total.ndim - len(start)))
         return lax.dynamic_update_slice(total, lax.dynamic_slice(total, at, g.shape) + g, at)
     for path, g in traverse_util.flatten_dict(chunk_grads).items():
         flat[path] = add(flat[path], g)

@@ -102,6 +102,7 @@ class Training:
         self.taped = self.split and self.keep_activations  # F writes the dense inputs
         self.by_layer = kept_by_layer(context, self.split)
         self.late_weights = self.by_layer and self.model.remat == "minimal_mlp"
+        self.layer_sums = self.by_layer and self.v == 1  # (_zero_grads)
         self.probe = self._probe() if self.keep_activations or self.split else None
         self.loss_norm = context.loss_norm
         self.stats_template = self._stats_template()
@@ -255,13 +256,14 @@ class Training:
         return carry
 
     def _zero_grads(self):
-        """Zeros for the gradient sums, like the params; `by_layer`: the layers' as a list
-        of each layer's tree (one chunk), which B adds to in place. Summed into a [Lc, ...]
-        stack, each layer's add was a dynamic-update-slice of it that XLA fused with other
-        layers' slices and rounds' into copies (~12 ms a step of the H100 compile of GPT-1.3B
-        at (2,2,2), 1F1B m8)."""
+        """Zeros for the gradient sums, like the params; `layer_sums` (the kept backward a
+        layer at a time, one chunk): the layers' as a list of each layer's tree, which B
+        adds to in place. Summed into the [v, 1, Lc, ...] stack, each layer's add was a
+        dynamic-update-slice of it that XLA fused with other layers' slices and rounds' into
+        copies (5.4 ms a step of the H100 compile of GPT-1.3B at (2,2,2), 1F1B m8). With
+        chunks B's chunk is the table's (traced): the stack."""
         grads = jax.tree.map(jnp.zeros_like, self.params)
-        if self.by_layer:
+        if self.layer_sums:
             grads["layers"] = jax.tree.map(jnp.zeros_like, models.per_layer(
                 buffers.chunk(self.params["layers"], 0)))
         return grads
@@ -270,7 +272,7 @@ class Training:
         """The carry's layer gradient sums as the params' [v, 1, Lc, ...] stack."""
         layers = carry["grads"]["layers"]
         return jax.tree.map(lambda x: x[None, None], models.stacked(layers)) \
-            if self.by_layer else layers
+            if self.layer_sums else layers
 
     def ends_grads(self, carry):
         """The final carry's gradient sums (the layers' stacked), a spread head's added to
@@ -384,8 +386,8 @@ class Training:
 
     def _layers_back(self, saved, slot, g, chunk, sums, valid):
         """The kept backward a layer at a time, the last first (`by_layer`) -> (the layers'
-        gradient sums `sums` (a list of each layer's) with this slot's added, the chunk
-        input's gradient). Layer i's residuals are read from stash slot `slot` once the
+        gradient sums `sums` (`layer_sums`: a list of each layer's) with this slot's added,
+        the chunk input's gradient). Layer i's residuals are read from stash slot `slot` once the
         gradient reaching it is there (buffers.read_after), so that XLA reads them (and
         copies them, where a kernel needs a buffer of its own) one layer at a time, not all
         at the start of the slot; the first of them also once the F slot has stored all it
@@ -394,7 +396,8 @@ class Training:
         made, and the layer below reads its residuals only once they are: left free, XLA
         deferred them behind the input gradients' chain, keeping their inputs
         (models.weight_gradients_first's finding)."""
-        seed, sums = self._stats_seed(), list(sums)
+        seed = self._stats_seed()
+        sums = list(sums) if self.layer_sums else sums
         deps = (g, saved)
         layers = None if self.late_weights else self.chunk_layers(chunk)
         for i in reversed(range(len(saved))):
@@ -404,8 +407,11 @@ class Training:
             seed_i = None if seed is None else jax.tree.map(lambda s: s[i], seed)
             with fused.backward_apart():  # its recomputation needs no barrier
                 g_given, g = self.probe[0][i].run((g, seed_i), stored, given)
-            sums[i] = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums[i],
-                                   buffers.masked(jax.tree.unflatten(tree, g_given), valid))
+            g_layer = buffers.masked(jax.tree.unflatten(tree, g_given), valid)
+            if self.layer_sums:
+                sums[i] = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums[i], g_layer)
+            else:
+                sums = buffers.add_chunk(sums, chunk, g_layer, layer=i)
             deps = (g, g_given)
         return sums, g
 
