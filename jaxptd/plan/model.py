@@ -264,9 +264,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     is half a layer without recomputation (the cotangents of the layer being
     differentiated), plus what it recomputes: its probabilities (selective, and minimal
     with XLA attention), the rest of the layer (minimal, minimal_mlp), the whole layer
-    (full); with XLA attention also the softmax
-    backward's float32 gradients of the probabilities and the scores. pipe = 1: one
-    microbatch through all layers. offload (pipe = 1): each layer's input waits in host
+    (full); with XLA attention also the softmax backward's float32 gradients of the
+    probabilities and the scores. pipe = 1: one microbatch through all layers. offload (pipe = 1): each layer's input waits in host
     memory and the layer is recomputed, whatever remat says. (FSDP gathers a layer's
     weights again for its backward: a layer keeps none.) pipe > 1: one microbatch through
     one chunk, plus the executor's buffers, `slots`
