@@ -15,7 +15,9 @@ the end of a B slot, is carried into the next round and sent at its start, so it
 beside that round's F slot (sent at the end of its own round, it had nothing to overlap:
 a loop iteration ends with its sends done), and stored before the B slot that reads it.
 zb-interleaved stores a message only once the slot before the store has made its output
-(`_stored_after`), so that XLA keeps the transfer in flight across that slot's last GEMMs.
+(`_stored_after`), so that XLA keeps the transfer in flight across that slot's last GEMMs;
+the kept backward a layer at a time (training.py) makes the middle layer of the slot a
+message travels beside wait for it (the carry's training.IN_FLIGHT during the slot).
 The last round's input gradient is never sent: no later B slot reads it. A `lax.scan`
 runs the rounds of each segment.
 
@@ -65,7 +67,7 @@ from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
 from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, lower,
                                      round_costs, segments)
-from jaxptd.pipeline.training import Training
+from jaxptd.pipeline.training import IN_FLIGHT, Training
 from jaxptd.sharding import after, mark_varying
 
 # the carry's B message of the previous round ({x, valid, slot}: what it is and where it
@@ -134,6 +136,11 @@ def _stored_after(slot, made, message):
     return slot if made is None else after(slot, made, like=message)
 
 
+def _beside(carry, message):
+    """The carry a slot gets, with the message in flight beside it (training.IN_FLIGHT)."""
+    return carry if message is None else {**carry, IN_FLIGHT: message}
+
+
 def _round(program, seg: Segment):
     """The scan body of a segment: the slots of `program` in order, then the arrivals."""
     p, v, tensor = program.p, program.v, program.tensor
@@ -144,13 +151,18 @@ def _round(program, seg: Segment):
         carry = dict(carry)
         pending = carry.pop(PENDING, None)  # the previous round's B output, sent now
         sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor)
-        y, carry = _run_slot(seg.modes[0], program.forward, carry, row, "f_valid", seg, idle)
+        y, carry = _run_slot(seg.modes[0], program.forward, _beside(carry, sent_b), row,
+                             "f_valid", seg, idle)
         sent_f = None if y is None else buffers.send(y, p, v, 1, tensor)
         carry = dict(carry)
+        carry.pop(IN_FLIGHT, None)
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
             slot = _stored_after(pending["slot"], y if wait else None, sent_b)
             carry["gbuf"] = buffers.arrive(carry["gbuf"], sent_b, pending["valid"], slot, tensor)
-        g_x, carry = _run_slot(seg.modes[1], program.backward, carry, row, "b_valid", seg, idle)
+        g_x, carry = _run_slot(seg.modes[1], program.backward, _beside(carry, sent_f), row,
+                               "b_valid", seg, idle)
+        carry = dict(carry)
+        carry.pop(IN_FLIGHT, None)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
         carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
         if sent_f is not None:
