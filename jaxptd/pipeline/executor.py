@@ -136,9 +136,13 @@ def _stored_after(slot, made, message):
     return slot if made is None else after(slot, made, like=message)
 
 
-def _beside(carry, message):
-    """The carry a slot gets, with the message in flight beside it (training.IN_FLIGHT)."""
-    return carry if message is None else {**carry, IN_FLIGHT: message}
+def _beside(program, carry, message):
+    """The carry a slot gets: with the message in flight beside it (training.IN_FLIGHT)
+    where the program waits for it (the kept backward a layer at a time); elsewhere
+    nothing reads it (a conditional slot would take it as an operand, and wait for it)."""
+    if message is None or not getattr(program, "by_layer", False):
+        return carry
+    return {**carry, IN_FLIGHT: message}
 
 
 def _round(program, seg: Segment):
@@ -151,7 +155,7 @@ def _round(program, seg: Segment):
         carry = dict(carry)
         pending = carry.pop(PENDING, None)  # the previous round's B output, sent now
         sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor)
-        y, carry = _run_slot(seg.modes[0], program.forward, _beside(carry, sent_b), row,
+        y, carry = _run_slot(seg.modes[0], program.forward, _beside(program, carry, sent_b), row,
                              "f_valid", seg, idle)
         sent_f = None if y is None else buffers.send(y, p, v, 1, tensor)
         carry = dict(carry)
@@ -159,7 +163,7 @@ def _round(program, seg: Segment):
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
             slot = _stored_after(pending["slot"], y if wait else None, sent_b)
             carry["gbuf"] = buffers.arrive(carry["gbuf"], sent_b, pending["valid"], slot, tensor)
-        g_x, carry = _run_slot(seg.modes[1], program.backward, _beside(carry, sent_f), row,
+        g_x, carry = _run_slot(seg.modes[1], program.backward, _beside(program, carry, sent_f), row,
                                "b_valid", seg, idle)
         carry = dict(carry)
         carry.pop(IN_FLIGHT, None)
