@@ -34,17 +34,26 @@ def read_after(buffer, slot, deps):
     mesh axis the read's value does not (sharding.after: a dependence on a leaf varying
     over more axes would need a reduction over them; such a leaf is left out, and so is
     an empty one)."""
+    return read(buffer, _waiting(buffer, slot, deps))
+
+
+def _waiting(buffer, slot, deps):
+    """slot, made to depend on the leaves of `deps` that `read_after` keeps (the index
+    then varies over no axis the buffer and slot do not: the buffer keeps its type)."""
     axes = varying_axes(buffer) | varying_axes(slot)
     ready = [d for d in jax.tree.leaves(deps) if d.size and varying_axes(d) <= axes]
-    return read(buffer, after(slot, ready, like=buffer) if ready else slot)
+    return after(slot, ready, like=buffer) if ready else slot
 
 
 def read_tree(buffers, slot):
     return jax.tree.map(lambda b: read(b, slot), buffers)
 
 
-def write_tree(buffers, slot, values, valid):
-    return jax.tree.map(lambda b, x: write(b, slot, x, valid), buffers, values)
+def write_tree(buffers, slot, values, valid, deps=()):
+    """write() of each leaf; given `deps`, each written only once they are computed (as
+    read_after reads)."""
+    return jax.tree.map(lambda b, x: write(b, _waiting(b, slot, deps), x, valid), buffers,
+                        values)
 
 
 def slots(template, count: int):

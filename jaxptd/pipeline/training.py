@@ -192,9 +192,8 @@ class Training:
         for i in range(len(saved)):
             weights = layers[i] if layers else self.late_layer(chunk, i, x)
             (x, s), backward, _ = self._one_layer_vjp(weights, x, mb, chunk, i)
-            at = slot if waits is None or i != len(saved) // 2 else after(slot, [waits], like=x)
-            saved[i] = buffers.write_tree(saved[i], at, self.probe[0][i].keep(backward),
-                                          written)
+            saved[i] = buffers.write_tree(saved[i], slot, self.probe[0][i].keep(backward),
+                                          written, waits if i == len(saved) // 2 else ())
             saved[i], x = tied(saved[i], x)
             stats.append(s)
         return (x, _stacked_stats(stats)), saved
