@@ -171,6 +171,7 @@ def test_spread_head_matches_single_device(case, stash, extra):
     pytest.param("activations", ZB_CASES[11], "minimal", [], marks=pytest.mark.slow),
     pytest.param("activations", CASES[3], "full", [], marks=pytest.mark.slow),
     ("activations", CASES[1], "minimal", ["parallel.sequence_parallel=true"]),
+    ("activations", CASES[1], "none", ["parallel.sequence_parallel=true"]),
     ("activations", CASES[1], "minimal_mlp", ["parallel.sequence_parallel=true",
                                               "optimizer.zero1=true"]),
     pytest.param("activations", CASES[3], "full", ["parallel.sequence_parallel=true"],
@@ -187,7 +188,8 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
     makes it, read by B as it goes, a mixture of experts' statistics seeded a layer at a
     time; with ZeRO-1 and minimal_mlp (q, k, v recomputed) the layers' gradients reduced
     once their last backward is done, from the per-layer sums the kept backward a layer at
-    a time adds to)."""
+    a time adds to; with remat none the middle layer's stores, tensor-invariant kept values
+    among them, wait for the message in flight and keep their buffers' types)."""
     from jaxptd.pipeline.training import kept_by_layer
     from jaxptd.step import pipeline_context
 
