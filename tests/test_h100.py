@@ -172,22 +172,27 @@ def test_step_compiles_for_h100(name):
 
 @needs_compiler
 @pytest.mark.slow
-@pytest.mark.parametrize("micro, more", [
-    (4, []),
-    (8, ["parallel.sequence_parallel=true", "model.remat=minimal_mlp", "optimizer.zero1=true"])])
-def test_gpt_1_3b_steady_sends_overlap(micro, more):
-    """GPT-1.3B (configs/gpu/gpt_1.3b.yaml) at (2, 2, 2), 1F1B, microbatches of 4, the
-    head spread over pipe: every send of the steady rounds' loop has a GEMM or attention
-    in flight, the input gradient too (sent at the start of the next round, beside its F
-    slot). Checked at the real width: XLA's latency-hiding scheduler starts a transfer
-    only as far back as its latency estimate needs, and in the small layouts above that
-    span holds a GEMM by accident or not at all (4 layers of width 256, (2, 2, 2) 1F1B m8:
-    4 of 4 sends overlapped with b = 2 before the head was spread, the head's own GEMM;
-    0 of 4 with b = 1, and 0 of 4 spread; width 2048: 3 of 4). 4 microbatches: the chunk's
-    vjp; 8 with SP, minimal_mlp and ZeRO-1 (the issue's goal layout): the kept backward a
-    layer at a time, whose middle layers wait for the message in flight (0 of 4 without)."""
+@pytest.mark.parametrize("dims, micro, more", [
+    ((2, 2, 2), 4, []),
+    ((2, 2, 2), 8, ["parallel.sequence_parallel=true", "model.remat=minimal_mlp",
+                    "optimizer.zero1=true"]),
+    ((1, 4, 2), 8, ["parallel.schedule=interleaved", "parallel.chunks=2"])])
+def test_gpt_1_3b_steady_sends_overlap(dims, micro, more):
+    """GPT-1.3B (configs/gpu/gpt_1.3b.yaml), microbatches of 4, the head spread over pipe:
+    every send of the steady rounds' loops has a GEMM or attention in flight, the input
+    gradient too (sent at the start of the next round, beside its F slot). Checked at the
+    real width: XLA's latency-hiding scheduler starts a transfer only as far back as its
+    latency estimate needs, and in the small layouts above that span holds a GEMM by
+    accident or not at all (4 layers of width 256, (2, 2, 2) 1F1B m8: 4 of 4 sends
+    overlapped with b = 2 before the head was spread, the head's own GEMM; 0 of 4 with
+    b = 1, and 0 of 4 spread; width 2048: 3 of 4). (2, 2, 2) 1F1B at 4 microbatches: the
+    chunk's vjp; at 8 with SP, minimal_mlp and ZeRO-1 (the issue's goal layout): the kept
+    backward a layer at a time, whose middle layers wait for the message in flight (0 of
+    4 without); (1, 4, 2) interleaved: messages stored after the slot they travel beside
+    (executor._stored_after; one of its three steady loops 0 of 4 without)."""
+    data, pipe, tensor = dims
     config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [
-        *layout(2, 2, 2, micro, *more), f"train.global_batch={8 * micro}",
+        *layout(data, pipe, tensor, micro, *more), f"train.global_batch={4 * data * micro}",
         "runtime.target=h100"])
     step, _ = compile_check.compile_step(config, H100, 8)
     module = hlo.parse(step.as_text())

@@ -14,8 +14,9 @@ slots and is stored at the end of the round (`buffers.arrive`); an input gradien
 the end of a B slot, is carried into the next round and sent at its start, so it travels
 beside that round's F slot (sent at the end of its own round, it had nothing to overlap:
 a loop iteration ends with its sends done), and stored before the B slot that reads it.
-zb-interleaved stores a message only once the slot before the store has made its output
-(`_stored_after`), so that XLA keeps the transfer in flight across that slot's last GEMMs;
+With chunks (interleaved kinds) a message is stored only once the slot before the store
+has made its output (`_stored_after`), so that XLA keeps the transfer in flight across
+that slot's last GEMMs;
 the kept backward a layer at a time (training.py) makes the middle layer of the slot a
 message travels beside wait for it (the carry's training.IN_FLIGHT during the slot).
 The last round's input gradient is never sent: no later B slot reads it. A `lax.scan`
@@ -126,13 +127,14 @@ def _stored_after(slot, made, message):
     before what reads it and its start only as far back as its latency estimate needs,
     which a few small fusions can cover. Stored after the F slot's output (an input
     gradient, which the B slot reads) or the B slot's (an output, stored at the end of the
-    round), a message's transfer overlaps at least that slot's last GEMMs. zb-interleaved
-    only, as measured in the H100 compiles at (2,2,2): its steady loops went from 4 + 0 of
-    4 + 4 sends with a GEMM in flight to 2 + 4 (the small test layout's from 0 + 2 to
-    2 + 2). zb-h1 at 8 microbatches had all 4 without it and with it kept them but lost
-    tensor all-reduce overlap (72 of 501 collectives with a GEMM in flight -> 29 of 503);
-    1F1B's sends were all overlapped without it and with it lost 2 of 4 (the mixture of
-    experts' layout)."""
+    round), a message's transfer overlaps at least that slot's last GEMMs. With chunks
+    only, as measured in the H100 compiles: zb-interleaved (2,2,2) m4's steady loops went
+    from 4 + 0 of 4 + 4 sends with a GEMM in flight to 2 + 4 (the small test layout's from
+    0 + 2 to 2 + 2); interleaved (1,4,2) m8's three steady loops from 4, 4 and 0 of 4 to
+    4, 4 and 4 (217.1 -> 217.3 ms, the same memory). zb-h1 at 8 microbatches had all 4
+    without it and with it kept them but lost tensor all-reduce overlap (72 of 501
+    collectives with a GEMM in flight -> 29 of 503); 1F1B's sends were all overlapped
+    without it and with it lost 2 of 4 (the mixture of experts' layout)."""
     return slot if made is None else after(slot, made, like=message)
 
 
@@ -148,7 +150,7 @@ def _beside(program, carry, message):
 def _round(program, seg: Segment):
     """The scan body of a segment: the slots of `program` in order, then the arrivals."""
     p, v, tensor = program.p, program.v, program.tensor
-    wait = getattr(program, "split", False) and v > 1  # _stored_after: zb-interleaved
+    wait = v > 1  # _stored_after: the interleaved kinds
 
     def one_round(carry, row):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
