@@ -138,13 +138,16 @@ def _stored_after(slot, made, message):
     return slot if made is None else after(slot, made, like=message)
 
 
-def _beside(program, carry, message):
-    """The carry a slot gets: with the message in flight beside it (training.IN_FLIGHT)
-    where the program waits for it (the kept backward a layer at a time); elsewhere
-    nothing reads it (a conditional slot would take it as an operand, and wait for it)."""
+def _run_beside(program, message, mode, fn, carry, row, valid_field, seg, idle_message):
+    """_run_slot with the message in flight beside the slot in its carry (training.
+    IN_FLIGHT) where the program waits for it (the kept backward a layer at a time), taken
+    out of the carry again after the slot; elsewhere nothing reads it (a conditional slot
+    would take it as an operand, and wait for it)."""
     if message is None or not getattr(program, "by_layer", False):
-        return carry
-    return {**carry, IN_FLIGHT: message}
+        return _run_slot(mode, fn, carry, row, valid_field, seg, idle_message)
+    out, carry = _run_slot(mode, fn, {**carry, IN_FLIGHT: message}, row, valid_field, seg,
+                           idle_message)
+    return out, {k: x for k, x in carry.items() if k != IN_FLIGHT}
 
 
 def _round(program, seg: Segment):
@@ -157,18 +160,15 @@ def _round(program, seg: Segment):
         carry = dict(carry)
         pending = carry.pop(PENDING, None)  # the previous round's B output, sent now
         sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor)
-        y, carry = _run_slot(seg.modes[0], program.forward, _beside(program, carry, sent_b), row,
-                             "f_valid", seg, idle)
+        y, carry = _run_beside(program, sent_b, seg.modes[0], program.forward, carry, row,
+                               "f_valid", seg, idle)
         sent_f = None if y is None else buffers.send(y, p, v, 1, tensor)
         carry = dict(carry)
-        carry.pop(IN_FLIGHT, None)
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
             slot = _stored_after(pending["slot"], y if wait else None, sent_b)
             carry["gbuf"] = buffers.arrive(carry["gbuf"], sent_b, pending["valid"], slot, tensor)
-        g_x, carry = _run_slot(seg.modes[1], program.backward, _beside(program, carry, sent_f), row,
-                               "b_valid", seg, idle)
-        carry = dict(carry)
-        carry.pop(IN_FLIGHT, None)
+        g_x, carry = _run_beside(program, sent_f, seg.modes[1], program.backward, carry, row,
+                                 "b_valid", seg, idle)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
         carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
         if sent_f is not None:
