@@ -28,7 +28,8 @@ last helpers here are jaxptd's one place that reads or sets it: `varying_axes` r
 (whichever field this JAX names it by), `mark_varying` sets it, `gather_invariant`
 all-gathers into an invariant value (with a fallback for a JAX without the typed gather)
 and `reduce_to` undoes it by reduction; `after` makes an index depend on values (an order
-XLA must keep), reducing over the axes they vary over, and `rewritten_at` an array.
+XLA must keep), reducing over the axes they vary over, and `rewritten_at` and `waiting`
+an array.
 """
 from __future__ import annotations
 
@@ -203,6 +204,15 @@ def rewritten_at(x, index):
         return x
     first = lax.slice(x, (0,) * x.ndim, (1,) * x.ndim)
     return lax.dynamic_update_slice(x, first, (index,) * x.ndim)
+
+
+def waiting(x, deps):
+    """x, made to depend on every leaf of `deps` (`after`): a select of x on a predicate
+    that is always true but that XLA cannot fold (index 0 compared equal; `>= 0` it folds),
+    so that nothing reads the result before they are computed. It costs a pass over x;
+    `rewritten_at` costs none, but its read of x's first element is itself a reader that
+    waits for nothing."""
+    return jnp.where(after(jnp.int32(0), deps, like=x) == 0, x, jnp.zeros_like(x))
 
 
 def zeros_as(shapes):

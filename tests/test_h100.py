@@ -40,7 +40,7 @@ from jaxptd.hlo.cost import counts_as_kernel
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline import buffers
-from jaxptd.sharding import after
+from jaxptd.sharding import after, waiting
 from jaxptd.target import TARGETS, TargetError, topology_devices
 from pallas_kernels.grouped import grouped_matmul
 
@@ -174,6 +174,7 @@ def test_step_compiles_for_h100(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("dims, micro, more", [
     ((2, 2, 2), 4, []),
+    ((2, 2, 2), 4, ["parallel.stash=inputs"]),
     ((2, 2, 2), 8, ["parallel.sequence_parallel=true", "model.remat=minimal_mlp",
                     "optimizer.zero1=true"]),
     ((1, 4, 2), 8, ["parallel.schedule=interleaved", "parallel.chunks=2"])])
@@ -189,7 +190,9 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, more):
     chunk's vjp; at 8 with SP, minimal_mlp and ZeRO-1 (the issue's goal layout): the kept
     backward a layer at a time, whose middle layers wait for the message in flight (0 of
     4 without); (1, 4, 2) interleaved: messages stored after the slot they travel beside
-    (executor._stored_after; one of its three steady loops 0 of 4 without)."""
+    (executor._stored_after; one of its three steady loops 0 of 4 without); stash=inputs:
+    the recomputed stage's middle layer waits for the message in flight, which is stored
+    after the slot it travelled beside (executor._steady_recomputed; 0 of 4 without)."""
     data, pipe, tensor = dims
     config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [
         *layout(data, pipe, tensor, micro, *more), f"train.global_batch={4 * data * micro}",
@@ -202,20 +205,27 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, more):
 
 
 @needs_compiler
-def test_a_slot_read_after_values_waits_for_them():
+@pytest.mark.parametrize("how", ["after", "waiting"])
+def test_a_slot_read_after_values_waits_for_them(how):
     """sharding.after, which orders a stash=inputs B slot's recomputed forward after the
-    previous B slot's weight gradients (jaxptd/pipeline/training.py): the index comes back
-    unchanged whatever the values hold (NaN, infinities, negative zero), and the H100
-    program XLA optimizes still computes the read's index from the values (a dependence
-    it folded away would leave it free to read the stash before they exist)."""
+    previous B slot's weight gradients (jaxptd/pipeline/training.py), and sharding.waiting,
+    which holds a message or a layer's weights until a slot's output (pipeline/
+    executor.py): the index or array comes back unchanged whatever the values hold (NaN,
+    infinities, negative zero), and the H100 program XLA optimizes still computes it from
+    the values (a dependence it folded away would leave it free to read the stash before
+    they exist; waiting's select on `>= 0` it folds)."""
     odd = (jnp.array([jnp.nan, 1.0]), jnp.array([-jnp.inf]), jnp.array([-0.0], jnp.bfloat16),
            jnp.array([-3.0]))
     for index in (0, 2):
         assert int(jax.jit(after)(jnp.int32(index), odd, like=odd[0])) == index
+    x = jnp.array([-jnp.inf, -0.0, 3.0])
+    assert bool(jnp.all(jax.jit(waiting)(x, odd) == x))
     one = SingleDeviceSharding(topology_devices(H100, 1, 1)[0])
 
     def read(stash, slot, x, w):
         grads = jnp.tanh(x @ w)  # the values the read must wait for
+        if how == "waiting":
+            return waiting(buffers.read(stash, slot), grads) * 2, grads
         return buffers.read(stash, after(slot, grads, like=grads)) * 2, grads
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in (
         ((3, 256, 512), jnp.bfloat16), ((), jnp.int32), ((256, 512), jnp.bfloat16),

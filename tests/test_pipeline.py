@@ -178,7 +178,10 @@ def test_spread_head_matches_single_device(case, stash, extra):
                  marks=pytest.mark.slow),
     pytest.param("activations", CASES[0], "none", ["model.moe_experts=4"],
                  marks=pytest.mark.slow),
-    ("activations", CASES[5], "minimal", [])])
+    ("activations", CASES[5], "minimal", []),
+    ("inputs", CASES[1], "none", []),
+    pytest.param("inputs", (1, 2, 2, "interleaved", 2, 4, 4), "none",
+                 ["parallel.sequence_parallel=true"], marks=pytest.mark.slow)])
 def test_unrolled_layers_match_single_device(stash, case, remat, more):
     """model.scan_layers=false (a GPU target's default: each layer's kept values in
     buffers of their own, the kept backward closing over per-layer weights it is given
@@ -189,7 +192,10 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
     time; with ZeRO-1 and minimal_mlp (q, k, v recomputed) the layers' gradients reduced
     once their last backward is done, from the per-layer sums the kept backward a layer at
     a time adds to; with remat none the middle layer's stores, tensor-invariant kept values
-    among them, wait for the message in flight and keep their buffers' types)."""
+    among them, wait for the message in flight and keep their buffers' types); with
+    stash=inputs the recomputed stage's middle layer waits for the message in flight, and
+    the message is stored after the slot it travelled beside (executor.
+    _steady_recomputed)."""
     from jaxptd.pipeline.training import kept_by_layer
     from jaxptd.step import pipeline_context
 
@@ -197,7 +203,8 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
         f"parallel.stash={stash}", "parallel.round_form=steady", "model.scan_layers=false",
         f"model.remat={remat}", *more])
     split = case[3].startswith("zb")
-    by_layer = ("parallel.sequence_parallel=true" in more or case[2] == 1) and not split
+    by_layer = ("parallel.sequence_parallel=true" in more or case[2] == 1) and not split \
+        and stash == "activations"
     assert kept_by_layer(pipeline_context(setup), split) == (by_layer and remat != "full")
     assert setup.config.reduces_chunks_early == ("optimizer.zero1=true" in more)
     assert_grads_match_single_device(setup)

@@ -26,8 +26,8 @@ from jaxptd.config import ModelConfig
 from jaxptd.model import moe, stack
 from jaxptd.model.layers import RESIDUAL
 from jaxptd.model.tensor import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, QKV_OUTPUT,
-                                 Layout, matmul)
-from jaxptd.sharding import after, rewritten_at, zeros_as
+                                 ROW_PARALLEL, Layout, matmul)
+from jaxptd.sharding import after, rewritten_at, varying_axes, waiting, zeros_as
 
 
 LAYER_INPUT = "layer_input"
@@ -96,7 +96,7 @@ def _read_leaves(fn, tree, *rest) -> list[bool]:
 
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
                  deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None,
-                 with_stats: bool = False):
+                 with_stats: bool = False, wait=None):
     """Applies a stack of layers (leading axis n, or a list of n layers' trees) to x
     [b, s, h], as a scan or unrolled (`scans_layers`); batch: the microbatch's rows, from
     which an architecture may take an attention mask (BERT).
@@ -115,7 +115,10 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     i + 1's ahead of layer i's compute. keep: the jax.checkpoint policy of a prepared layer
     (which of its values the backward may keep; FSDP's says: not the gathered parameters).
     with_stats: y is (x, the layers' mixture-of-experts statistics, each [n, ...]: moe.py's
-    dict; None for a dense model).
+    dict; None for a dense model). wait (unrolled layers): values the middle layer's
+    row-parallel weights wait for, with its input (`_waiting_row_parallel`): the
+    pipeline's message in flight, whose transfer XLA then keeps beside that layer's
+    attention and GEMMs (pipeline/executor.py).
     """
     one_layer = layer_function(batch, key, cfg, layout, deterministic,
                                taped=perturbations is not None, prepare=prepare, keep=keep)
@@ -126,8 +129,10 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
         outs = []
         for i in range(n):
-            x, out = one_layer(x, (_layer(layers, i), i, _layer(perturbations, i),
-                                   _layer(extra, i)))
+            params = _layer(layers, i)
+            if wait is not None and i == n // 2:
+                params = _waiting_row_parallel(params, (x, wait))
+            x, out = one_layer(x, (params, i, _layer(perturbations, i), _layer(extra, i)))
             outs.append(out)
         stats, inputs = (stacked([o[j] for o in outs]) if outs[0][j] is not None else None
                          for j in range(2))
@@ -217,6 +222,18 @@ def _weight_gradients_first_bwd(_, grads):
 
 
 weight_gradients_first.defvjp(_weight_gradients_first_fwd, _weight_gradients_first_bwd)
+
+
+def _waiting_row_parallel(params, deps):
+    """A layer's row-parallel weights (tensor.ROW_PARALLEL: the attention's output
+    projection, the MLP's second matmul, each after a GEMM or the attention of the layer)
+    made to wait for `deps` (sharding.waiting), those that vary over every mesh axis the
+    leaves of deps do (no reduction needed); the other weights as they are."""
+    axes = frozenset().union(*map(varying_axes, jax.tree.leaves(deps)))
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({
+        k: waiting(w, deps) if k[-1] in ROW_PARALLEL and axes <= varying_axes(w) else w
+        for k, w in flat.items()})
 
 
 def per_layer(tree) -> list:

@@ -70,11 +70,13 @@ class Stage:
             return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
         return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
 
-    def layers(self, layers, x, mb, chunk, perturbations=None, with_stats=False):
+    def layers(self, layers, x, mb, chunk, perturbations=None, with_stats=False, wait=None):
+        """The chunk's layers at x (models.apply_layers; wait: what its middle layer
+        waits for)."""
         return models.apply_layers(layers, x, self.tokens(mb), self.stage_key(mb, chunk),
                                    self.model, self.layout, self.deterministic,
                                    perturbations, self.prepare, keep=self.keep,
-                                   with_stats=with_stats)
+                                   with_stats=with_stats, wait=wait)
 
     def layer(self, params, x, mb, chunk, index: int):
         """Layer `index` of a chunk on its own, as `layers` runs it, for a backward that

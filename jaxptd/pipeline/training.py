@@ -111,6 +111,10 @@ class Training:
         self.split = rounds.split_backward
         self.taped = self.split and self.keep_activations  # F writes the dense inputs
         self.by_layer = kept_by_layer(context, self.split)
+        # stash=inputs, unrolled layers: a slot's middle layer waits for the message in
+        # flight (IN_FLIGHT), as the kept backward a layer at a time does (executor.py)
+        self.recomputes = not self.keep_activations and not self.split and \
+            not models.scans_layers(self.model, self.layout.platform)
         self.late_weights = self.by_layer and self.model.remat == "minimal_mlp"
         self.layer_sums = self.by_layer and self.v == 1  # (_zero_grads)
         self.probe = self._probe() if self.keep_activations or self.split else None
@@ -301,7 +305,7 @@ class Training:
                                       chunk, seg.piece("embed", "F"))
         if not self.keep_activations:
             y, stats = self.stage.layers(self.chunk_weights(chunk), x, mb, chunk,
-                                         with_stats=True)
+                                         with_stats=True, wait=carry.get(IN_FLIGHT))
             return y, self._add_stats(carry, chunk, stats, valid)
         # an idle F's slot holds nothing kept (lowering's idle_f_slots_free): written as is
         written = True if self.rounds.idle_f_slots_free else valid
@@ -330,7 +334,12 @@ class Training:
             # it would recompute it beside the previous B's weight gradients, which keep
             # their inputs, two B slots' activations at once (+2.6 GiB, the H100 compile
             # of GPT-1.3B at (2,2,2)); kept activations are better left to XLA's schedule
-            slot = after(slot, (received, carry["grads"]), like=received)
+            # (the received gradient on its own first: the dependence on the tensor-
+            # sharded sums is a scalar all-reduce, which XLA starts at the top of the
+            # round, and a gradient it waited for arrived there, its transfer beside
+            # nothing: the H100 compile, stash=inputs)
+            slot = after(after(slot, received, like=received), carry["grads"],
+                         like=received)
         x_in = buffers.read(carry["stash"], slot)
         is_last = self.stage.vstage(chunk) == self.stage.last
         # the loss's seed: the last stage's own; a spread head's part is every rank's
@@ -342,7 +351,7 @@ class Training:
                 carry, row, x_in, g_out, g_loss, seg, valid)
         else:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
-                x_in, row, g_out, g_loss, seg)
+                x_in, row, g_out, g_loss, seg, carry.get(IN_FLIGHT))
             g_ends = buffers.masked(g_ends, valid)
         grads = carry["grads"]
         grads = {**{k: jax.tree.map(_add_slot, grads[k], g) for k, g in g_ends.items()},
@@ -431,9 +440,10 @@ class Training:
             deps = (g, g_given)
         return sums, g
 
-    def _backward_recomputed(self, x_in, row, g_out, g_loss, seg):
+    def _backward_recomputed(self, x_in, row, g_out, g_loss, seg, waits=None):
         """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input
-        (split: in everything but the dense() weights, whose W slot gets the taps)."""
+        (split: in everything but the dense() weights, whose W slot gets the taps); the
+        recomputation's middle layer waits for `waits` (IN_FLIGHT)."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
         weights = self.chunk_weights(chunk)
         dense, _ = models.split_dense(weights)
@@ -441,7 +451,7 @@ class Training:
         def stage(ends, head, layers, x_in, added=None):
             x = self.stage.embed_or_input(ends, x_in, mb, chunk, seg.piece("embed", "B"))
             w = models.merge_dense(dense, layers) if self.split else layers
-            out = self.stage.layers(w, x, mb, chunk, added, with_stats=True)
+            out = self.stage.layers(w, x, mb, chunk, added, with_stats=True, wait=waits)
             (y, stats), inputs = out if self.split else (out, None)
             loss = self._head_loss(ends, head, y, row, chunk, seg.piece("head", "B"))
             return (loss, y, stats), inputs
