@@ -116,7 +116,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     (which of its values the backward may keep; FSDP's says: not the gathered parameters).
     with_stats: y is (x, the layers' mixture-of-experts statistics, each [n, ...]: moe.py's
     dict; None for a dense model). wait (unrolled layers): values the middle layer's
-    row-parallel weights wait for, with its input (`_waiting_row_parallel`): the
+    row-parallel weights wait for, with its input (`waiting_row_parallel`): the
     pipeline's message in flight, whose transfer XLA then keeps beside that layer's
     attention and GEMMs (pipeline/executor.py).
     """
@@ -131,7 +131,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         for i in range(n):
             params = _layer(layers, i)
             if wait is not None and i == n // 2:
-                params = _waiting_row_parallel(params, (x, wait))
+                params = waiting_row_parallel(params, (x, wait))
             x, out = one_layer(x, (params, i, _layer(perturbations, i), _layer(extra, i)))
             outs.append(out)
         stats, inputs = (stacked([o[j] for o in outs]) if outs[0][j] is not None else None
@@ -224,7 +224,7 @@ def _weight_gradients_first_bwd(_, grads):
 weight_gradients_first.defvjp(_weight_gradients_first_fwd, _weight_gradients_first_bwd)
 
 
-def _waiting_row_parallel(params, deps):
+def waiting_row_parallel(params, deps):
     """A layer's row-parallel weights (tensor.ROW_PARALLEL: the attention's output
     projection, the MLP's second matmul, each after a GEMM or the attention of the layer)
     made to wait for `deps` (sharding.waiting), those that vary over every mesh axis the
