@@ -112,7 +112,8 @@ class Training:
         self.taped = self.split and self.keep_activations  # F writes the dense inputs
         self.by_layer = kept_by_layer(context, self.split)
         # stash=inputs, unrolled layers: a slot's middle layer waits for the message in
-        # flight (IN_FLIGHT), as the kept backward a layer at a time does (executor.py)
+        # flight (IN_FLIGHT), as the kept backward a layer at a time does, in the rounds
+        # executor._steady_recomputed says
         self.recomputes = not self.keep_activations and not self.split and \
             not models.scans_layers(self.model, self.layout.platform)
         self.late_weights = self.by_layer and self.model.remat == "minimal_mlp"
