@@ -26,7 +26,7 @@ from jaxptd.config import ModelConfig
 from jaxptd.model import moe, stack
 from jaxptd.model.layers import RESIDUAL
 from jaxptd.model.tensor import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, QKV_OUTPUT,
-                                 ROW_PARALLEL, Layout, matmul)
+                                 ATTENTION_OUT, Layout, matmul)
 from jaxptd.sharding import after, rewritten_at, varying_axes, waiting, zeros_as
 
 
@@ -116,9 +116,9 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     (which of its values the backward may keep; FSDP's says: not the gathered parameters).
     with_stats: y is (x, the layers' mixture-of-experts statistics, each [n, ...]: moe.py's
     dict; None for a dense model). wait (unrolled layers): values the middle layer's
-    row-parallel weights wait for, with its input (`waiting_row_parallel`): the
+    attention output projection waits for, with its input (`waiting_attention_out`): the
     pipeline's message in flight, whose transfer XLA then keeps beside that layer's
-    attention and GEMMs (pipeline/executor.py).
+    attention (pipeline/executor.py).
     """
     one_layer = layer_function(batch, key, cfg, layout, deterministic,
                                taped=perturbations is not None, prepare=prepare, keep=keep)
@@ -131,7 +131,7 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         for i in range(n):
             params = _layer(layers, i)
             if wait is not None and i == n // 2:
-                params = waiting_row_parallel(params, (x, wait))
+                params = waiting_attention_out(params, (x, wait))
             x, out = one_layer(x, (params, i, _layer(perturbations, i), _layer(extra, i)))
             outs.append(out)
         stats, inputs = (stacked([o[j] for o in outs]) if outs[0][j] is not None else None
@@ -224,15 +224,15 @@ def _weight_gradients_first_bwd(_, grads):
 weight_gradients_first.defvjp(_weight_gradients_first_fwd, _weight_gradients_first_bwd)
 
 
-def waiting_row_parallel(params, deps):
-    """A layer's row-parallel weights (tensor.ROW_PARALLEL: the attention's output
-    projection, the MLP's second matmul, each after a GEMM or the attention of the layer)
-    made to wait for `deps` (sharding.waiting), those that vary over every mesh axis the
-    leaves of deps do (no reduction needed); the other weights as they are."""
+def waiting_attention_out(params, deps):
+    """A layer's weights with its attention output projection (tensor.ATTENTION_OUT, the
+    first matmul after the attention: what XLA runs just before it is the attention and
+    the QKV projection) made to wait for `deps` (sharding.waiting), where it varies over
+    every mesh axis the leaves of deps do (no reduction needed)."""
     axes = frozenset().union(*map(varying_axes, jax.tree.leaves(deps)))
     flat = traverse_util.flatten_dict(params)
     return traverse_util.unflatten_dict({
-        k: waiting(w, deps) if k[-1] in ROW_PARALLEL and axes <= varying_axes(w) else w
+        k: waiting(w, deps) if k[-1] in ATTENTION_OUT and axes <= varying_axes(w) else w
         for k, w in flat.items()})
 
 

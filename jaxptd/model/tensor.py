@@ -124,6 +124,7 @@ DENSE_INPUTS = "dense_inputs"  # collection of `dense` inputs (when mutable)
 DENSE_OUTPUT = "dense_output"
 QKV_OUTPUT = "qkv_output"
 QKV = ("w_qkv", "w_q", "w_kv")
+ATTENTION_OUT = ("w_out", "w_o")  # the attention's output projection (row-parallel)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
 
 

@@ -143,13 +143,14 @@ def _stored_after(slot, made, message):
 def _steady_recomputed(program, seg) -> bool:
     """Whether the segment's slots are a recomputed stage's (training.recomputes: stash=
     inputs, unrolled layers) that every rank runs (F and B), whose middle layer then waits
-    for the message in flight beside it and whose messages are stored only once the slot
-    they travelled beside has made its output (sharding.waiting). Stored as they came, XLA
-    gathered a message over tensor and stored it at the top of the round, where the
-    received gradient's fused select and the B slot's read of its input went too, and
-    started and finished both transfers back to back; this way, in the H100 compile of
+    for the message in flight beside it (its attention output projection) and whose
+    messages are stored only once the slot they travelled beside has made its output
+    (sharding.waiting). Stored as they came, XLA gathered a message over tensor and
+    stored it at the top of the round, where the received gradient's fused select and the
+    B slot's read of its input went too, and started and finished both transfers back to
+    back; this way, in the H100 compile of
     GPT-1.3B at (2,2,2) m4 stash=inputs, the steady loop's sends have attention or a GEMM
-    in flight, 0 -> 4 of 4, 171.9 -> 167.3 ms, 11.89 -> 11.78 GiB. In the warm-up and
+    in flight, 0 -> 4 of 4, 171.9 -> 167.2 ms, 11.89 -> 11.78 GiB. In the warm-up and
     cool-down rounds too, it computed one stage forward more (+4.9 TFLOP)."""
     return getattr(program, "recomputes", False) and seg.modes[:2] == ("run", "run")
 

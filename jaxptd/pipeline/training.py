@@ -191,10 +191,10 @@ class Training:
         `slot` of its buffers (`saved`) before the next layer starts -> ((y, statistics),
         the buffers). Left free, XLA stored them all only just before the B slot that reads
         them, keeping the F slot's values meanwhile. The middle layer's stores wait for
-        `waits` (IN_FLIGHT); with model.remat=none its row-parallel weights too (models.
-        waiting_row_parallel): the stores alone, the transfer had only small kernels in
+        `waits` (IN_FLIGHT); with model.remat=none its attention output projection too
+        (models.waiting_attention_out): the stores alone, the transfer had only small kernels in
         flight there (H100 compile of GPT-1.3B, (2,2,2) 1F1B m8 SP: steady sends 2 -> 4
-        of 4 with a GEMM in flight, 18.04 -> 17.97 GiB, ceiling 0.588 -> 0.585); with
+        of 4 with a GEMM in flight, 18.04 -> 17.97 GiB, 255.7 -> 255.9 ms); with
         minimal or minimal_mlp the weights' wait put the transfer among the stores of the
         layer below instead (4 -> 2 of 4)."""
         saved, stats = list(saved), []
@@ -202,7 +202,7 @@ class Training:
         for i in range(len(saved)):
             weights = layers[i] if layers else self.late_layer(chunk, i, x)
             if waits is not None and i == len(saved) // 2 and self.model.remat == "none":
-                weights = models.waiting_row_parallel(weights, (x, waits))
+                weights = models.waiting_attention_out(weights, (x, waits))
             (x, s), backward, _ = self._one_layer_vjp(weights, x, mb, chunk, i)
             saved[i] = buffers.write_tree(saved[i], slot, self.probe[0][i].keep(backward),
                                           written, waits if i == len(saved) // 2 else ())
