@@ -4,10 +4,12 @@ layer adds to the compiled step (kept activations, full recomputation, offloaded
 the pipeline's kept backward a layer at a time) and seeds/003's FSDP runs scaled down.
 Slow: each compiles a step twice or at a width that takes minutes. Needs the CUDA compile
 extra, as tests/test_h100.py (whose set-up it shares)."""
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -73,11 +75,15 @@ def test_full_recomputation_recomputes_one_layer_at_a_time():
 
 def verify_report(*args) -> dict:
     """The JSON report of `python -m jaxptd.plan --verify --target h100 --json ARGS` (the
-    step compiled for H100s in a process of its own, beside the planner's figures)."""
-    done = subprocess.run([sys.executable, "-m", "jaxptd.plan", "--verify", "--target", "h100",
-                           "--json", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
+    step compiled for H100s in a process of its own, beside the planner's figures); the
+    process leaves no XLA dump behind (plan/verify.py's dump_dir)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([sys.executable, "-m", "jaxptd.plan", "--verify", "--target",
+                               "h100", "--json", *args], cwd=ROOT, capture_output=True,
+                              text=True, env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                                  TMPDIR=tmp), timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not glob.glob(os.path.join(tmp, "jaxptd-xla-*"))
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")][-1]
 
 

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import math
 import sys
-import tempfile
 
 from jaxptd import compile_check
 from jaxptd.config import Config, ConfigError, load_config
@@ -23,7 +22,7 @@ from jaxptd.plan import report as plan_report
 from jaxptd.plan.inputs import PlanInputs
 from jaxptd.plan.planner import plan, schedule_stats
 from jaxptd.plan.search import search
-from jaxptd.plan.verify import cpu_backend, start_cpu_compiler, verify
+from jaxptd.plan.verify import cpu_backend, dump_dir, start_cpu_compiler, verify
 from jaxptd.target import TARGETS, Target
 from jaxptd.units import GB
 
@@ -197,7 +196,7 @@ def _verify_gpu(config: Config, args, given: PlanInputs, target: Target) -> int:
     numbers, not what XLA compiles for)."""
     # XLA dumps the step's memory report where the process tells it, at start (a process
     # whose JAX already runs: nowhere, and no largest buffers)
-    dump = None if "jax" in sys.modules else tempfile.mkdtemp(prefix="jaxptd-xla-")
+    dump = dump_dir()
     start_cpu_compiler(dump)
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
                                                                      target=target.name))
