@@ -148,20 +148,17 @@ def _steady_recomputed(program, seg) -> bool:
     (sharding.waiting). Stored as they came, XLA gathered a message over tensor and
     stored it at the top of the round, where the received gradient's fused select and the
     B slot's read of its input went too, and started and finished both transfers back to
-    back; this way, in the H100 compile of
-    GPT-1.3B at (2,2,2) m4 stash=inputs, the steady loop's sends have attention or a GEMM
-    in flight, 0 -> 4 of 4, 171.9 -> 167.2 ms, 11.89 -> 11.78 GiB. In the warm-up and
-    cool-down rounds too, it computed one stage forward more (+4.9 TFLOP)."""
+    back; this way, in the H100 compile of GPT-1.3B at (2,2,2) m4 stash=inputs, the
+    steady loop's sends have attention or a GEMM in flight, 0 -> 4 of 4, 171.9 -> 167.2
+    ms, 11.89 -> 11.78 GiB. In the warm-up and cool-down rounds too, it computed one
+    stage forward more (+4.9 TFLOP)."""
     return getattr(program, "recomputes", False) and seg.modes[:2] == ("run", "run")
 
 
-def _run_beside(program, message, mode, fn, carry, row, valid_field, seg, idle_message):
-    """_run_slot with the message in flight beside the slot in its carry (training.
-    IN_FLIGHT) where the program waits for it (the kept backward a layer at a time;
-    `_steady_recomputed`), taken out of the carry again after the slot; elsewhere nothing
-    reads it (a conditional slot would take it as an operand, and wait for it)."""
-    if message is None or not (getattr(program, "by_layer", False)
-                               or _steady_recomputed(program, seg)):
+def _run_beside(message, mode, fn, carry, row, valid_field, seg, idle_message):
+    """_run_slot with `message` (in flight beside the slot; None: nothing waits for it)
+    in its carry (training.IN_FLIGHT), taken out of the carry again after the slot."""
+    if message is None:
         return _run_slot(mode, fn, carry, row, valid_field, seg, idle_message)
     out, carry = _run_slot(mode, fn, {**carry, IN_FLIGHT: message}, row, valid_field, seg,
                            idle_message)
@@ -173,14 +170,18 @@ def _round(program, seg: Segment):
     p, v, tensor = program.p, program.v, program.tensor
     wait = v > 1  # _stored_after: the interleaved kinds
     pin = _steady_recomputed(program, seg)
+    # the slots wait for the message in flight beside them: the kept backward a layer at
+    # a time, or `pin`; elsewhere nothing reads it (a conditional slot would take it as an
+    # operand, and wait for it)
+    held = getattr(program, "by_layer", False) or pin
 
     def one_round(carry, row):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
         carry = dict(carry)
         pending = carry.pop(PENDING, None)  # the previous round's B output, sent now
         sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor)
-        y, carry = _run_beside(program, sent_b, seg.modes[0], program.forward, carry, row,
-                               "f_valid", seg, idle)
+        y, carry = _run_beside(sent_b if held else None, seg.modes[0], program.forward,
+                               carry, row, "f_valid", seg, idle)
         sent_f = None if y is None else buffers.send(y, p, v, 1, tensor)
         carry = dict(carry)
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
@@ -188,8 +189,8 @@ def _round(program, seg: Segment):
             message = waiting(sent_b, y) if pin else sent_b
             carry["gbuf"] = buffers.arrive(carry["gbuf"], message, pending["valid"], slot,
                                            tensor)
-        g_x, carry = _run_beside(program, sent_f, seg.modes[1], program.backward, carry, row,
-                                 "b_valid", seg, idle)
+        g_x, carry = _run_beside(sent_f if held else None, seg.modes[1], program.backward,
+                                 carry, row, "b_valid", seg, idle)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
         carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
         if sent_f is not None:

@@ -192,20 +192,20 @@ class Training:
         the buffers). Left free, XLA stored them all only just before the B slot that reads
         them, keeping the F slot's values meanwhile. The middle layer's stores wait for
         `waits` (IN_FLIGHT); with model.remat=none its attention output projection too
-        (models.waiting_attention_out): the stores alone, the transfer had only small kernels in
-        flight there (H100 compile of GPT-1.3B, (2,2,2) 1F1B m8 SP: steady sends 2 -> 4
-        of 4 with a GEMM in flight, 18.04 -> 17.97 GiB, 255.7 -> 255.9 ms); with
-        minimal or minimal_mlp the weights' wait put the transfer among the stores of the
-        layer below instead (4 -> 2 of 4)."""
-        saved, stats = list(saved), []
+        (models.waiting_attention_out): the stores alone, the transfer had only small
+        kernels in flight there (H100 compile of GPT-1.3B, (2,2,2) 1F1B m8 SP: steady
+        sends 2 -> 4 of 4 with a GEMM in flight, 18.04 -> 17.97 GiB, 255.7 -> 255.9 ms);
+        with minimal or minimal_mlp the weights' wait put the transfer among the stores of
+        the layer below instead (4 -> 2 of 4)."""
+        saved, stats, mid = list(saved), [], len(saved) // 2
         layers = None if self.late_weights else self.chunk_layers(chunk)
         for i in range(len(saved)):
             weights = layers[i] if layers else self.late_layer(chunk, i, x)
-            if waits is not None and i == len(saved) // 2 and self.model.remat == "none":
+            if waits is not None and i == mid and self.model.remat == "none":
                 weights = models.waiting_attention_out(weights, (x, waits))
             (x, s), backward, _ = self._one_layer_vjp(weights, x, mb, chunk, i)
             saved[i] = buffers.write_tree(saved[i], slot, self.probe[0][i].keep(backward),
-                                          written, waits if i == len(saved) // 2 else ())
+                                          written, waits if i == mid else ())
             saved[i], x = tied(saved[i], x)
             stats.append(s)
         return (x, _stacked_stats(stats)), saved
