@@ -149,7 +149,8 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
         loss, stats = models.loss_terms(
             p, mb, k, config.model, setup.local_layout, deterministic, prepare_ends=ends_fn,
             prepare=layer_fn, extra=extra,
-            keep=regather if gather_layer or setup.policy.streams else None)
+            keep=regather if gather_layer or setup.policy.streams else None,
+            reduced=hooks is not None and gather_layer is None)
         objective = (loss + moe.objective(stats, config.model)) * setup.policy.loss_norm
         return objective * loss_scale, (loss * setup.policy.loss_norm, stats)
 

@@ -18,7 +18,10 @@ from jax.extend.core import Literal
 from helpers import (assert_grads_match_single_device, assert_same_state,
                      assert_steps_match_single_device, fixed_batches, make_setup,
                      placed_state, train_cli_records)
+from jaxptd import model as models
 from jaxptd.checkpoint.store import Checkpointer
+from jaxptd.config import load_config
+from jaxptd.model.tensor import Layout
 from jaxptd.step import build_eval_step, build_grads, build_train_step
 
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
@@ -422,11 +425,13 @@ def test_fsdp_layer_keeps_no_gathered_weight(capsys):
     assert all(g.shape == (16, 16) and g.dtype == jnp.float32 for g in grads)
 
 
-def test_weight_gradients_first_changes_no_value():
+@pytest.mark.parametrize("name", ["weight_gradients_first", "reduced_ahead"])
+def test_weight_gradients_first_changes_no_value(name):
     """model.weight_gradients_first (a GPU program's offloaded layers: the input gradient
-    waits for the weight gradients) is the identity, and its gradients are autodiff's,
-    bit for bit, whatever the gradients hold (NaN, infinity, negative zero)."""
-    from jaxptd.model import weight_gradients_first
+    waits for the weight gradients) and model.reduced_ahead (it waits for a layer's
+    reduced gradients) are the identity, and their gradients are autodiff's, bit for bit,
+    whatever the gradients hold (NaN, infinity, negative zero)."""
+    tie = getattr(models, name)
 
     def loss(x, params):
         return jnp.sum(jnp.tanh(x @ params["w"]) * params["b"])
@@ -434,15 +439,49 @@ def test_weight_gradients_first_changes_no_value():
     for w in (jnp.array([[0.5, -1.0], [1.5, 2.0]]), jnp.array([[jnp.nan, 1.0], [1.0, 1.0]]),
               jnp.array([[jnp.inf, 0.0], [-0.0, 1.0]])):
         params = {"w": w, "b": jnp.array([1.0, -2.0])}
-        tied = jax.jit(jax.grad(lambda x, p: loss(*weight_gradients_first(x, p)), (0, 1)))
+        tied = jax.jit(jax.grad(lambda x, p: loss(*tie(x, p)), (0, 1)))
         for got, want in zip(jax.tree.leaves(tied(x, params)),
                              jax.tree.leaves(jax.grad(loss, (0, 1))(x, params))):
             np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
             np.testing.assert_array_equal(got, want)
 
 
+def test_layers_waiting_for_reduced_gradients_compute_the_same_gradients():
+    """The layer stack of a GPU program with full recomputation whose step reduces each
+    layer's gradients in its backward (apply_layers' `reduced`: every layer's input
+    gradient waits for those of the layer AHEAD above it, model.reduced_ahead) computes,
+    run here on the CPU, the loss and gradients of the same stack without the waits and of
+    the CPU program (scanned layers, no weight_gradients_first)."""
+    cfg = load_config(None, ["model.num_layers=5", "model.hidden_size=32", "model.num_heads=4",
+                             "model.seq_len=16", "model.vocab_size=64",
+                             "model.remat=full"]).model
+    vocab = cfg.padded_vocab(1)
+    params = models.get(cfg).init_params(cfg, vocab, jax.random.key(0))
+    batch = jax.random.randint(jax.random.key(1), (2, cfg.seq_len + 1), 0, cfg.vocab_size)
+
+    def prepare(layer, _):  # (the step's hook: a cast whose transpose reduces over data)
+        return layer
+
+    def grads(platform, reduced):
+        def loss(p):
+            return models.loss_terms(p, batch, jax.random.key(2), cfg,
+                                     Layout(vocab, platform=platform), True, prepare=prepare,
+                                     reduced=reduced)[0]
+        return jax.jit(jax.value_and_grad(loss))(params)
+    def signs(reduced):  # sign-bit reads: sharding.after's, one a leaf it waits for
+        return str(jax.make_jaxpr(jax.grad(lambda p: models.loss_terms(
+            p, batch, jax.random.key(2), cfg, Layout(vocab, platform="gpu"), True,
+            prepare=prepare, reduced=reduced)[0]))(params)).count("shift_right_arithmetic")
+    leaves = len(jax.tree.leaves(params["layers"]))  # a layer's
+    assert signs(True) - signs(False) == (cfg.num_layers - models.AHEAD) * leaves
+    want = grads("cpu", False)
+    for got in (grads("gpu", False), grads("gpu", True)):
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_allclose(g, w, rtol=2e-6, atol=1e-7)
+
+
 def test_offloaded_activations_refused_with_a_pipeline():
-    from jaxptd.config import ConfigError, load_config
+    from jaxptd.config import ConfigError
     with pytest.raises(ConfigError, match="offload.activations=true: needs parallel.pipe=1"):
         load_config(None, ["parallel.pipe=2", "model.num_layers=4",
                            "offload.activations=true"])

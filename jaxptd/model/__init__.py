@@ -96,7 +96,7 @@ def _read_leaves(fn, tree, *rest) -> list[bool]:
 
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
                  deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None,
-                 with_stats: bool = False, wait=None):
+                 with_stats: bool = False, wait=None, reduced: bool = False):
     """Applies a stack of layers (leading axis n, or a list of n layers' trees) to x
     [b, s, h], as a scan or unrolled (`scans_layers`); batch: the microbatch's rows, from
     which an architecture may take an attention mask (BERT).
@@ -118,7 +118,9 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     dict; None for a dense model). wait (unrolled layers): values the middle layer's
     attention output projection waits for, with its input (`waiting_attention_out`): the
     pipeline's message in flight, whose transfer XLA then keeps beside that layer's
-    attention (pipeline/executor.py).
+    attention (pipeline/executor.py). reduced: prepare's transpose all-reduces each
+    layer's gradients (the step's hooks, no FSDP); unrolled and with `weights_first`, each
+    layer's input gradient then waits for those of a layer above it (`reduced_ahead`).
     """
     one_layer = layer_function(batch, key, cfg, layout, deterministic,
                                taped=perturbations is not None, prepare=prepare, keep=keep)
@@ -127,9 +129,12 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
         xs = (stacked(layers), jnp.arange(n), perturbations, extra)
         x, (stats, inputs) = lax.scan(one_layer, x, xs)
     else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
-        outs = []
+        outs, stored = [], [_layer(layers, i) for i in range(n)]
+        pins = reduced and weights_first(cfg, layout, perturbations is not None)
         for i in range(n):
-            params = _layer(layers, i)
+            if pins and i + AHEAD < n:
+                x, stored[i + AHEAD] = reduced_ahead(x, stored[i + AHEAD])
+            params = stored[i]
             if wait is not None and i == n // 2:
                 params = waiting_attention_out(params, (x, wait))
             x, out = one_layer(x, (params, i, _layer(perturbations, i), _layer(extra, i)))
@@ -167,8 +172,7 @@ def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: 
         params, index, added, more = xs
         if prepare is not None:
             params = prepare(params, more)
-        if layout.platform == "gpu" and (layout.offload_activations or (
-                cfg.remat == "full" and not taped and layout.context == 1)):
+        if weights_first(cfg, layout, taped):
             x, params = weight_gradients_first(x, params)
         if layout.offload_activations:
             x = checkpoint_name(x, LAYER_INPUT)
@@ -189,6 +193,15 @@ def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: 
         # (minimal: FSDP's gathered weights are no matmul output, so they are regathered)
         return jax.checkpoint(one_layer, policy=policy, prevent_cse=not apart)
     return one_layer
+
+
+def weights_first(cfg: ModelConfig, layout: Layout, taped: bool) -> bool:
+    """Whether a layer's backward runs its weight gradients before it passes its input
+    gradient on (`weight_gradients_first`) and, where the step reduces each layer's
+    gradients in its backward, a layer's input gradient waits for those of a layer above
+    it, reduced (`reduced_ahead`)."""
+    return layout.platform == "gpu" and (layout.offload_activations or (
+        cfg.remat == "full" and not taped and layout.context == 1))
 
 
 @jax.custom_vjp
@@ -222,6 +235,40 @@ def _weight_gradients_first_bwd(_, grads):
 
 
 weight_gradients_first.defvjp(_weight_gradients_first_fwd, _weight_gradients_first_bwd)
+
+
+# reduced_ahead's distance: layer i's input gradient waits for the reduced gradients of
+# layer i + AHEAD, so each reduction has the backward of the AHEAD - 1 layers between to
+# run beside (1 layer at 1: none left where XLA's all-reduce combiner merges two layers'
+# reductions into one, as it does below 128 MiB a layer; the H100 compile of a width-1024
+# 8-layer offload step had then 1 of 5 all-reduces with a GEMM in flight, 3 of 4 at 2).
+AHEAD = 2
+
+
+@jax.custom_vjp
+def reduced_ahead(x, ahead):
+    """The identity on layer i's input and layer i + AHEAD's stored parameters (what
+    `prepare` turns into what that layer computes with), whose backward makes layer i's
+    input gradient wait for the gradient of those parameters, by then past prepare's
+    transpose: all-reduced over data (the step's hook). So each layer's reduction runs
+    beside the backward of the layers between it and the one that waits for it. Left
+    free, XLA's scheduler queued them, one at a time, behind the last layers' backward:
+    offload.activations on 8 H100s (GPT-1.3B) had 22 of its 41 all-reduces with a GEMM
+    in flight, 45 of 49 with this (the two bottom layers' four, which nothing waits for,
+    have only the embedding's gradient after them; 48 of 50 at AHEAD = 1), at the same
+    static time and 0.03 GiB more. Only with `weights_first` and no FSDP (measured on the
+    H100 compile: (2,1,4) SP without recomputation took 0.6% more time, its all-reduces
+    split where they had been combined; FSDP 8 and seeds/003's FSDP lost overlap of their
+    reduce-scatters)."""
+    return x, ahead
+
+
+def _reduced_ahead_bwd(_, grads):
+    dx, dahead = grads
+    return rewritten_at(dx, after(jnp.int32(0), dahead, like=dx)), dahead
+
+
+reduced_ahead.defvjp(lambda x, ahead: ((x, ahead), None), _reduced_ahead_bwd)
 
 
 def waiting_attention_out(params, deps):
@@ -316,16 +363,18 @@ def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None
 
 
 def loss_terms(params, batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-               prepare_ends=None, prepare=None, extra=None, keep=None):
+               prepare_ends=None, prepare=None, extra=None, keep=None,
+               reduced: bool = False):
     """The whole model: batch [b, W] int32 -> (its loss sum, float32 (module docstring);
     the layers' mixture-of-experts statistics, moe.py's, or None). prepare_ends (and
-    prepare, extra, keep: see apply_layers) turn the stored parameters into what the model
-    computes with."""
+    prepare, extra, keep, reduced: see apply_layers) turn the stored parameters into what
+    the model computes with."""
     arch = get(cfg)
     the_ends = ends(params) if prepare_ends is None else prepare_ends(ends(params))
     x = arch.embed(the_ends, batch, key, cfg, layout, deterministic)
     x, stats = apply_layers(params["layers"], x, batch, key, cfg, layout, deterministic,
-                            prepare=prepare, extra=extra, keep=keep, with_stats=True)
+                            prepare=prepare, extra=extra, keep=keep, with_stats=True,
+                            reduced=reduced)
     return arch.head_loss(the_ends, x, batch, cfg, layout), stats
 
 
