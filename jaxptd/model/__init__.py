@@ -205,6 +205,21 @@ def weights_first(cfg: ModelConfig, layout: Layout, taped: bool) -> bool:
 
 
 @jax.custom_vjp
+def _gradient_after(x, tree):
+    """The identity on x and a tree, whose backward makes x's gradient depend on every
+    leaf of the tree's (the dependence is data: sharding.after and rewritten_at):
+    `weight_gradients_first` and `reduced_ahead`."""
+    return x, tree
+
+
+def _gradient_after_bwd(_, grads):
+    dx, dtree = grads
+    return rewritten_at(dx, after(jnp.int32(0), dtree, like=dx)), dtree
+
+
+_gradient_after.defvjp(lambda x, tree: ((x, tree), None), _gradient_after_bwd)
+
+
 def weight_gradients_first(x, params):
     """The identity on a layer's input and parameters, whose backward makes the input
     gradient it passes on depend on the layer's parameter gradients: the layer below starts
@@ -220,21 +235,9 @@ def weight_gradients_first(x, params):
     slot's; made a dependence here, XLA computed them in the B slot too: zb-h1 m4 with
     full recomputation 197.7 -> 218.4 ms), nor with context parallelism (the ring's last
     backward send of a layer then overlapped nothing: tests/test_h100.py). The
-    dependence is data (sharding.after and rewritten_at). GPU programs only: XLA's CPU
-    schedule is another, which this made larger (seeds/003's proxies)."""
-    return x, params
-
-
-def _weight_gradients_first_fwd(x, params):
-    return (x, params), None
-
-
-def _weight_gradients_first_bwd(_, grads):
-    dx, dparams = grads
-    return rewritten_at(dx, after(jnp.int32(0), dparams, like=dx)), dparams
-
-
-weight_gradients_first.defvjp(_weight_gradients_first_fwd, _weight_gradients_first_bwd)
+    dependence is data (`_gradient_after`). GPU programs only: XLA's CPU schedule is
+    another, which this made larger (seeds/003's proxies)."""
+    return _gradient_after(x, params)
 
 
 # reduced_ahead's distance: layer i's input gradient waits for the reduced gradients of
@@ -245,13 +248,13 @@ weight_gradients_first.defvjp(_weight_gradients_first_fwd, _weight_gradients_fir
 AHEAD = 2
 
 
-@jax.custom_vjp
 def reduced_ahead(x, ahead):
     """The identity on layer i's input and layer i + AHEAD's stored parameters (what
     `prepare` turns into what that layer computes with), whose backward makes layer i's
-    input gradient wait for the gradient of those parameters, by then past prepare's
-    transpose: all-reduced over data (the step's hook). So each layer's reduction runs
-    beside the backward of the layers between it and the one that waits for it. Left
+    input gradient wait for the gradient of those parameters (`_gradient_after`), by then
+    past prepare's transpose: all-reduced over data (the step's hook). So each layer's
+    reduction runs beside the backward of the layers between it and the one that waits
+    for it. Left
     free, XLA's scheduler queued them, one at a time, behind the last layers' backward:
     offload.activations on 8 H100s (GPT-1.3B) had 22 of its 41 all-reduces with a GEMM
     in flight, 45 of 49 with this (the two bottom layers' four, which nothing waits for,
@@ -260,15 +263,7 @@ def reduced_ahead(x, ahead):
     H100 compile: (2,1,4) SP without recomputation took 0.6% more time, its all-reduces
     split where they had been combined; FSDP 8 and seeds/003's FSDP lost overlap of their
     reduce-scatters)."""
-    return x, ahead
-
-
-def _reduced_ahead_bwd(_, grads):
-    dx, dahead = grads
-    return rewritten_at(dx, after(jnp.int32(0), dahead, like=dx)), dahead
-
-
-reduced_ahead.defvjp(lambda x, ahead: ((x, ahead), None), _reduced_ahead_bwd)
+    return _gradient_after(x, ahead)
 
 
 def waiting_attention_out(params, deps):
