@@ -57,15 +57,16 @@ def test_our_layer_is_megatrons_less_what_it_recomputes():
 def test_xla_attention_on_a_gpu_holds_its_scores_twice():
     """XLA's attention core compiled for a GPU (activation_memory's xla_gpu, measured on
     the H100 compile of GPT-1.3B): one more [b, a/t, s, s] a layer where its forward and
-    backward are one program (unpipelined, stash=inputs), two more a chunk layer where the
-    B slot reads them from the stash; nothing more where recomputation drops them."""
+    backward are one program (unpipelined, stash=inputs), two more where the B slot reads
+    a layer's from the stash (one layer at a time); nothing more where recomputation drops
+    them."""
     b, s, h, a, t, e, layers = 4, 2048, 2048, 16, 2, 2, 12
     scores = a / t * s * s * b * e
     common = dict(b=b, s=s, h=h, a=a, t=t, e=e, layers_per_stage=layers, vocab_local=25216)
     piped = dict(common, pipe=2, slots={"stash": 3, "grad": 1, "w": 0})
     for kwargs, key, extra in ((dict(common, pipe=1), "kept", layers * scores),
                                (dict(piped, keep_activations=False), "kept", layers * scores),
-                               (piped, "stash", 2 * layers * scores)):
+                               (piped, "stash", 2 * scores)):
         cpu = plan_model.activation_memory(remat="none", **kwargs)
         gpu = plan_model.activation_memory(remat="none", xla_gpu=True, **kwargs)
         assert gpu[key] - cpu[key] == pytest.approx(extra)

@@ -143,15 +143,14 @@ def _stored_after(slot, made, message):
 def _steady_recomputed(program, seg) -> bool:
     """Whether the segment's slots are a recomputed stage's (training.recomputes: stash=
     inputs, unrolled layers) that every rank runs (F and B), whose middle layer then waits
-    for the message in flight beside it (its attention output projection) and whose
-    messages are stored only once the slot they travelled beside has made its output
-    (sharding.waiting). Stored as they came, XLA gathered a message over tensor and
-    stored it at the top of the round, where the received gradient's fused select and the
-    B slot's read of its input went too, and started and finished both transfers back to
-    back; this way, in the H100 compile of GPT-1.3B at (2,2,2) m4 stash=inputs, the
-    steady loop's sends have attention or a GEMM in flight, 0 -> 4 of 4, 171.9 -> 167.2
-    ms, 11.89 -> 11.78 GiB. In the warm-up and cool-down rounds too, it computed one
-    stage forward more (+4.9 TFLOP)."""
+    for the message in flight beside it (its attention output projection). Stored as they
+    came, XLA gathered a message over tensor and stored it at the top of the round, where
+    the received gradient's fused select and the B slot's read of its input went too, and
+    started and finished both transfers back to back; held, and stored late (the round's
+    `late`), in the H100 compile of GPT-1.3B at (2,2,2) m4 stash=inputs, the steady
+    loop's sends have attention or a GEMM in flight, 0 -> 4 of 4, 171.9 -> 167.2 ms,
+    11.89 -> 11.78 GiB. In the warm-up and cool-down rounds too, it computed one stage
+    forward more (+4.9 TFLOP)."""
     return getattr(program, "recomputes", False) and seg.modes[:2] == ("run", "run")
 
 
@@ -169,11 +168,24 @@ def _round(program, seg: Segment):
     """The scan body of a segment: the slots of `program` in order, then the arrivals."""
     p, v, tensor = program.p, program.v, program.tensor
     wait = v > 1  # _stored_after: the interleaved kinds
-    pin = _steady_recomputed(program, seg)
+    by_layer = getattr(program, "by_layer", False)
     # the slots wait for the message in flight beside them: the kept backward a layer at
-    # a time, or `pin`; elsewhere nothing reads it (a conditional slot would take it as an
-    # operand, and wait for it)
-    held = getattr(program, "by_layer", False) or pin
+    # a time, or a recomputed stage; elsewhere nothing reads it (a conditional slot would
+    # take it as an operand, and wait for it)
+    held = by_layer or _steady_recomputed(program, seg)
+    # late: in the rounds where every rank runs F and B, unless the kept backward a layer at
+    # a time holds them itself, the messages are stored only once the slot they travelled
+    # beside has made its output (sharding.waiting: the message waits, not just the slot it
+    # is stored at, which _stored_after's wait leaves XLA free to gather and store it
+    # early), so that a transfer's done, which XLA's latency-hiding scheduler puts just
+    # before what reads it, lands past that slot's last GEMMs. In the H100 compile of
+    # GPT-1.3B at (2,2,2) 1F1B m4 (the chunk's kept vjp, no sequence parallelism) the steady
+    # sends with a GEMM in flight 2 -> 4 of 4 (152.3 -> 152.4 ms, 22.60 -> 22.63 GiB); m8
+    # the same (273.8 -> 274.1 ms); XLA attention 3 -> 4. Where the sends were all
+    # overlapped already (zb-h1, interleaved, zb-interleaved) it costs 0.1-0.3 ms a step
+    # (the select's pass over the message); on the kept backward a layer at a time, +0.17
+    # GiB (min zero1), so not there.
+    late = seg.modes[:2] == ("run", "run") and not by_layer
 
     def one_round(carry, row):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
@@ -186,7 +198,7 @@ def _round(program, seg: Segment):
         carry = dict(carry)
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
             slot = _stored_after(pending["slot"], y if wait else None, sent_b)
-            message = waiting(sent_b, y) if pin else sent_b
+            message = waiting(sent_b, y) if late else sent_b
             carry["gbuf"] = buffers.arrive(carry["gbuf"], message, pending["valid"], slot,
                                            tensor)
         g_x, carry = _run_beside(sent_f if held else None, seg.modes[1], program.backward,
@@ -195,7 +207,7 @@ def _round(program, seg: Segment):
         carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
         if sent_f is not None:
             slot = _stored_after(row["recv_f_slot"], g_x if wait else None, sent_f)
-            message = waiting(sent_f, g_x) if pin else sent_f
+            message = waiting(sent_f, g_x) if late else sent_f
             carry["stash"] = buffers.arrive(carry["stash"], message, row["recv_f_valid"], slot,
                                             tensor)
         if pending is not None:

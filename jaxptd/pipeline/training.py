@@ -79,11 +79,11 @@ def kept_by_layer(context: Context, split: bool) -> bool:
     layer. Elsewhere XLA forwarded F's values to B's reads past the stores: the H100
     compile of (2,2,2) 1F1B without sequence parallelism went from 0.452 to 0.369 (MFU
     ceiling) and 23.9 to 24.9 GiB; with it, at 8 microbatches, from 0.597 to 0.606 and 14.5
-    to 12.2 GiB with model.remat=minimal, 0.575 to 0.580 and 21.9 to 18.0 GiB without. Not
-    with model.remat=full, whose layers keep only their inputs (models.
-    weight_gradients_first orders its recomputation): 0.564 to 0.527 there."""
+    to 12.2 GiB with model.remat=minimal, 0.575 to 0.580 and 21.9 to 18.0 GiB without. With
+    model.remat=full (its layers keep only their inputs) the ceiling is the same (0.569)
+    and the middle layer's stores can hold the message in flight (buffers._row_major)."""
     model, layout = context.model, context.layout
-    return context.stash == "activations" and not split and model.remat != "full" and \
+    return context.stash == "activations" and not split and \
         not models.scans_layers(model, layout.platform) and \
         (layout.split_sequence or layout.tensor == 1)
 

@@ -291,18 +291,18 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     returns for the second matmul's weight gradient (without it XLA keeps only its input);
     the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's
     for a GPU (head_activation_bytes). unrolled: the layers run unrolled
-    (model.scan_layers), so that with parallel.stash=activations, no zero-bubble split,
-    sequence parallelism (or t = 1) and remat other than full the executor keeps and reads
-    a stash slot a layer at a time (pipeline/training.py, kept_by_layer): an F slot's
-    values in flight are one layer's, not the chunk's, and a B slot copies out one
-    layer's kept values at a time.
+    (model.scan_layers), so that with parallel.stash=activations, no zero-bubble split
+    and sequence parallelism (or t = 1) the executor keeps and reads a stash slot a layer
+    at a time (pipeline/training.py, kept_by_layer): an F slot's values in flight are one
+    layer's, not the chunk's, and a B slot copies out one layer's kept values at a time.
     xla_gpu: XLA's attention core (not flash) compiled for a GPU, which holds a layer's
     [b, a/t, s, s] twice where nothing recomputes it: where a layer's forward and backward
     are one program (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the
     probabilities in the softmax's backward from the scores, which it keeps beside them;
-    from a stash, the B slot reads them out twice, as stored and transposed for the
+    from a stash, the B slot reads a layer's out twice, as stored and transposed for the
     values' gradient (the H100 compile of GPT-1.3B, buffer by buffer: one device, and
-    1F1B at (2,2,2) with each stash).
+    1F1B at (2,2,2) with each stash; a layer at a time since the stash buffers are
+    row-major, the chunk's at once before).
     """
     ring = c > 1 and method == "ring"
     shape = dict(ffn=ffn, kv_heads=kv_heads, gated=gated, c=c, method=method, moe=moe)
@@ -341,14 +341,18 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
                                                slot_kept, keep_activations, b, n, h, t, e)
     twice = attention["kept"] if xla_gpu and remat == "none" else 0.0
     by_layer = pipe > 1 and keep_activations and unrolled and not (slots or {}).get("w") \
-        and (sp or t == 1) and remat != "full"
+        and (sp or t == 1)
     if pipe > 1 and keep_activations:
-        stash += 2 * chunk_layers * twice  # read out of the stash twice
-        if gpu and not by_layer:  # a B slot's read of a slot's kept values: copies, but
-            stash += chunk_layers * max(0.0, slot_kept - 2 * stage_input)  # the stream's
+        stash += 2 * twice  # read out of the stash twice, a layer's at a time
+        if gpu and not by_layer:  # a B slot's read of a slot's other kept values: copies,
+            stash += chunk_layers * max(0.0, slot_kept - twice - 2 * stage_input)  # all at once
     else:
         kept += twice  # the scores beside the probabilities
-    span = 1 if by_layer else span
+    # in flight: a layer's kept values, not the chunk's, where they are stored a layer at a
+    # time (by_layer), or on a GPU as XLA schedules the chunk's vjp with row-major stash
+    # buffers (pipeline/buffers.py, _row_major): the H100 compile of (2,2,2) 1F1B with XLA
+    # attention stores each layer's probabilities as the layers go, from the fifth on
+    span = 1 if by_layer or (gpu and pipe > 1 and keep_activations) else span
     return {"per_layer": layer, "kept": 0.0 if offload else span * kept,
             "layer_transient": transient,
             "head_transient": head_activation_bytes(b, n, h, vocab_local, e, t if sp else 1,
