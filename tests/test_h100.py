@@ -203,12 +203,16 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, more):
     accident or not at all (4 layers of width 256, (2, 2, 2) 1F1B m8: 4 of 4 sends
     overlapped with b = 2 before the head was spread, the head's own GEMM; 0 of 4 with
     b = 1, and 0 of 4 spread; width 2048: 3 of 4). (2, 2, 2) 1F1B at 4 microbatches: the
-    chunk's vjp; at 8 with SP, minimal_mlp and ZeRO-1 (the issue's goal layout): the kept
-    backward a layer at a time, whose middle layers wait for the message in flight (0 of
-    4 without); (1, 4, 2) interleaved: messages stored after the slot they travel beside
-    (executor._stored_after; one of its three steady loops 0 of 4 without); stash=inputs:
-    the recomputed stage's middle layer waits for the message in flight, which is stored
-    after the slot it travelled beside (executor._steady_recomputed; 0 of 4 without)."""
+    chunk's vjp, its messages stored once the slot they travelled beside has made its
+    output (executor._round's `late`; 2 of 4 without); at 8 with SP, minimal_mlp and
+    ZeRO-1 (the issue's goal layout) and with full recomputation: the kept backward a
+    layer at a time, whose middle layers wait for the message in flight (0 of 4 without;
+    full recomputation 2 of 4 kept whole); (1, 4, 2) interleaved: messages stored after
+    the slot they travel beside (executor._stored_after; one of its three steady loops 0
+    of 4 without); stash=inputs: the recomputed stage's middle layer waits for the
+    message in flight, which is stored late (executor._steady_recomputed; 0 of 4
+    without). And every round loop carries only row-major arrays (buffers._row_major:
+    52 of the 215 of 1F1B at 4 microbatches were not without it)."""
     data, pipe, tensor = dims
     config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [
         *layout(data, pipe, tensor, micro, *more), f"train.global_batch={4 * data * micro}",

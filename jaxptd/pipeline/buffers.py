@@ -24,8 +24,8 @@ def read(buffer, slot):
 
 
 def write(buffer, slot, value, valid):
-    """buffer[slot] = value where valid (True: unconditionally), the buffer laid out slot
-    first, each slot as its value is (`_row_major`)."""
+    """buffer[slot] = value where valid (True: unconditionally); the buffer stays
+    row-major (`_row_major`)."""
     if valid is not True:
         value = jnp.where(valid, value, read(buffer, slot))
     return _row_major(lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype),
@@ -38,7 +38,10 @@ def _row_major(buffer):
     values written to it and read from it then laid out to match: in the H100 compile of
     GPT-1.3B at (2,2,2), 1F1B m8, SP, remat=full, kept a layer at a time, the layers'
     stored inputs [3, b, s/t, h] came out hidden dimension first, and with them the whole
-    residual stream (980 transpose fusions a step against 28, 270.0 against 264.3 ms)."""
+    residual stream (511 transpose kernels a step against 36, 270.0 against 264.3 ms);
+    1F1B without SP, m4, had 52 of its 215 carried arrays so, and the B slot's copies out of
+    the stash were transposes (pinned: 165.0 -> 152.4 ms; interleaved (1,4,2) 217.3 ->
+    160.1 ms, zb-h1 173.3 -> 159.4 ms: BENCHMARKS.md, stop 44)."""
     return with_layout_constraint(buffer, Layout(tuple(range(buffer.ndim))))
 
 
