@@ -183,18 +183,18 @@ def test_spread_head_matches_single_device(case, stash, extra):
     pytest.param("inputs", (1, 2, 2, "interleaved", 2, 4, 4), "none",
                  ["parallel.sequence_parallel=true"], marks=pytest.mark.slow)])
 def test_unrolled_layers_match_single_device(stash, case, remat, more):
-    """model.scan_layers=false (a GPU target's default: each layer's kept values in
-    buffers of their own, the kept backward closing over per-layer weights it is given
-    again) and the steady round form: the single-device gradients, with each
-    recomputation policy; with sequence parallelism or one tensor rank the kept backward
-    a layer at a time (training.kept_by_layer: stored as F makes it, read by B as it
-    goes, a mixture of experts' statistics seeded a layer at a time; with ZeRO-1 and minimal_mlp (q, k, v recomputed) the layers' gradients reduced
-    once their last backward is done, from the per-layer sums the kept backward a layer at
-    a time adds to; with remat none the middle layer's stores, tensor-invariant kept values
-    among them, wait for the message in flight and keep their buffers' types); with
-    stash=inputs the recomputed stage's middle layer waits for the message in flight, and
-    the message is stored after the slot it travelled beside (executor.
-    _steady_recomputed)."""
+    """model.scan_layers=false (a GPU target's default: each layer's kept values in buffers of
+    their own, the kept backward closing over per-layer weights it is given again) and the
+    steady round form: the single-device gradients, with each recomputation policy; with
+    sequence parallelism or one tensor rank the kept backward a layer at a time
+    (training.kept_by_layer: stored as F makes it, read by B as it goes, a mixture of
+    experts' statistics seeded a layer at a time; with ZeRO-1 and minimal_mlp (q, k, v
+    recomputed) the layers' gradients reduced once their last backward is done, from the
+    per-layer sums the kept backward a layer at a time adds to; with remat none the middle
+    layer's stores, tensor-invariant kept values among them, wait for the message in flight
+    and keep their buffers' types); with stash=inputs the recomputed stage's middle layer
+    waits for the message in flight, and the message is stored after the slot it travelled
+    beside (executor._steady_recomputed)."""
     from jaxptd.pipeline.training import kept_by_layer
     from jaxptd.step import pipeline_context
 

@@ -344,8 +344,9 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
         and (sp or t == 1)
     if pipe > 1 and keep_activations:
         stash += 2 * twice  # read out of the stash twice, a layer's at a time
-        if gpu and not by_layer:  # a B slot's read of a slot's other kept values: copies,
-            stash += chunk_layers * max(0.0, slot_kept - twice - 2 * stage_input)  # all at once
+        if gpu and not by_layer:  # a B slot's read of a slot's other kept values: copies of
+            # the chunk's at once, but the stream's
+            stash += chunk_layers * max(0.0, slot_kept - twice - 2 * stage_input)
     else:
         kept += twice  # the scores beside the probabilities
     # in flight: a layer's kept values, not the chunk's, where they are stored a layer at a
