@@ -249,20 +249,19 @@ AHEAD = 2
 
 
 def reduced_ahead(x, ahead):
-    """The identity on layer i's input and layer i + AHEAD's stored parameters (what
-    `prepare` turns into what that layer computes with), whose backward makes layer i's
-    input gradient wait for the gradient of those parameters (`_gradient_after`), by then
-    past prepare's transpose: all-reduced over data (the step's hook). So each layer's
+    """The identity on layer i's input and layer i + AHEAD's stored parameters (what `prepare`
+    turns into what that layer computes with), whose backward makes layer i's input
+    gradient wait for the gradient of those parameters (`_gradient_after`), by then past
+    prepare's transpose: all-reduced over data (the step's hook). So each layer's
     reduction runs beside the backward of the layers between it and the one that waits
-    for it. Left
-    free, XLA's scheduler queued them, one at a time, behind the last layers' backward:
-    offload.activations on 8 H100s (GPT-1.3B) had 22 of its 41 all-reduces with a GEMM
-    in flight, 45 of 49 with this (the two bottom layers' four, which nothing waits for,
-    have only the embedding's gradient after them; 48 of 50 at AHEAD = 1), at the same
-    static time and 0.03 GiB more. Only with `weights_first` and no FSDP (measured on the
-    H100 compile: (2,1,4) SP without recomputation took 0.6% more time, its all-reduces
-    split where they had been combined; FSDP 8 and seeds/003's FSDP lost overlap of their
-    reduce-scatters)."""
+    for it. Left free, XLA's scheduler queued them, one at a time, behind the last
+    layers' backward: offload.activations on 8 H100s (GPT-1.3B) had 22 of its 41
+    all-reduces with a GEMM in flight, 45 of 49 with this (the two bottom layers' four,
+    which nothing waits for, have only the embedding's gradient after them; 48 of 50 at
+    AHEAD = 1), at the same static time and 0.03 GiB more. Only with `weights_first` and
+    no FSDP (measured on the H100 compile: (2,1,4) SP without recomputation took 0.6%
+    more time, its all-reduces split where they had been combined; FSDP 8 and seeds/003's
+    FSDP lost overlap of their reduce-scatters)."""
     return _gradient_after(x, ahead)
 
 
