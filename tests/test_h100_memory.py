@@ -1,7 +1,8 @@
 """The GPU program's memory against the planner's, compiled for H100s without a GPU
 (jaxptd/compile_check.py, `python -m jaxptd.plan --verify --target h100`): what one more
 layer adds to the compiled step (kept activations, full recomputation, offloaded layers,
-the pipeline's kept backward a layer at a time) and seeds/003's FSDP runs scaled down.
+the pipeline's kept backward a layer at a time, zero-bubble's buffers) and seeds/003's FSDP
+runs scaled down.
 Slow: each compiles a step twice or at a width that takes minutes. Needs the CUDA compile
 extra, as tests/test_h100.py (whose set-up it shares)."""
 import glob
@@ -110,6 +111,26 @@ def test_kept_backward_is_stored_and_read_a_layer_at_a_time():
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
             *layout(2, 2, 2, 8, "parallel.sequence_parallel=true", "model.remat=minimal",
                     "optimizer.zero1=true")]
+    (plan4, step4), (plan8, step8) = (planned_and_compiled([*base, f"model.num_layers={n}"])
+                                      for n in (4, 8))
+    assert plan8 == pytest.approx(step8, rel=0.1)
+    assert step8 - step4 == pytest.approx(plan8 - plan4, rel=0.1), (step8 - step4) / 2
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_zero_bubble_keeps_what_the_planner_says():
+    """(2, 2, 2) zb-h1, 8 microbatches, sequence parallelism, model.remat=minimal on 8 H100s:
+    two more layers a stage (8 against 4) add what the planner says (3 stash slots of their
+    kept values, 3 tape slots of their dense() inputs, the norm outputs as they were before
+    the all-gather, 2 W slots of their output gradients and the W slot's reads of one),
+    within 10%, and the step is the planner's within 10%. The kept backward keeps none of
+    the zero perturbations its layers take (kept.Kept passes them in again: they were
+    stored beside every q, k, v and first MLP output, 4 GiB for GPT-1.3B at this layout)."""
+    base = ["model.hidden_size=1024", "model.num_heads=8", "model.seq_len=1024",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            *layout(2, 2, 2, 8, "parallel.schedule=zb-h1", "parallel.sequence_parallel=true",
+                    "model.remat=minimal", "optimizer.zero1=true")]
     (plan4, step4), (plan8, step8) = (planned_and_compiled([*base, f"model.num_layers={n}"])
                                       for n in (4, 8))
     assert plan8 == pytest.approx(step8, rel=0.1)

@@ -181,7 +181,10 @@ def test_spread_head_matches_single_device(case, stash, extra):
     ("activations", CASES[5], "minimal", []),
     ("inputs", CASES[1], "none", []),
     pytest.param("inputs", (1, 2, 2, "interleaved", 2, 4, 4), "none",
-                 ["parallel.sequence_parallel=true"], marks=pytest.mark.slow)])
+                 ["parallel.sequence_parallel=true"], marks=pytest.mark.slow),
+    ("activations", ZB_CASES[3], "minimal", ["parallel.sequence_parallel=true"]),
+    pytest.param("inputs", ZB_CASES[3], "none", ["parallel.sequence_parallel=true", *LLAMA],
+                 marks=pytest.mark.slow)])
 def test_unrolled_layers_match_single_device(stash, case, remat, more):
     """model.scan_layers=false (a GPU target's default: each layer's kept values in buffers of
     their own, the kept backward closing over per-layer weights it is given again) and the
@@ -194,7 +197,10 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
     layer's stores, tensor-invariant kept values among them, wait for the message in flight
     and keep their buffers' types); with stash=inputs the recomputed stage's middle layer
     waits for the message in flight, and the message is stored after the slot it travelled
-    beside (executor._steady_recomputed)."""
+    beside (executor._steady_recomputed); zero-bubble with sequence parallelism: W gathers
+    the column-parallel matmuls' inputs, taped before their all-gather (Llama: q and k, v,
+    gate and up each from the same), a layer at a time, and the kept backward's
+    perturbations are passed in again, not stored."""
     from jaxptd.pipeline.training import kept_by_layer
     from jaxptd.step import pipeline_context
 

@@ -25,8 +25,8 @@ from jaxptd.arch.interface import Architecture
 from jaxptd.config import ModelConfig
 from jaxptd.model import moe, stack
 from jaxptd.model.layers import RESIDUAL
-from jaxptd.model.tensor import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, QKV_OUTPUT,
-                                 ATTENTION_OUT, Layout, matmul)
+from jaxptd.model.tensor import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, ENTERED, PERTURBATIONS,
+                                 QKV_OUTPUT, ATTENTION_OUT, Layout, enter_tensor, matmul)
 from jaxptd.sharding import after, rewritten_at, varying_axes, waiting, zeros_as
 
 
@@ -331,26 +331,34 @@ def merge_dense(dense: dict, rest: dict) -> dict:
 def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None):
     """Gradients of a stack's dense() weights [n, ...] from the input and the output gradient
     of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
-    forward. Each is the transpose of its matmul in the weight as the layer uses it:
-    `prepare`d as apply_layers prepares it (FSDP's layer gather), then as dense()
-    multiplies it (tensor.matmul: cast, and an FSDP shard gathered for it alone); the
-    gathers' transposes reduce-scatter the gradient into the shard. XLA drops the matmul's
-    unused forward."""
+    forward; `layer_dense_weight_grads` of each layer."""
+    return jax.vmap(lambda w, x, g: layer_dense_weight_grads(w, x, g, layout, prepare))(
+        dense, inputs, output_grads)
+
+
+def layer_dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None):
+    """Gradients of one layer's dense() weights from the input and the output gradient of
+    each of their matmuls (trees with the weights' paths). Each is the transpose of its
+    matmul in the weight as the layer uses it: `prepare`d as apply_layers prepares it
+    (FSDP's layer gather), then as dense() multiplies it (tensor.matmul: cast, and an FSDP
+    shard gathered for it alone); the gathers' transposes reduce-scatter the gradient into
+    the shard. XLA drops the matmul's unused forward. The inputs of tensor.ENTERED matmuls
+    are recorded before f and enter the tensor region again here (sequence parallelism:
+    all-gathered)."""
     flat_inputs = traverse_util.flatten_dict(inputs)
     flat_grads = traverse_util.flatten_dict(output_grads)
 
-    def one(path, w):  # w: [n, ...] float32 master weights (or shards) of one dense name
+    def one(path, w):  # w: float32 master weight (or shard) of one dense name
         product = matmul(path[-1], layout)
+        x = flat_inputs[path]
+        x = enter_tensor(x, layout) if path[-1] in ENTERED else x
 
-        def use(x, v):  # v: one layer's stored weight
+        def use(v):
             if prepare is not None:
                 v = traverse_util.flatten_dict(
                     prepare(traverse_util.unflatten_dict({path: v}), None))[path]
             return product(x, v)
-
-        def layer_grad(x, g, w_layer):
-            return jax.vjp(lambda v: use(x, v), w_layer)[1](g)[0]
-        return jax.vmap(layer_grad)(flat_inputs[path], flat_grads[path], w)
+        return jax.vjp(use, w)[1](flat_grads[path])[0]
 
     flat = traverse_util.flatten_dict(dense)
     return traverse_util.unflatten_dict({path: one(path, w) for path, w in flat.items()})

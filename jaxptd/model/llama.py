@@ -107,8 +107,8 @@ class Attention(nn.Module):
                      (cfg.num_heads // t, d, cfg.hidden_size))
 
         x_in = enter_tensor(x, layout)
-        q = dense(self, "w_q", x_in, w_q)  # [b, s, n/t, d]
-        kv = dense(self, "w_kv", x_in, w_kv)  # [b, s, 2, k/t (or k), d]
+        q = dense(self, "w_q", x_in, w_q, tape=x)  # [b, s, n/t, d]
+        kv = dense(self, "w_kv", x_in, w_kv, tape=x)  # [b, s, 2, k/t (or k), d]
         if cfg.qkv_bias:  # split (or replicated) as their weights' output columns
             b_q = self.param("b_q", zeros(("heads", "kv")), (cfg.num_heads // t, d))
             b_kv = self.param("b_kv", zeros(("qkv", kv_name, "kv")), (2, kv_heads, d))
@@ -147,7 +147,8 @@ class MLP(nn.Module):
         w_down = weight(self, "w_down", normal(residual_std(cfg), ("mlp", "embed")),
                         (ffn, cfg.hidden_size))
         x_in = enter_tensor(x, layout)
-        hidden = fused.swiglu(dense(self, "w_gate", x_in, w_gate), dense(self, "w_up", x_in, w_up))
+        hidden = fused.swiglu(dense(self, "w_gate", x_in, w_gate, tape=x),
+                              dense(self, "w_up", x_in, w_up, tape=x))
         return exit_tensor(dense(self, "w_down", hidden, w_down), layout)  # g: all-reduce #2
 
 

@@ -28,7 +28,11 @@ Every matmul with a weight goes through `dense`, which names it by its weight an
 einsum as data (`DENSE`): with the zero-bubble split of the backward (pipeline executor),
 `dense` records its input (collection 'dense_inputs') and takes a zero perturbation on its
 output (collection 'perturbations', whose gradient is the output gradient), so a weight
-gradient can be computed later from those two alone, without another forward.
+gradient can be computed later from those two alone, without another forward. The input a
+column-parallel matmul on the residual stream takes from f (`ENTERED`) is recorded as it
+was before f, with sequence parallelism [b, s/t, h] (half the tape's bytes at t = 2, the
+gathered norm outputs being 2 of its 4.5 sbh per layer), and gathered again where the
+weight gradient is made, as Megatron's backward gathers it again.
 
 Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
 Master weights are float32; each op casts them to the compute dtype at use.
@@ -126,16 +130,21 @@ QKV_OUTPUT = "qkv_output"
 QKV = ("w_qkv", "w_q", "w_kv")
 ATTENTION_OUT = ("w_out", "w_o")  # the attention's output projection (row-parallel)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
+# the layers' column-parallel matmuls whose input is the residual stream entering the
+# tensor region (enter_tensor): dense() records that input as it was before f (`tape`)
+ENTERED = ("w_qkv", "w_fc1", "w_q", "w_kv", "w_gate", "w_up")
 
 
-def dense(module: nn.Module, name: str, x, w):
+def dense(module: nn.Module, name: str, x, w, tape=None):
     """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast
     (an FSDP shard is gathered for this matmul alone: `matmul`).
 
-    Records x and perturbs the output when the caller asks (see the module docstring);
-    otherwise exactly the einsum.
+    Records x (`ENTERED`: `tape`, x before enter_tensor) and perturbs the output when the
+    caller asks (see the module docstring); otherwise exactly the einsum.
     """
-    module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    assert (tape is not None) == (name in ENTERED), f"{name}: tape is x before enter_tensor"
+    module.sow(DENSE_INPUTS, name, x if tape is None else tape, init_fn=lambda: None,
+               reduce_fn=lambda _, new: new)
     y = matmul(name, module.layout)(x, w)
     if name not in ROW_PARALLEL:
         y = checkpoint_name(y, QKV_OUTPUT if name in QKV else DENSE_OUTPUT)

@@ -2,16 +2,17 @@
 parallel.stash=activations).
 
 Owns `Kept`: which leaves of a `jax.vjp` backward are stored in the stash and how the
-backward is rebuilt from them and the chunk's weights, passed in again.
+backward is rebuilt from them and what is passed in again: the chunk's weights, and a
+zero-bubble F's dense() perturbations (zeros).
 """
 import jax
 import jax.numpy as jnp
-from jax.tree_util import FlattenedIndexKey, SequenceKey
+from jax.tree_util import FlattenedIndexKey
 
-# The path, in a jax.vjp backward, of the residuals that are its function's first argument:
-# JAX keeps a residual that is one of the primals as that primal, by argument and leaf
-# (the node's first child), apart from the residuals it computed (the second).
-_FIRST_ARGUMENT = (FlattenedIndexKey(0), SequenceKey(0))
+# The path, in a jax.vjp backward, of the residuals that are its function's primals: JAX
+# keeps a residual that is one of the primals as that primal, by argument and leaf (under
+# the node's first child), apart from the residuals it computed (the second).
+_PRIMALS = FlattenedIndexKey(0)
 
 
 class Kept:
@@ -20,11 +21,14 @@ class Kept:
     The backward is a pytree: its leaves are the residuals (boolean and integer ones,
     attention and dropout masks, included) and its treedef the rest, so
     `jax.tree.unflatten(treedef, leaves)` is the backward again. It must be the vjp of a
-    function whose first argument is a flat tuple of the chunk's weights (`weights`): the
-    weights among its residuals are found by their place in that tree, (first argument,
-    leaf j), not by comparing values, and are passed in again rather than stored. The
-    probe (the first trace) fixes the treedef and which leaves are weights; every later
-    backward must have the same tree and leaf types. That `jax.vjp`'s backward is a pytree
+    function whose first argument is a flat tuple of the chunk's weights; `arguments[k]`
+    is argument k's flat tuple of leaves where it is passed in again (the weights, and a
+    zero-bubble F's perturbations: zeros, which the layers' jax.checkpoint keeps as its
+    inputs, 4 GiB of them in the H100 compile of (2,2,2) zb-h1 m8 SP with model.remat=
+    minimal), None where it is stored. Those leaves among the residuals are found by their
+    place in that tree, (argument k, leaf j), not by comparing values. The probe (the first
+    trace) fixes the treedef and which leaves are passed in again; every later backward
+    must have the same tree and leaf types. That `jax.vjp`'s backward is a pytree
     of its residuals, to be carried, inspected and edited, is documented (JAX's "First-class
     VJPs"); where the weights sit in it is how jax 0.10.2 builds it, not a documented layout:
     the probe asserts it, so a JAX that lays it out otherwise fails at trace time rather
@@ -33,33 +37,35 @@ class Kept:
     JAX has it.)
     """
 
-    def __init__(self, backward, weights):
+    def __init__(self, backward, *arguments):
         paths, self.treedef = jax.tree_util.tree_flatten_with_path(backward)
-        # leaf index -> index j of the weight it is
-        self.weights = {i: path[2].idx for i, (path, _) in enumerate(paths)
-                        if path[:2] == _FIRST_ARGUMENT}
-        assert self.weights and all(
-            _aval(paths[i][1]) == _aval(weights[j]) for i, j in self.weights.items()), \
+        given = {k for k, leaves in enumerate(arguments) if leaves is not None}
+        # leaf index -> (k, j): leaf j of argument k, passed in again
+        self.given = {i: (path[1].idx, path[2].idx) for i, (path, _) in enumerate(paths)
+                      if path[0] == _PRIMALS and path[1].idx in given}
+        assert any(k == 0 for k, _ in self.given.values()) and all(
+            _aval(paths[i][1]) == _aval(arguments[k][j]) for i, (k, j) in self.given.items()), \
             "jax.vjp no longer keeps its arguments apart from the residuals it computed"
         self.templates = [jnp.zeros_like(x) for x in self._stored(backward)]
 
     def _stored(self, backward) -> list:
         leaves = jax.tree.leaves(backward)
         assert len(leaves) == self.treedef.num_leaves, "the backward differs from the probe's"
-        return [x for i, x in enumerate(leaves) if i not in self.weights]
+        return [x for i, x in enumerate(leaves) if i not in self.given]
 
     def keep(self, backward) -> list:
-        """The residuals to store (every leaf but the weights), in buffer order."""
+        """The residuals to store (every leaf but those passed in again), in buffer order."""
         kept = self._stored(backward)
         assert list(map(_aval, kept)) == list(map(_aval, self.templates)), \
             "the backward keeps different values than the probe's"
         return kept
 
-    def run(self, cotangent, stored, weights):
-        """The backward at `cotangent`, rebuilt from stored residuals and the weights."""
+    def run(self, cotangent, stored, *arguments):
+        """The backward at `cotangent`, rebuilt from stored residuals and the arguments passed
+        in again (as to the constructor: argument k's flat leaves, or None)."""
         stored = iter(stored)
-        leaves = [weights[self.weights[i]] if i in self.weights else next(stored)
-                  for i in range(self.treedef.num_leaves)]
+        leaves = [arguments[self.given[i][0]][self.given[i][1]] if i in self.given
+                  else next(stored) for i in range(self.treedef.num_leaves)]
         return jax.tree.unflatten(self.treedef, leaves)(cotangent)
 
 

@@ -168,23 +168,45 @@ class Training:
         """jax.vjp of the chunk's layers at x -> ((y, statistics), backward, dense inputs,
         the weights' leaves). The vjp's first argument is the tuple of those leaves
         (`kept.Kept` finds them among the residuals there). Split: in (weights, x,
-        perturbations), dense inputs taped (the dense() weights' cotangent is unused: XLA
-        drops it); else in (weights, x), no dense inputs."""
+        perturbations' leaves: `_zeros`), dense inputs taped (the dense() weights'
+        cotangent is unused: XLA drops it); else in (weights, x), no dense inputs."""
         given, tree = self.vjp_weights(chunk)
         if not self.split:
             y, backward = jax.vjp(lambda w, x: self.stage.layers(
                 jax.tree.unflatten(tree, w), x, mb, chunk, with_stats=True), tuple(given), x)
             return y, backward, None, given
-        added = models.perturbations(self.chunk_weights(chunk), x, self.model, self.layout,
-                                     self.stage.prepare)
+        zeros, zeros_tree = self._zeros(x)
 
-        def layers(w, x, added):
+        def layers(w, x, zeros):
             dense, rest = jax.tree.unflatten(tree, w)
             merged = [models.merge_dense(d, r) for d, r in zip(dense, rest)] \
                 if isinstance(rest, list) else models.merge_dense(dense, rest)
-            return self.stage.layers(merged, x, mb, chunk, added, with_stats=True)
-        y, backward, inputs = jax.vjp(layers, tuple(given), x, added, has_aux=True)
+            return self.stage.layers(merged, x, mb, chunk, jax.tree.unflatten(
+                zeros_tree, zeros), with_stats=True)
+        y, backward, inputs = jax.vjp(layers, tuple(given), x, zeros, has_aux=True)
         return y, backward, inputs, given
+
+    def _zeros(self, x):
+        """(the leaves of the chunk's dense() perturbations, zeros, as a tuple; their tree):
+        unrolled layers take them as a list of each layer's tree, so that a zero a layer's
+        jax.checkpoint keeps (as its input) is one of the vjp's arguments, which `kept.Kept`
+        passes in again, not a slice of the [Lc, ...] stack, which it stored (4 GiB of
+        zeros in the H100 compile of (2,2,2) zb-h1 m8 SP with model.remat=minimal). Made
+        again by every slot that needs them: a broadcast XLA folds into their adds (made
+        once for the step, they would be arrays the round loop carries)."""
+        added = models.perturbations(self.chunk_weights(self.stage.rank * 0), x, self.model,
+                                     self.layout, self.stage.prepare)
+        if not models.scans_layers(self.model, self.layout.platform):
+            added = models.per_layer(added)
+        leaves, tree = jax.tree.flatten(added)
+        return tuple(leaves), tree
+
+    @staticmethod
+    def _taps(leaves, tree):
+        """The dense() outputs' gradients (the cotangents of `_zeros`' leaves) as the
+        [Lc, ...] tree a W slot keeps."""
+        taps = jax.tree.unflatten(tree, leaves)
+        return models.stacked(taps) if isinstance(taps, list) else taps
 
     def _layers_kept(self, saved, x, mb, chunk, slot, written, waits=None):
         """F's layers a vjp each (`by_layer`), each layer's residuals written into stash slot
@@ -229,10 +251,9 @@ class Training:
                 kept.append(Kept(backward, given))
             return kept, x, None
         (y, _), backward, inputs, given = self.layer_vjp(x, index, index)
-        kept = Kept(backward, given) if self.keep_activations else None
-        added = models.perturbations(self.chunk_weights(index), x, self.model, self.layout,
-                                     self.stage.prepare)
-        return kept, y, (inputs, added) if self.split else None
+        zeros, zeros_tree = self._zeros(x) if self.split else (None, None)
+        kept = Kept(backward, given, None, zeros) if self.keep_activations else None
+        return kept, y, (inputs, self._taps(zeros, zeros_tree)) if self.split else None
 
     def _stats_template(self):
         """Zeros like a chunk's mixture-of-experts statistics [Lc, ...] (None: a dense
@@ -400,8 +421,10 @@ class Training:
             g_taps = None
         else:
             given, tree = self.vjp_weights(chunk)
+            zeros, zeros_tree = self._zeros(x_in) if self.split else (None, None)
             g_given, g_x, *g_taps = self.probe[0].run(
-                (g, self._stats_seed()), buffers.read_tree(saved, row["b_slot"]), given)
+                (g, self._stats_seed()), buffers.read_tree(saved, row["b_slot"]), given,
+                None, zeros)
             g_layers = jax.tree.unflatten(tree, g_given)
             g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: rest
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
@@ -412,7 +435,7 @@ class Training:
         g_embed = embed_vjp(buffers.masked(g_x, valid))[0]
         g_ends = jax.tree.map(jnp.add, buffers.masked(g_head, valid), g_embed)
         return (loss, g_ends, g_weights, g_layers, embed_vjp(g_x)[1],
-                g_taps[0] if self.split else None)
+                self._taps(g_taps[0], zeros_tree) if self.split else None)
 
     def _layers_back(self, saved, slot, g, chunk, sums, valid, waits=None):
         """The kept backward a layer at a time, the last first (`by_layer`) -> (the layers'
@@ -480,16 +503,40 @@ class Training:
         return loss, g_ends, g_head, g_layers, g_x, (inputs, g_taps)
 
     def weight(self, carry, row, valid, seg):
-        """W: the dense() weights' gradients from what the microbatch's B kept."""
+        """W: the dense() weights' gradients from what the microbatch's B kept. With
+        unrolled layers a layer at a time (`_layer_weights`)."""
         if self.taped:
-            inputs = buffers.read_tree(carry["tapes"], row["w_tslot"])
-            g_taps = buffers.read_tree(carry["wsaved"], row["w_slot"])
+            inputs, islot = carry["tapes"], row["w_tslot"]
+            g_taps, gslot = carry["wsaved"], row["w_slot"]
         else:
-            inputs, g_taps = buffers.read_tree(carry["wsaved"], row["w_slot"])
+            (inputs, g_taps), islot = carry["wsaved"], row["w_slot"]
+            gslot = islot
         chunk = buffers.chunk_of(row, "w", self.v)
         dense, _ = models.split_dense(buffers.chunk(self.params["layers"], chunk))
-        g_dense = models.dense_weight_grads(dense, inputs, g_taps, self.layout,
-                                            self.stage.prepare)
-        grads = {**carry["grads"], "layers": buffers.add_chunk(
-            carry["grads"]["layers"], chunk, buffers.masked(g_dense, valid))}
-        return None, {**carry, "grads": grads}
+        if models.scans_layers(self.model, self.layout.platform):
+            g_dense = models.dense_weight_grads(
+                dense, buffers.read_tree(inputs, islot), buffers.read_tree(g_taps, gslot),
+                self.layout, self.stage.prepare)
+            sums = buffers.add_chunk(carry["grads"]["layers"], chunk,
+                                     buffers.masked(g_dense, valid))
+        else:
+            sums = self._layer_weights(carry["grads"]["layers"], chunk, dense, (inputs, islot),
+                                       (g_taps, gslot), valid)
+        return None, {**carry, "grads": {**carry["grads"], "layers": sums}}
+
+    def _layer_weights(self, sums, chunk, dense, inputs, g_taps, valid):
+        """W a layer at a time: layer i's dense inputs and output gradients ((buffers, slot)
+        each) read out of their slots, with sequence parallelism its inputs gathered, and
+        its gradients added to the sums [v, 1, Lc, ...]. The stacked W
+        (`models.dense_weight_grads`) copied a slot's values for all the chunk's layers out
+        at once and gathered them at once: the H100 compile of (2,2,2) zb-h1 m8 SP with
+        model.remat=minimal, 25.36 -> 24.31 GiB, 284.0 -> 282.3 ms. (Reading layer i only
+        once layer i - 2's gradients were made, 24.0 GiB, cost 333.3 ms: XLA fused those
+        reads with other work into kernels that were far slower.)"""
+        for i in range(jax.tree.leaves(dense)[0].shape[0]):
+            x, g = (jax.tree.map(lambda b: buffers.read_layer(b, slot, i), tree)
+                    for tree, slot in (inputs, g_taps))
+            grads = models.layer_dense_weight_grads(jax.tree.map(lambda w: w[i], dense), x, g,
+                                                    self.layout, self.stage.prepare)
+            sums = buffers.add_chunk(sums, chunk, buffers.masked(grads, valid), layer=i)
+        return sums

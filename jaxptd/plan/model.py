@@ -219,11 +219,13 @@ def dense_tap_bytes(b, s, h, t, e) -> float:
     return s * b * h * (2 + 7 / t) * e
 
 
-def dense_input_bytes(b, s, h, t, e) -> float:
-    """Each dense() matmul's input, a layer's: the gathered [b, s, h] twice, the context
-    [b, s, h/t], the GeLU output [b, s, 4h/t]: sbh (2 + 5/t) e. A zero-bubble schedule's W
-    reads them: taped by the F (stash=activations) or the B's recomputation (inputs)."""
-    return s * b * h * (2 + 5 / t) * e
+def dense_input_bytes(b, s, h, t, e, sp: bool = False) -> float:
+    """Each dense() matmul's input, a layer's: the two norm outputs [b, s, h] (with sequence
+    parallelism as they were before the all-gather, [b, s/t, h]: W gathers them again,
+    model.layer_dense_weight_grads), the context [b, s, h/t], the GeLU output [b, s, 4h/t]:
+    sbh (2 + 5/t) e, with SP 7 sbh e / t. A zero-bubble schedule's W reads them: taped by
+    the F (stash=activations) or the B's recomputation (inputs)."""
+    return s * b * h * (2 / (t if sp else 1) + 5 / t) * e
 
 
 def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1, gpu: bool = False) -> float:
@@ -237,10 +239,11 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1, gpu: bool = Fa
     return s * b * (3 * 4 * h / t_sp + logits) + gathered
 
 
-def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n, h, t, e):
+def _stash_bytes(slots, stage_input, chunk_layers, kept, keep_activations, b, n, h, t, e,
+                 sp):
     """The pipeline executor's buffers (activation_memory's `slots`)."""
     per_slot = stage_input + (chunk_layers * kept + stage_input if keep_activations else 0.0)
-    inputs = chunk_layers * dense_input_bytes(b, n, h, t, e)  # in tape or W slots
+    inputs = chunk_layers * dense_input_bytes(b, n, h, t, e, sp)  # in tape or W slots
     return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 1) * stage_input
             + slots.get("w", 0) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
                                    + (0.0 if keep_activations else inputs))
@@ -338,7 +341,7 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     slot_kept = kept - (n * b * h * (2 + 1 / t) * e if taped and remat in ("none", "selective")
                         else 0.0)
     stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers,
-                                               slot_kept, keep_activations, b, n, h, t, e)
+                                               slot_kept, keep_activations, b, n, h, t, e, sp)
     twice = attention["kept"] if xla_gpu and remat == "none" else 0.0
     by_layer = pipe > 1 and keep_activations and unrolled and not (slots or {}).get("w") \
         and (sp or t == 1)
@@ -349,6 +352,10 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
             stash += chunk_layers * max(0.0, slot_kept - twice - 2 * stage_input)
     else:
         kept += twice  # the scores beside the probabilities
+    if gpu and pipe > 1 and (slots or {}).get("w"):  # a W slot's reads of the output
+        # gradients, a layer at a time but all ahead of the layers' GEMMs (XLA's schedule):
+        # the H100 compile of GPT-1.3B, (2,2,2) zb-h1 m8 SP, buffer by buffer
+        stash += chunk_layers * dense_tap_bytes(b, n, h, t, e)
     # in flight: a layer's kept values, not the chunk's, where they are stored a layer at a
     # time (by_layer), or on a GPU as XLA schedules the chunk's vjp with row-major stash
     # buffers (pipeline/buffers.py, _row_major): the H100 compile of (2,2,2) 1F1B with XLA
