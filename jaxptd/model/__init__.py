@@ -343,15 +343,17 @@ def layer_dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepar
     (FSDP's layer gather), then as dense() multiplies it (tensor.matmul: cast, and an FSDP
     shard gathered for it alone); the gathers' transposes reduce-scatter the gradient into
     the shard. XLA drops the matmul's unused forward. The inputs of tensor.ENTERED matmuls
-    are recorded before f and enter the tensor region again here (sequence parallelism:
-    all-gathered)."""
+    are recorded before f (under the name ENTERED gives) and enter the tensor region again
+    here (sequence parallelism: all-gathered)."""
     flat_inputs = traverse_util.flatten_dict(inputs)
     flat_grads = traverse_util.flatten_dict(output_grads)
 
     def one(path, w):  # w: float32 master weight (or shard) of one dense name
         product = matmul(path[-1], layout)
-        x = flat_inputs[path]
-        x = enter_tensor(x, layout) if path[-1] in ENTERED else x
+        if path[-1] in ENTERED:
+            x = enter_tensor(flat_inputs[(*path[:-1], ENTERED[path[-1]])], layout)
+        else:
+            x = flat_inputs[path]
 
         def use(v):
             if prepare is not None:

@@ -31,8 +31,9 @@ output (collection 'perturbations', whose gradient is the output gradient), so a
 gradient can be computed later from those two alone, without another forward. The input a
 column-parallel matmul on the residual stream takes from f (`ENTERED`) is recorded as it
 was before f, with sequence parallelism [b, s/t, h] (half the tape's bytes at t = 2, the
-gathered norm outputs being 2 of its 4.5 sbh per layer), and gathered again where the
-weight gradient is made, as Megatron's backward gathers it again.
+gathered norm outputs being 2 of its 4.5 sbh per layer), once for the matmuls that take
+the same, and gathered again where the weight gradient is made, as Megatron's backward
+gathers it again.
 
 Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
 Master weights are float32; each op casts them to the compute dtype at use.
@@ -131,20 +132,25 @@ QKV = ("w_qkv", "w_q", "w_kv")
 ATTENTION_OUT = ("w_out", "w_o")  # the attention's output projection (row-parallel)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
 # the layers' column-parallel matmuls whose input is the residual stream entering the
-# tensor region (enter_tensor): dense() records that input as it was before f (`tape`)
-ENTERED = ("w_qkv", "w_fc1", "w_q", "w_kv", "w_gate", "w_up")
+# tensor region (enter_tensor): dense() records that input as it was before f (`tape`),
+# once where two take the same input (Llama's q and k, v; gate and up): name -> the name
+# it is recorded under
+ENTERED = {"w_qkv": "w_qkv", "w_fc1": "w_fc1", "w_q": "w_q", "w_kv": "w_q",
+           "w_gate": "w_gate", "w_up": "w_gate"}
 
 
 def dense(module: nn.Module, name: str, x, w, tape=None):
     """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast
     (an FSDP shard is gathered for this matmul alone: `matmul`).
 
-    Records x (`ENTERED`: `tape`, x before enter_tensor) and perturbs the output when the
-    caller asks (see the module docstring); otherwise exactly the einsum.
+    Records x (`ENTERED`: `tape`, x before enter_tensor, under the name ENTERED gives) and
+    perturbs the output when the caller asks (see the module docstring); otherwise exactly
+    the einsum.
     """
     assert (tape is not None) == (name in ENTERED), f"{name}: tape is x before enter_tensor"
-    module.sow(DENSE_INPUTS, name, x if tape is None else tape, init_fn=lambda: None,
-               reduce_fn=lambda _, new: new)
+    if ENTERED.get(name, name) == name:
+        module.sow(DENSE_INPUTS, name, x if tape is None else tape, init_fn=lambda: None,
+                   reduce_fn=lambda _, new: new)
     y = matmul(name, module.layout)(x, w)
     if name not in ROW_PARALLEL:
         y = checkpoint_name(y, QKV_OUTPUT if name in QKV else DENSE_OUTPUT)
