@@ -61,12 +61,6 @@ def _waiting(buffer, slot, deps):
     return after(slot, ready, like=buffer) if ready else slot
 
 
-def read_layer(buffer, slot, layer: int):
-    """buffer[slot, layer] of a [slots, Lc, ...] buffer (slot traced, layer static)."""
-    at = (slot, layer) + (0,) * (buffer.ndim - 2)
-    return lax.dynamic_slice(buffer, at, (1, 1, *buffer.shape[2:]))[0, 0]
-
-
 def read_tree(buffers, slot):
     return jax.tree.map(lambda b: read(b, slot), buffers)
 

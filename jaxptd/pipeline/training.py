@@ -534,7 +534,7 @@ class Training:
         once layer i - 2's gradients were made, 24.0 GiB, cost 333.3 ms: XLA fused those
         reads with other work into kernels that were far slower.)"""
         for i in range(jax.tree.leaves(dense)[0].shape[0]):
-            x, g = (jax.tree.map(lambda b: buffers.read_layer(b, slot, i), tree)
+            x, g = (jax.tree.map(lambda b: buffers.read(b, slot)[i], tree)
                     for tree, slot in (inputs, g_taps))
             grads = models.layer_dense_weight_grads(jax.tree.map(lambda w: w[i], dense), x, g,
                                                     self.layout, self.stage.prepare)
