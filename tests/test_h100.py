@@ -37,7 +37,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxptd import compile_check, hlo
 from jaxptd import model as models
 from jaxptd.config import load_config
-from jaxptd.hlo.cost import counts_as_kernel
+from jaxptd.hlo.cost import ROUNDS_SCOPE, counts_as_kernel, phase
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline import buffers
@@ -524,6 +524,20 @@ def test_static_cost_counts_a_known_program():
     assert update.bytes == 4 + 2 * 64 * 32 + 4 * 64 * 32  # index, bf16 in, f32 update out
     assert gemm.seconds(1e12, 1e9) == pytest.approx(gemm.bytes / 1e9)
     assert kernels["k"].bytes == 4 + 4
+
+
+def test_static_cost_phases_by_jax_name():
+    """A kernel's phase from its op's jax name: autodiff's transpose is the backward, its
+    jvp the forward; outside both, in a pipeline's rounds (slot copies and gradient sums)
+    the rounds, the rest the update, in a loop too (the offloaded optimizer's; names from
+    the H100 compiles of GPT-1.3B)."""
+    rounds = f"jit(step_fn)/shard_map/{ROUNDS_SCOPE}/while/body/closed_call/"
+    assert phase(rounds + "transpose(jvp(Block))/mlp/dot_general") == "backward"
+    assert phase(rounds + "jvp(Block)/mlp/dot_general") == "forward"
+    assert phase(rounds + "jit(dynamic_update_index_in_dim)/dynamic_update_slice") == "rounds"
+    assert phase(rounds + "add") == "rounds"
+    assert phase("jit(step_fn)/add") == phase("jit(step_fn)/reduce_sum") == phase("") \
+        == phase("jit(step_fn)/while/body/closed_call/dynamic_update_slice") == "update"
 
 
 def _custom_calls(module, target) -> list:

@@ -64,6 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxptd.hlo.cost import ROUNDS_SCOPE
 from jaxptd.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules
 from jaxptd.pipeline.context import Context
@@ -229,8 +230,9 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
             part = dataclasses.replace(seg, start=start, stop=stop)
-            carry, _ = lax.scan(_round(program, part), carry,
-                                _tables(rounds, program.stage.rank, kinds, part))
+            with jax.named_scope(ROUNDS_SCOPE):  # the cost report's rounds phase
+                carry, _ = lax.scan(_round(program, part), carry,
+                                    _tables(rounds, program.stage.rank, kinds, part))
             if stop in cuts:
                 at_cut(stop, carry)
             start = stop
