@@ -74,6 +74,28 @@ def test_full_recomputation_recomputes_one_layer_at_a_time():
     assert per_layer == pytest.approx(kept + 4 * 12 * h * h / t, rel=0.15), per_layer
 
 
+@needs_compiler
+@pytest.mark.slow
+def test_sequence_parallel_layer_keeps_its_norm_outputs_split():
+    """No recomputation at (2, 1, 4) with sequence parallelism on 8 H100s: one more layer
+    (8 against 4) adds what the planner says it keeps, its norm outputs [b, s/t, h] as
+    they were before f (tensor.entered: gathered again in the backward) and its weights
+    cast to bf16 (the planner's layer_weights), and its float32 gradients, within 5%
+    (46.2 MB against 46.2; keeping the gathered norm outputs, the layer took 55.6 MB,
+    which this fails)."""
+    from jaxptd.plan import model as plan_model
+    b, s, h, a, t = 4, 1024, 1024, 8, 4
+    base = [f"model.hidden_size={h}", f"model.num_heads={a}", f"model.seq_len={s}",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
+            "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
+            "model.remat=none"]
+    per_layer = temp_per_layer(base)
+    kept = plan_model.layer_activation_bytes(b, s, h, a, t, 2, sp=True, flash=True)
+    weights = 12 * h * h / t
+    assert per_layer == pytest.approx(kept + (2 + 4) * weights, rel=0.05), per_layer
+
+
 def verify_report(*args) -> dict:
     """The JSON report of `python -m jaxptd.plan --verify --target h100 --json ARGS` (the
     step compiled for H100s in a process of its own, beside the planner's figures); the

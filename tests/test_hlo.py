@@ -258,6 +258,38 @@ def test_sequence_parallel_layer_gathers_and_scatters_activations():
     assert not activations, activations[:2]
 
 
+@pytest.mark.parametrize("remat", ["none", "selective"])
+def test_sequence_parallel_layer_keeps_its_norm_outputs_split(remat):
+    """SP: a layer's backward keeps the norm outputs as they were before f, [b, s/t, h],
+    and gathers them again for the weight gradients (tensor.entered, as Megatron's backward
+    does): no value its vjp keeps is a gathered [b, s, h] (kept, the two gathered norm
+    outputs were 1.1 GiB a device of GPT-1.3B at (2,1,4) on H100). Without SP the layer's
+    [b, s, h] values are its own (the check sees them). t = 2: the MLP's [b, s, 4h/t]
+    is not [b, s, h]."""
+    kept = {}
+    for sp in (True, False):
+        setup = make_setup(1, 2, layers=1, extra=[f"parallel.sequence_parallel={sp}",
+                                                  f"model.remat={remat}"])
+        split = setup.local_layout.split_sequence
+
+        def local(layers, x):
+            def layer(layers, x):
+                return models.apply_layers(layers, x, None, jax.random.key(0),
+                                           setup.config.model, setup.local_layout, True)
+            backward = jax.vjp(layer, layers, x)[1]
+            # (scanned layers: [L, ...])
+            kept[sp] = [leaf.shape[-3:] for leaf in jax.tree.leaves(backward)]
+            return x
+        spec = P("data", "tensor") if split else P("data")
+        jax.eval_shape(jax.shard_map(
+            local, mesh=setup.mesh, in_specs=(setup.state_layout.param_specs["layers"], spec),
+            out_specs=spec), setup.state_layout.abstract_params["layers"],
+            jax.ShapeDtypeStruct((BATCH, SEQ, H), jnp.float32))
+    assert (BATCH, SEQ // 2, H) in kept[True]
+    assert (BATCH, SEQ, H) not in kept[True], kept[True]
+    assert kept[False].count((BATCH, SEQ, H)) >= 2
+
+
 def test_fsdp_gathers_each_layer_and_scatters_its_gradient():
     """FSDP over data = 2: inside the layer loop each weight is all-gathered from its half
     (forward, and again in the backward) and its gradient reduce-scattered back."""

@@ -29,11 +29,10 @@ def test_our_layer_is_megatrons_less_what_it_recomputes():
     with flash attention ours keeps 26 sbh bytes, Megatron's 34 sbh without its attention
     term (its selective count) less the GeLU output (8: ours recomputes it from the MLP's
     first output) and the two dropout masks (2: none without dropout) plus a second copy of
-    the attention context (2). With SP both divide the stream by t, but ours keeps f's
-    two gathered norm outputs whole (4 sbh: autodiff's residuals of the column-parallel
-    matmuls; Megatron gathers them again in the backward). remat=minimal drops the norm
-    outputs and the context's copy, minimal_mlp q, k and v too; full keeps the layer
-    input."""
+    the attention context (2). With SP both divide the stream and the two norm outputs by
+    t (both keep the norm outputs as they were before f and gather them again in the
+    backward: tensor.entered), 26 sbh / t. remat=minimal drops the norm outputs and the
+    context's copy, minimal_mlp q, k and v too; full keeps the layer input."""
     b, s, h, a, e = 1, 2048, 12288, 96, 2
     sbh = s * b * h
     ours, theirs = plan_model.layer_activation_bytes, plan_model.korthikanti_layer_bytes
@@ -43,7 +42,8 @@ def test_our_layer_is_megatrons_less_what_it_recomputes():
     t = 8
     split = 2 * (3 + 2 + 4) / t  # q, k, v, context twice, the MLP's first output: split
     assert ours(b, s, h, a, t, e, sp=True, flash=True) == pytest.approx(
-        sbh * (4 / t + 4 + split) + flash / t)
+        sbh * (4 / t + 4 / t + split) + flash / t)
+    assert ours(b, s, h, a, t, e, sp=True, flash=True) * t == pytest.approx(26 * sbh + flash)
     assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal") == pytest.approx(
         sbh * (4 / t + 2 * (3 + 1 + 4) / t) + flash / t)
     assert ours(b, s, h, a, t, e, sp=True, flash=True, remat="minimal_mlp") == pytest.approx(

@@ -11,6 +11,7 @@ the weight-decay rule.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import jax
@@ -160,10 +161,12 @@ def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: 
     (statistics, dense() inputs)), under the recomputation policy of model.remat (see
     apply_layers). apart: the backward runs in another program slot than the forward (a
     pipeline's kept backward), so the recomputation needs no barrier against XLA merging it
-    with the forward (jax.checkpoint's prevent_cse): without it the backward reads what it
-    kept where it is, with it XLA first copied every kept value out of the pipeline's stash
-    (11.5 ms a step of the H100 compile of (2,2,2) 1F1B m8 with model.remat=minimal)."""
+    with the forward (jax.checkpoint's prevent_cse; the layer's own too, Layout.apart:
+    tensor.entered's): without it the backward reads what it kept where it is, with it
+    XLA first copied every kept value out of the pipeline's stash (11.5 ms a step of the
+    H100 compile of (2,2,2) 1F1B m8 with model.remat=minimal)."""
     arch = get(cfg)
+    layout = dataclasses.replace(layout, apart=True) if apart else layout
     layer = arch.block(cfg, layout)
     mask = arch.attention_mask(batch, cfg, layout)
     collections = [DENSE_INPUTS] * taped + [moe.STATS] * cfg.moe

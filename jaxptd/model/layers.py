@@ -23,7 +23,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxptd.config import ModelConfig
 from jaxptd.model import context as context_attention, fused
 from jaxptd.model.sequence import Rows
-from jaxptd.model.tensor import Layout, dense, enter_tensor, exit_tensor, normal, weight, zeros
+from jaxptd.model.tensor import Layout, dense, entered, exit_tensor, normal, weight, zeros
 
 # checkpoint name of the residual stream between a layer's attention and MLP blocks, which
 # model.remat=minimal keeps (with every other dense() output: tensor.DENSE_OUTPUT)
@@ -163,7 +163,7 @@ class Attention(nn.Module):
                        (heads, cfg.head_dim, cfg.hidden_size))
         b_out = self.param("b_out", zeros(("embed",)), (cfg.hidden_size,))
 
-        qkv = dense(self, "w_qkv", enter_tensor(x, layout), w_qkv, tape=x) + b_qkv.astype(dt)
+        qkv = entered(self, x, ("w_qkv", w_qkv))[0] + b_qkv.astype(dt)
         q, k, v = (qkv[:, :, i] for i in range(3))  # each [b, s, heads/t, d]
         context, cache = attend(self, q, k, v, deterministic, causal=self.causal, mask=mask,
                                 cache=cache)
@@ -223,7 +223,7 @@ class MLP(nn.Module):
                        (ffn, cfg.hidden_size))
         b_fc2 = self.param("b_fc2", zeros(("embed",)), (cfg.hidden_size,))
 
-        hidden = dense(self, "w_fc1", enter_tensor(x, layout), w_fc1, tape=x)  # [b, s, ffn/t]
+        hidden = entered(self, x, ("w_fc1", w_fc1))[0]  # [b, s, ffn/t]
         if cfg.kernels == "pallas" and cfg.gelu == "tanh":  # the kernel's GeLU is tanh's
             from pallas_kernels import bias_gelu
 

@@ -44,8 +44,8 @@ from jaxptd.model import fused, stack
 from jaxptd.model.layers import Block, attend, residual_std, rms_norm
 from jaxptd.model.moe import MoE, mlp_flops
 from jaxptd.model.sequence import Rows, local_positions
-from jaxptd.model.tensor import (Layout, dense, enter_tensor, exit_tensor, normal, weight,
-                                 zeros)
+from jaxptd.model.tensor import (Layout, dense, enter_tensor, entered, exit_tensor, normal,
+                                 weight, zeros)
 from jaxptd.model.vocab import Embed
 
 
@@ -106,9 +106,8 @@ class Attention(nn.Module):
         w_o = weight(self, "w_o", normal(residual_std(cfg), ("heads", "kv", "embed")),
                      (cfg.num_heads // t, d, cfg.hidden_size))
 
-        x_in = enter_tensor(x, layout)
-        q = dense(self, "w_q", x_in, w_q, tape=x)  # [b, s, n/t, d]
-        kv = dense(self, "w_kv", x_in, w_kv, tape=x)  # [b, s, 2, k/t (or k), d]
+        # q [b, s, n/t, d], kv [b, s, 2, k/t (or k), d]
+        q, kv = entered(self, x, ("w_q", w_q), ("w_kv", w_kv))
         if cfg.qkv_bias:  # split (or replicated) as their weights' output columns
             b_q = self.param("b_q", zeros(("heads", "kv")), (cfg.num_heads // t, d))
             b_kv = self.param("b_kv", zeros(("qkv", kv_name, "kv")), (2, kv_heads, d))
@@ -120,7 +119,7 @@ class Attention(nn.Module):
             head = lax.axis_index(layout.tensor_axis) // (t // cfg.kv_heads)
             k, v = (lax.dynamic_slice_in_dim(a, head, 1, axis=2) for a in (k, v))
         start = 0 if cache is None else cache[2]
-        positions = start + jnp.arange(x_in.shape[1])  # the whole sequence (SP: gathered)
+        positions = start + jnp.arange(q.shape[1])  # the whole sequence (SP: gathered)
         if isinstance(mask, Rows):  # context parallelism, packed rows: [b, s (/ c)]
             positions = local_positions(mask, layout)
         inv_freq = inverse_frequencies(cfg)
@@ -146,9 +145,7 @@ class MLP(nn.Module):
         w_up = weight(self, "w_up", normal(cfg.init_std, ("embed", "mlp")), (cfg.hidden_size, ffn))
         w_down = weight(self, "w_down", normal(residual_std(cfg), ("mlp", "embed")),
                         (ffn, cfg.hidden_size))
-        x_in = enter_tensor(x, layout)
-        hidden = fused.swiglu(dense(self, "w_gate", x_in, w_gate, tape=x),
-                              dense(self, "w_up", x_in, w_up, tape=x))
+        hidden = fused.swiglu(*entered(self, x, ("w_gate", w_gate), ("w_up", w_up)))
         return exit_tensor(dense(self, "w_down", hidden, w_down), layout)  # g: all-reduce #2
 
 

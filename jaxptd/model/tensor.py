@@ -24,16 +24,18 @@ contiguous block (a split of the sequence axis of [b, s, h] made XLA transpose a
 every collective: 8 GB a step at (2,1,4) on H100). The ops between them are token-wise;
 only the positions a rank's tokens have depend on the split (`token_positions`).
 
-Every matmul with a weight goes through `dense`, which names it by its weight and keeps its
-einsum as data (`DENSE`): with the zero-bubble split of the backward (pipeline executor),
-`dense` records its input (collection 'dense_inputs') and takes a zero perturbation on its
-output (collection 'perturbations', whose gradient is the output gradient), so a weight
-gradient can be computed later from those two alone, without another forward. The input a
-column-parallel matmul on the residual stream takes from f (`ENTERED`) is recorded as it
-was before f, with sequence parallelism [b, s/t, h] (half the tape's bytes at t = 2, the
-gathered norm outputs being 2 of its 4.5 sbh per layer), once for the matmuls that take
-the same, and gathered again where the weight gradient is made, as Megatron's backward
-gathers it again.
+Every matmul with a weight goes through `dense` (`entered` for the column-parallel ones
+after f), which names it by its weight and keeps its einsum as data (`DENSE`): with the
+zero-bubble split of the backward (pipeline executor), `dense` records its input (collection
+'dense_inputs') and takes a zero perturbation on its output (collection 'perturbations',
+whose gradient is the output gradient), so a weight gradient can be computed later from
+those two alone, without another forward. The input a column-parallel matmul on the residual
+stream takes from f (`ENTERED`) is recorded as it was before f, with sequence parallelism
+[b, s/t, h] (half the tape's bytes at t = 2, the gathered norm outputs being 2 of its 4.5
+sbh per layer), once for the matmuls that take the same, and gathered again where the weight
+gradient is made, as Megatron's backward gathers it again. With sequence parallelism and no
+recomputation the backward's own weight gradients gather it again too: a layer keeps it
+split (`entered`).
 
 Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
 Master weights are float32; each op casts them to the compute dtype at use.
@@ -75,6 +77,10 @@ class Layout:
     # routed experts, tokens exchanged over `expert_axis` (model/moe.py)
     expert: int = 1
     expert_axis: str | None = None
+    # a layer's backward runs in another program slot than its forward (a pipeline's kept
+    # backward, models.layer_function's `apart`): what it recomputes needs no barrier
+    # against XLA merging it with the forward (jax.checkpoint's prevent_cse)
+    apart: bool = False
 
     @property
     def split_sequence(self) -> bool:
@@ -132,26 +138,63 @@ QKV = ("w_qkv", "w_q", "w_kv")
 ATTENTION_OUT = ("w_out", "w_o")  # the attention's output projection (row-parallel)
 PERTURBATIONS = "perturbations"  # collection of zeros added to `dense` outputs (when given)
 # the layers' column-parallel matmuls whose input is the residual stream entering the
-# tensor region (enter_tensor): dense() records that input as it was before f (`tape`),
+# tensor region (enter_tensor, `entered`), which records that input as it was before f,
 # once where two take the same input (Llama's q and k, v; gate and up): name -> the name
 # it is recorded under
 ENTERED = {"w_qkv": "w_qkv", "w_fc1": "w_fc1", "w_q": "w_q", "w_kv": "w_q",
            "w_gate": "w_gate", "w_up": "w_gate"}
 
 
-def dense(module: nn.Module, name: str, x, w, tape=None):
+def dense(module: nn.Module, name: str, x, w):
     """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast
-    (an FSDP shard is gathered for this matmul alone: `matmul`).
-
-    Records x (`ENTERED`: `tape`, x before enter_tensor, under the name ENTERED gives) and
-    perturbs the output when the caller asks (see the module docstring); otherwise exactly
-    the einsum.
+    (an FSDP shard is gathered for this matmul alone: `matmul`). Records x and perturbs the
+    output when the caller asks (see the module docstring); otherwise exactly the einsum.
+    The column-parallel matmuls of the residual stream (`ENTERED`) go through `entered`.
     """
-    assert (tape is not None) == (name in ENTERED), f"{name}: tape is x before enter_tensor"
-    if ENTERED.get(name, name) == name:
-        module.sow(DENSE_INPUTS, name, x if tape is None else tape, init_fn=lambda: None,
-                   reduce_fn=lambda _, new: new)
-    y = matmul(name, module.layout)(x, w)
+    assert name not in ENTERED, f"{name}: its input enters the tensor region (entered())"
+    module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    return _output(module, name, matmul(name, module.layout)(x, w))
+
+
+def entered(module: nn.Module, x, *weights):
+    """The column-parallel matmuls of the residual stream x entering the tensor region
+    (f, `enter_tensor`): ((name, w), ...) -> each one's dense() output, from one f.
+
+    x is recorded as it was before f (with sequence parallelism [b, s/t, h], under the
+    first name: `ENTERED`). With sequence parallelism the all-gathered [b, s, h] is not
+    kept for the backward, which gathers it again for the weight gradients, as Megatron's
+    backward does (Korthikanti et al. 2022 count the norm's output, s b h / t): kept, it
+    was two [b, s, h] values a layer, 1.1 GiB a device of GPT-1.3B at (2,1,4) in the H100
+    compile (9.76 -> 8.66 GiB, the same static time). Only where the layer keeps what it
+    computes (model.remat none or selective): the other policies keep no gathered value,
+    and under them this jax.checkpoint's barriers cost copies (1F1B m8 SP minimal at
+    (2,2,2): +0.17 GiB, +1.1 ms). Its barriers also kept XLA from overlapping a pipeline's
+    kept backward's reduce-scatters (1F1B m8 SP at (2,2,2): 111 of 455 with a GEMM in
+    flight -> 1), where no barrier is needed (`Layout.apart`: 102 of 455; unpipelined,
+    without the barriers XLA merges the gather again with the forward's: 9.76 GiB). The
+    weights are cast before it: cast inside, the backward cast them again and kept the
+    float32 slices of the layer stack instead (+0.7 ms, +0.12 GiB at (2,1,4)); a custom
+    vjp that keeps x and the weights as given and gathers again behind a barrier on x
+    kept 0.19 GiB more.
+    """
+    names = [name for name, _ in weights]
+    assert all(ENTERED[n] == names[0] for n in names), f"{names}: ENTERED's inputs"
+    module.sow(DENSE_INPUTS, names[0], x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    layout = module.layout
+
+    def products(x, ws):
+        x = enter_tensor(x, layout)
+        return [matmul(name, layout)(x, w) for name, w in zip(names, ws)]
+    if layout.split_sequence and module.cfg.remat in ("none", "selective"):
+        products = jax.checkpoint(products, policy=jax.checkpoint_policies.nothing_saveable,
+                                  prevent_cse=not layout.apart)
+    ys = products(x, [w if layout.fsdp_dim(name) is not None else w.astype(x.dtype)
+                      for name, w in weights])
+    return [_output(module, name, y) for name, y in zip(names, ys)]
+
+
+def _output(module: nn.Module, name: str, y):
+    """A dense() output as a layer keeps it: named for model.remat=minimal, perturbed."""
     if name not in ROW_PARALLEL:
         y = checkpoint_name(y, QKV_OUTPUT if name in QKV else DENSE_OUTPUT)
     return module.perturb(name, y, collection=PERTURBATIONS)

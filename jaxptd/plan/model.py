@@ -23,7 +23,8 @@ pass, in the compute dtype (measured per layer on the H100 compile and the CPU o
 inputs (jaxptd/model/fused.py), so a layer without recomputation keeps
 
     [b, s, h] (SP: [b, s/t, h]): its input x and the residual after attention
-    [b, s, h] (SP: gathered):    the two norm outputs, the column-parallel matmuls' inputs
+    [b, s, h] (SP: [b, s/t, h]): the two norm outputs, the column-parallel matmuls' inputs
+                                 (SP: gathered again in the backward, tensor.entered)
     split [b, s, h/t]:           q, k, v (grouped-query: fewer k, v), the attention
                                  context and one more copy of it
     split [b, s, ffn/t]:         the first MLP matmul's output (SwiGLU: gate and up); the
@@ -194,7 +195,7 @@ def layer_activation_bytes(b, s, h, a, t, e, sp: bool = False, flash: bool = Fal
         # log-sum-exp: no matmul outputs); minimal_mlp recomputes q, k, v too
         return stream + (qkv if remat == "minimal" else 0.0) + context + mlp + \
             (attention["kept"] if flash else 0.0)
-    norms = 2 * sbh * e  # the two norm outputs (with SP: gathered, whole)
+    norms = 2 * sbh * e / (t if sp else 1)  # the two norm outputs (SP: before f)
     kept = stream + norms + qkv + 2 * context + mlp + attention["keys"]
     return kept + (attention["kept"] if remat != "selective" or flash else 0.0)
 
@@ -254,7 +255,7 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
                       slots=None, chunks=1, keep_activations=True, sp=False, flash=False,
                       offload=False, ffn=0, kv_heads=0, gated=False, c=1,
                       method="ring", moe=None, xla_gpu=False, gpu=False,
-                      regathered=False, unrolled=False) -> dict:
+                      regathered=False, unrolled=False, layer_weights=0.0) -> dict:
     """Activation bytes on the busiest device, in the pieces device_memory puts together:
     kept (what the layers keep from forward to backward), the transients of a layer's
     backward and of the head's (they do not overlap: the head's backward ends before the
@@ -293,9 +294,14 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     offload.optimizer's streamed masters), which keeps what the MLP's fused activation
     returns for the second matmul's weight gradient (without it XLA keeps only its input);
     the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's
-    for a GPU (head_activation_bytes). unrolled: the layers run unrolled
-    (model.scan_layers), so that with parallel.stash=activations, no zero-bubble split
-    and sequence parallelism (or t = 1) the executor keeps and reads a stash slot a layer
+    for a GPU (head_activation_bytes). layer_weights: a layer's weights cast to the
+    compute dtype (0 for float32), which an unpipelined layer with SP keeps where it keeps
+    what it computes (remat none or selective): tensor.entered's jax.checkpoint takes
+    them cast (the H100 compile, 8 layers against 4 at (2,1,4), h 1024: 46.19 MB a
+    layer, kept + gradients + these 46.17; a pipeline passes its cast weights in again).
+    unrolled: the layers run unrolled (model.scan_layers), so that with
+    parallel.stash=activations, no zero-bubble split and sequence parallelism (or t = 1)
+    the executor keeps and reads a stash slot a layer
     at a time (pipeline/training.py, kept_by_layer): an F slot's values in flight are one
     layer's, not the chunk's, and a B slot copies out one layer's kept values at a time.
     xla_gpu: XLA's attention core (not flash) compiled for a GPU, which holds a layer's
@@ -321,6 +327,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     kept = layer_activation_bytes(b, s, h, a, t, e, sp, flash, remat, **shape)
     if regathered and remat == "none":  # the GeLU's (SwiGLU's) output too: [b, s, ffn/t]
         kept += b * n * h * e / t * ((ffn or 4 * h) / h)
+    elif sp and pipe == 1 and not offload and remat in ("none", "selective"):
+        kept += layer_weights
     unit = moe.every if moe else 1  # the largest of a unit's layers, for its own part:
     largest = layer if unit == 1 else max(layer_activation_bytes(
         b, s, h, a, t, e, sp, flash, **{**shape, "moe": m}) for m in (replace(moe, every=1), None))
@@ -338,8 +346,8 @@ def activation_memory(*, b, s, h, a, t, e, layers_per_stage, vocab_local, remat,
     # cuDNN keeps is its own residual). The H100 compile of GPT-1.3B, zb-h1 at (2,2,2):
     # 2.48 GB a stash slot, the full layer's kept values less these, buffer by buffer.
     taped = keep_activations and (slots or {}).get("tape", 0) > 0
-    slot_kept = kept - (n * b * h * (2 + 1 / t) * e if taped and remat in ("none", "selective")
-                        else 0.0)
+    slot_kept = kept - (n * b * h * (2 / (t if sp else 1) + 1 / t) * e
+                        if taped and remat in ("none", "selective") else 0.0)
     stash = 0.0 if pipe == 1 else _stash_bytes(slots or {}, stage_input, chunk_layers,
                                                slot_kept, keep_activations, b, n, h, t, e, sp)
     twice = attention["kept"] if xla_gpu and remat == "none" else 0.0

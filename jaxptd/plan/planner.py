@@ -110,7 +110,8 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
         gpu=platform == "gpu",
         regathered=par.fsdp_size > 1 or streams,
-        unrolled=not models.scans_layers(m_cfg, platform))
+        unrolled=not models.scans_layers(m_cfg, platform),
+        layer_weights=e * counts["layer_params"] if e < 4 else 0.0)  # (cast: a copy)
     if _spreads_head(config, platform):  # the broadcast weights (compute dtype: their
         acts["stash"] += (e + 4.0) * counts["head_params"]  # matrices), float32 sums
     gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
