@@ -52,6 +52,20 @@ def test_a_layer_keeps_what_the_planner_says(remat):
         assert per_layer - gradients <= 1.15 * 34 * s * b * h
 
 
+# (b, s, h, a, t): the layer the (2, 1, 4) sequence-parallel tests add, bf16, cuDNN
+SP_SHAPE = (4, 1024, 1024, 8, 4)
+
+
+def sp_layout(remat: str) -> list:
+    """Overrides of a (2, 1, 4) step with sequence parallelism at SP_SHAPE on H100s."""
+    b, s, h, a, t = SP_SHAPE
+    return [f"model.hidden_size={h}", f"model.num_heads={a}", f"model.seq_len={s}",
+            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
+            "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
+            "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
+            f"model.remat={remat}"]
+
+
 @needs_compiler
 @pytest.mark.slow
 def test_full_recomputation_recomputes_one_layer_at_a_time():
@@ -62,13 +76,8 @@ def test_full_recomputation_recomputes_one_layer_at_a_time():
     free, XLA started every layer's recomputation early (its sequence-parallel all-gather
     first) and kept them all: 35.6 MiB a layer at this shape, against 15.5."""
     from jaxptd.plan import model as plan_model
-    b, s, h, a, t = 4, 1024, 1024, 8, 4
-    base = [f"model.hidden_size={h}", f"model.num_heads={a}", f"model.seq_len={s}",
-            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
-            "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
-            "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
-            "model.remat=full"]
-    per_layer = temp_per_layer(base)
+    b, s, h, a, t = SP_SHAPE
+    per_layer = temp_per_layer(sp_layout("full"))
     kept = plan_model.layer_activation_bytes(b, s, h, a, t, 2, sp=True, flash=True,
                                              remat="full")
     assert per_layer == pytest.approx(kept + 4 * 12 * h * h / t, rel=0.15), per_layer
@@ -84,13 +93,8 @@ def test_sequence_parallel_layer_keeps_its_norm_outputs_split():
     (46.2 MB against 46.2; keeping the gathered norm outputs, the layer took 55.6 MB,
     which this fails)."""
     from jaxptd.plan import model as plan_model
-    b, s, h, a, t = 4, 1024, 1024, 8, 4
-    base = [f"model.hidden_size={h}", f"model.num_heads={a}", f"model.seq_len={s}",
-            "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
-            "runtime.target=h100", "parallel.data=2", f"parallel.tensor={t}",
-            "parallel.sequence_parallel=true", f"train.global_batch={2 * b}",
-            "model.remat=none"]
-    per_layer = temp_per_layer(base)
+    b, s, h, a, t = SP_SHAPE
+    per_layer = temp_per_layer(sp_layout("none"))
     kept = plan_model.layer_activation_bytes(b, s, h, a, t, 2, sp=True, flash=True)
     weights = 12 * h * h / t
     assert per_layer == pytest.approx(kept + (2 + 4) * weights, rel=0.05), per_layer
