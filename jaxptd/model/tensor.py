@@ -152,7 +152,7 @@ def dense(module: nn.Module, name: str, x, w):
     The column-parallel matmuls of the residual stream (`ENTERED`) go through `entered`.
     """
     assert name not in ENTERED, f"{name}: its input enters the tensor region (entered())"
-    module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    _record(module, name, x)
     return _output(module, name, matmul(name, module.layout)(x, w))
 
 
@@ -179,7 +179,7 @@ def entered(module: nn.Module, x, *weights):
     """
     names = [name for name, _ in weights]
     assert all(ENTERED[n] == names[0] for n in names), f"{names}: ENTERED's inputs"
-    module.sow(DENSE_INPUTS, names[0], x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+    _record(module, names[0], x)
     layout = module.layout
 
     def products(x, ws):
@@ -191,6 +191,11 @@ def entered(module: nn.Module, x, *weights):
     ys = products(x, [w if layout.fsdp_dim(name) is not None else w.astype(x.dtype)
                       for name, w in weights])
     return [_output(module, name, y) for name, y in zip(names, ys)]
+
+
+def _record(module: nn.Module, name: str, x):
+    """x as the input of matmul `name` in DENSE_INPUTS (where the caller made it mutable)."""
+    module.sow(DENSE_INPUTS, name, x, init_fn=lambda: None, reduce_fn=lambda _, new: new)
 
 
 def _output(module: nn.Module, name: str, y):
