@@ -9,7 +9,7 @@ so the wall time is the total work of all ranks: a ratio near 1 means splitting 
 sequence adds no work; the memory ratio is what one device saves. Ratios only (quote
 absolute times from a GPU).
 
-    PYTHONPATH=. python bench/context.py [--json OUT.json] [--seq 2048] [--reps 3]
+    python -m bench.context [--json OUT.json] [--seq 2048] [--reps 3]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from report import time_steps
+from bench.report import time_steps
 
 MODEL = ["model.arch=llama", "model.num_layers=2", "model.hidden_size=128",
          "model.num_heads=8", "model.num_kv_heads=2", "model.vocab_size=512",
@@ -31,8 +31,8 @@ def measure(c: int, method: str, seq: int, reps: int) -> dict:
     import numpy as np
 
     from jaxptd.config import load_config
-    from jaxptd.mesh import make_mesh
-    from jaxptd.step import Setup, build_train_step
+    from jaxptd.parallel.mesh import make_mesh
+    from jaxptd.train.step import Setup, build_train_step
 
     config = load_config(None, [*MODEL, f"model.seq_len={seq}", f"parallel.context={c}",
                                 f"parallel.context_attention={method}"])
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         r["work_ratio"] = r["step_s"] / base["step_s"]
         print(f"{r['context']:>2} {r['method'] if r['context'] > 1 else '-':>10} {r['temp_bytes'] / 2**20:>12.1f} "
               f"{r['memory_ratio']:>13.2f} {r['work_ratio']:>11.2f} {r['loss']:>9.5f}")
-    print("reproduce: PYTHONPATH=. python bench/context.py " + " ".join(sys.argv[1:]))
+    print("reproduce: python -m bench.context " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, "seq": args.seq, "rows": rows}, f, indent=1)

@@ -88,9 +88,9 @@ for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'torch', 'triton
     except m.PackageNotFoundError: print(p, 'not installed')"
 }
 
-part_kernels() { $PY bench/kernels.py "${KERNELS[@]}" --out-dir "$OUT"; }
-part_sizes() { $PY bench/gpu_train.py --models "$BIG,$MID,$SMALL" "${TRAIN[@]}"; }
-part_llama() { $PY bench/gpu_train.py --models "$LLAMA" "${TRAIN[@]}"; }
+part_kernels() { $PY -m bench.kernels "${KERNELS[@]}" --out-dir "$OUT"; }
+part_sizes() { $PY -m bench.gpu_train --models "$BIG,$MID,$SMALL" "${TRAIN[@]}"; }
+part_llama() { $PY -m bench.gpu_train --models "$LLAMA" "${TRAIN[@]}"; }
 part_long() {
   local variants=("seq=$SEQ,b=1,pack=0")  # (--toy: the llama part ran the stream)
   [ -z "$TOY" ] && variants=("seq=$SEQ,b=1" "${variants[@]}")
@@ -99,14 +99,14 @@ part_long() {
   else
     echo "one device: no context parallelism rows"
   fi
-  $PY bench/gpu_train.py --models "$LONG" --variants "${variants[@]}" "${TRAIN[@]}"
+  $PY -m bench.gpu_train --models "$LONG" --variants "${variants[@]}" "${TRAIN[@]}"
 }
 part_moe() {  # (--toy: the dropless row alone, the dense one is the llama part's)
   local moe="experts=8,topk=2,expert_ffn=$EXPERT_FFN" status=0
   local variants=(base "$moe" "$moe,capacity=1.25")
   [ -n "$TOY" ] && variants=("$moe")
-  $PY bench/moe_check.py --json "$OUT/moe_check.json" || status=$?  # (2+ devices)
-  $PY bench/gpu_train.py --models "$MOE" --variants "${variants[@]}" "${TRAIN[@]}" || status=$?
+  $PY -m bench.moe_check --json "$OUT/moe_check.json" || status=$?  # (2+ devices)
+  $PY -m bench.gpu_train --models "$MOE" --variants "${variants[@]}" "${TRAIN[@]}" || status=$?
   return $status
 }
 part_variants() {  # (--toy: two of them, the driver's plumbing, not the variants)
@@ -114,26 +114,26 @@ part_variants() {  # (--toy: two of them, the driver's plumbing, not the variant
                   attention=xla,remat=selective kernels=pallas remat=minimal remat=full
                   scan=true)
   [ -n "$TOY" ] && variants=(kernels=pallas remat=full)
-  $PY bench/gpu_train.py --models "$BIG" "${TRAIN[@]}" --variants "${variants[@]}"
+  $PY -m bench.gpu_train --models "$BIG" "${TRAIN[@]}" --variants "${variants[@]}"
 }
 part_microbatch() {  # two commands sharing one budget (--toy: one size in each)
   local start=$SECONDS status big=(b=1 b=2 b=8) small=(b=4 b=16)
   [ -n "$TOY" ] && big=(b=1) && small=(b=4)
-  $PY bench/gpu_train.py --models "$BIG" --variants "${big[@]}" "${TRAIN[@]}" \
+  $PY -m bench.gpu_train --models "$BIG" --variants "${big[@]}" "${TRAIN[@]}" \
     --budget-s $((BUDGET * 3 / 5))
   status=$?
-  $PY bench/gpu_train.py --models "$MID,$SMALL" --variants "${small[@]}" "${TRAIN[@]}" \
+  $PY -m bench.gpu_train --models "$MID,$SMALL" --variants "${small[@]}" "${TRAIN[@]}" \
     --budget-s $((BUDGET - (SECONDS - start) > 1 ? BUDGET - (SECONDS - start) : 1)) || status=$?
   return $status
 }
 part_profile() {
-  $PY bench/profile_step.py --model "$BIG" ${TOY:+--warmup 1} --out-dir "$OUT"
+  $PY -m bench.profile_step --model "$BIG" ${TOY:+--warmup 1} --out-dir "$OUT"
 }
 part_pipeline() {
   if [ ! -f bench/pipeline_rounds.py ]; then
     echo "bench/pipeline_rounds.py does not exist yet: nothing to run"; return 0
   fi
-  $PY bench/pipeline_rounds.py --json "$OUT/pipeline_rounds.json" ${TOY:+--toy}
+  $PY -m bench.pipeline_rounds --json "$OUT/pipeline_rounds.json" ${TOY:+--toy}
 }
 
 if [ -n "${GPU_ALL_PART:-}" ]; then  # one part, in the process the loop below starts
@@ -161,7 +161,7 @@ done
 {
   echo "==== summary"
   for results in "$OUT"/gpu_train_*.json; do
-    [ -f "$results" ] && $PY bench/gpu_results.py "$results"
+    [ -f "$results" ] && $PY -m bench.gpu_results "$results"
   done
   printf '%s\n' "${summary[@]}"
   echo "results in $OUT"

@@ -12,7 +12,7 @@ One file per device kind, gpu_train_<device>.json (bench/report.py names it):
     models      derived: each model's base run beside its baseline (the BENCHMARKS table)
 
 Runs replace earlier ones of the same key, so parts measured in separate commands
-accumulate. `python bench/gpu_results.py FILE` prints the table of a file.
+accumulate. `python -m bench.gpu_results FILE` prints the table of a file.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pathlib
 import sys
 
 from jaxptd.units import GB
-from report import cell
+from bench.report import cell
 
 SUMMARY = ("tokens_per_s", "tflops_per_device", "mfu", "tflops_6n", "mfu_6n",
            "peak_memory_bytes", "microbatch_size")

@@ -1,14 +1,14 @@
 """Training throughput of GPT models on one device, jaxptd against a PyTorch baseline.
 
 Each (model, variant) is built through the training code path (`load_config` of
-configs/gpu/<model>.yaml with overrides, `make_mesh`, `Setup`, `jaxptd.train.compile_step`)
+configs/gpu/<model>.yaml with overrides, `make_mesh`, `Setup`, `jaxptd.train.loop.compile_step`)
 and measured in its own process, so peak device memory is that run's and a crash, an
 out-of-memory or a Triton compile error becomes an `error` in its row instead of ending
 the benchmark. Per run: the median step time of --steps steps after --warmup, each waited
 on (compile time reported apart), tokens/s, TFLOP/s per device and MFU by PTD-P equation
 (3) as the training log counts them (recomputation included when there is some; MFU
 against the device's dense bf16 peak), the same by 6N + attention (model FLOPs only,
-`jaxptd.metrics.flops_6n`), peak device memory (`peak_bytes_in_use`; none on CPU) and the
+`jaxptd.train.metrics.flops_6n`), peak device memory (`peak_bytes_in_use`; none on CPU) and the
 first and last loss. The PyTorch baseline (bench/torch_gpt.py, its own process too) runs
 each model's base variant when torch is importable.
 
@@ -20,12 +20,12 @@ note until that key exists), and <arch>-toy (a 2-layer stand-in for CI). Variant
 scanned or unrolled) and b (microbatch size; the global batch stays --global-batch
 sequences), e.g. "attention=xla,remat=selective,b=2".
 
-    PYTHONPATH=. python bench/gpu_train.py --models gpt-1.3B --variants base kernels=pallas
+    python -m bench.gpu_train --models gpt-1.3B --variants base kernels=pallas
 
 Results are merged into <--out-dir>/gpu_train_<device>.json (bench/gpu_results.py: rows
 replace those of the same model and variant), written after every run; `models` holds
 each model's base run beside its baseline. The table printed at the end shows this
-invocation's runs; `python bench/gpu_results.py FILE` prints the whole file's.
+invocation's runs; `python -m bench.gpu_results FILE` prints the whole file's.
 """
 from __future__ import annotations
 
@@ -46,9 +46,9 @@ import sys
 import tempfile
 import time
 
-import gpu_results
+from bench import gpu_results
 from jaxptd.config import ConfigError, load_config
-from report import result_path
+from bench.report import result_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -143,10 +143,10 @@ def compile_for(config):
     import jax
     import numpy as np
 
-    from jaxptd import metrics
-    from jaxptd.mesh import make_mesh
-    from jaxptd.step import Setup
-    from jaxptd.train import compile_step
+    from jaxptd.train import metrics
+    from jaxptd.parallel.mesh import make_mesh
+    from jaxptd.train.step import Setup
+    from jaxptd.train.loop import compile_step
 
     device = jax.devices()[0]
     setup = Setup(config, make_mesh(config.parallel, [device]))
@@ -177,7 +177,7 @@ def measure(config, steps: int, warmup: int) -> dict:
     """Compiles and times the training step of `config` on the first device."""
     import jax
 
-    from jaxptd import metrics
+    from jaxptd.train import metrics
 
     device, state, batch, step, flops, compile_s = compile_for(config)
     state, times, losses = run_steps(step, state, batch, warmup + steps)
@@ -283,10 +283,10 @@ def measure_job(job: Job, args, deadline: float, log_path: pathlib.Path) -> dict
     flags = ["--models", job.model, "--variants", job.variant, "--global-batch",
              args.global_batch, "--steps", args.steps, "--warmup", args.warmup]
     row = {"model": job.model, "variant": job.variant, "date": str(datetime.date.today()),
-           "command": "PYTHONPATH=. python bench/gpu_train.py " + shlex.join(map(str, flags))}
+           "command": "python -m bench.gpu_train " + shlex.join(map(str, flags))}
     if job.skipped:
         return {**row, "skipped": job.skipped}
-    cmd = [sys.executable, "bench/gpu_train.py", "--worker", *flags]
+    cmd = [sys.executable, "-m", "bench.gpu_train", "--worker", *flags]
     return {**row, **describe(job.config()), "steps": args.steps,
             **run_budgeted(cmd, deadline, args, log_path)}
 
@@ -299,7 +299,7 @@ def measure_baseline(job: Job, args, deadline: float, log_path: pathlib.Path) ->
         return {**row, "skipped": "torch is not importable"}
     if not job.model.startswith("gpt-"):
         return {**row, "skipped": "bench/torch_gpt.py has the GPT only"}
-    cmd = [sys.executable, "bench/torch_gpt.py", "--config", job.path, *job.overrides,
+    cmd = [sys.executable, "-m", "bench.torch_gpt", "--config", job.path, *job.overrides,
            "--steps", args.steps, "--warmup", args.warmup]
     row["command"] = "PYTHONPATH=. python " + shlex.join(map(str, cmd[1:]))
     return {**row, **run_budgeted(cmd, deadline, args, log_path)}
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
         pathlib.Path(args.result).write_text(json.dumps(
             measure(job.config(), args.steps, args.warmup)))
         return 0
-    command = "PYTHONPATH=. python bench/gpu_train.py " + shlex.join(argv)
+    command = "python -m bench.gpu_train " + shlex.join(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # run finally:
     path = orchestrate(args, jobs, command)
     print(f"reproduce: {command}\nwrote {path}")

@@ -2,7 +2,7 @@
 without a GPU, one layout a row: memory a device, the planner's ratio to it, overlap of the
 collectives, conditionals in loops and the static cost report's MFU ceiling.
 
-    python bench/h100_compile.py [--out FILE.json] [--only NAME ...]
+    python -m bench.h100_compile [--out FILE.json] [--only NAME ...]
 
 Each row is `python -m jaxptd.plan --config configs/gpu/gpt_1.3b.yaml --verify --target
 h100 --json KEY=VALUE ...` in its own process (XLA dumps each step's memory report at
@@ -109,7 +109,7 @@ def main() -> int:
           "collective launches a step with a GEMM, attention or loop in flight / all; conds: "
           "most conditionals in one loop body; ms and MFU<=: the static cost report "
           "(jaxptd/hlo/).")
-    print("reproduce: python bench/h100_compile.py" + (" --only " + " ".join(
+    print("reproduce: python -m bench.h100_compile" + (" --only " + " ".join(
         repr(n) for n in args.only) if args.only else ""))
     if args.out:
         with open(args.out, "w") as f:

@@ -2,7 +2,7 @@
 jaxptd's own modules, import cycles, and how often control enters each jaxptd file from
 another while one training step is built and traced.
 
-    python bench/house.py [--no-trace]
+    python -m bench.house [--no-trace]
 
 Static figures come from an ast walk of jaxptd/; the trace builds `Setup` and lowers one
 step of configs/gpt_tiny.yaml on 8 simulated CPU devices under `sys.setprofile`, counting
@@ -107,8 +107,8 @@ def file_entries(overrides: list) -> collections.Counter:
     lowered."""
     import jax
     from jaxptd.config import load_config
-    from jaxptd.mesh import make_mesh
-    from jaxptd.step import Setup, build_train_step
+    from jaxptd.parallel.mesh import make_mesh
+    from jaxptd.train.step import Setup, build_train_step
     config = load_config(os.path.join(ROOT, "configs", "gpt_tiny.yaml"), overrides)
     mesh = make_mesh(config.parallel, jax.devices()[: config.num_devices])
     entries = collections.Counter()
@@ -157,10 +157,9 @@ def main() -> int:
             entries = file_entries(overrides)
             print(f"\n{name}: {sum(entries.values())} entries into {len(entries)} files")
             print("  " + ", ".join(f"{f} {n}" for f, n in entries.most_common()))
-    print("\nreproduce: python bench/house.py")
+    print("\nreproduce: python -m bench.house")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
     sys.exit(main())

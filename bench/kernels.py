@@ -21,7 +21,7 @@ their difference. Before timing, every implementation's outputs are compared wit
 (`err`: max |difference| / max |XLA output|); the run fails if one is off by more than
 bf16 rounding, so a wrong kernel is never reported as fast.
 
-    PYTHONPATH=. python bench/kernels.py [--batch 4] [--reps 50] [--out-dir bench/results]
+    python -m bench.kernels [--batch 4] [--reps 50] [--out-dir bench/results]
 
 Needs a CUDA GPU; elsewhere it exits with a message, except with --toy (tiny shapes, any
 device, interpret mode on CPU: what CI runs). Writes <out-dir>/kernels_<device>.json.
@@ -42,7 +42,7 @@ from jaxptd.model.layers import attention_core
 from jaxptd.model.tensor import Layout
 from jaxptd.units import GB
 from pallas_kernels import bias_gelu, fused_softmax, reference_bias_gelu, reference_fused_softmax
-from report import cell, result_path
+from bench.report import cell, result_path
 
 MAX_ERR = 0.02  # relative to the largest XLA output: a few bf16 ulps
 
@@ -264,7 +264,7 @@ def main():
         sys.exit(f"bench/kernels.py needs a CUDA GPU; JAX's default backend here is "
                  f"{jax.default_backend()!r}. Nothing was measured.")
     device = jax.devices()[0].device_kind
-    command = (f"PYTHONPATH=. python bench/kernels.py "
+    command = (f"python -m bench.kernels "
                f"{'--toy' if args.toy else f'--batch {args.batch}'} --reps {args.reps}")
     shapes = TOY if args.toy else Shapes(batch=args.batch)
     # Mosaic-GPU's grouped GEMM kernels are Hopper's (wgmma): compute capability 9.x.

@@ -14,7 +14,7 @@ over every expert and the all-to-all of a dropless exchange moves blocks padded 
 worst routing (model/moe.py), so the MoE rows here cost more than a GPU's grouped GEMMs
 would: the work ratio is an upper bound of the routing's overhead, not the GPU's.
 
-    PYTHONPATH=. python bench/moe.py [--json OUT.json] [--seq 256] [--reps 3]
+    python -m bench.moe [--json OUT.json] [--seq 256] [--reps 3]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from report import time_steps
+from bench.report import time_steps
 
 MODEL = ["model.arch=llama", "model.num_layers=2", "model.hidden_size=128",
          "model.num_heads=8", "model.num_kv_heads=2", "model.vocab_size=512",
@@ -42,8 +42,8 @@ def measure(name: str, extra: list, seq: int, reps: int) -> dict:
 
     from jaxptd import model as models
     from jaxptd.config import load_config
-    from jaxptd.mesh import make_mesh
-    from jaxptd.step import Setup, build_train_step
+    from jaxptd.parallel.mesh import make_mesh
+    from jaxptd.train.step import Setup, build_train_step
 
     config = load_config(None, [*MODEL, *extra, f"model.seq_len={seq}"])
     setup = Setup(config, make_mesh(config.parallel, jax.devices()[:8]))
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         print(f"{r['name']:>22} {r['params'] / 1e6:>9.3f} {r['layer_flops_token']:>16,} "
               f"{r['temp_bytes'] / 2**20:>12.1f} {r['memory_ratio']:>13.2f} "
               f"{r['work_ratio']:>11.2f} {r['loss']:>8.4f}")
-    print("reproduce: PYTHONPATH=. python bench/moe.py " + " ".join(sys.argv[1:]))
+    print("reproduce: python -m bench.moe " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, "seq": args.seq, "rows": rows}, f, indent=1)

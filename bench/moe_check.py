@@ -6,7 +6,7 @@ CPU devices it checks the padded path the suite checks too. Prints a table (max 
 difference of the loss and of every gradient) and the command; exit status 1 if any is over
 the tolerance.
 
-    PYTHONPATH=. python bench/moe_check.py [--json OUT.json] [--rtol 1e-4]
+    python -m bench.moe_check [--json OUT.json] [--rtol 1e-4]
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ def grads_at(expert: int, devices, batch):
     import jax.numpy as jnp
 
     from jaxptd.config import load_config
-    from jaxptd.mesh import make_mesh
+    from jaxptd.parallel.mesh import make_mesh
     from jaxptd.model import moe
-    from jaxptd.step import Setup, build_grads
+    from jaxptd.train.step import Setup, build_grads
 
     config = load_config(None, [*MODEL, f"parallel.data={expert}", f"parallel.expert={expert}"])
     setup = Setup(config, make_mesh(config.parallel, devices[:expert]))
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     print(f"{'expert':>6} {'loss rel diff':>14} {'worst gradient rel diff':>24}")
     for r in rows:
         print(f"{r['expert']:>6} {r['loss_rel']:>14.2e} {r['grads_rel']:>24.2e}")
-    print("reproduce: PYTHONPATH=. python bench/moe_check.py " + " ".join(sys.argv[1:]))
+    print("reproduce: python -m bench.moe_check " + " ".join(sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"jax": jax.__version__, "rows": rows}, f, indent=1)

@@ -12,7 +12,7 @@ Simulated devices share the machine's cores, so wall time tracks the total work 
 devices: the ratio shows that idle slots do no work (masked compute would multiply it),
 not the bubble. Quote only ratios from one run on a shared CPU.
 
-    python bench/pipeline.py [--steps 10] [--json bench/results/pipeline_cpu.json]
+    python -m bench.pipeline [--steps 10] [--json bench/results/pipeline_cpu.json]
 """
 import argparse
 import json
@@ -29,14 +29,14 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 from jaxptd.config import load_config  # noqa: E402
-from jaxptd.mesh import make_mesh  # noqa: E402
+from jaxptd.parallel.mesh import make_mesh  # noqa: E402
 from jaxptd.pipeline.executor import rounds_for  # noqa: E402
 from jaxptd.pipeline.lowering import round_costs, round_form, segments  # noqa: E402
 from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
 from jaxptd.pipeline.simulate import simulate  # noqa: E402
-from jaxptd.step import Setup, build_train_step  # noqa: E402
+from jaxptd.train.step import Setup, build_train_step  # noqa: E402
 from jaxptd.units import MB  # noqa: E402
-from report import time_steps  # noqa: E402
+from bench.report import time_steps  # noqa: E402
 
 MODEL = ["model.num_layers=8", "model.hidden_size=256", "model.num_heads=8",
          "model.seq_len=128", "model.vocab_size=512", "train.global_batch=32"]
@@ -124,11 +124,11 @@ def main(argv=None):
               f"{row['sent_bytes'] / MB:8.2f} {row.get('useful_bytes', 0) / MB:9.2f}")
     print(f"\nratio: median step time / the unpipelined step (data 8, m = 2, the same b = 2),"
           f" measured before and after the cases: {baseline_before:.3f} s and "
-          f"{baseline_after:.3f} s.\nreproduce: python bench/pipeline.py --steps {args.steps}")
+          f"{baseline_after:.3f} s.\nreproduce: python -m bench.pipeline --steps {args.steps}")
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-                   "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                   "date": time.strftime("%Y-%m-%d"), "command": "python -m bench.pipeline " + " ".join(sys.argv[1:]),
                    "model": MODEL, "baseline_step_s": [baseline_before, baseline_after],
                    "rows": rows}, f, indent=1)
 

@@ -12,7 +12,7 @@ device-to-host copies (the conditionals' predicates). With --command-buffers the
 repeated in a child process with XLA_FLAGS enabling CUDA-graph command buffers for
 conditionals (newer XLA can record them, avoiding the host copy; not on by default).
 
-    PYTHONPATH=. python bench/pipeline_rounds.py [--json OUT.json] [--toy] [--command-buffers]
+    python -m bench.pipeline_rounds [--json OUT.json] [--toy] [--command-buffers]
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def _with_command_buffers(args) -> dict:
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} "
                                      f"{COMMAND_BUFFER_FLAGS}".strip())
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        child = [sys.executable, os.path.abspath(__file__), "--json", out.name,
+        child = [sys.executable, "-m", "bench.pipeline_rounds", "--json", out.name,
                  "--rounds", str(args.rounds), "--repeats", str(args.repeats)]
         done = subprocess.run(child + (["--toy"] if args.toy else []), env=env,
                               capture_output=True, text=True)
@@ -163,14 +163,14 @@ def main(argv=None) -> int:
     shape = SHAPES["toy" if args.toy else "gpt-1.3B"]
     rows = measure(shape, args.rounds, args.repeats)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+              "date": time.strftime("%Y-%m-%d"), "command": "python -m bench.pipeline_rounds " + " ".join(sys.argv[1:]),
               "shape": shape, "rounds": args.rounds, "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "rows": rows}
     print(f"{'variant':20s} {'ms/round':>9s} {'DtoH/round':>10s}")
     for row in rows:
         print(f"{row['variant']:20s} {row['ms_per_round']:9.3f} "
               f"{row['dtoh_copies_per_round']:10.2f}")
-    print(f"reproduce: PYTHONPATH=. python {' '.join(sys.argv)}")
+    print(f"reproduce: python -m bench.pipeline_rounds {' '.join(sys.argv[1:])}")
     if args.command_buffers:
         result["command_buffers"] = _with_command_buffers(args)
     if args.json:

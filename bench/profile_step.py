@@ -10,7 +10,7 @@ thunks on the host threads. Each op gets its category from the compiled HLO text
 (opcode; fusion kind and backend kind, e.g. a Triton GEMM; custom-call target, e.g.
 cuBLAS or cuDNN) and the JAX operation it came from (its metadata op_name).
 
-    PYTHONPATH=. python bench/profile_step.py --model gpt-1.3B [--variant base] [--top 25]
+    python -m bench.profile_step --model gpt-1.3B [--variant base] [--top 25]
 
 Prints the top ops and the time by category; writes <--out-dir>/profile_<model>_<device>.json
 (bench/report.py names it). Streams overlap, so the op times can add up to more than the
@@ -29,8 +29,8 @@ import sys
 import tempfile
 import time
 
-import gpu_train
-from report import result_path
+from bench import gpu_train
+from bench.report import result_path
 
 HLO_LINE = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?:.*?\s)?(?P<op>[a-z][\w\-]*)\("
                       r"(?P<rest>.*)")
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     state = gpu_train.run_steps(step, state, batch, args.warmup)[0]
     profile, step_s = trace_one_step(step, state, batch)
     summary = summarise(op_times(profile), hlo_ops(step.as_text()), args.top)
-    command = "PYTHONPATH=. python bench/profile_step.py " + shlex.join(argv)
+    command = "python -m bench.profile_step " + shlex.join(argv)
     print(f"{args.model} {args.variant} on {device.device_kind}: traced step {step_s * 1e3:.1f}"
           f" ms, op time {summary['op_time_ms']:.1f} ms")
     print_summary(summary)

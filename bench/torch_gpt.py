@@ -15,7 +15,7 @@ does not import JAX), so layers, widths, sequence, vocabulary, global batch, mic
 size, learning rate, betas, eps, weight decay and clipping are the same by construction.
 The learning rate is held at optimizer.lr (the schedule does not change the cost).
 
-    PYTHONPATH=. python bench/torch_gpt.py --config configs/gpu/gpt_1.3b.yaml \\
+    python -m bench.torch_gpt --config configs/gpu/gpt_1.3b.yaml \\
         train.global_batch=16 parallel.microbatches=4 [--steps 10] [--warmup 3]
 
 Prints one line and, with --result FILE, writes the measurement as JSON (what

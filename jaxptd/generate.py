@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxptd import hf
+from jaxptd.hf import bridge as hf
 from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from jaxptd.data import DataError
 from jaxptd.data.prepare import corpus_tokenizer
 from jaxptd.data.tokenizer import load_tokenizer
-from jaxptd.hf_names import HFError
+from jaxptd.hf.names import HFError
 
 
 def sample(logits, key, temperature: float, top_k: int, top_p: float):
@@ -62,11 +62,12 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
     from jax.sharding import PartitionSpec as P
 
     # JAX and Flax on use: --help and bad arguments answer without starting them (~0.6 s)
-    from jaxptd.mesh import TENSOR
+    from jaxptd.parallel.mesh import TENSOR
     from jaxptd.model import get
     from jaxptd.model.tensor import Layout
     from jaxptd.model.vocab import vocab_start
-    from jaxptd.sharding import RULES, mark_varying, specs_from_logical
+    from jaxptd.parallel.sharding import RULES, specs_from_logical
+    from jaxptd.parallel.varying import mark_varying
 
     arch, tensor = get(cfg), mesh.shape[TENSOR]
     decoder = arch.decoder
@@ -179,7 +180,7 @@ def generate(args) -> tuple[str | None, list[int]]:
     """(prompt + continuation as text when a tokenizer is known, the new ids)."""
     import jax
     import jax.numpy as jnp
-    from jaxptd.mesh import make_mesh  # JAX and Flax on use, as in build
+    from jaxptd.parallel.mesh import make_mesh  # JAX and Flax on use, as in build
     from jaxptd.model import get
 
     model, params, spec = _load(args)

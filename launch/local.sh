@@ -49,7 +49,7 @@ PY
      overrides+=("runtime.cpu_devices=$per");;
 esac
 
-# The coordinator port P and the roll-call port P - 1 (jaxptd/distributed.py) must be free.
+# The coordinator port P and the roll-call port P - 1 (jaxptd/runtime/distributed.py) must be free.
 port=${JAXPTD_PORT:-$("$python" -c '
 import random, socket
 while True:

@@ -19,7 +19,7 @@ import warnings
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxptd.sharding import varying_axes  # the one reading of JAX's varying-axes type
+from jaxptd.parallel.varying import varying_axes  # the one reading of JAX's varying-axes type
 
 try:  # Triton backend; its CompilerParams was named TritonCompilerParams before 0.5.
     from jax.experimental import pallas as pl

@@ -66,8 +66,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _forward
 from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as _transposed
 
-from jaxptd.sharding import mark_varying, varying_axes
-from jaxptd.target import TARGETS
+from jaxptd.parallel.varying import mark_varying, varying_axes
+from jaxptd.runtime.target import TARGETS
 from pallas_kernels import backend
 
 BLOCK = 128  # output tile rows and columns, and what M, K, N are padded to

@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxptd import optim
+from jaxptd.train import optim
 from jaxptd.config import Config, load_config
 from jaxptd.data import prepare_corpus
-from jaxptd.mesh import make_mesh
+from jaxptd.parallel.mesh import make_mesh
 from jaxptd import model as models
 from jaxptd.model import moe
 from jaxptd.model.tensor import Layout
-from jaxptd.step import Setup
+from jaxptd.train.step import Setup
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model.num_layers=4", "model.hidden_size=32", "model.num_heads=8", "model.seq_len=16",
@@ -109,7 +109,7 @@ def reference_losses(config, vocab, params, batches):
 
 def assert_grads_match_single_device(setup):
     """build_grads at the setup's layout gives the single-device loss and gradients."""
-    from jaxptd.step import build_grads
+    from jaxptd.train.step import build_grads
 
     state = placed_state(setup)
     batch = fixed_batches(setup.config, 1)[0]
@@ -128,7 +128,7 @@ def assert_grads_match_single_device(setup):
 
 def assert_steps_match_single_device(setup, steps=3):
     """`steps` optimizer steps at the setup's layout give the single-device losses."""
-    from jaxptd.step import build_train_step
+    from jaxptd.train.step import build_train_step
 
     state = placed_state(setup)
     params0 = setup.state_layout.to_logical(jax.device_get(state["params"]))  # (host memory: numpy)
@@ -312,7 +312,7 @@ def assert_export_is_bitwise(checkpoint, hf_dir, dest):
     again: the same names, every tensor bit for bit."""
     from safetensors.numpy import load_file
 
-    from jaxptd import hf
+    from jaxptd.hf import bridge as hf
     assert hf.main(["export", str(checkpoint), str(dest)]) == 0
     exported = load_file(Path(dest) / "model.safetensors")
     original = load_file(Path(hf_dir) / "model.safetensors")

@@ -17,12 +17,9 @@ import pytest
 
 from helpers import optimised_env
 
-ROOT = pathlib.Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "bench"))  # the bench scripts import their neighbours
+from bench import gpu_results, gpu_train, profile_step
 
-import gpu_results  # noqa: E402
-import gpu_train  # noqa: E402
-import profile_step  # noqa: E402
+ROOT = pathlib.Path(__file__).parents[1]
 
 TORCH = gpu_train.version("torch") is not None
 
@@ -111,8 +108,8 @@ def test_gpu_train_refuses_bad_input_in_one_line(capsys, argv, words):
     (["bench/gpu_all.sh"], "usage"),
     (["bench/gpu_all.sh", "{tmp}", "sizes", "everything"], "part everything: unknown"),
     (["bench/gpu_all.sh", "/proc/no/such"], "OUT_DIR /proc/no/such"),
-    ([sys.executable, "bench/profile_step.py", "--model", "bert-1B"], "unknown model"),
-    pytest.param([sys.executable, "bench/torch_gpt.py", "--config", "configs/gpu/none.yaml"],
+    ([sys.executable, "-m", "bench.profile_step", "--model", "bert-1B"], "unknown model"),
+    pytest.param([sys.executable, "-m", "bench.torch_gpt", "--config", "configs/gpu/none.yaml"],
                  "not found", marks=pytest.mark.skipif(not TORCH, reason="torch is not installed")),
 ])
 def test_scripts_refuse_bad_input_in_one_line(tmp_path, cmd, words):
@@ -147,7 +144,7 @@ def torch_state(params, h: int) -> dict:
 def test_torch_model_is_the_jaxptd_model():
     """The baseline's GPT computes jaxptd's loss from jaxptd's parameters (float32)."""
     import torch
-    import torch_gpt
+    from bench import torch_gpt
 
     from jaxptd import model as models
     from jaxptd.config import load_config

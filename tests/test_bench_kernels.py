@@ -2,19 +2,11 @@
 checked against XLA's, and a wrong kernel is caught. Times here mean nothing; the
 benchmark proper needs a GPU."""
 import importlib
-import importlib.util
-import pathlib
-import sys
 
 import pytest
 
+from bench import kernels
 from pallas_kernels import reference_fused_softmax
-
-BENCH = pathlib.Path(__file__).parents[1] / "bench"
-sys.path.insert(0, str(BENCH))  # the bench scripts import their neighbours (report.py)
-SPEC = importlib.util.spec_from_file_location("bench_kernels", BENCH / "kernels.py")
-kernels = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(kernels)
 
 # 40-key rows over a 16-key block: softmax_long takes the multi-block path, as on a GPU.
 TOY = kernels.TOY

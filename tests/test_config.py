@@ -105,7 +105,7 @@ def test_a_continued_run_keeps_its_learning_rate_schedule():
     with; an explicit decay_steps wins; an unchanged run is left alone. The schedule
     itself is optax's, checked against the formula: min_lr past the kept length."""
     from jaxptd.config import continued
-    from jaxptd.optim import lr_schedule
+    from jaxptd.train.optim import lr_schedule
     saved = load_config(None, ["train.steps=300", "optimizer.warmup_steps=10"]).to_dict()
     longer = load_config(None, ["train.steps=500", "optimizer.warmup_steps=10"])
     kept, note = continued(longer, saved)

@@ -26,7 +26,7 @@ from jaxptd.config import ModelConfig
 from jaxptd.model import context
 from jaxptd.model.sequence import Rows, local_index
 from jaxptd.model.tensor import Layout
-from jaxptd.step import build_grads
+from jaxptd.train.step import build_grads
 
 END = 7  # the document end of the packed cases
 # a larger init than the default makes attention far from uniform, so a wrong mask shows

@@ -514,7 +514,7 @@ def test_missing_or_old_tokenizers_package_is_a_user_error(tmp_path, monkeypatch
 def test_train_runs_on_a_bpe_corpus_and_refuses_a_smaller_model_vocab(bpe, tmp_path, capsys):
     """`python -m jaxptd.train` on the BPE corpus with model.vocab_size = the tokenizer's
     vocab (padded to 128 x tensor 2 = 512 rows); the default 257 is refused in one line."""
-    from jaxptd import train
+    from jaxptd.train import loop as train
 
     path, _ = bpe
     lines = sentences(0, 200).splitlines(keepends=True)  # the tokenizer's training text

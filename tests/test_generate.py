@@ -26,7 +26,7 @@ def test_greedy_ids_equal_transformers_generate(kind, tensor, tmp_path):
     """Llama tensor parallel: its 2 kv heads over 2 ranks (its ffn 70 splits in 2)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from jaxptd import hf
+    from jaxptd.hf import bridge as hf
     model = tiny_hf_model(kind)
     model.save_pretrained(tmp_path)
     expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False)
@@ -81,7 +81,7 @@ def test_cli_prints_text_and_ids_from_a_checkpoint(tmp_path):
     """A text prompt through the byte tokenizer of the checkpoint's data (pystdlib), and
     one-line errors."""
     pytest.importorskip("transformers")
-    from jaxptd import hf
+    from jaxptd.hf import bridge as hf
     tiny_hf_model("gpt").save_pretrained(tmp_path / "hf")
     assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "run")]) == 0
     command = [sys.executable, "-m", "jaxptd.generate", "--checkpoint", str(tmp_path / "run"),

@@ -1,5 +1,5 @@
 """The GPU program, compiled for H100s by XLA's GPU compiler on this CPU machine (no GPU:
-jaxptd/target.py's topology devices, jaxptd/compile_check.py's report, jaxptd/hlo/'s
+jaxptd/runtime/target.py's topology devices, jaxptd/plan/compile_check.py's report, jaxptd/hlo/'s
 analysis). Small shapes; the 1.3B table is bench/h100_compile.py.
 
 What it holds the program to: the Pallas kernels compile for sm_90a without register
@@ -34,15 +34,16 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxptd import compile_check, hlo
+from jaxptd import hlo
+from jaxptd.plan import compile_check
 from jaxptd import model as models
 from jaxptd.config import load_config
 from jaxptd.hlo.cost import ROUNDS_SCOPE, counts_as_kernel, phase
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline import buffers
-from jaxptd.sharding import after, waiting
-from jaxptd.target import TARGETS, TargetError, topology_devices
+from jaxptd.parallel.varying import after, waiting
+from jaxptd.runtime.target import TARGETS, TargetError, topology_devices
 from pallas_kernels.grouped import grouped_matmul
 
 H100 = TARGETS["h100"]
@@ -230,8 +231,8 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, more):
 @needs_compiler
 @pytest.mark.parametrize("how", ["after", "waiting"])
 def test_a_slot_read_after_values_waits_for_them(how):
-    """sharding.after, which orders a stash=inputs B slot's recomputed forward after the
-    previous B slot's weight gradients (jaxptd/pipeline/training.py), and sharding.waiting,
+    """varying.after, which orders a stash=inputs B slot's recomputed forward after the
+    previous B slot's weight gradients (jaxptd/pipeline/training.py), and varying.waiting,
     which holds a message or a layer's weights until a slot's output (pipeline/
     executor.py): the index or array comes back unchanged whatever the values hold (NaN,
     infinities, negative zero), and the H100 program XLA optimizes still computes it from
@@ -402,7 +403,7 @@ def test_grouped_matmul_compiles_to_grouped_kernels():
 KERNELS_SCRIPT = """
 import jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
-from jaxptd.target import TARGETS, topology_devices
+from jaxptd.runtime.target import TARGETS, topology_devices
 from pallas_kernels import bias_gelu, fused_softmax
 one = SingleDeviceSharding(topology_devices(TARGETS["h100"], 1, 1)[0])
 def loss(x, b, s):

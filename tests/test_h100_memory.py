@@ -1,5 +1,5 @@
 """The GPU program's memory against the planner's, compiled for H100s without a GPU
-(jaxptd/compile_check.py, `python -m jaxptd.plan --verify --target h100`): what one more
+(jaxptd/plan/compile_check.py, `python -m jaxptd.plan --verify --target h100`): what one more
 layer adds to the compiled step (kept activations, full recomputation, offloaded layers,
 the pipeline's kept backward a layer at a time, zero-bubble's buffers) and seeds/003's FSDP
 runs scaled down.
@@ -14,7 +14,7 @@ import tempfile
 
 import pytest
 
-from jaxptd import compile_check
+from jaxptd.plan import compile_check
 from jaxptd.config import load_config
 from test_h100 import H100, ROOT, layout, needs_compiler
 

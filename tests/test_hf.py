@@ -20,7 +20,8 @@ from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
 from helpers import (HF_VOCAB, assert_trees_close, damage, reference_loss,  # noqa: E402
                      tiny_hf_model, torch_logits, train_a_step_from_import)
-from jaxptd import generate, hf  # noqa: E402
+from jaxptd import generate
+from jaxptd.hf import bridge as hf  # noqa: E402
 from jaxptd.config import Config  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.data import TokenDataset  # noqa: E402

@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from helpers import (HF_VOCAB, assert_export_is_bitwise, assert_trees_close,  # noqa: E402
                      save_tiny_bert, tiny_hf_model, train_a_step_from_import)
-from jaxptd import hf  # noqa: E402
+from jaxptd.hf import bridge as hf  # noqa: E402
 from jaxptd.data import TokenDataset  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.model import bert  # noqa: E402

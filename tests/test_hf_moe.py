@@ -20,12 +20,12 @@ from safetensors.numpy import load_file  # noqa: E402  (after the skips)
 
 from helpers import (HF_VOCAB, TINY_LLAMAS, assert_export_is_bitwise,  # noqa: E402
                      generate_ids, tiny_hf_model, torch_logits)
-from jaxptd import hf  # noqa: E402
+from jaxptd.hf import bridge as hf  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.arch import HF_CLASSES, family  # noqa: E402
 from jaxptd.config import from_dict, load_config  # noqa: E402
-from jaxptd.hf_files import read_hf  # noqa: E402
-from jaxptd.hf_names import HFError  # noqa: E402
+from jaxptd.hf.files import read_hf  # noqa: E402
+from jaxptd.hf.names import HFError  # noqa: E402
 from jaxptd.model import stack  # noqa: E402
 from jaxptd.model.tensor import Layout  # noqa: E402
 

@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import load_config
 from jaxptd import model as models
-from jaxptd.mesh import make_mesh
-from jaxptd.step import Setup, build_train_step
+from jaxptd.parallel.mesh import make_mesh
+from jaxptd.train.step import Setup, build_train_step
 
 H, HEADS, HEAD_DIM, FFN, SEQ, BATCH, LAYERS = 48, 4, 12, 192, 20, 6, 2
 SIZES = [f"model.hidden_size={H}", f"model.num_heads={HEADS}", f"model.seq_len={SEQ}",

@@ -1,5 +1,5 @@
 """The SLURM template's environment and the GPU step's XLA options: every option of
-jaxptd/target.py parses on the installed jaxlib (an unknown flag stops XLA at start-up),
+jaxptd/runtime/target.py parses on the installed jaxlib (an unknown flag stops XLA at start-up),
 a newer XLA that lacks one compiles the step without it, the template sets the memory fraction the planner assumes, and no PyTorch-only variable
 is left in it."""
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxptd.target import (GPU_XLA_FLAGS, MEM_FRACTION, PIPELINE_XLA_FLAGS, TARGETS,
+from jaxptd.runtime.target import (GPU_XLA_FLAGS, MEM_FRACTION, PIPELINE_XLA_FLAGS, TARGETS,
                            compile_lowered)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

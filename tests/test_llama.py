@@ -19,7 +19,7 @@ from helpers import (assert_grads_match_single_device, assert_steps_match_single
 from jaxptd import model as models
 from jaxptd.config import ConfigError, load_config
 from jaxptd.data import resolve_corpus, unigram_entropy
-from jaxptd.metrics import flops_per_iteration
+from jaxptd.train.metrics import flops_per_iteration
 from jaxptd.model.tensor import Layout
 
 REPO = Path(__file__).resolve().parents[1]

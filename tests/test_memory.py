@@ -22,7 +22,7 @@ from jaxptd import model as models
 from jaxptd.checkpoint.store import Checkpointer
 from jaxptd.config import load_config
 from jaxptd.model.tensor import Layout
-from jaxptd.step import build_eval_step, build_grads, build_train_step
+from jaxptd.train.step import build_eval_step, build_grads, build_train_step
 
 SP, FSDP = "parallel.sequence_parallel=true", "parallel.fsdp=true"
 MATMUL = "parallel.fsdp_unit=matmul"  # FSDP gathers one matmul's weight at a time
@@ -400,9 +400,9 @@ def test_fsdp_layer_keeps_no_gathered_weight(capsys):
     the backward (2.25 GiB at FSDP 8 for GPT-1.3B, the H100 compile)."""
     from jax.ad_checkpoint import checkpoint_name, print_saved_residuals
     from jax.sharding import Mesh, PartitionSpec as P
-    from jaxptd.mesh import FSDP
-    from jaxptd.reduction import _gather_for_matmul
-    from jaxptd.sharding import GATHERED, regather
+    from jaxptd.parallel.mesh import FSDP
+    from jaxptd.train.reduction import _gather_for_matmul
+    from jaxptd.parallel.sharding import GATHERED, regather
 
     mesh = Mesh(np.array(jax.devices()[:2]), (FSDP,))
 
@@ -468,7 +468,7 @@ def test_layers_waiting_for_reduced_gradients_compute_the_same_gradients():
                                      Layout(vocab, platform=platform), True, prepare=prepare,
                                      reduced=reduced)[0]
         return jax.jit(jax.value_and_grad(loss))(params)
-    def signs(reduced):  # sign-bit reads: sharding.after's, one a leaf it waits for
+    def signs(reduced):  # sign-bit reads: varying.after's, one a leaf it waits for
         return str(jax.make_jaxpr(jax.grad(lambda p: models.loss_terms(
             p, batch, jax.random.key(2), cfg, Layout(vocab, platform="gpu"), True,
             prepare=prepare, reduced=reduced)[0]))(params)).count("shift_right_arithmetic")

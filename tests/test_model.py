@@ -15,7 +15,7 @@ from jaxptd.config import ConfigError, load_config
 from jaxptd import model as models
 from jaxptd.model import gpt
 from jaxptd.model.tensor import Layout
-from jaxptd.step import build_grads
+from jaxptd.train.step import build_grads
 
 SMALL = ["model.num_layers=2", "model.seq_len=8", "train.global_batch=4"]
 

@@ -14,14 +14,14 @@ import pytest
 from helpers import (TINY, assert_grads_match_single_device, assert_same_state,
                      fixed_batches, make_setup, placed_state)
 
-from jaxptd import metrics
+from jaxptd.train import metrics
 from jaxptd.checkpoint.files import layout_metadata
 from jaxptd.checkpoint.store import Checkpointer
 from jaxptd.config import ConfigError, load_config
 from jaxptd.model import gpt, llama
 from jaxptd.model.moe import STATS, MoE
 from jaxptd.model.tensor import Layout
-from jaxptd.step import build_grads, build_train_step
+from jaxptd.train.step import build_grads, build_train_step
 
 LLAMA = ["model.arch=llama", "model.num_kv_heads=4", "model.moe_experts=4",
          "model.moe_shared_ffn=32", "model.moe_z_loss=0.001"]

@@ -25,9 +25,9 @@ from jaxptd.checkpoint.integrity import inspect
 from jaxptd.checkpoint.store import Checkpointer
 from jaxptd.config import load_config
 from jaxptd.data import TokenDataset, resolve_corpus
-from jaxptd.mesh import make_mesh
-from jaxptd.step import Setup, build_train_step
-from jaxptd.train import global_batch
+from jaxptd.parallel.mesh import make_mesh
+from jaxptd.train.step import Setup, build_train_step
+from jaxptd.train.loop import global_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model.num_layers=8", "model.hidden_size=32", "model.num_heads=8", "model.seq_len=16",

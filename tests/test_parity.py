@@ -15,8 +15,8 @@ from helpers import (assert_same_state, assert_trees_close, fixed_batches, make_
 from jax.sharding import PartitionSpec as P
 
 from jaxptd.model import weight_decay_mask
-from jaxptd.optim import lr_schedule
-from jaxptd.step import build_grads, build_train_step
+from jaxptd.train.optim import lr_schedule
+from jaxptd.train.step import build_grads, build_train_step
 
 # ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
 # leaves the gradients of the layout unchanged, so (2, 1, 4) is run with it only.

@@ -15,12 +15,12 @@ from helpers import (assert_grads_match_single_device, assert_steps_match_single
                      assert_trees_close, fixed_batches, make_setup, placed_state,
                      reference_loss, reference_loss_and_grads, train_cli_records)
 from jaxptd.config import ConfigError, load_config
-from jaxptd.mesh import PIPE
+from jaxptd.parallel.mesh import PIPE
 from jaxptd.pipeline.executor import rounds_for
 from jaxptd.pipeline.lowering import segments
 from jaxptd.pipeline.schedules import make_schedule
 from jaxptd.pipeline.simulate import simulate
-from jaxptd.step import build_eval_step, build_train_step
+from jaxptd.train.step import build_eval_step, build_train_step
 
 
 # (data, pipe, tensor, schedule, chunks, microbatches, layers): m = 1, m < p, m = p, m not a
@@ -96,7 +96,7 @@ def test_ends_live_where_they_are_read_and_stay_there(form):
     last only, every other slot still exactly zero, and the step's gradient norm is the
     single-device one (the tied gradient counted once); also where every rank runs the
     head on its rows (steady, b = p: the head's gradients go back to the last slot)."""
-    from jaxptd.step import build_grads, pipeline_context
+    from jaxptd.train.step import build_grads, pipeline_context
     import optax
 
     p = 4
@@ -156,7 +156,7 @@ SPREAD = [
 def test_spread_head_matches_single_device(case, stash, extra):
     """Each pipe rank runs the head on 1/p of the last stage's rows (an all-to-all in the
     program, none in the cond form's): the single-device loss and gradients."""
-    from jaxptd.step import pipeline_context
+    from jaxptd.train.step import pipeline_context
 
     data, pipe, micro = case[0], case[1], case[5]
     setup = pipelined_setup(*case, extra=[
@@ -202,7 +202,7 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
     gate and up each from the same), a layer at a time, and the kept backward's
     perturbations are passed in again, not stored."""
     from jaxptd.pipeline.training import kept_by_layer
-    from jaxptd.step import pipeline_context
+    from jaxptd.train.step import pipeline_context
 
     setup = pipelined_setup(*case, extra=[
         f"parallel.stash={stash}", "parallel.round_form=steady", "model.scan_layers=false",
@@ -235,7 +235,7 @@ def test_kept_backward_uses_each_microbatchs_dropout_masks(schedule, chunks):
     which draws them again from the microbatch's key. A backward that kept one trace's
     masks for every microbatch (what jax.closure_convert does to boolean values) fails
     this by far (measured: elements off by 20x and more)."""
-    from jaxptd.step import build_grads
+    from jaxptd.train.step import build_grads
 
     def grads(stash):
         setup = pipelined_setup(1, 2, 1, schedule, chunks, 3, 4, [

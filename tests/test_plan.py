@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from jaxptd import metrics, plan
+from jaxptd import plan
+from jaxptd.train import metrics
 from jaxptd.plan import model as plan_model
 from jaxptd.config import load_config
 

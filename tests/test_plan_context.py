@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from jaxptd import metrics, plan
+from jaxptd import plan
+from jaxptd.train import metrics
 from jaxptd.config import load_config
 from jaxptd.plan import model as plan_model
 from jaxptd.plan import timing as plan_time

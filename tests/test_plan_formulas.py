@@ -157,7 +157,7 @@ def test_the_plan_counts_the_head_where_the_step_runs_it(form, rows):
     from jaxptd.config import load_config
     from jaxptd.model import get
     from jaxptd.plan import PlanInputs, executed_flops, plan, real_counts
-    from jaxptd.target import TARGETS
+    from jaxptd.runtime.target import TARGETS
 
     p, m, t = 4, 8, 2
 

@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from helpers import HF_VOCAB  # noqa: E402  (after the skips)
-from jaxptd import hf  # noqa: E402
+from jaxptd.hf import bridge as hf  # noqa: E402
 from jaxptd import model as models  # noqa: E402
 from jaxptd.arch import HF_CLASSES  # noqa: E402
 from jaxptd.config import from_dict  # noqa: E402
-from jaxptd.hf_names import HFError  # noqa: E402
+from jaxptd.hf.names import HFError  # noqa: E402
 from jaxptd.model.llama import inverse_frequencies  # noqa: E402
 from jaxptd.model.tensor import Layout  # noqa: E402
 

@@ -14,10 +14,10 @@ import jax
 import pytest
 
 from helpers import REPO
-from jaxptd import runlog
+from jaxptd.runtime import runlog
 from jaxptd.checkpoint.files import TMP_MARK
 from jaxptd.config import load_config
-from jaxptd.rundir import LOCK_NAME, RunDirError, RunLock, unrestored_history
+from jaxptd.runtime.rundir import LOCK_NAME, RunDirError, RunLock, unrestored_history
 
 
 def config_in(tmp_path, *extra):
@@ -50,7 +50,7 @@ def test_a_killed_runs_lock_does_not_block(tmp_path):
     """The holder is SIGKILLed: its lock file stays, naming it, but locks nothing."""
     config = config_in(tmp_path)
     (tmp_path / "run").mkdir()
-    code = ("import sys, time; from jaxptd.rundir import _lock; _lock(sys.argv[1]); "
+    code = ("import sys, time; from jaxptd.runtime.rundir import _lock; _lock(sys.argv[1]); "
             "print('locked', flush=True); time.sleep(600)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "run" / LOCK_NAME)],
                               cwd=REPO, stdout=subprocess.PIPE, text=True)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jaxptd import runlog, storage
+from jaxptd.runtime import runlog, storage
 from jaxptd.config import load_config
 
 

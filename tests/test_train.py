@@ -280,7 +280,7 @@ def test_sigint_saves_the_step_and_exits_130(corpus_env, tmp_path):
 def test_second_sigint_exits_at_once_even_inside_a_long_call():
     """After the first SIGINT's notice, a second one ends the process although its main
     thread is blocked in a call that does not return (a Python handler would wait)."""
-    code = ("import threading; from jaxptd.preemption import Preemption; Preemption(); "
+    code = ("import threading; from jaxptd.runtime.preemption import Preemption; Preemption(); "
             "print('ready', flush=True); threading.Event().wait(600)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -526,7 +526,7 @@ def test_bad_input_errors_name_what_to_change(bad_input_results, bad_input_dir):
 
 def test_out_of_memory_at_run_time_is_one_line():
     from jaxptd.config import load_config
-    from jaxptd.preflight import out_of_memory
+    from jaxptd.runtime.preflight import out_of_memory
     config = load_config(None, ["model.seq_len=4096"])
     xla = RuntimeError("INTERNAL: Error dispatching computation: Out of memory allocating "
                        "16330475327704 bytes.")
@@ -537,7 +537,7 @@ def test_out_of_memory_at_run_time_is_one_line():
 
 def test_memory_check_refuses_only_beyond_the_planners_margin():
     from jaxptd.config import ConfigError, load_config
-    from jaxptd.preflight import check_memory
+    from jaxptd.runtime.preflight import check_memory
     config = load_config(None, [])
     gpu = (80e9, "NVIDIA H100 memory")
     check_memory(config, 90e9, gpu)  # within the planner's 15%: left to XLA

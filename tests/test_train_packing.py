@@ -34,7 +34,7 @@ def packed(*overrides: str):
 
 def test_packing_takes_the_corpus_eot_id_or_data_eod_id(corpus_env, megatron_prefix):
     from jaxptd.data import read_meta
-    from jaxptd.preflight import packing
+    from jaxptd.runtime.preflight import packing
     _, corpus = corpus_env
     eot = read_meta(corpus)["eot_id"]
     config, train = packed(f"data.path={corpus}", "data.pack=true")
@@ -59,7 +59,7 @@ def test_packing_takes_the_corpus_eot_id_or_data_eod_id(corpus_env, megatron_pre
 ])
 def test_packing_megatron_data_refusals(megatron_prefix, overrides, message):
     from jaxptd.config import ConfigError
-    from jaxptd.preflight import packing
+    from jaxptd.runtime.preflight import packing
     config, train = packed(f"data.path={megatron_prefix}", "data.pack=true", *overrides)
     with pytest.raises(ConfigError, match=message):
         packing(config, train)
@@ -70,7 +70,7 @@ def test_packing_megatron_data_refusals(megatron_prefix, overrides, message):
 def test_packing_refusals_are_one_error_line(corpus_env, megatron_prefix, tmp_path, capsys,
                                              case):
     """Through the entry point (in this process: each is refused before device work)."""
-    from jaxptd import train
+    from jaxptd.train import loop as train
     _, corpus = corpus_env
     args, named = {
         "megatron without eod id": ([f"data.path={megatron_prefix}"], "data.eod_id"),

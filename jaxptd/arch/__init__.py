@@ -15,7 +15,7 @@ import pkgutil
 from typing import TYPE_CHECKING
 
 from jaxptd.arch.interface import Family
-from jaxptd.hf_names import HFClass
+from jaxptd.hf.names import HFClass
 
 if TYPE_CHECKING:
     from jaxptd.config import ModelConfig

@@ -13,7 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Iterator
 
 from jaxptd.arch.interface import Architecture, Family
-from jaxptd.hf_names import (SAME, HFClass, HFMap, each_layer, gelu, linear, require,
+from jaxptd.hf.names import (SAME, HFClass, HFMap, each_layer, gelu, linear, require,
                              reshaped)
 
 if TYPE_CHECKING:

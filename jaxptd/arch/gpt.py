@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
-from jaxptd.hf_names import SAME, HFClass, HFMap, each_layer, gelu, require, reshaped
+from jaxptd.hf.names import SAME, HFClass, HFMap, each_layer, gelu, require, reshaped
 
 if TYPE_CHECKING:
     from jaxptd.config import ModelConfig

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from jaxptd.hf_names import HFMap
+from jaxptd.hf.names import HFMap
 
 if TYPE_CHECKING:  # (config/rules.py imports the registry)
     from jaxptd.config import ModelConfig

@@ -12,7 +12,7 @@ import re
 from typing import TYPE_CHECKING, Iterator
 
 from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
-from jaxptd.hf_names import SAME, HFClass, HFMap, each_layer, linear, require, reshaped
+from jaxptd.hf.names import SAME, HFClass, HFMap, each_layer, linear, require, reshaped
 
 if TYPE_CHECKING:
     from jaxptd.config import ModelConfig

@@ -23,10 +23,10 @@ import json
 import os
 import tempfile
 
-from jaxptd import storage
+from jaxptd.runtime import storage
 from jaxptd.checkpoint import CheckpointError
 from jaxptd.config import ConfigError, load_config
-from jaxptd.runlog import human_bytes
+from jaxptd.runtime.runlog import human_bytes
 
 FILE_LIST = "files.json"
 TMP_MARK = ".orbax-checkpoint-tmp"

@@ -43,13 +43,13 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxptd import storage
+from jaxptd.runtime import storage
 from jaxptd.checkpoint import CheckpointError
 from jaxptd.checkpoint.checksums import array_checksums, checksum_mismatch, leaf_name
 from jaxptd.checkpoint.files import (TMP_MARK, check_writable, read_layout, step_files,
                                      write_file_list)
 from jaxptd.checkpoint.integrity import check_step
-from jaxptd.runlog import LOG, human_bytes, one_line
+from jaxptd.runtime.runlog import LOG, human_bytes, one_line
 
 
 class _Damaged(Exception):

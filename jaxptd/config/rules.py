@@ -16,7 +16,7 @@ from typing import Any
 from jaxptd.arch import FAMILIES
 from jaxptd.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
 from jaxptd.pipeline.schedules import ScheduleError, make_schedule
-from jaxptd.target import NAMES as TARGET_NAMES
+from jaxptd.runtime.target import NAMES as TARGET_NAMES
 
 CHOICES = {
     "model.arch": tuple(FAMILIES),

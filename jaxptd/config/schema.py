@@ -232,10 +232,10 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     cpu_devices: int = 0  # simulated CPU devices per process; 0: all devices / processes
-    # the hardware (jaxptd/target.py): auto = what the process sees; a named target must be
+    # the hardware (jaxptd/runtime/target.py): auto = what the process sees; a named target must be
     # of the devices' platform (cpu, or a GPU: gpu = any, h100, h200, a100, a100-40)
     target: str = "auto"
-    # Multi-process start (jaxptd/distributed.py). Unset keys fall back to JAXPTD_COORDINATOR,
+    # Multi-process start (jaxptd/runtime/distributed.py). Unset keys fall back to JAXPTD_COORDINATOR,
     # JAXPTD_NUM_PROCESSES, JAXPTD_PROCESS_ID, then to SLURM's environment under srun, then
     # to a single process.
     coordinator: str = ""  # host:port of process 0

@@ -52,7 +52,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from jaxptd import storage
+from jaxptd.runtime import storage
 from jaxptd.data import megatron
 from jaxptd.data.dataset import FORMAT_VERSION, read_meta
 from jaxptd.data.documents import find_documents, read_documents

@@ -1,7 +1,7 @@
 """Reading a compiled XLA program: its scheduled HLO text, as the GPU compiler left it.
 
 The package owns the static analysis the deviceless GPU check prints
-(jaxptd/compile_check.py): a parser of the optimized HLO text (`parse`), the static cost
+(jaxptd/plan/compile_check.py): a parser of the optimized HLO text (`parse`), the static cost
 report (`cost`), where asynchronous collectives start and finish and what runs between
 (`collectives`), and the loops with the conditionals inside them (`loops`). Text in,
 numbers out: no JAX, so the tests can feed it any program.

@@ -28,7 +28,7 @@ from jaxptd.model import moe, stack
 from jaxptd.model.layers import RESIDUAL
 from jaxptd.model.tensor import (DENSE, DENSE_INPUTS, DENSE_OUTPUT, ENTERED, PERTURBATIONS,
                                  QKV_OUTPUT, ATTENTION_OUT, Layout, enter_tensor, matmul)
-from jaxptd.sharding import after, rewritten_at, varying_axes, waiting, zeros_as
+from jaxptd.parallel.varying import after, rewritten_at, varying_axes, waiting, zeros_as
 
 
 LAYER_INPUT = "layer_input"
@@ -210,7 +210,7 @@ def weights_first(cfg: ModelConfig, layout: Layout, taped: bool) -> bool:
 @jax.custom_vjp
 def _gradient_after(x, tree):
     """The identity on x and a tree, whose backward makes x's gradient depend on every
-    leaf of the tree's (the dependence is data: sharding.after and rewritten_at):
+    leaf of the tree's (the dependence is data: varying.after and rewritten_at):
     `weight_gradients_first` and `reduced_ahead`."""
     return x, tree
 
@@ -271,7 +271,7 @@ def reduced_ahead(x, ahead):
 def waiting_attention_out(params, deps):
     """A layer's weights with its attention output projection (tensor.ATTENTION_OUT, the
     first matmul after the attention: what XLA runs just before it is the attention and
-    the QKV projection) made to wait for `deps` (sharding.waiting), where it varies over
+    the QKV projection) made to wait for `deps` (varying.waiting), where it varies over
     every mesh axis the leaves of deps do (no reduction needed)."""
     axes = frozenset().union(*map(varying_axes, jax.tree.leaves(deps)))
     flat = traverse_util.flatten_dict(params)

@@ -4,7 +4,7 @@ Figure 7, which BERT needs to scale: every layer is layers.Block (LayerNorm at e
 sublayer's input), with a final LayerNorm before the heads. model.norm_position=post gives
 the original BERT's post-LayerNorm instead (layers.Block says how, with the same
 parameters), and model.gelu=erf its exact GeLU: with both, transformers' BertForPreTraining
-(jaxptd/hf.py imports and exports it; the pre-LN model is its MegatronBertForPreTraining).
+(jaxptd/hf/bridge.py imports and exports it; the pre-LN model is its MegatronBertForPreTraining).
 `ARCH`: its functions as the architecture interface (jaxptd/arch/interface.py); its
 config rules and Hugging Face names are jaxptd/arch/bert.py's.
 
@@ -42,7 +42,7 @@ from jaxptd.model.layers import Block, layer_norm
 from jaxptd.model.sequence import Rows
 from jaxptd.model.tensor import Layout, dense, enter_tensor, normal, token_block, zeros
 from jaxptd.model.vocab import Embed, embedding_dropout, vocab_parallel_xent
-from jaxptd.sharding import gather_invariant
+from jaxptd.parallel.varying import gather_invariant
 
 SPECIALS = 4  # [PAD], [CLS], [SEP], [MASK] at vocab_size - 4 ..
 MASK_RATE, SHORT_RATE = 0.15, 0.1

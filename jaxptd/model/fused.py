@@ -18,7 +18,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxptd.sharding import mark_varying, varying_axes
+from jaxptd.parallel.varying import mark_varying, varying_axes
 from pallas_kernels.bias_gelu import gelu_and_grad  # the GeLU's math, kernels' and ours
 
 _SQRT_HALF = 0.7071067811865476

@@ -61,7 +61,7 @@ from jaxptd.config import ModelConfig
 from jaxptd.model import fused
 from jaxptd.model.layers import residual_std
 from jaxptd.model.tensor import Layout, enter_tensor, exit_tensor, normal, zeros
-from jaxptd.sharding import mark_varying, varying_axes
+from jaxptd.parallel.varying import mark_varying, varying_axes
 
 STATS = "moe_stats"  # the Flax collection a MoE layer sows its statistics into
 

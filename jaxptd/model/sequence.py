@@ -29,7 +29,7 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.tensor import Layout
-from jaxptd.sharding import mark_varying
+from jaxptd.parallel.varying import mark_varying
 
 
 @jax.tree_util.register_dataclass

@@ -37,7 +37,7 @@ gradient is made, as Megatron's backward gathers it again. With sequence paralle
 recomputation the backward's own weight gradients gather it again too: a layer keeps it
 split (`entered`).
 
-Every parameter carries logical axis names (see jaxptd/sharding.py for the rules).
+Every parameter carries logical axis names (see jaxptd/parallel/sharding.py for the rules).
 Master weights are float32; each op casts them to the compute dtype at use.
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ class Layout:
     tensor_axis: str | None = None  # collectives over this axis; None: a single device
     sequence_parallel: bool = False  # activations outside attention/MLP are [b, s/t, h]
     offload_activations: bool = False  # each layer's checkpointed input in host memory
-    platform: str = "cpu"  # the target's (jaxptd/target.py): "gpu" takes cuDNN and Triton
+    platform: str = "cpu"  # the target's (jaxptd/runtime/target.py): "gpu" takes cuDNN and Triton
     # FSDP: ((dense name, dimension), ...) of the layer weights held as shards over
     # `fsdp_axis`, split on that dimension, which `dense` gathers in `fsdp_dtype`
     fsdp: tuple[tuple[str, int], ...] = ()

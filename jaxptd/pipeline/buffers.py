@@ -14,8 +14,8 @@ from flax import traverse_util
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from jaxptd.mesh import PIPE, TENSOR
-from jaxptd.sharding import after, gather_invariant, mark_varying, varying_axes
+from jaxptd.parallel.mesh import PIPE, TENSOR
+from jaxptd.parallel.varying import after, gather_invariant, mark_varying, varying_axes
 
 
 def read(buffer, slot):
@@ -47,7 +47,7 @@ def _row_major(buffer):
 
 def read_after(buffer, slot, deps):
     """buffer[slot], read only once every leaf of `deps` is computed that varies over no
-    mesh axis the read's value does not (sharding.after: a dependence on a leaf varying
+    mesh axis the read's value does not (varying.after: a dependence on a leaf varying
     over more axes would need a reduction over them; such a leaf is left out, and so is
     an empty one)."""
     return read(buffer, _waiting(buffer, slot, deps))

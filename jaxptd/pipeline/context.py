@@ -1,6 +1,6 @@
 """What the pipeline executor reads from the run's configuration, as one frozen value.
 
-Owns `Context`: built once per step program by jaxptd/step.py (`pipeline_context`) from
+Owns `Context`: built once per step program by jaxptd/train/step.py (`pipeline_context`) from
 the config and Setup, so the executor's modules never see the whole Config or Setup.
 """
 from __future__ import annotations

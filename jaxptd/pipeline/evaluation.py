@@ -9,12 +9,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd import model as models
-from jaxptd.mesh import PIPE, TOKENS
+from jaxptd.parallel.mesh import PIPE, TOKENS
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
-from jaxptd.sharding import mark_varying
+from jaxptd.parallel.varying import mark_varying
 
 
 class Evaluation:

@@ -65,14 +65,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.hlo.cost import ROUNDS_SCOPE
-from jaxptd.mesh import PIPE
+from jaxptd.parallel.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
 from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, lower,
                                      round_costs, segments)
 from jaxptd.pipeline.training import IN_FLIGHT, Training
-from jaxptd.sharding import after, mark_varying, waiting
+from jaxptd.parallel.varying import after, mark_varying, waiting
 
 # the carry's B message of the previous round ({x, valid, slot}: what it is and where it
 # is stored), sent at the start of the next round (see the module docstring)
@@ -176,7 +176,7 @@ def _round(program, seg: Segment):
     held = by_layer or _steady_recomputed(program, seg)
     # late: in the rounds where every rank runs F and B, unless the kept backward a layer at
     # a time holds them itself, the messages are stored only once the slot they travelled
-    # beside has made its output (sharding.waiting: the message waits, not just the slot it
+    # beside has made its output (varying.waiting: the message waits, not just the slot it
     # is stored at, which _stored_after's wait leaves XLA free to gather and store it
     # early), so that a transfer's done, which XLA's latency-hiding scheduler puts just
     # before what reads it, lands past that slot's last GEMMs. In the H100 compile of

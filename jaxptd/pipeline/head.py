@@ -14,7 +14,7 @@ for 1/p of the last stage's rows:
   gradient of each rank's rows comes back by the all-to-all's transpose, inside the B
   slot's vjp;
 - the weights: the ends leaves the head reads (models.ends_readers: 'last', 'both') are
-  held in the last rank's slot (jaxptd/state.py); they are broadcast over pipe once a step
+  held in the last rank's slot (jaxptd/train/state.py); they are broadcast over pipe once a step
   (a psum of that slot, the others masked to zeros; each rank keeps the matrices in the
   compute dtype, as the head multiplies them) and typed varying over pipe, so that
   a slot's vjp gives this rank's partial gradient (of an invariant input it would give
@@ -34,10 +34,10 @@ from flax import traverse_util
 from jax import lax
 
 from jaxptd import model as models
-from jaxptd.mesh import PIPE
+from jaxptd.parallel.mesh import PIPE
 from jaxptd.model.tensor import enter_tensor, token_block
 from jaxptd.pipeline.stage import Stage
-from jaxptd.sharding import mark_varying
+from jaxptd.parallel.varying import mark_varying
 
 
 class SpreadHead:

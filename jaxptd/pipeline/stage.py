@@ -12,16 +12,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd import model as models
-from jaxptd.mesh import PIPE, TENSOR, TOKENS
+from jaxptd.parallel.mesh import PIPE, TENSOR, TOKENS
 from jaxptd.pipeline.context import Context
-from jaxptd.sharding import mark_varying, regather
+from jaxptd.parallel.sharding import regather
+from jaxptd.parallel.varying import mark_varying
 
 
 class Stage:
     """The pieces of a virtual stage, for one step's batch on this pipe rank.
 
     `ends` holds the parameters of the pieces at the two ends (model.ends), each leaf
-    [1, ...] this rank's slot (jaxptd/step.py's Setup); `layers` one chunk's stack
+    [1, ...] this rank's slot (jaxptd/train/step.py's Setup); `layers` one chunk's stack
     [Lc, ...]. Virtual stage c p + r runs chunk c on rank r.
     """
 

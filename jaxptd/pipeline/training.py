@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd import model as models
-from jaxptd.mesh import PIPE, TOKENS
+from jaxptd.parallel.mesh import PIPE, TOKENS
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.head import SpreadHead
@@ -40,7 +40,7 @@ from jaxptd.pipeline.kept import Kept
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
 from jaxptd.model import fused, moe
-from jaxptd.sharding import after, mark_varying, tied, zeros_as
+from jaxptd.parallel.varying import after, mark_varying, tied, zeros_as
 
 
 def _cast(tree, dtype):

@@ -3,7 +3,7 @@
 The planner, a package of one owner per module (none imports JAX until a function
 needs it; --verify configures JAX first):
 
-    inputs.py   PlanInputs: the hardware (jaxptd/target.py's record, the flags' numbers
+    inputs.py   PlanInputs: the hardware (jaxptd/runtime/target.py's record, the flags' numbers
                 in it), the time model's sustained FLOP/s, the platform planned for
     counts.py   the real model's parameter count and per-device shards, from
                 `jax.eval_shape` of the initialiser and the logical sharding rules (no
@@ -19,7 +19,7 @@ needs it; --verify configures JAX first):
                 XLA's memory and cost analyses beside the plan
     report.py   the text report, the search table, the memory picture
     cli.py      the command line (__main__.py runs it); --verify for a GPU --target
-                compiles for it without one (jaxptd/compile_check.py)
+                compiles for it without one (jaxptd/plan/compile_check.py)
 
 Device memory is --memory-gb per device, host memory --host-memory-gb per node shared by
 --gpus-per-node devices (offloading puts optimizer state and layer inputs there); a plan

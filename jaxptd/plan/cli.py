@@ -4,7 +4,7 @@ Owns turning the flags into the library's typed input once (`_plan_inputs`: the 
 record with the flags' numbers in it, jaxptd/plan/inputs.py) and the three ways a run goes:
 a plan (or --search's table), printed as text or --json; --verify on simulated CPU
 devices (jaxptd/plan/verify.py); and --verify for a GPU --target, the step compiled for it
-without one (jaxptd/compile_check.py), alone or for the best --verify-top rows of
+without one (jaxptd/plan/compile_check.py), alone or for the best --verify-top rows of
 --search. Exit status: 0 fits, 1 does not fit (or no layout does), 2 bad input
 ('error: ...', one line on stderr).
 """
@@ -16,14 +16,14 @@ import json
 import math
 import sys
 
-from jaxptd import compile_check
+from jaxptd.plan import compile_check
 from jaxptd.config import Config, ConfigError, load_config
 from jaxptd.plan import report as plan_report
 from jaxptd.plan.inputs import PlanInputs
 from jaxptd.plan.planner import plan, schedule_stats
 from jaxptd.plan.search import search
 from jaxptd.plan.verify import cpu_backend, dump_dir, start_cpu_compiler, verify
-from jaxptd.target import TARGETS, Target
+from jaxptd.runtime.target import TARGETS, Target
 from jaxptd.units import GB
 
 DESCRIPTION = """Plan a PTD-P run before it runs, and check the plan against XLA: the real
@@ -46,7 +46,7 @@ def _parse_args(argv):
     parser.add_argument("--tokens", type=float, help="tokens to train on (e.g. 300e9)")
     parser.add_argument("--tflops", type=float, help="achieved TFLOP/s per device (Table 1)")
     parser.add_argument("--target", choices=[n for n, t in TARGETS.items() if t.memory],
-                        help="the hardware (jaxptd/target.py): the defaults of the numbers "
+                        help="the hardware (jaxptd/runtime/target.py): the defaults of the numbers "
                              "below, and what --verify compiles for (a GPU: XLA's GPU "
                              "compiler, no GPU needed). Default: runtime.target, or a100 "
                              "(the PTD-P paper's) when that is auto")

@@ -1,6 +1,6 @@
 """The real model's parameter counts, whole and on the busiest device, for the planner.
 
-Owns `real_counts`: the parameter tree and its shards as jaxptd/state.py's LogicalLayout
+Owns `real_counts`: the parameter tree and its shards as jaxptd/train/state.py's LogicalLayout
 decides them (the logical layout's specs: tensor, FSDP, ZeRO-1), from the config's axis
 sizes with nothing allocated and no mesh, so a 3072-GPU config plans on a laptop. The
 step, checkpoints and the H100 check read the same decisions through StateLayout, which
@@ -18,15 +18,15 @@ from jaxptd.config import Config
 
 def _leaves(config: Config, vocab: int) -> tuple:
     """((kind, name, global shape, (tensor spec, weight spec, moment spec)), ...) of the real
-    model, the specs as jaxptd/state.py's LogicalLayout decides them; kind: "layers", or
+    model, the specs as jaxptd/train/state.py's LogicalLayout decides them; kind: "layers", or
     which end reads the leaf ("first", "last", "both": a tied embedding,
     model.ends_readers); name: the leaf's own key (w_qkv, scale, ...)."""
-    # imported here, not at the top: jaxptd.state imports JAX, which --verify must not
+    # imported here, not at the top: jaxptd.train.state imports JAX, which --verify must not
     # start before it sets XLA_FLAGS (the module docstring)
     import jax
     from jaxptd import model as models
-    from jaxptd.sharding import is_spec
-    from jaxptd.state import LogicalLayout
+    from jaxptd.parallel.sharding import is_spec
+    from jaxptd.train.state import LogicalLayout
 
     layout = LogicalLayout.of(config, models.get(config.model), vocab)
     specs = zip(*(jax.tree.leaves(tree, is_leaf=is_spec) for tree in
@@ -64,12 +64,12 @@ def real_counts(config: Config) -> dict:
     A mixture of experts' routed experts (the leaves the 'experts' rule puts on the mesh's
     expert axis) are split over parallel.expert like any sharded dimension, the other
     leaves replicated over it; the data axis (the replicas, ZeRO-1's) is then data /
-    (fsdp_size x expert), as the mesh lays it (jaxptd/mesh.py). expert_weight_params and
+    (fsdp_size x expert), as the mesh lays it (jaxptd/parallel/mesh.py). expert_weight_params and
     expert_moment_params: the experts' part of weight_params and moment_params (their
     gradients are reduced over their own replicas only); params_experts: the experts'
     parameters in the whole model; params_active: what one token uses, the model less the
     routed experts it is not sent to (a top_k / E share of the experts' parameters)."""
-    from jaxptd.mesh import DATA, EXPERT, FSDP, TENSOR
+    from jaxptd.parallel.mesh import DATA, EXPERT, FSDP, TENSOR
 
     par, model = config.parallel, config.model
     vocab = model.padded_vocab(par.tensor)

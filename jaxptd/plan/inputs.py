@@ -1,7 +1,7 @@
 """What a plan is made for besides the config: the typed input of the planner's functions.
 
 Owns `PlanInputs`, built once from the command line (jaxptd/plan/cli.py) or by a caller
-of the library. The hardware is jaxptd/target.py's record, the flags' numbers already in
+of the library. The hardware is jaxptd/runtime/target.py's record, the flags' numbers already in
 it (bytes, bytes/s: --memory-gb is `usable_memory`, --host-memory-gb `host_memory`,
 --hbm-gbs `hbm`, --intra-gbs / --inter-gbs `intra` / `inter`, --host-gbs `host_link`).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxptd.target import Target
+from jaxptd.runtime.target import Target
 
 
 @dataclass(frozen=True)

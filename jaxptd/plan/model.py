@@ -383,7 +383,7 @@ def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
                         whole_layer: bool = True, recomputed: bool = False,
                         gpu: bool = False) -> dict:
     """What FSDP holds gathered on a device, {"layer": in a layer's backward, "head": in
-    the head's} (jaxptd/step.py): the unit it gathers, in gather_dtype
+    the head's} (jaxptd/train/step.py): the unit it gathers, in gather_dtype
     (optimizer.grad_reduce_dtype), cast to the compute dtype when that differs, and the
     unit's gradient in the compute dtype before its reduce-scatter; the unit is a whole
     layer (parallel.fsdp_unit=layer: counts["layer_gathered_params"]) or the largest
@@ -407,7 +407,7 @@ def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
 
 
 def offloaded_state_bytes(counts: dict, streams: bool) -> dict:
-    """offload.optimizer (jaxptd/offload.py): {"device": what the device holds of the
+    """offload.optimizer (jaxptd/train/offload.py): {"device": what the device holds of the
     masters (and as much of their gradients) in the forward and backward: one layer's and
     the ends' with `streams`, fetched for their use and sent back, pipelined all of them;
     "update": the update's working set, one unit (a layer, or the ends) of masters,
@@ -433,7 +433,7 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     For the whole step: weights (float32 masters), gradients (the float32 accumulator) and
     optimizer (the moments). Forward and backward phase: `_backward_phase` (its arguments
     are the rest of this function's). Update phase: the reduced gradient the update reads.
-    offload.optimizer (jaxptd/offload.py): masters and moments live in host memory, and
+    offload.optimizer (jaxptd/train/offload.py): masters and moments live in host memory, and
     with `streams` (unpipelined) the gradients too: the device holds one layer's masters
     and gradients in the backward (and the ends'), and in the update one unit's state
     (offloaded_state_bytes); pipelined, the masters and gradients whole on the device.
@@ -471,7 +471,7 @@ def _backward_phase(activations: dict, grads: float, *, microbatches: int,
     has gathered for them (`gathered`: fsdp_gathered_bytes, None without FSDP), the stash,
     and with m > 1 gradient_workspace, each microbatch's gradient (`grads` bytes) before it
     is added to the accumulator (none when the gradients stream to the host: `on_host`).
-    peeled (unpipelined, jaxptd/step.py: microbatches, or 0 when pipelined): the step runs
+    peeled (unpipelined, jaxptd/train/step.py: microbatches, or 0 when pipelined): the step runs
     the last microbatch outside the scan over the others, and XLA gives the two their own
     buffers: with m >= 2 the layers' kept activations twice; with m >= 3, where the scan
     stays a loop, also the gathered layer and the workspace.

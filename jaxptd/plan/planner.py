@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from jaxptd.config import Config
-from jaxptd.metrics import flops_per_iteration
+from jaxptd.train.metrics import flops_per_iteration
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import lower, round_costs, round_form, spreads_head
 from jaxptd.pipeline.simulate import simulate as simulate_schedule

@@ -11,7 +11,7 @@ import sys
 from jaxptd.config import ConfigError
 from jaxptd.pipeline.draw import draw_timeline
 from jaxptd.plan.model import BACKWARD_PHASE
-from jaxptd.target import Target
+from jaxptd.runtime.target import Target
 from jaxptd.units import GB, MB
 
 DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",

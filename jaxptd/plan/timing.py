@@ -122,7 +122,7 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     per microbatch each layer is gathered for the forward and again for the backward and
     its gradient reduce-scattered, 3 (g - 1) / g of the stage's parameters. Embedding
     (pipelined, tied): the first and last stage send each other their gradient of it
-    once per step (§3.3.1's embedding group of two; jaxptd/step.py). Host: what
+    once per step (§3.3.1's embedding group of two; jaxptd/train/step.py). Host: what
     offloading moves over PCIe (the optimizer state per step, layer inputs per microbatch).
     Expert parallelism: `moe` (moe_volumes) is the all-to-all traffic; the experts'
     expert_grad_bytes of grad_bytes are all-reduced over their own expert_replicas (the

@@ -13,9 +13,9 @@ import shutil
 import sys
 import tempfile
 
-from jaxptd import compile_check
+from jaxptd.plan import compile_check
 from jaxptd.config import Config, ConfigError
-from jaxptd.metrics import recomputed_flops
+from jaxptd.train.metrics import recomputed_flops
 from jaxptd.plan.planner import recomputation
 
 MAX_VERIFY_DEVICES = 1024
@@ -29,9 +29,9 @@ def verify(config: Config, report: dict, dump: str | None = None) -> dict:
     must already have config.num_devices devices (cpu_backend sets jax_num_cpu_devices first)."""
     import jax
     import jax.numpy as jnp
-    from jaxptd.mesh import make_mesh
+    from jaxptd.parallel.mesh import make_mesh
     from jaxptd.model import batch_width
-    from jaxptd.step import Setup, build_train_step
+    from jaxptd.train.step import Setup, build_train_step
 
     if len(jax.devices()) < config.num_devices:
         raise ConfigError(f"--verify needs {config.num_devices} devices, the backend has "

@@ -1,4 +1,4 @@
-"""Where the Hugging Face bridge (jaxptd/hf.py) touches the file system: reading a
+"""Where the Hugging Face bridge (jaxptd/hf/bridge.py) touches the file system: reading a
 transformers directory (config.json and *.safetensors, never pickle), writing an output
 directory whole or not at all, and I/O failures as one line.
 
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from jaxptd.arch import HF_CLASSES
-from jaxptd.hf_names import HFError, require
+from jaxptd.hf.names import HFError, require
 
 
 def read_hf(hf_dir: str) -> tuple[str, dict, dict]:

@@ -6,7 +6,7 @@ LlamaForCausalLM, Qwen2ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM,
 BertForPreTraining and BertForMaskedLM, their MegatronBert forms) and
 jaxptd's checkpoints; what maps to what is each family's data (jaxptd/arch/<family>.py,
 found through the registry jaxptd/arch), the files and their failures are
-jaxptd/hf_files.py's:
+jaxptd/hf/files.py's:
 
 - import: config.json + *.safetensors -> OUT_DIR/config.yaml (the model section, run and
   checkpoint directories in OUT_DIR) and a real jaxptd checkpoint at step 0 in
@@ -45,8 +45,8 @@ from jaxptd.checkpoint import CheckpointError
 from jaxptd.checkpoint.files import (complete_steps, find_checkpoints, layout_metadata,
                                      read_layout)
 from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, from_dict
-from jaxptd.hf_files import check_target, publish, read_hf
-from jaxptd.hf_names import HFError, require
+from jaxptd.hf.files import check_target, publish, read_hf
+from jaxptd.hf.names import HFError, require
 
 
 # --------------------------------------------------------------------------- import
@@ -211,8 +211,8 @@ def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
 def _single_device_setup(config: Config):
     """Setup on one device (data = pipe = tensor = 1, no ZeRO-1): the logical layout."""
     import jax
-    from jaxptd.mesh import make_mesh  # JAX, Flax, optax: on use, as in _layer_shapes
-    from jaxptd.step import Setup
+    from jaxptd.parallel.mesh import make_mesh  # JAX, Flax, optax: on use, as in _layer_shapes
+    from jaxptd.train.step import Setup
 
     config = dataclasses.replace(
         config, parallel=ParallelConfig(),
@@ -314,7 +314,3 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -2,8 +2,8 @@
 
 Order of work: config -> preflight (corpus, both splits against model.seq_len, data.pack's
 eot id into model.document_end, the run and checkpoint directories: all user errors caught
-before any device work) -> processes (jaxptd/distributed.py) -> devices, and the
-planner's memory against theirs -> the run's directories locked (jaxptd/rundir.py) -> mesh
+before any device work) -> processes (jaxptd/runtime/distributed.py) -> devices, and the
+planner's memory against theirs -> the run's directories locked (jaxptd/runtime/rundir.py) -> mesh
 -> state (restored, or initialised into its shardings where that overwrites no earlier
 run's history) -> config.yaml -> compile (XLA's memory against the devices') -> loop of
 step / log / evaluate / save -> summary. A run refused before it wrote anything leaves no
@@ -11,11 +11,11 @@ directory it created behind.
 
 A user error prints one line `error: ...` on stderr and exits 2; so do an out-of-memory
 and a storage failure (a full disk, a file-size limit) in any of the run's writers
-(jaxptd/storage.py: checkpoints, config, log, metrics, the corpus prepared on first
+(jaxptd/runtime/storage.py: checkpoints, config, log, metrics, the corpus prepared on first
 use). SIGTERM or SIGUSR1 ends the loop after a step all processes agree on, saves it
 and exits 0; SIGINT (Ctrl-C) does the same and exits 130, and a second SIGINT exits at
-once (jaxptd/preemption.py). What the run prints and writes into train.run_dir is
-jaxptd/runlog.py's.
+once (jaxptd/runtime/preemption.py). What the run prints and writes into train.run_dir is
+jaxptd/runtime/runlog.py's.
 """
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from jaxptd import distributed, metrics, preflight, rundir, runlog
+from jaxptd.runtime import distributed, preflight, rundir, runlog
+from jaxptd.train import metrics
 from jaxptd import model as models
 from jaxptd.checkpoint import CheckpointError
 from jaxptd.checkpoint.files import layout_metadata
@@ -35,11 +36,11 @@ from jaxptd.checkpoint.integrity import inspect
 from jaxptd.config import (Config, ConfigError, changed_keys, check_device_count, continued,
                            describe_keys, load_config)
 from jaxptd.data import DataError, TokenDataset
-from jaxptd.mesh import describe, make_mesh
-from jaxptd.preemption import INTERRUPTED, Preemption
-from jaxptd.runlog import LOG, human_bytes
-from jaxptd.rundir import RunLock
-from jaxptd.storage import StorageError
+from jaxptd.parallel.mesh import describe, make_mesh
+from jaxptd.runtime.preemption import INTERRUPTED, Preemption
+from jaxptd.runtime.runlog import LOG, human_bytes
+from jaxptd.runtime.rundir import RunLock
+from jaxptd.runtime.storage import StorageError
 
 
 def parse_args(argv):
@@ -86,7 +87,7 @@ def start(config: Config, lock: RunLock):
     config is the one the run trains with (`continue_schedule`)."""
     jax, hosts = distributed.start(config)
     from jaxptd.plan import device_memory_bytes  # the whole planner: ~40 ms of --help
-    from jaxptd.step import Setup  # optax and the pipeline executor: ~70 ms of --help
+    from jaxptd.train.step import Setup  # optax and the pipeline executor: ~70 ms of --help
 
     devices = preflight.devices(jax, config)  # the first use of the backend
     check_device_count(config, len(devices), "devices found")
@@ -158,7 +159,7 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
     where from) and records its cost once in `metrics_log` (each when given)
     -> (step, FLOPs/iter). bench/gpu_train.py compiles through here too."""
     from jaxptd.plan import recomputation, schedule_stats  # the planner: ~40 ms of --help
-    from jaxptd.step import build_train_step  # optax, the pipeline: ~70 ms of --help
+    from jaxptd.train.step import build_train_step  # optax, the pipeline: ~70 ms of --help
 
     config = setup.config
     train_step = setup.compile(build_train_step(setup).lower(state, batch))
@@ -186,7 +187,7 @@ class Run:
 
     def __init__(self, config: Config, train: TokenDataset, val: TokenDataset,
                  lock: RunLock):
-        from jaxptd.step import build_eval_step  # optax, the pipeline: ~70 ms of --help
+        from jaxptd.train.step import build_eval_step  # optax, the pipeline: ~70 ms of --help
         self.began = time.monotonic()
         self.train, self.val = train, val
         self.jax, self.config, self.setup, self.ckpt, self.state, self.available = \
@@ -340,7 +341,3 @@ def main(argv=None) -> int:
             raise
         print(f"error: {message}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

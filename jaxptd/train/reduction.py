@@ -15,10 +15,11 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd import model as models
-from jaxptd.mesh import DATA, FSDP, PIPE, TOKENS
+from jaxptd.parallel.mesh import DATA, FSDP, PIPE, TOKENS
 from jaxptd.model.tensor import Layout
-from jaxptd.sharding import GATHERED, fsdp_dims, is_spec, mark_varying, reduce_to
-from jaxptd.state import StateLayout
+from jaxptd.parallel.sharding import GATHERED, fsdp_dims, is_spec
+from jaxptd.parallel.varying import mark_varying, reduce_to
+from jaxptd.train.state import StateLayout
 
 REDUCED = (*TOKENS, PIPE)  # the axes gradients are reduced over
 
@@ -146,7 +147,7 @@ class Reduction:
     def after(self, grads, part=lambda tree: tree):
         """Local gradient sums -> reduced (and ZeRO-1 scattered), at the end of the step;
         `part`: which subtree of the gradients `grads` is (e.g. models.ends). An ends
-        leaf, pipelined, is held over pipe (jaxptd/state.py): not reduced over it, but a tied
+        leaf, pipelined, is held over pipe (jaxptd/train/state.py): not reduced over it, but a tied
         one summed over the first and last stage (the others hold zeros)."""
         state = self.state
         pipe = state.config.parallel.pipe

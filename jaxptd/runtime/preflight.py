@@ -26,7 +26,7 @@ from jaxptd import model as models
 from jaxptd.checkpoint.files import check_writable
 from jaxptd.config import Config, ConfigError
 from jaxptd.data import TokenDataset, resolve_corpus
-from jaxptd.runlog import human_bytes
+from jaxptd.runtime.runlog import human_bytes
 
 PLAN_MARGIN = 1.15  # the planner's tested agreement with XLA
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")

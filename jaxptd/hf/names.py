@@ -1,5 +1,5 @@
 """How a family describes its map to a transformers checkpoint, as data (no I/O, no JAX;
-jaxptd/hf.py and hf_files.py read and write the files, each family's map is its own:
+jaxptd/hf/bridge.py and hf_files.py read and write the files, each family's map is its own:
 jaxptd/arch/<family>.py, found through the registry jaxptd/arch/__init__.py).
 
 Owns the vocabulary of those maps:

@@ -1,7 +1,7 @@
 """Metrics: FLOPs per iteration (PTD-P eq. 3), throughput, MFU, step timing.
 
 Owns the numbers the logs report; where they go (console, metrics.jsonl, TensorBoard) is
-jaxptd/runlog.py's.
+jaxptd/runtime/runlog.py's.
 
 FLOPs count matrix multiplications only, as the paper does. One forward pass of a GPT layer
 costs 24 B s h^2 + 4 B s^2 h, and the logit layer 2 B s h V (other architectures: their
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from jaxptd.config import ModelConfig
-from jaxptd.target import by_kind
+from jaxptd.runtime.target import by_kind
 
 
 def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,

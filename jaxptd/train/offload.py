@@ -3,11 +3,11 @@ one layer at a time.
 
 Owns the update when the float32 masters and the optimizer's moments live in host memory
 (pinned_host) for the whole step; unpipelined so do the layers' gradients, which the
-backward sends there as each layer's is done (jaxptd/step.py: Policy.streams). The update
+backward sends there as each layer's is done (jaxptd/train/step.py: Policy.streams). The update
 goes over units, the ends (embedding, positions, final norm) and then each layer (a slice
 of the stacked layer axis: [L] -> [1], pipelined [v, p, L/(p v)] -> [v, p, 1]): it brings
 the unit's masters, moments and gradients to the device, applies the optax chain of
-jaxptd/optim.py to them there, and writes the new masters and moments back into the host
+jaxptd/train/optim.py to them there, and writes the new masters and moments back into the host
 arrays in place (the state is donated). A first pass over the gradients gives what every
 unit needs first: the global norm (clipping) and whether all are finite (dynamic loss
 scaling skips the step). The device holds one unit's state and its update at a time, not
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from jaxptd import optim
+from jaxptd.train import optim
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
 

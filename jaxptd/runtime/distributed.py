@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from jaxptd.config import Config, ConfigError
-from jaxptd.target import TARGETS
+from jaxptd.runtime.target import TARGETS
 
 # gloo's line, written in pieces that threads interleave: "[Gloo] Rank 1 is connected to 3
 # peer ranks. Expected number of connected peer ranks is : 3"

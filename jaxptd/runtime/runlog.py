@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 
-from jaxptd import storage
+from jaxptd.runtime import storage
 
 LOG = logging.getLogger("jaxptd")
 PERF_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_time_s",

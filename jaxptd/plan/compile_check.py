@@ -1,7 +1,7 @@
 """The real training step compiled for a GPU that is not there, and what the program says.
 
 Owns `python -m jaxptd.plan --verify --target h100`'s work: devices of the target from
-XLA's GPU compiler (jaxptd/target.py, `topology_devices`), the step built and compiled for
+XLA's GPU compiler (jaxptd/runtime/target.py, `topology_devices`), the step built and compiled for
 them exactly as a run builds it (its XLA options, the target's code paths: cuDNN
 attention, the pipeline's steady rounds, Triton kernels, unrolled layers), and a report
 read off the
@@ -23,8 +23,8 @@ from collections import Counter, defaultdict
 
 from jaxptd import hlo
 from jaxptd.config import Config, ConfigError
-from jaxptd.metrics import flops_per_iteration
-from jaxptd.target import Target, TargetError, topology_devices
+from jaxptd.train.metrics import flops_per_iteration
+from jaxptd.runtime.target import Target, TargetError, topology_devices
 from jaxptd.units import GB, MB, GiB, KiB, MiB, TiB
 
 _UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}  # XLA's memory report
@@ -41,9 +41,9 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
     gpus_per_node devices each (the mesh puts tensor inside a host)."""
     import jax
     import jax.numpy as jnp
-    from jaxptd.mesh import make_mesh  # JAX: after --verify's XLA_FLAGS, never for --help
+    from jaxptd.parallel.mesh import make_mesh  # JAX: after --verify's XLA_FLAGS, never for --help
     from jaxptd.model import batch_width
-    from jaxptd.step import Setup, build_train_step
+    from jaxptd.train.step import Setup, build_train_step
 
     n = config.num_devices
     per_host = min(n, gpus_per_node)

@@ -31,10 +31,10 @@ import os
 import socket
 import time
 
-from jaxptd import distributed, runlog
+from jaxptd.runtime import distributed, runlog
 from jaxptd.checkpoint import integrity
 from jaxptd.config import ConfigError, load_config
-from jaxptd.runlog import LOG
+from jaxptd.runtime.runlog import LOG
 
 LOCK_NAME = ".jaxptd.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)

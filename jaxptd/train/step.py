@@ -27,14 +27,14 @@ Owns the step's parts (`Setup`, `Policy`) and its programs. The step has two par
    device where the layer is used (forward, and again in the backward: never kept) and
    its gradient goes back to host memory as soon as it is reduced (Policy.streams);
    pipelined, the masters are brought whole. The update then streams through the device
-   one layer at a time (jaxptd/offload.py).
+   one layer at a time (jaxptd/train/offload.py).
 
 The eval step (validation loss) is the same fully manual shard_map without gradients: a
 forward over the local rows, or with pipe > 1 the executor's forward-only pipeline.
 
 The state is a dict {params, opt_state, step, rng, loss_scale} passed in and returned; its
-layouts and shardings are jaxptd/state.py's, the gathers and reductions of its parameters'
-way through the shard_map jaxptd/reduction.py's. This module owns the step's policy and the
+layouts and shardings are jaxptd/train/state.py's, the gathers and reductions of its parameters'
+way through the shard_map jaxptd/train/reduction.py's. This module owns the step's policy and the
 step's programs.
 """
 from __future__ import annotations
@@ -49,17 +49,19 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxptd import model as models
-from jaxptd import offload, optim, target
+from jaxptd.train import offload, optim
+from jaxptd.runtime import target
 from jaxptd.config import Config, ConfigError
-from jaxptd.mesh import BATCH, CONTEXT, EXPERT, FSDP, PIPE, TENSOR, TOKENS
+from jaxptd.parallel.mesh import BATCH, CONTEXT, EXPERT, FSDP, PIPE, TENSOR, TOKENS
 from jaxptd.model import moe
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
 from jaxptd.pipeline.lowering import round_form, spreads_head
-from jaxptd.reduction import REDUCED, Reduction, compose, fsdp_gathers
-from jaxptd.sharding import mark_varying, regather, zeros_as
-from jaxptd.state import StateLayout
+from jaxptd.train.reduction import REDUCED, Reduction, compose, fsdp_gathers
+from jaxptd.parallel.sharding import regather
+from jaxptd.parallel.varying import mark_varying, zeros_as
+from jaxptd.train.state import StateLayout
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class Policy:
 class Setup:
     """The step's parts, each decided once from the config and mesh by its owner: the
     hardware it compiles for (`target`), the model family (`arch`), the state's layouts
-    and shardings (`state_layout`, jaxptd/state.py), the model's view of one device
+    and shardings (`state_layout`, jaxptd/train/state.py), the model's view of one device
     (`local_layout`), the step's policy (`policy`) and where a batch lives."""
 
     def __init__(self, config: Config, mesh):
@@ -116,7 +118,7 @@ class Setup:
         self.batch_sharding = NamedSharding(mesh, P(BATCH))
 
     def compiler_options(self) -> dict | None:
-        """The XLA options the step compiles with on its target (jaxptd/target.py)."""
+        """The XLA options the step compiles with on its target (jaxptd/runtime/target.py)."""
         return target.compiler_options(self.target, pipelined=self.config.parallel.pipe > 1)
 
     def compile(self, lowered):

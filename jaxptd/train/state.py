@@ -29,10 +29,10 @@ from flax import traverse_util
 from jax.sharding import PartitionSpec as P
 
 from jaxptd import model as models
-from jaxptd import optim
+from jaxptd.train import optim
 from jaxptd.config import Config
 from jaxptd.model.tensor import DENSE
-from jaxptd.sharding import fsdp_dims, fsdp_spec, is_spec, named, specs_from_logical, zero1_spec
+from jaxptd.parallel.sharding import fsdp_dims, fsdp_spec, is_spec, named, specs_from_logical, zero1_spec
 
 
 def _is_layer_leaf(path) -> bool:

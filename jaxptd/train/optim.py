@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxptd.config import Config
 from jaxptd.model import weight_decay_mask
-from jaxptd.sharding import is_spec
+from jaxptd.parallel.sharding import is_spec
 
 
 def lr_schedule(config: Config) -> optax.Schedule:
