@@ -104,7 +104,13 @@ def build(cfg: ModelConfig, mesh, vocab: int, prompt_len: int, new_tokens: int,
 
 
 def _parse(argv):
-    parser = argparse.ArgumentParser(prog="python -m jaxptd.generate", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxptd.generate",
+        description="Continues a prompt with a KV cache, greedy or sampled, from a jaxptd "
+                    "checkpoint or a Hugging Face directory. Prints the text, then the new "
+                    "token ids as a JSON list on the last line.",
+        epilog="example: python -m jaxptd.generate --checkpoint runs/default --prompt 'def '"
+               " --temperature 0")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", metavar="DIR", help="a run, import or checkpoint dir")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face directory")
@@ -114,11 +120,12 @@ def _parse(argv):
     parser.add_argument("--step", type=int, help="checkpoint step (default: the newest)")
     parser.add_argument("--tokenizer", help="'byte' or a tokenizers JSON file (default: the "
                                             "one the data was prepared with)")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0: all tokens")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="the smallest set of tokens whose probability reaches it")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling key's seed")
     parser.add_argument("--tensor", type=int, default=1, help="tensor-parallel devices")
     args = parser.parse_args(argv)
     for ok, message in ((args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),

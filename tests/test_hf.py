@@ -91,6 +91,45 @@ def test_training_resumes_from_an_import_at_another_layout(imported, tmp_path):
     np.testing.assert_allclose(record["loss"], expected, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_copied_run_directory_reads_its_own_steps_and_records_stay(imported, tmp_path,
+                                                                    capsys):
+    """A fine-tune in an import's directory keeps the import's record (starts/import.yaml)
+    and step 0's; a copy of that run directory holding only the older step 0 exports,
+    inspects and generates from its own step 0, not the original's newer step 1."""
+    from jaxptd.checkpoint import __main__ as checkpoint_cli
+    from jaxptd.checkpoint.files import read_layout
+    kind, _, hf_dir, out = imported
+    if kind != "gpt":
+        pytest.skip("one architecture is enough: run directories do not depend on it")
+    step0 = read_layout(str(out / "checkpoints" / "0"))
+    train_a_step_from_import(out, tmp_path, ["train.global_batch=4",
+                                             "checkpoint.every=1"])
+    run = tmp_path / "run"
+    assert (run / "starts" / "import.yaml").read_text() == (out / "config.yaml").read_text()
+    starts = sorted(p.name for p in (run / "starts").iterdir())
+    assert len(starts) == 2 and starts[0].startswith("0-"), starts
+    assert (run / "starts" / starts[0]).read_text() == (run / "config.yaml").read_text()
+    assert read_layout(str(run / "checkpoints" / "0")) == step0
+    assert sorted(os.listdir(run / "checkpoints")) == ["0", "1"]
+
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "1")
+    capsys.readouterr()
+    assert hf.main(["export", str(copy), str(tmp_path / "exported")]) == 0
+    assert f"step 0 of {copy}" in capsys.readouterr().out
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    original = load_file(hf_dir / "model.safetensors")  # step 0 is the import's weights
+    for name, value in exported.items():
+        np.testing.assert_array_equal(value, original[name], err_msg=name)
+    assert checkpoint_cli.main(["inspect", str(copy)]) == 0
+    listing = capsys.readouterr().out
+    assert listing.startswith(f"{copy / 'checkpoints'}: 1 step directory"), listing
+    assert generate.main(["--checkpoint", str(copy), "--prompt-ids", "1,2",
+                          "--max-new-tokens", "2"]) == 0
+
+
 @pytest.mark.parametrize("damage, message", [
     (lambda d: _edit_config(d, architectures=["T5ForConditionalGeneration"]), "is not supported"),
     (lambda d: os.remove(d / "model.safetensors"), "no *.safetensors"),
@@ -113,7 +152,12 @@ def test_bad_input_is_one_error_line(imported, tmp_path, capsys, damage, message
     assert generate.main(["--hf", str(tmp_path / "hf"), "--prompt-ids", "1"]) == 2
     _one_error_line(capsys, message)
     assert hf.main(["export", str(tmp_path / "nothing"), str(tmp_path / "x")]) == 2
-    assert "no complete checkpoint" in capsys.readouterr().err
+    assert f"{tmp_path / 'nothing'}: no such file or directory" in capsys.readouterr().err
+    assert generate.main(["--checkpoint", str(tmp_path / "nothing"), "--prompt-ids", "1"]) == 2
+    assert f"{tmp_path / 'nothing'}: no such file or directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert hf.main(["export", str(tmp_path / "empty"), str(tmp_path / "x")]) == 2
+    assert "no complete checkpoint steps" in capsys.readouterr().err
 
 
 def test_unwritable_output_is_one_error_line(imported, tmp_path, capsys, monkeypatch):

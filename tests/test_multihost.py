@@ -203,7 +203,8 @@ def test_half_written_and_corrupt_steps_are_skipped(launched, tmp_path, capfd):
     (half / "_CHECKPOINT_METADATA").unlink()
     state, step = _restore_latest(directory)
     assert step == 6 and int(state["step"]) == 6
-    assert f"skipping half-written checkpoint {half}" in capfd.readouterr().err
+    assert f"removed half-written checkpoint {half}" in capfd.readouterr().err
+    assert not half.exists()
     # A complete-looking step with a truncated data file: reported, set aside, step 3 used.
     data_file = max((directory / "6" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
     data_file.write_bytes(data_file.read_bytes()[:10])

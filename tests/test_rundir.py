@@ -17,7 +17,8 @@ from helpers import REPO
 from jaxptd.runtime import runlog
 from jaxptd.checkpoint.files import TMP_MARK
 from jaxptd.config import load_config
-from jaxptd.runtime.rundir import LOCK_NAME, RunDirError, RunLock, unrestored_history
+from jaxptd.runtime.rundir import (LOCK_NAME, RunDirError, RunLock, moved_record,
+                                   unrestored_history)
 
 
 def config_in(tmp_path, *extra):
@@ -80,9 +81,29 @@ def test_a_run_restoring_nothing_never_starts_over_a_history(tmp_path):
     assert "trained to step 3" in refusal and "move the .corrupt steps" in refusal
     (ckpt / "2.corrupt").rename(tmp_path / "aside")
     assert unrestored_history(config) is None  # moved out: starting over is asked for
-    runlog.write_config(str(run), config)  # the earlier run kept its checkpoints in ckpt
+    runlog.write_config(str(run), config, 0)  # the earlier run kept its checkpoints in ckpt
     (ckpt / "2").mkdir()
     elsewhere = config_in(tmp_path, f"checkpoint.dir={tmp_path / 'new'}")
     refusal = unrestored_history(elsewhere)
     assert f"keeps its checkpoints in {ckpt}" in refusal, refusal
     assert f"set checkpoint.dir={ckpt}" in refusal
+
+
+def test_a_copied_run_directorys_config_warns_where_the_run_would_write(tmp_path):
+    """`--config COPY/config.yaml` of a copied run directory names the recorded run_dir and
+    the overrides that continue the copy; the directory's own config and other YAML files
+    are silent."""
+    original = config_in(tmp_path)
+    os.makedirs(original.train.run_dir)
+    runlog.write_config(original.train.run_dir, original, 0)
+    record = os.path.join(original.train.run_dir, "config.yaml")
+    assert moved_record(record, load_config(record)) is None
+    copy = tmp_path / "copy"
+    os.rename(original.train.run_dir, copy)
+    warning = moved_record(str(copy / "config.yaml"), load_config(str(copy / "config.yaml")))
+    assert warning and f"train.run_dir={tmp_path / 'run'}, the directory it records" in warning \
+        and f"add train.run_dir={copy} checkpoint.dir={copy / 'checkpoints'}" in warning
+    moved = load_config(str(copy / "config.yaml"), [f"train.run_dir={copy}"])
+    assert moved_record(str(copy / "config.yaml"), moved) is None
+    (tmp_path / "plain.yaml").write_text("train:\n  steps: 3\n")
+    assert moved_record(str(tmp_path / "plain.yaml"), original) is None

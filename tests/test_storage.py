@@ -32,17 +32,19 @@ def test_run_files_keep_their_content_on_a_full_disk(small_disk):
     old ones stay (not truncated to 0 bytes, as a plain rewrite leaves them) and the
     failure is one StorageError line naming the file and what to do."""
     config = load_config(None, [f"train.run_dir={small_disk}"])
-    runlog.write_config(str(small_disk), config)
+    runlog.write_config(str(small_disk), config, 0)
     records = "".join(json.dumps({"step": s, "loss": 2.0}) + "\n" for s in range(1, 50))
     (small_disk / "metrics.jsonl").write_text(records)
-    kept = {p.name: p.read_bytes() for p in small_disk.iterdir()}
+    kept = {str(p.relative_to(small_disk)): p.read_bytes() for p in small_disk.rglob("*")
+            if p.is_file()}
     with open(small_disk / "filler", "wb", buffering=0) as f:
         with pytest.raises(OSError):
             while True:
                 f.write(bytes(1 << 16))
     with pytest.raises(storage.StorageError, match=r"config.yaml: no space left on device "
                                                    r"while writing the run's config; free"):
-        runlog.write_config(str(small_disk), load_config(None, ["train.steps=7"]))
+        runlog.write_config(str(small_disk), load_config(None, ["train.steps=7"]), 0)
     with pytest.raises(storage.StorageError, match="metrics.jsonl: no space left"):
         runlog.MetricsLog(config, 20, lead=True)
-    assert {p.name: p.read_bytes() for p in small_disk.iterdir() if p.name != "filler"} == kept
+    assert {str(p.relative_to(small_disk)): p.read_bytes() for p in small_disk.rglob("*")
+            if p.is_file() and p.name != "filler"} == kept

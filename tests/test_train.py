@@ -131,7 +131,7 @@ def test_killed_run_resumes_bitwise(corpus_env, reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_half_written_checkpoint_is_ignored(corpus_env, reference, tmp_path):
+def test_half_written_checkpoint_is_ignored_and_removed(corpus_env, reference, tmp_path):
     env, _ = corpus_env
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -144,6 +144,7 @@ def test_half_written_checkpoint_is_ignored(corpus_env, reference, tmp_path):
     result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"))
     assert_ok(result)
     assert "resumed from step 3" in result.stdout, result.stdout[-3000:]
+    assert not junk.exists()  # the killed save's directory is removed, not skipped forever
     expected = {s: v for s, v in losses(reference[0]).items() if s > 3}
     assert losses(tmp_path / "run") == expected
 
@@ -190,9 +191,18 @@ def test_run_prints_progress_and_writes_log_config_and_tensorboard(reference):
     config = load_config(str(run_dir / "config.yaml"))
     assert config == load_config(None, [*BASE, f"train.steps={STEPS}", *dirs(run_dir.parent,
                                                                             "run")])
+    starts = list((run_dir / "starts").iterdir())  # the start's record: config.yaml's copy
+    assert [p.name.split("-")[0] for p in starts] == ["0"], starts
+    assert starts[0].read_text() == (run_dir / "config.yaml").read_text()
     scalars = tensorboard_scalars(run_dir / "tensorboard")
     assert scalars["train/loss"] == list(range(1, STEPS + 1))
     assert scalars["val/loss"] == [6, 12] and "perf/tokens_per_s" in scalars
+
+
+def read_tree(directory: Path, *names: str) -> dict[str, bytes]:
+    """{path: bytes} of the files `names` (files or directories) under directory."""
+    paths = [p for name in names for p in [directory / name, *(directory / name).rglob("*")]]
+    return {str(p.relative_to(directory)): p.read_bytes() for p in paths if p.is_file()}
 
 
 def copy_run(reference, tmp_path) -> None:
@@ -205,6 +215,7 @@ def test_rerun_of_a_finished_run_says_so_and_names_changed_settings(corpus_env, 
     env, _ = corpus_env
     copy_run(reference, tmp_path)
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    configs = read_tree(tmp_path / "run", "config.yaml", "starts")
     result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"),
                        "optimizer.lr=0.002", "train.seed=1", "train.log_every=3")
     assert_ok(result)
@@ -214,6 +225,8 @@ def test_rerun_of_a_finished_run_says_so_and_names_changed_settings(corpus_env, 
     assert len(warnings) == 1 and "optimizer.lr 0.001 -> 0.002" in warnings[0] and \
         "train.seed 0 -> 1" in warnings[0] and "log_every" not in warnings[0], result.stderr
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
+    # a start that trains nothing records no config: the checkpoints' stays
+    assert read_tree(tmp_path / "run", "config.yaml", "starts") == configs
 
 
 @pytest.mark.slow
@@ -349,6 +362,28 @@ def test_rerun_without_saving_restores_and_adds_to_the_history(corpus_env, refer
     assert [r["step"] for r in after[len(before):]] == [STEPS + 1, STEPS + 2]
     assert complete_steps(tmp_path / "ckpt") == complete_steps(reference[1])  # none saved
     assert load_config(str(tmp_path / "run" / "config.yaml")).checkpoint.every == 0
+
+
+@pytest.mark.slow
+def test_resume_with_another_model_shape_or_vocabulary_names_the_key(corpus_env, reference,
+                                                                     tmp_path):
+    """Another hidden size is refused naming the key and both values (not a leaf of the
+    optimizer state); another vocabulary (which the padded rows would let restore) is
+    refused unless --allow-change model.vocab_size asks for it."""
+    env, _ = corpus_env
+    copy_run(reference, tmp_path)
+    args = [*BASE, f"train.steps={STEPS + 1}", *dirs(tmp_path, "run")]
+    wider = run_train(env, *args, "model.hidden_size=128")
+    assert wider.returncode == 2 and "Traceback" not in wider.stderr, wider.stderr[-3000:]
+    assert "model.hidden_size 64 -> 128" in error_line(wider) and "opt_state" not in \
+        error_line(wider), wider.stderr
+    vocab = run_train(env, *args, "model.vocab_size=300")
+    assert vocab.returncode == 2 and "model.vocab_size 257 -> 300" in error_line(vocab) and \
+        "--allow-change model.vocab_size" in error_line(vocab), vocab.stderr
+    allowed = run_train(env, *args, "model.vocab_size=300", "--allow-change",
+                        "model.vocab_size")
+    assert_ok(allowed)
+    assert f"resumed from step {STEPS}" in allowed.stdout, allowed.stdout[-3000:]
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ Reads files only: neither JAX nor Orbax is imported.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from jaxptd.checkpoint.files import LAYOUT_KEYS, find_checkpoints
@@ -26,6 +27,9 @@ def main(argv=None) -> int:
                    ).add_argument("directory", help="a checkpoint directory, a run directory "
                                   "or one step")
     args = parser.parse_args(argv)
+    if not os.path.exists(args.directory):
+        print(f"error: {args.directory}: no such file or directory", file=sys.stderr)
+        return 2
     directory = find_checkpoints(args.directory)
     if directory is None:
         print(f"error: {args.directory}: no checkpoints found (looked for step directories "

@@ -124,9 +124,42 @@ def complete_steps(directory: str) -> list[int]:
 
 def find_checkpoints(path: str) -> str | None:
     """The checkpoint directory meant by `path`: itself, a step's parent, or a run
-    directory's checkpoints (its config.yaml's checkpoint.dir). None when none is found."""
+    directory's checkpoints. None when none is found.
+
+    A run directory is read where it is, so a copied or moved one stands alone: its
+    config.yaml's checkpoint.dir is taken relative to the run directory it records when it
+    lay inside it (the default `<run_dir>/checkpoints`), and as it is only when it lay
+    elsewhere (a checkpoint.dir the config set apart)."""
     if not os.path.isdir(path):
         return None
+    if is_step_dir(path):
+        return os.path.dirname(os.path.normpath(path)) or "."
+    candidates = [path, os.path.join(path, "checkpoints")]
+    recorded = _recorded_checkpoints(path)
+    if recorded is not None:
+        candidates.insert(1, recorded)
+    for candidate in candidates:
+        if os.path.isdir(candidate) and any(
+                is_step_dir(os.path.join(candidate, n)) for n in os.listdir(candidate)):
+            return candidate
+    return None
+
+
+def _recorded_checkpoints(run_dir: str) -> str | None:
+    """checkpoint.dir of run_dir's config.yaml, moved along with run_dir when it was inside
+    the train.run_dir it records (None: no readable config.yaml)."""
+    config_file = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(config_file):
+        return None
+    try:
+        config = load_config(config_file)
+    except ConfigError:
+        return None
+    recorded_run, recorded = (os.path.abspath(d) for d in (config.train.run_dir,
+                                                           config.checkpoint_dir))
+    if os.path.commonpath([recorded_run, recorded]) != recorded_run:
+        return recorded
+    return os.path.join(run_dir, os.path.relpath(recorded, recorded_run))
     if is_step_dir(path):
         return os.path.dirname(os.path.normpath(path)) or "."
     candidates = [path]

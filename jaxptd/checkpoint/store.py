@@ -44,7 +44,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxptd.runtime import storage
-from jaxptd.checkpoint import CheckpointError
+from jaxptd.checkpoint import CheckpointError, ModelMismatch
 from jaxptd.checkpoint.checksums import array_checksums, checksum_mismatch, leaf_name
 from jaxptd.checkpoint.files import (TMP_MARK, check_writable, read_layout, step_files,
                                      write_file_list)
@@ -117,13 +117,18 @@ class Checkpointer:
     def restore_latest(self, abstract_state, vocab_size: int):
         """(state, step) from the newest step that every process reads; None if no step.
 
-        Skips half-written saves and sets damaged steps aside, one warning line each.
+        Removes half-written saves (the caller holds the run's lock) and sets damaged steps
+        aside, one warning line each.
         Raises CheckpointError when steps exist but none can be read, or when a whole step
         was written by a different model.
         """
         for name in sorted(os.listdir(self.directory)):
-            if TMP_MARK in name:
-                LOG.warning(f"skipping half-written checkpoint {os.path.join(self.directory, name)}")
+            if TMP_MARK in name:  # a save killed before its rename: never a complete step
+                path = os.path.join(self.directory, name)
+                if jax.process_index() == 0:  # the run holds the directory's lock: no other
+                    shutil.rmtree(path, ignore_errors=True)  # save can be writing it
+                LOG.warning(f"removed half-written checkpoint {path} (a save that did not "
+                            "finish)")
         failures = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             state, problem = self._try_restore(abstract_state, step, vocab_size)
@@ -239,7 +244,9 @@ class Checkpointer:
         intact = "no earlier step was saved" if not kept else \
             f"step {kept[0]} is intact" if len(kept) == 1 else \
             f"steps {', '.join(map(str, kept))} are intact"
-        remedy = failure.remedy + (" or lower checkpoint.keep" if failure.space else "")
+        # a lower checkpoint.keep frees space only where more than one earlier step is kept
+        remedy = failure.remedy + (" or lower checkpoint.keep" if failure.space and len(kept) > 1
+                                   else "")
         raise CheckpointError(
             f"checkpoint.dir={self.directory}: {failure.reason} while saving step {step}: "
             f"the save needs about {human_bytes(nbytes)} ({nbytes} bytes), "
@@ -276,13 +283,13 @@ def _read_target(path, want, have: tuple | None, vocab_size: int):
     when only padded vocabulary rows differ, else the target itself."""
     name = jax.tree_util.keystr(path)
     if have is None:
-        raise CheckpointError(f"checkpoint has no leaf {name}: written by a different model")
+        raise ModelMismatch(f"checkpoint has no leaf {name}: written by a different model")
     have = tuple(have)
     if have == tuple(want.shape):
         return want
     if len(have) != len(want.shape) or any(
             h != w and min(h, w) < vocab_size for h, w in zip(have, want.shape)):
-        raise CheckpointError(f"checkpoint leaf {name} has shape {have}, this "
+        raise ModelMismatch(f"checkpoint leaf {name} has shape {have}, this "
                               f"run needs {tuple(want.shape)}: a different model")
     sharding = want.sharding
     mesh_sizes = dict(sharding.mesh.shape)

@@ -1,6 +1,8 @@
 """A resumed run's config against the one its checkpoint was written with: which keys it
-may change without a warning (RESUME_FREE), the ones it changed (`changed_keys`), and the
-learning-rate schedule's length it keeps (`continued`).
+may change without a warning (RESUME_FREE), the ones it changed (`changed_keys`), those it
+may change only when asked (ASKED, `refused_change`), the words for a checkpoint of another
+model's shape (`model_mismatch`), and the learning-rate schedule's length it keeps
+(`continued`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,12 @@ RESUME_FREE = ("parallel.", "runtime.", "checkpoint.", "train.steps", "train.run
                "train.log_every", "train.eval_every", "train.eval_batches",
                "train.wandb_project", "model.kernels", "model.attention", "model.remat",
                "model.scan_layers")
+
+
+# Keys whose change a checkpoint survives but a run should not make by accident: the
+# restore pads or cuts the padded vocabulary rows, so another model.vocab_size reads, but
+# the ids then mean other tokens. `python -m jaxptd.train --allow-change KEY` allows one.
+ASKED = ("model.vocab_size",)
 
 
 def continued(config: Config, saved: dict) -> tuple[Config, str | None]:
@@ -54,3 +62,27 @@ def changed_keys(saved: dict, config: Config) -> list[str]:
             if old != value and not dotted.startswith(RESUME_FREE):
                 changes.append(f"{dotted} {old!r} -> {value!r}")
     return changes
+
+
+def refused_change(saved: dict, config: Config, allowed: tuple[str, ...] = ()) -> str | None:
+    """Why a run may not resume from a step written with `saved` (a to_dict()): a change of
+    an ASKED key that `allowed` does not name; None when there is none."""
+    asked = [c for c in changed_keys(saved, config)
+             if c.split()[0] in ASKED and c.split()[0] not in allowed]
+    if not asked:
+        return None
+    keys = " ".join(f"--allow-change {c.split()[0]}" for c in asked)
+    return (f"{', '.join(asked)} against the checkpoint this run resumes: set it back, or "
+            f"pass {keys} to resume with it (the token ids then mean other tokens), or use a "
+            "new train.run_dir and checkpoint.dir")
+
+
+def model_mismatch(saved: dict, config: Config) -> str | None:
+    """The model keys (old -> new) that make a checkpoint written with `saved` another
+    model's shape than `config`'s, in words; None when no model key changed."""
+    changes = [c for c in changed_keys(saved, config) if c.startswith("model.")]
+    if not changes:
+        return None
+    return (f"{', '.join(changes)} against the checkpoint this run resumes: a model's "
+            "shape cannot change on resume; set them back, or use a new train.run_dir and "
+            "checkpoint.dir")

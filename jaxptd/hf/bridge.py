@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ from jaxptd.checkpoint.files import (complete_steps, find_checkpoints, layout_me
 from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, from_dict
 from jaxptd.hf.files import check_target, publish, read_hf
 from jaxptd.hf.names import HFError, require
+from jaxptd.runtime.runlog import STARTS
 
 
 # --------------------------------------------------------------------------- import
@@ -189,7 +191,8 @@ def _fresh(model: ModelConfig, hf_names: tuple) -> dict:
 
 
 def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
-    """Writes OUT_DIR/config.yaml and a step-0 checkpoint; returns the config path."""
+    """Writes OUT_DIR/config.yaml (and its record starts/import.yaml) and a step-0
+    checkpoint; returns the config path."""
     import yaml
 
     out = Path(out_dir).absolute()
@@ -198,10 +201,13 @@ def import_hf(hf_dir: str, out_dir: str, overwrite: bool = False) -> Path:
     tree.update({"train": {"run_dir": str(out)}, "checkpoint": {"dir": str(out / "checkpoints")}})
     setup = _single_device_setup(from_dict(tree))
 
-    def write(directory: Path) -> None:  # the config names `out`, where it will be
-        (directory / "config.yaml").write_text(
-            f"# Imported from {Path(hf_dir).absolute()} by python -m jaxptd.hf import\n"
+    text = (f"# Imported from {Path(hf_dir).absolute()} by python -m jaxptd.hf import\n"
             + yaml.safe_dump(tree, sort_keys=False))
+
+    def write(directory: Path) -> None:  # the config names `out`, where it will be
+        (directory / "config.yaml").write_text(text)  # a fine-tune's start replaces it,
+        (directory / STARTS).mkdir()  # the record of the import stays
+        (directory / STARTS / "import.yaml").write_text(text)
         _save(setup, params, directory / "checkpoints")
 
     publish(out, write)
@@ -239,6 +245,8 @@ def _save(setup, params, directory: Path) -> None:
 def checkpoint_steps(directory: str) -> tuple[Path, list[int]]:
     """(checkpoint directory, its complete steps) for a run, import, checkpoint or step
     directory (found as `python -m jaxptd.checkpoint inspect` finds it)."""
+    require(Path(directory).exists(), f"{directory}: no such file or directory (give the "
+            "directory `import` wrote, a run directory, its checkpoints/ or one step)")
     found = find_checkpoints(str(directory))
     steps = complete_steps(found) if found else []
     if steps:
@@ -288,14 +296,28 @@ def export_hf(directory: str, hf_dir: str, step: int | None = None,
     return step
 
 
+HELP_EPILOG = f"""examples:
+  python -m jaxptd.hf import HF_DIR OUT_DIR   # fine-tune it:
+  python -m jaxptd.train --config OUT_DIR/config.yaml
+  python -m jaxptd.hf export RUN_DIR HF_DIR   # the newest step; --step N for another
+
+{textwrap.fill('classes: ' + ', '.join(sorted(HF_CLASSES)), 90)}
+Both refuse a non-empty output directory unless --overwrite, and write it whole or not at
+all; export drops the padded vocabulary rows and writes float32 safetensors."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jaxptd.hf", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxptd.hf", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Converts between Hugging Face transformers checkpoints (safetensors) "
+                    "and jaxptd checkpoints.", epilog=HELP_EPILOG)
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="a transformers directory -> a jaxptd checkpoint")
-    imp.add_argument("hf_dir")
-    imp.add_argument("out_dir")
+    imp.add_argument("hf_dir", help="config.json and *.safetensors (save_pretrained's)")
+    imp.add_argument("out_dir", help="new directory: config.yaml and checkpoints/ (step 0)")
     exp = sub.add_parser("export", help="a jaxptd checkpoint -> a transformers directory")
-    exp.add_argument("directory")
+    exp.add_argument("directory", help="an import's or run's directory, its checkpoints/ "
+                                       "or one step")
     exp.add_argument("hf_dir")
     exp.add_argument("--step", type=int)
     for command in (imp, exp):

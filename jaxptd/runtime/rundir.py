@@ -1,7 +1,7 @@
 """Who may write a run directory: one run at a time, and never over a history it would
 not continue.
 
-Owns two rules about `train.run_dir` and `checkpoint.dir`:
+Owns three rules about `train.run_dir` and `checkpoint.dir`:
 
 - `RunLock`: process 0 of a run holds an exclusive `flock` on `<dir>/.jaxptd.lock` in the
   run directory and, when it lies outside it, the checkpoint directory, from before the
@@ -21,6 +21,9 @@ Owns two rules about `train.run_dir` and `checkpoint.dir`:
   directory's config.yaml names when this run's checkpoint.dir is another. A run killed
   before its first save left no checkpoint: retraining its steps loses nothing, and is
   allowed.
+- `moved_record`: a run directory's config.yaml records where that run lay; given as
+  `--config` from a copy or a moved directory, it would train into the recorded place,
+  not the copy: said in a warning naming the override that continues the copy.
 """
 from __future__ import annotations
 
@@ -169,3 +172,21 @@ def _previous_checkpoint_dir(run_dir: str) -> str | None:
         return os.path.abspath(load_config(path).checkpoint_dir)
     except ConfigError:
         return None
+
+
+def moved_record(config_path: str | None, config) -> str | None:
+    """A warning when `config_path` is the config.yaml of a run directory (one holding
+    starts/ or checkpoints/) other than the train.run_dir it gives: a copied or moved run
+    directory; None otherwise."""
+    if not config_path or os.path.basename(config_path) != "config.yaml":
+        return None
+    here = os.path.dirname(os.path.abspath(config_path))
+    if not any(os.path.isdir(os.path.join(here, d)) for d in (runlog.STARTS, "checkpoints")):
+        return None
+    recorded = os.path.abspath(config.train.run_dir)
+    if recorded == here:
+        return None
+    return (f"--config {config_path} is the record of a run directory now at {here}; this "
+            f"run writes into train.run_dir={recorded}, the directory it records: add "
+            f"train.run_dir={here} checkpoint.dir={os.path.join(here, 'checkpoints')} to "
+            "continue the copy")

@@ -2,7 +2,10 @@
 
 Owns what goes into `train.run_dir`:
 
-- `config.yaml`: the resolved config of the latest start (every key, defaults included);
+- `config.yaml`: the resolved config of the latest start that trains (every key, defaults
+  included; `--config` accepts it back), and `starts/<step>-<UTC time>.yaml`, the same
+  for every start, kept: what the checkpoints from that step on were trained with. A
+  start that trains nothing writes neither;
 - `train.log`: every console line and warning with a timestamp, and the libraries'
   logged warnings (Orbax's absl, asyncio) and exceptions ignored in their threads, which
   would otherwise fill the console;
@@ -146,12 +149,24 @@ def _unraisable_to(path: str | None):
 setup_logging()  # until a run sets up its directory: warnings on stderr
 
 
-def write_config(run_dir: str, config) -> None:
-    """The resolved config as YAML (`--config` accepts it back), replaced atomically."""
+STARTS = "starts"  # <run_dir>/starts/: each start's resolved config, never overwritten
+
+
+def write_config(run_dir: str, config, start_step: int) -> None:
+    """The resolved config as YAML into config.yaml (replaced atomically) and into a new
+    record of this start, starts/<start_step>-<UTC time>.yaml."""
     import yaml
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    record, n = os.path.join(run_dir, STARTS, f"{start_step}-{stamp}.yaml"), 0
+    while os.path.exists(record):  # two starts within a second: neither record is lost
+        n += 1
+        record = os.path.join(run_dir, STARTS, f"{start_step}-{stamp}-{n}.yaml")
     path = os.path.join(run_dir, "config.yaml")
     with storage.guard(path, "writing the run's config"):
-        storage.atomic_write(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+        storage.atomic_write(record, text)
+        storage.atomic_write(path, text)
 
 
 def tag(key: str) -> str:

@@ -3,11 +3,11 @@
 Order of work: config -> preflight (corpus, both splits against model.seq_len, data.pack's
 eot id into model.document_end, the run and checkpoint directories: all user errors caught
 before any device work) -> processes (jaxptd/runtime/distributed.py) -> devices, and the
-planner's memory against theirs -> the run's directories locked (jaxptd/runtime/rundir.py) -> mesh
--> state (restored, or initialised into its shardings where that overwrites no earlier
-run's history) -> config.yaml -> compile (XLA's memory against the devices') -> loop of
-step / log / evaluate / save -> summary. A run refused before it wrote anything leaves no
-directory it created behind.
+planner's memory against theirs -> the run's directories locked (jaxptd/runtime/rundir.py)
+-> mesh -> state (restored, or initialised into its shardings where that overwrites no
+earlier run's history) -> config.yaml and its starts/ record, when there is a step to train
+-> compile (XLA's memory against the devices') -> loop of step / log / evaluate / save ->
+summary. A run refused before it wrote anything leaves no directory it created behind.
 
 A user error prints one line `error: ...` on stderr and exits 2; so do an out-of-memory
 and a storage failure (a full disk, a file-size limit) in any of the run's writers
@@ -30,11 +30,12 @@ import numpy as np
 from jaxptd.runtime import distributed, preflight, rundir, runlog
 from jaxptd.train import metrics
 from jaxptd import model as models
-from jaxptd.checkpoint import CheckpointError
+from jaxptd.checkpoint import CheckpointError, ModelMismatch
 from jaxptd.checkpoint.files import layout_metadata
 from jaxptd.checkpoint.integrity import inspect
 from jaxptd.config import (Config, ConfigError, changed_keys, check_device_count, continued,
                            describe_keys, load_config)
+from jaxptd.config.resume import ASKED, model_mismatch, refused_change
 from jaxptd.data import DataError, TokenDataset
 from jaxptd.parallel.mesh import describe, make_mesh
 from jaxptd.runtime.preemption import INTERRUPTED, Preemption
@@ -50,6 +51,9 @@ def parse_args(argv):
         epilog="config keys (override any as section.key=value):\n" + describe_keys())
     parser.add_argument("--config", help="YAML file (values not given keep their defaults)")
     parser.add_argument("overrides", nargs="*", help="section.key=value, e.g. parallel.tensor=2")
+    parser.add_argument("--allow-change", action="append", default=[], metavar="KEY",
+                        choices=ASKED, help="resume although KEY differs from the checkpoint's "
+                        f"(refused otherwise; one of {', '.join(ASKED)})")
     return parser.parse_args(argv)
 
 
@@ -81,7 +85,7 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
-def start(config: Config, lock: RunLock):
+def start(config: Config, lock: RunLock, allowed: tuple[str, ...] = ()):
     """Processes, devices, the run's directories locked, mesh, checkpointer and state
     (restored or new) -> (jax, config, setup, ckpt, state, the devices' memory); the
     config is the one the run trains with (`continue_schedule`)."""
@@ -98,7 +102,7 @@ def start(config: Config, lock: RunLock):
     if jax.process_index() == 0:
         LOG.info(distributed.describe_hosts(jax, hosts))
     given = config  # as the user gave it; the run's own keeps the schedule it continues
-    config, note = continue_schedule(given)
+    config, note = continue_schedule(given, allowed)
     mesh = make_mesh(config.parallel)
     LOG.info(describe(mesh))
     if config.data.pack:
@@ -107,21 +111,28 @@ def start(config: Config, lock: RunLock):
                  "positions restart after it")
     setup = Setup(config, mesh)
     ckpt, state = restore(jax, setup, given, note)
-    if jax.process_index() == 0:  # the run continues this directory's history, or has none
-        runlog.write_config(config.train.run_dir, config)
     return jax, config, setup, ckpt, state, available
 
 
-def continue_schedule(config: Config):
-    """(config, note) with the learning-rate schedule of the newest complete step in
-    checkpoint.dir kept (config.continued); the config itself when there is none, or it
-    is step 0 (`hf import`'s: no step trained on any schedule yet)."""
+def newest_saved(config: Config) -> tuple[int, dict | None]:
+    """(step, the config it was written with as a to_dict()) of the newest complete step in
+    checkpoint.dir; (0, None) when there is none."""
     directory = config.checkpoint_dir
     steps = [r for r in inspect(directory) if r["status"] == "complete"] \
         if os.path.isdir(directory) else []
-    newest = steps[-1] if steps else {"step": 0}
-    saved = (newest["layout"] or {}).get("config") if newest["step"] else None
-    return continued(config, saved) if saved else (config, None)
+    return (steps[-1]["step"], (steps[-1]["layout"] or {}).get("config")) if steps else (0, None)
+
+
+def continue_schedule(config: Config, allowed: tuple[str, ...] = ()):
+    """(config, note) with the learning-rate schedule of the newest complete step in
+    checkpoint.dir kept (config.continued); the config itself when there is none, or it
+    is step 0 (`hf import`'s: no step trained on any schedule yet). Raises ConfigError for
+    a change of a key the run may change only when asked (config.refused_change)."""
+    step, saved = newest_saved(config)
+    refusal = refused_change(saved, config, allowed) if saved else None
+    if refusal:
+        raise ConfigError(refusal)
+    return continued(config, saved) if saved and step else (config, None)
 
 
 def restore(jax, setup, given: Config, note: str | None):
@@ -136,8 +147,13 @@ def restore(jax, setup, given: Config, note: str | None):
                         layout_metadata(config, jax.process_count())
                         ) if config.checkpoint.every or os.path.isdir(config.checkpoint_dir) \
         else None
-    restored = ckpt.restore_latest(setup.state_layout.abstract_state(logical=True),
-                                   config.model.vocab_size) if ckpt else None
+    try:
+        restored = ckpt.restore_latest(setup.state_layout.abstract_state(logical=True),
+                                       config.model.vocab_size) if ckpt else None
+    except ModelMismatch as e:  # name the keys that changed, not the leaf that shows it
+        saved = newest_saved(config)[1]
+        detail = model_mismatch(saved, given) if saved else None
+        raise CheckpointError(f"checkpoint.dir={ckpt.directory}: {detail or e}") from None
     if restored is None:
         refusal = distributed.lead_decides(jax, rundir.unrestored_history(config)
                                            if jax.process_index() == 0 else None)
@@ -186,12 +202,12 @@ class Run:
     """One training run's loop state: what each step needs and what it reports."""
 
     def __init__(self, config: Config, train: TokenDataset, val: TokenDataset,
-                 lock: RunLock):
+                 lock: RunLock, allowed: tuple[str, ...] = ()):
         from jaxptd.train.step import build_eval_step  # optax, the pipeline: ~70 ms of --help
         self.began = time.monotonic()
         self.train, self.val = train, val
         self.jax, self.config, self.setup, self.ckpt, self.state, self.available = \
-            start(config, lock)
+            start(config, lock, allowed)
         self.lead = self.jax.process_index() == 0
         self.preemption = Preemption(self.lead)  # after jax.distributed: the last handlers
         self.start_step = self.last = int(self.state["step"])
@@ -312,6 +328,8 @@ class Run:
                      "(and checkpoint.dir) to start another")
             self.ckpt.close()
             return 0
+        if self.lead:  # the run continues this directory's history, or has none
+            runlog.write_config(config.train.run_dir, config, self.start_step)
         self.metrics_log = runlog.MetricsLog(config, self.start_step, self.lead)
         self.progress = runlog.Progress(config.train.steps, self.start_step, self.tokens,
                                         self.began)
@@ -325,10 +343,13 @@ def main(argv=None) -> int:
     config = None
     try:
         config = load_config(args.config, args.overrides)
+        moved = rundir.moved_record(args.config, config)
+        if moved:
+            LOG.warning(moved)
         with preflight.new_directories(config), RunLock(config) as lock:
             train, val = preflight.check_files(config)
             config = preflight.packing(config, train)  # what the step, logs and saves see
-            return Run(config, train, val, lock)()
+            return Run(config, train, val, lock, tuple(args.allow_change))()
     except (ConfigError, DataError, CheckpointError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
