@@ -126,8 +126,8 @@ def phase(op_name: str) -> str:
     """forward, backward (autodiff's transpose), rounds (outside the gradient, in a
     pipeline's rounds: storing values in their slot buffers and reading them out, the sends,
     summing the microbatches' gradients) or update (the rest: the optimizer, the gradient
-    norm). Counted as update, the rounds' slot copies made GPT-1.3B's zb-h1 m8 at (2,2,2)
-    look like an 87 ms optimizer step in the H100 compile (13 ms on one device)."""
+    norm). Counted as update, the rounds' slot copies made a pipelined step's optimizer look
+    several times costlier than the same optimizer on one device."""
     if "transpose(" in op_name:
         return "backward"
     if "jvp(" in op_name:

@@ -164,18 +164,15 @@ def entered(module: nn.Module, x, *weights):
     first name: `ENTERED`). With sequence parallelism the all-gathered [b, s, h] is not
     kept for the backward, which gathers it again for the weight gradients, as Megatron's
     backward does (Korthikanti et al. 2022 count the norm's output, s b h / t): kept, it
-    was two [b, s, h] values a layer, 1.1 GiB a device of GPT-1.3B at (2,1,4) in the H100
-    compile (9.76 -> 8.66 GiB, the same static time). Only where the layer keeps what it
-    computes (model.remat none or selective): the other policies keep no gathered value,
-    and under them this jax.checkpoint's barriers cost copies (1F1B m8 SP minimal at
-    (2,2,2): +0.17 GiB, +1.1 ms). Its barriers also kept XLA from overlapping a pipeline's
-    kept backward's reduce-scatters (1F1B m8 SP at (2,2,2): 111 of 455 with a GEMM in
-    flight -> 1), where no barrier is needed (`Layout.apart`: 102 of 455; unpipelined,
-    without the barriers XLA merges the gather again with the forward's: 9.76 GiB). The
-    weights are cast before it: cast inside, the backward cast them again and kept the
-    float32 slices of the layer stack instead (+0.7 ms, +0.12 GiB at (2,1,4)); a custom
-    vjp that keeps x and the weights as given and gathers again behind a barrier on x
-    kept 0.19 GiB more.
+    was two [b, s, h] values a layer, at the same static time. Only where the layer keeps
+    what it computes (model.remat none or selective): the other policies keep no gathered
+    value, and under them this jax.checkpoint's barriers only cost copies. Its barriers
+    also kept XLA from overlapping a pipeline's kept backward's reduce-scatters with GEMMs,
+    where no barrier is needed (`Layout.apart`; unpipelined, without the barriers XLA
+    merges the gather again with the forward's). The weights are cast before it: cast
+    inside, the backward cast them again and kept the float32 slices of the layer stack
+    instead; a custom vjp that keeps x and the weights as given and gathers again behind a
+    barrier on x kept more. (The H100 compile's figures: BENCHMARKS.md and the git log.)
     """
     names = [name for name, _ in weights]
     assert all(ENTERED[n] == names[0] for n in names), f"{names}: ENTERED's inputs"

@@ -56,10 +56,10 @@ GPU_XLA_FLAGS = (
 )
 # Pipelined steps only: up to three collectives in flight at once (XLA's default: one). A
 # round's input gradient travels beside its F slot and its output beside its B slot, and
-# XLA had serialised them, the first done before the F slot began (the H100 compile of
-# GPT-1.3B at (2,2,2): 2 of a steady round's 4 permutes overlapped no GEMM, then all).
-# Two were enough there; a mixture of experts' F slot has its all-to-alls in flight too.
-# Unpipelined, it left fewer of FSDP 8's collectives beside a GEMM (36 -> 32 of 55).
+# XLA had serialised them, the first done before the F slot began, so half of a steady
+# round's permutes overlapped no GEMM. Two were enough for those; a mixture of experts' F
+# slot has its all-to-alls in flight too. Unpipelined, it left fewer of FSDP's collectives
+# beside a GEMM, hence pipelined steps only (figures: BENCHMARKS.md, the git log).
 PIPELINE_XLA_FLAGS = ("--xla_gpu_experimental_parallel_collective_overlap_limit=3",)
 
 

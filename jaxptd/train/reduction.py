@@ -65,7 +65,7 @@ def _gather_for_matmul(dim: int, compute, reduce, dtype):
     of a gather in grad_reduce_dtype, `reduce`, the bytes of the compute dtype), so that
     nothing between the gather and the layer's use is a value sharding.regather lets the
     layer's jax.checkpoint keep (the cast after it was: every layer's whole weights kept
-    from the forward to the backward, 2.25 GiB at FSDP 8 for GPT-1.3B on H100); the
+    from the forward to the backward, which FSDP exists to avoid); the
     gradient reduce-scattered in optimizer.grad_reduce_dtype (`reduce`), as the gather's
     transpose did."""
     @jax.custom_vjp
