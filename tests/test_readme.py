@@ -1,20 +1,21 @@
-"""The README's claims, checked against the program they describe.
+"""The README's and the docs pages' claims, checked against the program they describe.
 
-Fast: the config reference against `jaxptd/config/` (every key both ways, each default,
-each choice); every `python -m jaxptd.X` command and `--flag` the README names against that
-CLI's `--help`; every `section.key=value` it names against the config; the set-up
-section's install line, packages and test command against `pyproject.toml` and `.ci/run`;
-the default config's description against `configs/gpt_tiny.yaml`.
+Fast: the README is short (under MAX_README_LINES); every `python -m jaxptd.X` command and
+`--flag` the README and docs/ name against that CLI's `--help`; every `section.key=value`
+they name against the config; the install, train and test sections against
+`pyproject.toml` and `.ci/run`; the default config's description against
+`configs/gpt_tiny.yaml`. (docs/config.md against the schema, and the links between the
+pages: tests/test_docs.py.)
 
-Slow, one run: the set-up section's train command as written, in a scratch directory that
-holds the checkout's `configs/` (so the README's relative paths are the run's), then the
-README's `generate` and `checkpoint inspect` commands on what it wrote. Against it: the
-final validation loss is 0.5 nats below the corpus's unigram entropy; the measured table;
-the sample output's lines. What the program decides (the steps logged, paths, token counts,
-the state's size, the bubble) must be equal; what the machine decides (times, throughput,
-compiled temporaries, compressed checkpoint sizes) only keeps its format; losses are
-equal to the digits shown, give or take DRIFT, when the corpus is the one the README
-measured.
+Slow, one run: the README's train command as written, in a scratch directory that holds
+the checkout's `configs/` (so the README's relative paths are the run's), then the
+`generate` command of docs/models.md and the `checkpoint inspect` command of
+docs/checkpoints.md on what it wrote. Against it: the final validation loss is 0.5 nats
+below the corpus's unigram entropy; the README's measured table; its sample output's
+lines. What the program decides (the steps logged, paths, token counts, the state's size,
+the bubble) must be equal; what the machine decides (times, throughput, compiled
+temporaries, compressed checkpoint sizes) only keeps its format; losses are equal to the
+digits shown, give or take DRIFT, when the corpus is the one the README measured.
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ from jaxptd.data import read_meta, resolve_corpus, unigram_entropy
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+# The README and the docs pages, by their path in the repository.
+DOCS = {"README.md": README, **{f"docs/{p.name}": p.read_text()
+                                for p in sorted((REPO / "docs").glob("*.md"))}}
+MAX_README_LINES = 250  # a newcomer reads it in five minutes; the rest lives in docs/
 CHECKOUT = "/path/to/jaxptd"  # how the README's sample output writes the checkout's path
 # Losses (and perplexities) are compared to the digits the README shows, give or take
 # DRIFT (scaled by the perplexity for a perplexity). Runs that differ only in rounding (the
@@ -58,24 +63,25 @@ def close(shown: str, real: float, scale: float = 1.0) -> bool:
     return abs(float(shown) - real) <= 0.5 * 10.0 ** -decimals + DRIFT * scale
 
 
-# Flags the README names for other programs.
+# Flags the pages name for other programs.
 FOREIGN_FLAGS = {"--append-eod": "Megatron-LM's tools/preprocess_data.py",
-                 "--signal": "SLURM's sbatch"}
+                 "--signal": "SLURM's sbatch", "--nodes": "SLURM's sbatch",
+                 "--time": "SLURM's sbatch"}
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
 # --------------------------------------------------------------------------- reading the README
 
 
-def sections() -> list[tuple[str, str]]:
-    """(heading text, body) for every heading of any level, in order."""
-    parts = re.split(r"^#+ (.*)\n", README, flags=re.M)
+def sections(page: str = "README.md") -> list[tuple[str, str]]:
+    """(heading text, body) for every heading of any level of a page, in order."""
+    parts = re.split(r"^#+ (.*)\n", DOCS[page], flags=re.M)
     return list(zip(parts[1::2], parts[2::2]))
 
 
-def section(start: str) -> str:
-    bodies = [body for heading, body in sections() if heading.startswith(start)]
-    assert len(bodies) == 1, f"README: no single section {start!r}"
+def section(start: str, page: str = "README.md") -> str:
+    bodies = [body for heading, body in sections(page) if heading.startswith(start)]
+    assert len(bodies) == 1, f"{page}: no single section {start!r}"
     return bodies[0]
 
 
@@ -176,110 +182,102 @@ def config_keys() -> dict[str, object]:
             for s in dataclasses.fields(Config) for k in dataclasses.fields(s.default_factory)}
 
 
-def reference_rows() -> dict[str, tuple[str, str]]:
-    """The config reference table: key -> (its README default, the row's text)."""
-    rows = {}
-    for line in section("Config reference").splitlines():
-        if not line.startswith("| `"):
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        names = spans(cells[0])
-        defaults = [d.strip() for d in cells[1].split(" / ")] if len(names) > 1 else [cells[1]]
-        assert len(defaults) == len(names), f"README config row: {line}"
-        prefix = names[0].split(".")[0]
-        for name, default in zip(names, defaults):
-            key = name if "." in name else f"{prefix}.{name}"
-            assert key not in rows, f"README: {key} has two rows"
-            rows[key] = (default.strip("`"), line)
-    return rows
-
-
 # --------------------------------------------------------------------------- fast checks
 
 
-def test_config_reference_lists_every_key_with_its_default_and_choices():
-    """Every config key has a row and every row a key; a row's default, given as an
-    override, is the default (checkpoint.dir's is described: empty means under run_dir);
-    a key with a fixed set of values names each of them in its row."""
-    rows, keys = reference_rows(), config_keys()
-    assert sorted(set(keys) - set(rows)) == [], "config keys without a README row"
-    assert sorted(set(rows) - set(keys)) == [], "README rows without a config key"
-    described = {"checkpoint.dir": "<run_dir>/checkpoints"}
-    for key, (default, row) in rows.items():
-        if key in described:
-            assert default == described[key] and keys[key] == "", (key, default)
-            continue
-        section_name, name = key.split(".")
-        given = getattr(getattr(load_config(None, [f"{key}={default}"]), section_name), name)
-        assert given == keys[key], f"README says {key} defaults to {default}, it is {keys[key]!r}"
-    for key, choices in CHOICES.items():
-        missing = [c for c in choices
-                   if not re.search(rf"(?<![\w-]){re.escape(c)}(?![\w-])", rows[key][1])]
-        assert not missing, f"README's {key} row does not name {missing}"
+def test_readme_is_short():
+    lines = len(README.splitlines())
+    assert lines < MAX_README_LINES, f"README.md has {lines} lines: move detail to docs/"
 
 
-def test_every_cli_command_and_flag_the_readme_names_is_accepted():
+def test_every_cli_command_and_flag_the_pages_name_is_accepted():
     """A `python -m jaxptd.X` command's flags are in its --help; a flag named in prose is
-    in the --help of a jaxptd CLI of its section (or of jaxptd.train), unless it is
-    another program's (FOREIGN_FLAGS)."""
+    in the --help of a jaxptd CLI some command of its page names (or of jaxptd.train),
+    unless it is another program's (FOREIGN_FLAGS). Every CLI is named somewhere."""
     problems, seen = [], set()
-    for heading, body in sections():
+    for page in DOCS:
         helps = [cli_help("jaxptd.train")]
-        for command in commands(body):
-            parsed = jaxptd_command(command)
-            if parsed is None:
-                continue
-            module, sub, rest = parsed
-            seen.add(module)
-            helps.append(cli_help(module, sub))
-            problems += [f"{heading}: {flag} in `{command}`" for flag in FLAG.findall(" ".join(rest))
-                         if not accepts(cli_help(module, sub), flag)]
-        for text in spans(prose(body)):
-            if is_command(text):
-                continue
-            problems += [f"{heading}: {flag} in `{text}`" for flag in FLAG.findall(text)
-                         if flag not in FOREIGN_FLAGS and not any(accepts(h, flag) for h in helps)]
+        for heading, body in sections(page):
+            for command in commands(body):
+                parsed = jaxptd_command(command)
+                if parsed is None:
+                    continue
+                module, sub, rest = parsed
+                seen.add(module)
+                helps.append(cli_help(module, sub))
+                problems += [f"{page}, {heading}: {flag} in `{command}`"
+                             for flag in FLAG.findall(" ".join(rest))
+                             if not accepts(cli_help(module, sub), flag)]
+        for heading, body in sections(page):
+            for text in spans(prose(body)):
+                if is_command(text):
+                    continue
+                problems += [f"{page}, {heading}: {flag} in `{text}`"
+                             for flag in FLAG.findall(text) if flag not in FOREIGN_FLAGS
+                             and not any(accepts(h, flag) for h in helps)]
     assert not problems, "flags no CLI accepts:\n" + "\n".join(problems)
     assert {"jaxptd.train", "jaxptd.data.prepare", "jaxptd.hf", "jaxptd.generate",
             "jaxptd.checkpoint", "jaxptd.pipeline.schedules", "jaxptd.plan"} <= seen, seen
 
 
-def test_every_override_the_readme_names_is_a_key_and_a_valid_choice():
-    """`section.key=value` anywhere in the README (commands, spans): a real key, and for a
-    key with a fixed set of values one of them (placeholders such as N, DIR skipped)."""
+def test_every_override_the_pages_name_is_a_key_and_a_valid_choice():
+    """`section.key=value` anywhere in the README and docs (commands, spans): a real key,
+    and for a key with a fixed set of values one of them (placeholders such as N, DIR
+    skipped)."""
     keys = config_keys()
-    found = re.findall(r"(?<![\w./-])([a-z]+\.[a-z_0-9]+)=([^\s`|,)]*)", README)
+    found = [(page, key, value) for page, text in DOCS.items() for key, value in
+             re.findall(r"(?<![\w./-])([a-z]+\.[a-z_0-9]+)=([^\s`|,)]*)", text)]
     assert len(found) > 20, found
-    for key, value in found:
+    for page, key, value in found:
         if key == "section.key":
             continue
-        assert key in keys, f"README names {key}={value}: no such config key"
+        assert key in keys, f"{page} names {key}={value}: no such config key"
         if key in CHOICES and value and not value.isupper() and value != "...":
-            assert value in CHOICES[key], f"README names {key}={value}: not one of {CHOICES[key]}"
+            assert value in CHOICES[key], f"{page} names {key}={value}: not one of {CHOICES[key]}"
 
 
-def test_set_up_section_matches_the_package_the_config_and_ci():
-    """The install line's extras exist and the paragraph after it names every dependency
-    they install; the test command is the one .ci/run runs; the default config's
-    description (layers, hidden size, parameters, devices, layout, run directory) is
-    configs/gpt_tiny.yaml's; its example of scaling is a valid config."""
+def test_install_section_matches_the_package():
+    """The Python version is pyproject's; the install line's extras exist and the
+    paragraph after it names every dependency they install (a pin with its version)."""
     import tomllib
-    body = section("Set up, train, test")
-    setup = code_blocks(body)[0]
-    install, train, test = setup
+    body = section("Install")
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    extras = re.fullmatch(r"pip install -e '\.\[([\w,]+)\]'", install).group(1).split(",")
+    oldest = re.search(r"Python (3\.\d+) or newer", prose(body)).group(1)
+    assert project["requires-python"] == f">={oldest}", project["requires-python"]
+    install = [line for line in code_blocks(body)[0] if line.startswith("pip install")]
+    assert len(install) == 1, code_blocks(body)
+    extras = re.fullmatch(r"pip install -e '\.\[([\w,]+)\]'", install[0]).group(1).split(",")
     assert set(extras) <= set(project["optional-dependencies"]), extras
-    paragraph = next(prose(p) for p in body.split("\n\n") if "The first command installs" in p)
+    paragraph = next(prose(p) for p in body.split("\n\n") if "The last command installs" in p)
     for requirement in project["dependencies"] + [r for e in extras
                                                   for r in project["optional-dependencies"][e]]:
         name = re.split(r"[<>=~! \[;]", requirement)[0]
         shown = requirement if "==" in requirement else name  # a pin is part of the claim
         assert re.search(rf"(?<![\w-]){re.escape(shown)}(?![\w-])", paragraph), \
             f"the README's install paragraph does not name {shown}"
-    assert test in (REPO / ".ci" / "run").read_text().splitlines(), test
 
-    config_path = re.fullmatch(r"python -m jaxptd\.train --config (\S+)", train).group(1)
+
+def test_test_section_matches_ci_and_the_markers():
+    """The test command is the one .ci/run runs; the fast subset deselects a marker
+    pyproject.toml declares."""
+    import tomllib
+    body = section("Test")
+    test = code_blocks(body)[0][0]
+    assert test in (REPO / ".ci" / "run").read_text().splitlines(), test
+    subset = re.search(r'`python -m pytest -q -m "not (\w+)"`', prose(body)).group(1)
+    markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"]["markers"]
+    assert any(m.startswith(f"{subset}:") for m in markers), (subset, markers)
+
+
+def test_train_section_matches_the_default_config():
+    """The default config's description (layers, hidden size, parameters, devices, layout,
+    corpus, run directory) is configs/gpt_tiny.yaml's; its example of scaling is a valid
+    config."""
+    body = section("Train")
+    train = code_blocks(body)[0]
+    assert len(train) == 1, train
+    config_path = re.fullmatch(r"python -m jaxptd\.train --config (\S+)", train[0]).group(1)
     config = load_config(str(REPO / config_path))
     text = prose(body)
     described = re.search(
@@ -343,14 +341,14 @@ def parse_line(line: str) -> tuple[str, dict[str, str]] | None:
 
 @pytest.fixture(scope="module")
 def readme_run(tmp_path_factory):
-    """The set-up section's train command as written, run in a scratch directory that
+    """The README's train command as written, run in a scratch directory that
     holds the checkout's configs/; the corpus is prepared into a fresh cache."""
     checkout = tmp_path_factory.mktemp("checkout")
     (checkout / "configs").symlink_to(REPO / "configs")
     cache = tmp_path_factory.mktemp("jaxptd-cache")
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env = optimised_env(dict(os.environ, JAXPTD_CACHE=str(cache), PYTHONPATH=pythonpath))
-    train = [c for c in code_blocks(section("Set up, train, test"))[0]
+    train = [c for c in code_blocks(section("Train"))[0]
              if c.startswith("python -m jaxptd.train")]
     assert len(train) == 1, train
     result = run(train[0], checkout, env, timeout=900)
@@ -441,7 +439,7 @@ def test_run_prints_what_the_readme_shows(readme_run):
         (f"checkpoint: step {s}", f"{ckpt_dir}/{s}") for s in range(every, steps + 1, every)]
     assert len(by_kind["compiled"]) == len(by_kind["done"]) == 1 and parsed[-1][0] == "done"
 
-    block = code_blocks(section("What a run says and leaves behind"))[0]
+    block = code_blocks(section("Train"))[1]
     sample = [line.replace(CHECKOUT, checkout) for line in block if line != "..."]
     compare_losses = same_corpus(readme_run.corpus)
     for line in sample:
@@ -475,7 +473,7 @@ def test_measured_table_matches_the_run(readme_run):
         assert (int(step), "loss") in logged and (not val or (int(step), "val") in logged), step
     readme = readme_corpus()
     tokens = f"{(readme['train_tokens'] + readme['val_tokens']) / 1e6:.1f}M byte-level tokens"
-    assert tokens in prose(section("Set up, train, test")), tokens
+    assert tokens in prose(section("Train")), tokens
     if not same_corpus(readme_run.corpus):
         pytest.skip(f"the corpus is not the README's ({read_meta(readme_run.corpus)['source']}"
                     "): its losses are not compared")
@@ -502,7 +500,7 @@ def test_generate_and_inspect_commands_run_on_the_default_run(readme_run):
     rounding difference in the logits changes a draw and every draw after it);
     `checkpoint inspect` on the run directory exits 0 and names the step a run resumes
     from."""
-    body = section("Generating text")
+    body = section("Generating text", "docs/models.md")
     generate = next(c for c in commands(body) if c.startswith("python -m jaxptd.generate"))
     tokens = shlex.split(generate)
     prompt = tokens[tokens.index("--prompt") + 1]
@@ -515,7 +513,7 @@ def test_generate_and_inspect_commands_run_on_the_default_run(readme_run):
                                              for i in ids), ids
     assert code_blocks(body)[1][0].startswith(prompt)
 
-    inspect = next(c for c in commands(section("What a run says and leaves behind"))
+    inspect = next(c for c in commands(section("Damaged checkpoints", "docs/checkpoints.md"))
                    if "jaxptd.checkpoint inspect" in c)
     run_dir = os.path.relpath(readme_run.run_dir, readme_run.checkout)
     out = run(inspect.replace("DIR", run_dir), readme_run.checkout, readme_run.env, 120).stdout

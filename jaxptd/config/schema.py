@@ -20,28 +20,46 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = "gpt"  # gpt (the papers' GPT-2-shaped decoder) | llama | bert
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_heads: int = 4
-    seq_len: int = 128
-    vocab_size: int = 257  # the tokenizer's vocabulary; padded for tensor parallelism
-    dropout: float = 0.0
-    dtype: str = "float32"  # compute dtype; master weights are always float32
-    kernels: str = "xla"  # fused softmax / bias-GeLU: plain XLA or Pallas kernels
-    attention: str = "xla"  # xla | cudnn (flash attention on GPU; the XLA path elsewhere)
+    # gpt (the papers' GPT-2-shaped decoder: learned positions, LayerNorm, GeLU, biases,
+    # tied embedding) | llama (RMSNorm, rotary positions, SwiGLU, untied, no biases) | bert
+    # (Megatron's BERT: a bidirectional encoder, masked-LM and sentence-order losses)
+    arch: str = "gpt"
+    num_layers: int = 4  # transformer layers (L)
+    hidden_size: int = 128  # the residual stream's width (h)
+    num_heads: int = 4  # attention heads (a); each of width hidden_size / num_heads
+    seq_len: int = 128  # tokens a row (s); gpt and bert learn a position for each
+    # the tokenizer's vocabulary (bert: with its 4 special ids unless special_ids places
+    # them inside it); padded to a multiple of 128 x parallel.tensor with zero rows that stay
+    # zero and take no loss (the weights are drawn at this size: one model at every layout)
+    vocab_size: int = 257
+    dropout: float = 0.0  # on the embeddings, attention probabilities and residual branches
+    # compute dtype: float32 | bfloat16 | float16 (with optimizer.loss_scale=dynamic); the
+    # master weights are always float32
+    dtype: str = "float32"
+    # fused softmax / bias-GeLU and the context ring's attention blocks: xla | pallas
+    # (pallas_kernels/: Pallas kernels, interpret mode on CPU)
+    kernels: str = "xla"
+    # xla | cudnn (cuDNN flash attention on a GPU: 16-bit dtypes, no attention dropout; the
+    # XLA path elsewhere)
+    attention: str = "xla"
     # activation recomputation: none | minimal (keep matmul outputs and flash attention's
     # own residuals, recompute norms and activations) | minimal_mlp (the same but q, k, v:
-    # the attention's projection again) | selective (attention core) | full
+    # the attention's projection again) | selective (the attention core, Megatron's: drops
+    # the [s, s] probabilities) | full (each layer again from its input)
     remat: str = "none"
     # layers as one scan (true: one layer's program, per-layer stacks of kept values) or
-    # unrolled (false: no stacks to fill and copy, longer compiles); auto: unrolled on a GPU
+    # unrolled (false: no stacks to fill and copy, longer compiles); auto: scanned on CPU,
+    # unrolled on a GPU
     scan_layers: str = "auto"
-    init_std: float = 0.02
+    init_std: float = 0.02  # weights drawn N(0, init_std); residual outputs / sqrt(2 L)
     layernorm_eps: float = 1e-5  # LayerNorm's (RMSNorm's for llama) epsilon
-    ffn_size: int = 0  # MLP hidden width; 0: 4 x hidden_size
-    num_kv_heads: int = 0  # llama: key/value heads (grouped-query attention); 0: num_heads
-    qkv_bias: bool = False  # llama: biases on the query, key and value projections (Qwen2's)
+    ffn_size: int = 0  # MLP hidden width (SwiGLU's for llama); 0: 4 x hidden_size
+    # llama: key/value heads (grouped-query attention), split over the tensor ranks when
+    # parallel.tensor divides them, else replicated; 0: num_heads
+    num_kv_heads: int = 0
+    # llama: biases on the query, key and value projections (Qwen2's and Qwen2-MoE's; zeros
+    # at initialisation)
+    qkv_bias: bool = False
     rope_theta: float = 10000.0  # llama: base of the rotary position embedding
     # llama: rotary frequency scaling, none | llama3 (Llama 3.1's: frequencies whose
     # wavelength exceeds rope_original_seq_len / rope_low_freq_factor divided by rope_factor,
@@ -51,32 +69,44 @@ class ModelConfig:
     rope_low_freq_factor: float = 1.0  # llama3: bounds the scaled (low) frequencies
     rope_high_freq_factor: float = 4.0  # llama3: bounds the kept (high) ones; > low
     rope_original_seq_len: int = 8192  # llama3: the context length of pretraining
-    gelu: str = "tanh"  # gpt, bert: tanh (GPT-2's, Megatron's approximation) | erf (exact)
+    # gpt, bert: tanh (GPT-2's and Megatron's approximation) | erf (exact, the original
+    # BERT's; the Pallas bias-GeLU kernel is tanh's, so erf takes XLA's)
+    gelu: str = "tanh"
     # bert: pre (Megatron's rearranged LayerNorm, its Figure 7) | post (the original
     # BERT's, transformers' BertModel; as Megatron's apply_residual_connection_post_layernorm)
     norm_position: str = "pre"
-    special_ids: str = ""  # bert: "PAD,CLS,SEP,MASK" ids; "": the top 4 of vocab_size
+    # bert: "PAD,CLS,SEP,MASK" ids inside the vocabulary (e.g. 0,101,102,103: a Hugging
+    # Face tokenizer's); "": the top 4 ids of vocab_size, which the data may not use
+    special_ids: str = ""
     # decoders: the id that ends a document in packed rows (set by data.pack to the
     # corpus's eot id, or directly); attention never crosses it, positions restart after it and the
     # target after it takes no loss. -1: rows are one stream (attention spans documents)
     document_end: int = -1
-    # Mixture of experts (gpt, llama; model/moe.py): a layer's MLP becomes moe_experts
-    # routed experts of which each token takes moe_top_k, plus optional shared experts
-    moe_experts: int = 0  # routed experts a layer; 0: the dense MLP
+    # gpt, llama: a mixture of experts (jaxptd/model/moe.py): routed experts a layer, of
+    # which each token takes moe_top_k, plus optional shared experts; 0: the dense MLP
+    moe_experts: int = 0
     # every moe_every-th layer is a mixture (layers k-1, 2k-1, ..., as Qwen2-MoE's
     # decoder_sparse_step and Llama 4's interleave step), the others keep the dense MLP
     moe_every: int = 1
     moe_top_k: int = 2  # experts each token is sent to
-    moe_ffn: int = 0  # a routed expert's hidden width (fine-grained experts); 0: model.ffn
-    moe_shared_ffn: int = 0  # hidden width of the always-active shared expert(s); 0: none
+    # a routed expert's hidden width (fine-grained experts); 0: ffn_size's
+    moe_ffn: int = 0
+    # hidden width of the always-active shared expert(s), a dense MLP (DeepSeek's n shared
+    # experts of width f: n f); 0: none
+    moe_shared_ffn: int = 0
     moe_shared_gate: bool = False  # the shared expert's output scaled by sigmoid(x w) (Qwen2-MoE)
-    moe_router: str = "softmax"  # scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3)
+    # the router's scores: softmax (Mixtral, Qwen) | sigmoid (DeepSeek-V3; normalised per
+    # token for the balance loss)
+    moe_router: str = "softmax"
     moe_norm_topk: bool = True  # the top-k scores renormalised to sum to 1 (the weights)
     # expert capacity factor: each expert takes at most ceil(factor x tokens x top_k /
-    # experts) of a rank's microbatch tokens, the rest dropped (counted); 0: dropless
+    # experts) of a rank's microbatch tokens, first choices first, the rest dropped (counted
+    # in the moe_dropped metric); 0: dropless (grouped GEMMs)
     moe_capacity: float = 0.0
-    moe_aux_loss: float = 0.01  # coefficient of the Switch/GShard load-balancing loss
-    moe_z_loss: float = 0.0  # coefficient of the router z-loss (ST-MoE: 1e-3)
+    # weight of the Switch/GShard load-balancing loss E sum_i f_i P_i, each sequence its
+    # group (1 when balanced), per layer
+    moe_aux_loss: float = 0.01
+    moe_z_loss: float = 0.0  # weight of the router z-loss, logsumexp(logits)^2 (ST-MoE: 1e-3)
     # DeepSeek-V3's auxiliary-loss-free balance: a per-expert bias on the scores that pick
     # the top k, moved by this rate towards the mean load after every step; 0: off
     moe_bias_rate: float = 0.0
@@ -137,24 +167,33 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    data: int = 1
-    pipe: int = 1
-    tensor: int = 1
-    microbatches: int = 1  # per data-parallel rank and step
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved | zb-h1 | zb-interleaved (pipe > 1)
+    data: int = 1  # data-parallel ranks (d), replicas of the model (FSDP: its shards)
+    pipe: int = 1  # pipeline stages (p), across hosts
+    tensor: int = 1  # tensor-parallel ranks (t), inside one host
+    microbatches: int = 1  # m, per data-parallel rank and step
+    # pipe > 1: gpipe | 1f1b | interleaved | zb-h1 | zb-interleaved (docs/schedules.md)
+    schedule: str = "1f1b"
     chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedules)
     stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
-    round_form: str = "auto"  # pipe > 1: cond | steady | masked (auto: cond on CPU, steady GPU)
-    sequence_parallel: bool = False  # activations outside attention/MLP split [b, s/t, h]
+    # pipe > 1: cond (idle slots skipped by a conditional) | steady (rounds where every rank
+    # works run without conditionals) | masked (none: idle slots computed and discarded);
+    # auto: cond on CPU, steady on a GPU
+    round_form: str = "auto"
+    # Megatron's sequence parallelism: norms, dropouts and the residual stream split over
+    # tensor as [b, s/t, h]; a layer's all-reduces become an all-gather and a reduce-scatter
+    sequence_parallel: bool = False
     # context parallelism: every activation's sequence split over `context` ranks (the mesh
     # axis between pipe and tensor), each holding chunks i and 2c-1-i (causal balance)
     context: int = 1
-    context_attention: str = "ring"  # ring (key/value blocks passed round) | allgather
+    # ring (key/value blocks passed round the context ranks beside the attention of the
+    # current block; flash attention's backward) | allgather (all ranks' keys and values
+    # gathered, one masked attention: Llama 3's choice)
+    context_attention: str = "ring"
     fsdp: bool = False  # ZeRO-3: parameters, gradients, optimizer state sharded over data
     fsdp_group: int = 0  # data ranks per FSDP sharding group (HSDP); 0: all of them
     # what FSDP gathers at once: a layer (gathered ahead of its use, beside the layer
-    # before: overlapped) or one matmul's weight (seeds/003's unit: a quarter of a GPT
-    # layer's memory, gathered where it is used: not overlapped)
+    # before: overlapped) or one matmul's weight (the PyTorch FSDP on AWS runs' unit: a
+    # quarter of a GPT layer's memory, gathered where it is used: not overlapped)
     fsdp_unit: str = "layer"
     # expert parallelism: the routed experts split over `expert` of the data ranks (the
     # mesh's expert axis, a part of data), tokens sent to their experts' ranks and back by
@@ -170,7 +209,9 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = "pystdlib"  # a prepared token directory, or the built-in corpus name
+    # a prepared token directory (python -m jaxptd.data.prepare), a Megatron-LM dataset's
+    # path prefix (PREFIX.bin, PREFIX.idx) or pystdlib (this Python's standard library)
+    path: str = "pystdlib"
     # rows hold several documents that do not see each other: model.document_end is set to
     # the corpus's eot id (a directory's meta.json; data.eod_id for Megatron data)
     pack: bool = False
@@ -184,49 +225,59 @@ class OptimizerConfig:
     # adamw (two float32 moments a parameter) | sgd (with momentum: one; without: none;
     # weight_decay as L2 added to the gradient, torch.optim.SGD's)
     name: str = "adamw"
-    momentum: float = 0.9  # sgd: heavy-ball momentum (0: plain SGD)
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 20
-    decay_steps: int = 0  # 0: decay over train.steps
+    momentum: float = 0.9  # sgd: heavy-ball momentum (0: plain SGD, no state)
+    lr: float = 1e-3  # peak learning rate, reached after warmup_steps
+    min_lr: float = 1e-4  # final learning rate, at the end of the cosine decay
+    warmup_steps: int = 20  # linear warm-up from 0, then cosine decay
+    # the cosine decay's length; 0: train.steps (on a resume: the length it was trained with)
+    decay_steps: int = 0
+    # on matrices (not biases or norms): AdamW's decoupled decay, SGD's L2 on the gradient
     weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-    zero1: bool = False  # shard optimizer state over the data axis
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    eps: float = 1e-8  # Adam's epsilon
+    clip_norm: float = 1.0  # global gradient-norm clipping; 0: off
+    zero1: bool = False  # shard optimizer state over the data axis (ZeRO-1)
     loss_scale: str = "none"  # none | dynamic (required for model.dtype float16)
-    grad_reduce_dtype: str = "float32"  # data-parallel gradient reductions (and FSDP gathers)
-    # reduce each layer's gradient inside the last microbatch's backward (pipe = 1): auto =
+    # dtype of the data-parallel gradient reductions and FSDP's weight gathers: float32 |
+    # bfloat16 (half the bytes, rounded sums)
+    grad_reduce_dtype: str = "float32"
+    # pipe = 1: reduce each layer's gradient inside the last microbatch's backward: auto =
     # when it costs no memory (one microbatch); true also with several (a second copy of
-    # the layer stack's buffers: XLA keeps the accumulation loop's and the last one's apart)
+    # the layer stack's buffers: XLA keeps the accumulation loop's and the last one's apart).
+    # pipe > 1: reduce each chunk's gradients between the rounds once its last backward
+    # has run (true; auto: with ZeRO-1), else after the schedule
     overlap_grad_reduce: str = "auto"
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    optimizer: bool = False  # optimizer state and float32 masters in host memory
+    # optimizer state and float32 masters in host memory (pipe = 1: the gradients too),
+    # brought to the device a layer at a time
+    optimizer: bool = False
     activations: bool = False  # each layer's checkpointed input in host memory (pipe = 1)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
+    steps: int = 200  # optimizer steps (raise it to continue a finished run)
     global_batch: int = 16  # sequences per step
-    seed: int = 0
+    seed: int = 0  # initialisation (the same parameters at every layout), dropout, batches
+    # config.yaml, train.log, metrics.jsonl, tensorboard/ and (by default) checkpoints/
     run_dir: str = "runs/default"
-    log_every: int = 10
-    eval_every: int = 50  # 0 disables validation
-    eval_batches: int = 4
+    log_every: int = 10  # steps between progress lines and metric records
+    eval_every: int = 50  # steps between validation losses; 0 disables validation
+    eval_batches: int = 4  # batches of the validation split a validation reads
     wandb_project: str = ""  # also log to Weights & Biases (needs `pip install wandb`)
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = ""  # empty: <train.run_dir>/checkpoints
-    every: int = 100  # 0 disables saving
-    keep: int = 3
-    async_save: bool = True
+    # where checkpoints go (multi-host: a shared file system); "": <train.run_dir>/checkpoints
+    dir: str = ""
+    every: int = 100  # steps between saves; 0: none (checkpoints there are still restored)
+    keep: int = 3  # the newest checkpoints kept
+    async_save: bool = True  # save in the background while training goes on
 
 
 @dataclass(frozen=True)
@@ -235,12 +286,11 @@ class RuntimeConfig:
     # the hardware (jaxptd/runtime/target.py): auto = what the process sees; a named target must be
     # of the devices' platform (cpu, or a GPU: gpu = any, h100, h200, a100, a100-40)
     target: str = "auto"
-    # Multi-process start (jaxptd/runtime/distributed.py). Unset keys fall back to JAXPTD_COORDINATOR,
-    # JAXPTD_NUM_PROCESSES, JAXPTD_PROCESS_ID, then to SLURM's environment under srun, then
-    # to a single process.
-    coordinator: str = ""  # host:port of process 0
-    num_processes: int = 0  # 0: from the environment, else 1
-    process_id: int = -1  # -1: from the environment
+    # multi-process start (jaxptd/runtime/distributed.py): host:port of process 0; "":
+    # JAXPTD_COORDINATOR, else SLURM's environment under srun, else a single process
+    coordinator: str = ""
+    num_processes: int = 0  # 0: JAXPTD_NUM_PROCESSES, else SLURM's, else 1
+    process_id: int = -1  # -1: JAXPTD_PROCESS_ID, else SLURM's
     init_timeout_s: int = 300  # how long processes wait for each other at start
     heartbeat_timeout_s: int = 30  # a silent process is declared dead after this
     collective_logs: bool = False  # show the collectives' (gloo's) connection messages
