@@ -582,14 +582,19 @@ def test_memory_check_refuses_only_beyond_the_planners_margin():
         check_memory(config, 100e9, gpu)
 
 
-def test_help_lists_every_config_key_with_its_default(corpus_env):
+def test_help_lists_every_config_key_with_its_default_and_meaning(corpus_env):
     import dataclasses
     from jaxptd.config import Config
+    from jaxptd.config.reference import key_meanings
+    meanings = key_meanings()
     result = subprocess.run(train_command("--help"), cwd=REPO, env=corpus_env[0], text=True,
                             capture_output=True, timeout=120)
     assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
     for section in dataclasses.fields(Config):
         for key in dataclasses.fields(section.default_factory):
-            line = next((l for l in result.stdout.splitlines()
-                         if l.split()[:1] == [f"{section.name}.{key.name}"]), None)
-            assert line and f"default {key.default!r}" in line, (section.name, key.name)
+            at = next((i for i, l in enumerate(lines)  # (meanings are indented deeper)
+                       if l.startswith(f"  {section.name}.{key.name} ")), None)
+            assert at is not None and f"default {key.default!r}" in lines[at], key.name
+            meaning = meanings[f"{section.name}.{key.name}"].split()
+            assert lines[at + 1].split()[:3] == meaning[:3], (key.name, lines[at + 1])

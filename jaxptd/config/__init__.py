@@ -6,7 +6,7 @@ own one part:
 - `schema.py`: the dataclasses (one per YAML section), their defaults and derived values,
   and ``ConfigError``;
 - `load.py`: YAML + ``section.key=value`` overrides -> a validated ``Config``
-  (`load_config`, `from_dict`), and the key listing of --help (`describe_keys`);
+  (`load_config`, `from_dict`);
 - `rules.py`: every validation rule but a model family's own (`validate`), and the
   device-count rule (`check_device_count`);
 - `resume.py`: a resumed run's config against its checkpoint's (`continued`,
@@ -17,13 +17,13 @@ All validation happens before any device work and without JAX (the planner and t
 naming the key, the value and the rule; the entry points print it as ``error: ...`` and
 exit 2.
 """
-from jaxptd.config.load import describe_keys, from_dict, load_config
+from jaxptd.config.load import from_dict, load_config
 from jaxptd.config.resume import changed_keys, continued
 from jaxptd.config.rules import CHOICES, check_device_count, validate
 from jaxptd.config.schema import Config, ConfigError, ModelConfig, ParallelConfig
 
 __all__ = [
     "CHOICES", "Config", "ConfigError", "ModelConfig", "ParallelConfig", "changed_keys",
-    "check_device_count", "continued", "describe_keys", "from_dict", "load_config",
+    "check_device_count", "continued", "from_dict", "load_config",
     "validate",
 ]

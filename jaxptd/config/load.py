@@ -1,7 +1,7 @@
 """Reading a config: a YAML file of sections, dotted ``section.key=value`` overrides on
 top, each leaf coerced to its dataclass field's type, then validated (`load_config`); the
 same from a {section: {key: value}} tree (`from_dict`: a checkpoint's or config.json's
-record); every key with its type and default for --help (`describe_keys`).
+record).
 
 A YAML file holds only what differs from the defaults in `schema.py`, as sections
 (``model:``, ``parallel:``, ...). Overrides use the same names: ``parallel.tensor=4``.
@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from jaxptd.config.rules import CHOICES, validate
+from jaxptd.config.rules import validate
 from jaxptd.config.schema import Config, ConfigError
 
 
@@ -116,18 +116,6 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     config = _build(tree)
     validate(config)
     return config
-
-
-def describe_keys() -> str:
-    """Every section.key with its type and default (and choices), from the dataclasses."""
-    lines = []
-    for section in dataclasses.fields(Config):
-        lines.append(f"{section.name}:")
-        for f in dataclasses.fields(section.default_factory):
-            key = f"{section.name}.{f.name}"
-            choices = f" ({' | '.join(CHOICES[key])})" if key in CHOICES else ""
-            lines.append(f"  {key:<30} {f.type:<6} default {f.default!r}{choices}")
-    return "\n".join(lines)
 
 
 def from_dict(tree: dict[str, Any]) -> Config:

@@ -14,7 +14,7 @@ it names.
 
 `python -m jaxptd.config.reference` prints the markdown (docs/config.md is its output);
 `--check FILE` exits 1, naming the first differing line, when FILE is not what it would
-print. `key_meanings()` serves `python -m jaxptd.train --help`. JAX-free.
+print. `describe_keys()` is `python -m jaxptd.train --help`'s list. JAX-free.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import dataclasses
 import io
 import re
 import sys
+import textwrap
 import tokenize
 from pathlib import Path
 
@@ -119,6 +120,21 @@ def keys() -> list[Key]:
             found.append(Key(name, str(f.type), f.default, comments[cls.__name__][f.name],
                              _allowed(name)))
     return found
+
+
+def describe_keys(width: int = 90) -> str:
+    """Every section.key with its type, default and allowed values, and under it its
+    meaning: what `python -m jaxptd.train --help` lists."""
+    lines, section = [], None
+    for key in keys():
+        if key.name.split(".")[0] != section:
+            section = key.name.split(".")[0]
+            lines.append(f"{section}:")
+        allowed = f" ({key.allowed})" if key.allowed else ""
+        lines.append(f"  {key.name:<30} {key.type:<6} default {key.default!r}{allowed}")
+        lines += textwrap.wrap(key.meaning, width, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    return "\n".join(lines)
 
 
 def key_meanings() -> dict[str, str]:

@@ -34,7 +34,8 @@ from jaxptd.checkpoint import CheckpointError, ModelMismatch
 from jaxptd.checkpoint.files import layout_metadata
 from jaxptd.checkpoint.integrity import inspect
 from jaxptd.config import (Config, ConfigError, changed_keys, check_device_count, continued,
-                           describe_keys, load_config)
+                           load_config)
+from jaxptd.config.reference import describe_keys
 from jaxptd.config.resume import ASKED, model_mismatch, refused_change
 from jaxptd.data import DataError, TokenDataset
 from jaxptd.parallel.mesh import describe, make_mesh
@@ -46,7 +47,10 @@ from jaxptd.runtime.storage import StorageError
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
-        prog="python -m jaxptd.train", description=__doc__,
+        prog="python -m jaxptd.train",
+        description="Trains a model: a YAML config (--config) with section.key=value\n"
+                    "overrides, on the devices JAX finds (simulated CPU devices included);\n"
+                    "resumes from the newest checkpoint in checkpoint.dir.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="config keys (override any as section.key=value):\n" + describe_keys())
     parser.add_argument("--config", help="YAML file (values not given keep their defaults)")
