@@ -28,7 +28,7 @@ import numpy as np
 from jaxptd.hf import bridge as hf
 from jaxptd.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
 from jaxptd.data import DataError
-from jaxptd.data.prepare import corpus_tokenizer
+from jaxptd.data.corpus import corpus_tokenizer
 from jaxptd.data.tokenizer import load_tokenizer
 from jaxptd.hf.names import HFError
 

@@ -19,7 +19,7 @@ import pytest
 
 from jaxptd.data import (DataError, TokenDataset, prepare_corpus, read_meta, resolve_corpus,
                          unigram_entropy)
-from jaxptd.data import prepare as prepare_module
+from jaxptd.data import corpus as prepare_module
 
 REPO = Path(__file__).resolve().parents[1]
 EOT = 256

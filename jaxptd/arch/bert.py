@@ -17,7 +17,7 @@ from jaxptd.hf.names import (SAME, HFClass, HFMap, each_layer, gelu, linear, req
                              reshaped)
 
 if TYPE_CHECKING:
-    from jaxptd.config import ModelConfig
+    from jaxptd.config.schema import ModelConfig
 
 
 def _load() -> Architecture:
@@ -156,7 +156,7 @@ def _canonical(m: ModelConfig, tensors: dict) -> dict:
 
 
 FAMILY = Family(
-    name="bert", load=_load, config_errors=_config_errors,
+    name="bert", load=_load, config_errors=_config_errors, encoder=True,
     options={"norm_position": "model.norm_position={value}: only model.arch=bert has "
              "post-LayerNorm",
              "special_ids": "model.special_ids={value!r}: only model.arch=bert has special "

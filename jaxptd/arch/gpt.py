@@ -9,7 +9,7 @@ from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
 from jaxptd.hf.names import SAME, HFClass, HFMap, each_layer, gelu, require, reshaped
 
 if TYPE_CHECKING:
-    from jaxptd.config import ModelConfig
+    from jaxptd.config.schema import ModelConfig
 
 
 def _load() -> Architecture:
@@ -82,7 +82,7 @@ def _canonical(m: ModelConfig, tensors: dict) -> dict:
 
 
 FAMILY = Family(
-    name="gpt", load=_load, options=PACKED_ROWS,
+    name="gpt", load=_load, options=PACKED_ROWS, experts=True,
     hf=HFMap(classes={"GPT2LMHeadModel": HFClass(_from_hf)}, export_config=_to_hf,
              names=_names, extras=_extras, parts={"w_qkv": 1, "b_qkv": 0},
              vocab_axes={("embed", "wte"): 0}, canonical=_canonical))

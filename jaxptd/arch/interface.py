@@ -1,7 +1,8 @@
 """The architecture interface as types: what a model family declares (`Family`, JAX-free:
-config validation and the Hugging Face bridge read it before JAX may start) and the model
-it loads (`Architecture`: the functions over a parameter tree, jaxptd/model/<family>.py's
-record, whose import starts JAX).
+config validation, the planner and the Hugging Face bridge read it before JAX may start,
+the facts of its model they need included: a gated MLP, encoder or decoder, experts) and
+the model it loads (`Architecture`: the functions over a parameter tree,
+jaxptd/model/<family>.py's record, whose import starts JAX).
 
 A parameter tree is {'layers': [L, ...] stacked layer leaves (with model.moe_every = k
 > 1, [L/k, ...] units of k layers: model/stack.py's Unit), plus the "ends" (every other
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from jaxptd.hf.names import HFMap
 
 if TYPE_CHECKING:  # (config/rules.py imports the registry)
-    from jaxptd.config import ModelConfig
+    from jaxptd.config.schema import ModelConfig
 
 
 def token_width(cfg: ModelConfig) -> int:
@@ -76,8 +77,7 @@ class Architecture:
     block: Callable
     head_loss: Callable  # (ends, x, batch, cfg, layout) -> the batch's loss sum
     forward_flops: Callable  # (cfg, vocab) -> matmul FLOPs per token {layer, core, qkv, head}
-    GATED_MLP: bool  # two first MLP matmuls (SwiGLU's gate and up)? (the planner's memory)
-    decoder: Decoder | None = None  # None: an encoder, nothing to generate with
+    decoder: Decoder | None = None  # None: an encoder (Family.encoder), nothing to generate
     batch_width: Callable = token_width  # (cfg) -> columns of a batch row
     # (tokens [n, s + 1], seed, step, first_row, cfg) -> rows [n, batch_width] int32, a
     # pure function of its arguments (numpy, on the host)
@@ -91,10 +91,15 @@ class Architecture:
 
 @dataclass(frozen=True)
 class Family:
-    """A model family as config validation and the Hugging Face bridge see it."""
+    """A model family as config validation, the planner and the Hugging Face bridge see
+    it."""
     name: str  # model.arch
     load: Callable[[], Architecture]  # its model (imports jaxptd/model/<name>.py: JAX)
     hf: HFMap
+    # what the JAX-free side needs of the model (the planner's memory and time, the rules):
+    gated_mlp: bool = False  # two first MLP matmuls (SwiGLU's gate and up)
+    encoder: bool = False  # attends both ways over padded rows (BERT), else a causal decoder
+    experts: bool = False  # may be a mixture of experts (model.moe_experts > 0)
     # its own rules on the model section: one-line messages naming key, value and rule
     config_errors: Callable[[ModelConfig], Iterator[str]] = no_rules
     # model keys only this family reads: {key: the message when another family's config

@@ -15,7 +15,7 @@ from jaxptd.arch.interface import PACKED_ROWS, Architecture, Family
 from jaxptd.hf.names import SAME, HFClass, HFMap, each_layer, linear, require, reshaped
 
 if TYPE_CHECKING:
-    from jaxptd.config import ModelConfig
+    from jaxptd.config.schema import ModelConfig
 
 
 def _load() -> Architecture:
@@ -308,7 +308,7 @@ def _per_expert(m: ModelConfig, tensors: dict) -> dict:
 
 
 FAMILY = Family(
-    name="llama", load=_load, config_errors=_config_errors,
+    name="llama", load=_load, config_errors=_config_errors, gated_mlp=True, experts=True,
     options={"num_kv_heads": "model.num_kv_heads={value}: only model.arch=llama has "
              "grouped-query attention (0: as many as model.num_heads)",
              "qkv_bias": "model.qkv_bias={value}: only model.arch=llama has the query, key "

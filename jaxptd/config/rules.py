@@ -154,8 +154,9 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
 
 
 def _validate_moe(config: Config) -> None:
-    """The mixture of experts: which families have it, the router's top k, the widths
-    tensor parallelism splits, and expert parallelism's share of the data ranks."""
+    """The mixture of experts: which families have it (Family.experts), the router's top
+    k, the widths tensor parallelism splits, and expert parallelism's share of the data
+    ranks."""
     m, par = config.model, config.parallel
     moe_keys = ("moe_every", "moe_ffn", "moe_shared_ffn", "moe_shared_gate", "moe_capacity",
                 "moe_bias_rate", "moe_z_loss", "moe_router", "moe_norm_topk", "moe_top_k",
@@ -169,8 +170,10 @@ def _validate_moe(config: Config) -> None:
         _require(par.expert == 1, f"parallel.expert={par.expert}: needs a mixture of "
                  "experts (model.moe_experts > 0)")
         return
-    _require(m.arch in ("gpt", "llama"), f"model.moe_experts={m.moe_experts}: "
-             f"model.arch={m.arch} has no mixture of experts (gpt and llama have)")
+    with_experts = [name for name, f in FAMILIES.items() if f.experts]  # (Family.experts)
+    _require(FAMILIES[m.arch].experts, f"model.moe_experts={m.moe_experts}: "
+             f"model.arch={m.arch} has no mixture of experts ({' and '.join(with_experts)} "
+             "have)")
     _require(1 <= m.moe_top_k <= m.moe_experts, f"model.moe_top_k={m.moe_top_k}: must be "
              f"between 1 and model.moe_experts={m.moe_experts}")
     _require(m.num_layers % m.moe_every == 0,

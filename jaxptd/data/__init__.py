@@ -1,7 +1,8 @@
 """Token data for jaxptd: preparing text into token files and reading deterministic batches.
 
-- ``prepare.py``: ``python -m jaxptd.data.prepare`` and ``prepare_corpus`` (text -> token
-  directory, atomically), the built-in ``pystdlib`` corpus and ``resolve_corpus``.
+- ``corpus.py``: ``prepare_corpus`` (text -> token directory, atomically), the built-in
+  ``pystdlib`` corpus and ``resolve_corpus``, and the command ``python -m
+  jaxptd.data.prepare`` (``prepare.py``: its entry alone).
 - ``documents.py``: which input files are documents, and each document's split key and
   text (a file, or a JSON Lines line).
 - ``tokenizer.py``: document bytes -> token ids, byte-level or a Hugging Face
@@ -16,21 +17,9 @@
 Pure numpy; nothing here imports JAX. User-caused problems raise ``DataError``
 (a ValueError) with a one-line message for the entry point to print as ``error:``.
 """
+from jaxptd.data.corpus import prepare_corpus, resolve_corpus
 from jaxptd.data.dataset import TokenDataset, read_meta, unigram_entropy
 from jaxptd.data.errors import DataError
-
-_FROM_PREPARE = ("prepare_corpus", "resolve_corpus")
-
-
-def __getattr__(name):
-    # prepare.py is imported on first use, not here: `python -m jaxptd.data.prepare`
-    # imports this package first, and an eager import would load prepare.py twice
-    # (runpy warns that the module is already in sys.modules).
-    if name in _FROM_PREPARE:
-        from jaxptd.data import prepare
-        return getattr(prepare, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
 
 __all__ = ["DataError", "TokenDataset", "prepare_corpus", "read_meta", "resolve_corpus",
            "unigram_entropy"]

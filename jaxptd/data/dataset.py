@@ -11,7 +11,7 @@ is a directory holding
 Invariants:
 
 - ``meta.json`` is written last and the directory appears by an atomic rename
-  (``prepare.py``), so a directory with a valid ``meta.json`` is complete; ``read_meta``
+  (``corpus.py``), so a directory with a valid ``meta.json`` is complete; ``read_meta``
   still checks each ``.bin`` size against its token count.
 - ``TokenDataset.batch`` is a pure function of (seed, step, global_batch, seq_len): no
   iterator state, so resuming at step k reads exactly the batch an unbroken run would.

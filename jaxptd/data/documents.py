@@ -1,6 +1,6 @@
 """Which files are a corpus's documents and what each one's text is: directories walked
 for a pattern (excluded directories pruned), one document a file or, with a JSON Lines key,
-one a line. Every document has a split key (data/prepare.py's val rule hashes it): its path
+one a line. Every document has a split key (data/corpus.py's val rule hashes it): its path
 relative to the input directory it was found under, a file given directly its name, a
 JSON Lines document that key, ':' and its line number. Unreadable or malformed input is a
 DataError naming the file (and line)."""

@@ -1,6 +1,6 @@
 """How a corpus is split: the split names and the rule that cuts "val" off the end by tokens.
 
-Shared by both on-disk formats: a jaxptd corpus (``prepare.py`` writes it, ``dataset.py``
+Shared by both on-disk formats: a jaxptd corpus (``corpus.py`` writes it, ``dataset.py``
 reads it) and a Megatron-LM indexed dataset (``megatron.py``, which cuts by tokens when its
 documents leave a split empty).
 """

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 if TYPE_CHECKING:  # (config/rules.py asks the registry, whose maps are written with this module)
-    from jaxptd.config import ModelConfig
+    from jaxptd.config.schema import ModelConfig
 
 
 class HFError(ValueError):

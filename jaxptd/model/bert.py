@@ -234,5 +234,5 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
 
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
                     block=block, head_loss=head_loss, forward_flops=forward_flops,
-                    GATED_MLP=False, batch_width=batch_width, make_batch=make_batch,
+                    batch_width=batch_width, make_batch=make_batch,
                     reserved_ids=reserved_ids, attention_mask=attention_mask)

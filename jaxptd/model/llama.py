@@ -225,4 +225,4 @@ def forward_flops(cfg: ModelConfig, vocab: int) -> dict:
 ARCH = Architecture(init_params=init_params, logical_axes=logical_axes, embed=embed,
                     block=block, head_loss=head_loss, forward_flops=forward_flops,
                     attention_mask=attention_rows,
-                    GATED_MLP=True, decoder=Decoder(logits, decode, init_cache))
+                    decoder=Decoder(logits, decode, init_cache))

@@ -120,65 +120,92 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     """
     packed = validate(schedule, costs)
     p, v, T = schedule.stages, schedule.chunks, len(packed)
-    S = p * v
-    tab = {k: [[0] * p for _ in range(T)] for k in TABLES}
-    pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w", "tape")}
-    stash_of, grad_of, w_of, tape_of = {}, {}, {}, {}  # (rank, mb, virtual stage) -> slot
-    kept_from, kept = {}, []  # F's round of (rank, mb, virtual stage); (rank, slot, F, B)
-    taped = schedule.split_backward and not schedule.forward_only
+    lowering = _Lowering(schedule, T)
     for t, row in enumerate(packed):
-        freed_w = []
-        for r, (fa, _, _) in enumerate(row):  # F slot, then activation arrivals
-            if fa:
-                j, s = fa.microbatch, fa.chunk * p + r
-                if s == 0:
-                    stash_of[(r, j, s)] = pools["stash"][r].take()
-                tslot = 0
-                if taped:
-                    tape_of[(r, j, s)] = tslot = pools["tape"][r].take()
-                _put(tab, "f", t, r, fa, f_slot=stash_of[(r, j, s)], f_tslot=tslot)
-                kept_from[(r, j, s)] = t
-                if s < S - 1:
-                    dst = (r + 1) % p
-                    stash_of[(dst, j, s + 1)] = slot = pools["stash"][dst].take()
-                    tab["recv_f_valid"][t][dst], tab["recv_f_slot"][t][dst] = 1, slot
-        for r, (fa, _, _) in enumerate(row):  # forward-only: an input is done after its F
-            if fa and schedule.forward_only:
-                pools["stash"][r].give(stash_of.pop((r, fa.microbatch, fa.chunk * p + r)))
-        for r, (_, ba, wa) in enumerate(row):  # B slot, then W slot
-            if ba:
-                j, s = ba.microbatch, ba.chunk * p + r
-                slot = stash_of.pop((r, j, s))
-                kept.append((r, slot, kept_from.pop((r, j, s)), t))
-                grad_slot = grad_of.pop((r, j, s)) if s < S - 1 else 0
-                wslot = 0
-                if schedule.split_backward:
-                    w_of[(r, j, s)] = wslot = pools["w"][r].take()
-                _put(tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot)
-                pools["stash"][r].give(slot)
-                if s < S - 1:
-                    pools["grad"][r].give(grad_slot)
-            if wa:
-                key = (r, wa.microbatch, wa.chunk * p + r)
-                slot, tslot = w_of.pop(key), tape_of.pop(key)
-                _put(tab, "w", t, r, wa, w_slot=slot, w_tslot=tslot)
-                freed_w.append((r, slot, tslot))
-        for r, (_, ba, _) in enumerate(row):  # gradient arrivals
-            if ba and ba.chunk * p + r > 0:
-                dst, key = (r - 1) % p, (ba.microbatch, ba.chunk * p + r - 1)
-                grad_of[(dst,) + key] = slot = pools["grad"][dst].take()
-                tab["recv_b_valid"][t][dst], tab["recv_b_slot"][t][dst] = 1, slot
-        for r, slot, tslot in freed_w:  # a W reads its slots after the round's B and F
-            pools["w"][r].give(slot)     # wrote theirs
-            pools["tape"][r].give(tslot)
+        lowering.lower_round(t, row)
+    tab, pools = lowering.tab, lowering.pools
     size = {k: max(pool.size for pool in pools[k]) for k in pools}
-    free = not schedule.forward_only and _idle_f_slots(tab, kept, size["stash"])
+    free = not schedule.forward_only and _idle_f_slots(tab, lowering.kept, size["stash"])
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
                   num_tape_slots=size["tape"], idle_f_slots_free=free,
                   forward_only=schedule.forward_only,
                   split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
+
+
+class _Lowering:
+    """lower's walk over the packed rounds, a round at a time (`lower_round`): the tables it
+    fills, a slot pool per rank and kind, and which slot holds what of (rank, microbatch,
+    virtual stage), as the module docstring's lifetimes say."""
+
+    def __init__(self, schedule: Schedule, rounds: int):
+        p = schedule.stages
+        self.schedule, self.p, self.stages = schedule, p, p * schedule.chunks
+        self.tab = {k: [[0] * p for _ in range(rounds)] for k in TABLES}
+        self.pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w", "tape")}
+        self.stash_of, self.grad_of, self.w_of, self.tape_of = {}, {}, {}, {}  # -> slot
+        # F's round of (rank, mb, virtual stage); (rank, slot, F's round, B's round)
+        self.kept_from, self.kept = {}, []
+        self.taped = schedule.split_backward and not schedule.forward_only
+
+    def lower_round(self, t: int, row) -> None:
+        """Round t's slots, row: each rank's (F, B, W) actions or None."""
+        p, freed_w = self.p, []
+        for r, (fa, _, _) in enumerate(row):  # F slot, then activation arrivals
+            if fa:
+                self._forward(t, r, fa)
+        for r, (fa, _, _) in enumerate(row):  # forward-only: an input is done after its F
+            if fa and self.schedule.forward_only:
+                self.pools["stash"][r].give(
+                    self.stash_of.pop((r, fa.microbatch, fa.chunk * p + r)))
+        for r, (_, ba, wa) in enumerate(row):  # B slot, then W slot
+            if ba:
+                self._backward(t, r, ba)
+            if wa:
+                key = (r, wa.microbatch, wa.chunk * p + r)
+                slot, tslot = self.w_of.pop(key), self.tape_of.pop(key)
+                _put(self.tab, "w", t, r, wa, w_slot=slot, w_tslot=tslot)
+                freed_w.append((r, slot, tslot))
+        for r, (_, ba, _) in enumerate(row):  # gradient arrivals
+            if ba and ba.chunk * p + r > 0:
+                dst, key = (r - 1) % p, (ba.microbatch, ba.chunk * p + r - 1)
+                self.grad_of[(dst,) + key] = slot = self.pools["grad"][dst].take()
+                self.tab["recv_b_valid"][t][dst], self.tab["recv_b_slot"][t][dst] = 1, slot
+        for r, slot, tslot in freed_w:  # a W reads its slots after the round's B and F
+            self.pools["w"][r].give(slot)     # wrote theirs
+            self.pools["tape"][r].give(tslot)
+
+    def _forward(self, t: int, r: int, fa) -> None:
+        """Rank r's F in round t: its input's stash slot (virtual stage 0: taken now), its
+        tape slot, and the slot its output arrives in at the next rank."""
+        j, s = fa.microbatch, fa.chunk * self.p + r
+        if s == 0:
+            self.stash_of[(r, j, s)] = self.pools["stash"][r].take()
+        tslot = 0
+        if self.taped:
+            self.tape_of[(r, j, s)] = tslot = self.pools["tape"][r].take()
+        _put(self.tab, "f", t, r, fa, f_slot=self.stash_of[(r, j, s)], f_tslot=tslot)
+        self.kept_from[(r, j, s)] = t
+        if s < self.stages - 1:
+            dst = (r + 1) % self.p
+            self.stash_of[(dst, j, s + 1)] = slot = self.pools["stash"][dst].take()
+            self.tab["recv_f_valid"][t][dst], self.tab["recv_f_slot"][t][dst] = 1, slot
+
+    def _backward(self, t: int, r: int, ba) -> None:
+        """Rank r's B in round t: frees its input's stash slot and its output gradient's
+        grad slot, takes a W slot (zero-bubble kinds)."""
+        j, s = ba.microbatch, ba.chunk * self.p + r
+        slot = self.stash_of.pop((r, j, s))
+        self.kept.append((r, slot, self.kept_from.pop((r, j, s)), t))
+        grad_slot = self.grad_of.pop((r, j, s)) if s < self.stages - 1 else 0
+        wslot = 0
+        if self.schedule.split_backward:
+            self.w_of[(r, j, s)] = wslot = self.pools["w"][r].take()
+        _put(self.tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot)
+        self.pools["stash"][r].give(slot)
+        if s < self.stages - 1:
+            self.pools["grad"][r].give(grad_slot)
 
 
 def _idle_f_slots(tab, kept, slots: int) -> bool:

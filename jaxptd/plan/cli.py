@@ -16,8 +16,8 @@ import json
 import math
 import sys
 
-from jaxptd.plan import compile_check
 from jaxptd.config import Config, ConfigError, load_config
+from jaxptd.plan import compile_check
 from jaxptd.plan import report as plan_report
 from jaxptd.plan.inputs import PlanInputs
 from jaxptd.plan.planner import plan, schedule_stats

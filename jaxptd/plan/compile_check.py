@@ -23,8 +23,8 @@ from collections import Counter, defaultdict
 
 from jaxptd import hlo
 from jaxptd.config import Config, ConfigError
-from jaxptd.train.metrics import flops_per_iteration
 from jaxptd.runtime.target import Target, TargetError, topology_devices
+from jaxptd.train.metrics import flops_per_iteration
 from jaxptd.units import GB, MB, GiB, KiB, MiB, TiB
 
 _UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB}  # XLA's memory report
@@ -39,9 +39,10 @@ def dump_flags(directory: str) -> str:
 def compile_step(config: Config, target: Target, gpus_per_node: int):
     """(compiled step, seconds) for config.num_devices devices of `target`, hosts of
     gpus_per_node devices each (the mesh puts tensor inside a host)."""
+    # JAX on use: after --verify's XLA_FLAGS, never for --help
     import jax
     import jax.numpy as jnp
-    from jaxptd.parallel.mesh import make_mesh  # JAX: after --verify's XLA_FLAGS, never for --help
+    from jaxptd.parallel.mesh import make_mesh
     from jaxptd.model import batch_width
     from jaxptd.train.step import Setup, build_train_step
 

@@ -6,8 +6,9 @@ sizes with nothing allocated and no mesh, so a 3072-GPU config plans on a laptop
 step, checkpoints and the H100 check read the same decisions through StateLayout, which
 adds the mesh (NamedShardings) and the in-memory layout.
 
-JAX and the model are imported inside the functions: `python -m jaxptd.plan --verify`
-sets XLA_FLAGS and the CPU device count before JAX starts (jaxptd/plan/verify.py).
+JAX and the model (and the mesh's axis names, in a module that imports JAX) are imported
+inside the functions: `python -m jaxptd.plan --verify` sets XLA_FLAGS and the CPU device
+count before JAX starts (jaxptd/plan/verify.py).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ def _leaves(config: Config, vocab: int) -> tuple:
     model, the specs as jaxptd/train/state.py's LogicalLayout decides them; kind: "layers", or
     which end reads the leaf ("first", "last", "both": a tied embedding,
     model.ends_readers); name: the leaf's own key (w_qkv, scale, ...)."""
-    # imported here, not at the top: jaxptd.train.state imports JAX, which --verify must not
-    # start before it sets XLA_FLAGS (the module docstring)
+    # JAX on use, imported here, not at the top: --verify must not start it before it sets
+    # XLA_FLAGS (the module docstring)
     import jax
     from jaxptd import model as models
     from jaxptd.parallel.sharding import is_spec
@@ -69,20 +70,31 @@ def real_counts(config: Config) -> dict:
     gradients are reduced over their own replicas only); params_experts: the experts'
     parameters in the whole model; params_active: what one token uses, the model less the
     routed experts it is not sent to (a top_k / E share of the experts' parameters)."""
-    from jaxptd.parallel.mesh import DATA, EXPERT, FSDP, TENSOR
+    from jaxptd.parallel.mesh import DATA, EXPERT, FSDP, TENSOR  # JAX on use (docstring)
 
     par, model = config.parallel, config.model
     vocab = model.padded_vocab(par.tensor)
     g = par.fsdp_size
     sizes = {TENSOR: par.tensor, FSDP: g, EXPERT: par.expert,
              DATA: par.data // (g * par.expert)}
+    leaves = _leaves(config, vocab)
+    totals, experts = _totals(config, leaves, sizes, EXPERT)
+    total = sum(math.prod(shape) for _, _, shape, _ in leaves)
+    active = total - experts * (1 - model.moe_top_k / model.moe_experts) if experts else total
+    return {**totals, "params_model": total, "params_experts": experts,
+            "params_active": active, "vocab_padded": vocab}
+
+
+def _totals(config: Config, leaves: tuple, sizes: dict, expert_axis: str) -> tuple:
+    """(real_counts' per-device totals, the routed experts' parameters in the whole
+    model) of the leaves (_leaves), split over the mesh's axes as `sizes` says ({axis
+    name: its size}; the routed experts: the leaves on `expert_axis`)."""
     totals = dict.fromkeys(("weight_params", "moment_params", "compute_params",
                             "stage_params", "layer_params", "ends_params", "dense_unit_params",
                             "layer_gathered_params", "layer_weight_params",
                             "ends_weight_params", "shared_ends_params", "head_params",
                             "layer_grad_params",
                             "tied_params", "expert_weight_params", "expert_moment_params"), 0.0)
-    leaves = _leaves(config, vocab)
 
     def axes(spec) -> tuple:
         return tuple(a for e in spec if e for a in (e if isinstance(e, tuple) else (e,)))
@@ -93,24 +105,21 @@ def real_counts(config: Config) -> dict:
     experts = 0
     for kind, name, shape, specs in leaves:
         counts = _leaf_counts(config, kind, name, shape, specs, split)
-        if EXPERT in axes(specs[0]):
+        if expert_axis in axes(specs[0]):
             experts += math.prod(shape)
             counts.update(expert_weight_params=counts["weight_params"],
                           expert_moment_params=counts["moment_params"])
         for key, count in counts.items():
             totals[key] = max(totals[key], count) if key == "dense_unit_params" \
                 else totals[key] + count
-    total = sum(math.prod(shape) for _, _, shape, _ in leaves)
-    active = total - experts * (1 - model.moe_top_k / model.moe_experts) if experts else total
-    return {**totals, "params_model": total, "params_experts": experts,
-            "params_active": active, "vocab_padded": vocab}
+    return totals, experts
 
 
 def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, split) -> dict:
     """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
     which real_counts takes the largest of). specs: its (tensor, weight, moment) specs
     (_leaves); split(spec): the devices a spec splits it over."""
-    from jaxptd.model.tensor import DENSE
+    from jaxptd.model.tensor import DENSE  # JAX on use (the module docstring)
 
     par, model = config.parallel, config.model
     spec, sharded, moments = specs

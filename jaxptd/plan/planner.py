@@ -9,22 +9,27 @@ per-device total from.
 
 Device memory is the hardware's `usable` bytes per device, host memory `host_memory`
 per node shared by `gpus_per_node` devices (offloading puts optimizer state and layer
-inputs there); a plan fits when both do. The model registry is imported inside _memory:
-it imports JAX, which --verify must configure first (jaxptd/plan/verify.py).
+inputs there); a plan fits when both do. What the planner reads of a model family's
+model is on its JAX-free record (jaxptd/arch: Family.gated_mlp, encoder); the model itself
+(its FLOPs, the layer scan) is imported inside the functions that ask it: it imports JAX,
+which --verify must configure first (jaxptd/plan/verify.py).
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
+from jaxptd.arch import family
 from jaxptd.config import Config
-from jaxptd.train.metrics import flops_per_iteration
 from jaxptd.pipeline import schedules
 from jaxptd.pipeline.lowering import lower, round_costs, round_form, spreads_head
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
+from jaxptd.plan import memory as pmem
 from jaxptd.plan import model as pm
 from jaxptd.plan import timing as pt
 from jaxptd.plan.counts import real_counts
+from jaxptd.plan.experts import Moe, moe_rows
 from jaxptd.plan.inputs import PlanInputs
+from jaxptd.train.metrics import flops_per_iteration
 
 MINIMAL = ("minimal", "minimal_mlp")  # model.remat's: keep matmul outputs, run the rest again
 SIMULATE_LIMIT = 200_000  # ranks x actions above which the bubble comes from the formula
@@ -76,14 +81,14 @@ def schedule_stats(config: Config, platform: str, simulate: bool = True):
     return stats.bubble_fraction, slots, (stats, sched)
 
 
-def moe_shape(config: Config, balanced: bool = False) -> pm.Moe | None:
+def moe_shape(config: Config, balanced: bool = False) -> Moe | None:
     """The config's mixture of experts as the formulas read it (None: dense MLPs);
     balanced: its rows as balanced routing needs them, not as the layer allocates them
     (model.moe_rows)."""
     m_cfg = config.model
     if not m_cfg.moe:
         return None
-    return pm.Moe(experts=m_cfg.moe_experts, top_k=m_cfg.moe_top_k, ffn=m_cfg.expert_ffn,
+    return Moe(experts=m_cfg.moe_experts, top_k=m_cfg.moe_top_k, ffn=m_cfg.expert_ffn,
                   shared_ffn=m_cfg.moe_shared_ffn, ep=config.parallel.expert,
                   capacity=m_cfg.moe_capacity, balanced=balanced, every=m_cfg.unit)
 
@@ -93,7 +98,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
     """(device bytes, host bytes, activation terms) on the busiest device of `platform`
     ("gpu" or "cpu": which attention is flash, flash_attention); balanced: a mixture of
     experts' rows as balanced routing needs them (moe_shape)."""
-    from jaxptd import model as models
+    from jaxptd.model import scans_layers  # JAX on use: --verify configures it first
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     streams = config.offload.optimizer and par.pipe == 1  # the masters fetched per layer
@@ -105,20 +110,20 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         sp=par.sequence_parallel and par.tensor > 1,
         flash=flash_attention(config, platform),
         offload=config.offload.activations, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
-        gated=models.get(m_cfg).GATED_MLP, c=par.context, method=par.context_attention,
+        gated=family(m_cfg).gated_mlp, c=par.context, method=par.context_attention,
         moe=moe_shape(config, balanced),
         xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
         gpu=platform == "gpu",
         regathered=par.fsdp_size > 1 or streams,
-        unrolled=not models.scans_layers(m_cfg, platform),
+        unrolled=not scans_layers(m_cfg, platform),
         layer_weights=e * counts["layer_params"] if e < 4 else 0.0)  # (cast: a copy)
     if _spreads_head(config, platform):  # the broadcast weights (compute dtype: their
         acts["stash"] += (e + 4.0) * counts["head_params"]  # matrices), float32 sums
-    gathered = pm.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
+    gathered = pmem.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
                                       recomputation(config) == "full", platform == "gpu") \
         if par.fsdp_size > 1 else None
-    device, host = pm.device_memory(
+    device, host = pmem.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
         offload_optimizer=config.offload.optimizer,
         streams=streams,
@@ -153,8 +158,7 @@ def flash_attention(config: Config, platform: str) -> bool:
 
 def _causal(config: Config) -> bool:
     """A decoder's causal attention, else an encoder's (BERT: padding, whole blocks)."""
-    from jaxptd.model import get  # JAX: --verify configures it first
-    return get(config.model).decoder is not None
+    return not family(config.model).encoder
 
 
 def device_memory_bytes(config: Config, platform: str) -> float:
@@ -226,8 +230,7 @@ def _moe(config: Config, inputs: PlanInputs, counts: dict, slots: dict, device: 
     link; not overlapped: timing.step_time), and the imbalance headroom: what the plan's
     device bytes (the layer's rows as allocated, for the worst routing) take over those
     of balanced routing, and whether balanced routing would fit."""
-    from jaxptd import model as models  # JAX: --verify configures it first
-    from jaxptd.model.moe import active_mlp_flops
+    from jaxptd.model.moe import active_mlp_flops  # JAX on use: --verify configures it first
     moe = moe_shape(config)
     if moe is None:
         return None
@@ -241,10 +244,10 @@ def _moe(config: Config, inputs: PlanInputs, counts: dict, slots: dict, device: 
             "params_total": counts["params_model"], "params_active": counts["params_active"],
             "params_experts": counts["params_experts"],
             "mlp_flops_per_token": active_mlp_flops(m_cfg,
-                                                    6 if models.get(m_cfg).GATED_MLP else 4),
+                                                    6 if family(m_cfg).gated_mlp else 4),
             "expert_weight_bytes": 8.0 * counts["expert_weight_params"]
             + 4.0 * counts["expert_moment_params"],
-            "rows": pm.moe_rows(tokens, moe),
+            "rows": moe_rows(tokens, moe),
             "all_to_all_per_microbatch": comm["expert_per_microbatch"],
             "all_to_all_message": comm["expert_message"], "all_to_all_s": time["expert"],
             "link": "intra" if par.expert * par.context * par.tensor <= hw.gpus_per_node
@@ -262,7 +265,7 @@ def executed_flops(config: Config, vocab: int) -> float:
     alike; and model.remat's: a layer's forward again with full or minimal (the ring's
     residuals are no matmul outputs), none with selective (which leaves the ring alone).
     allgather computes every score: equation (3)'s count."""
-    from jaxptd.model import get  # JAX: --verify configures it first
+    from jaxptd.model import get  # JAX on use: --verify configures it first
     m_cfg, par = config.model, config.parallel
     B, remat = config.train.global_batch, recomputation(config)
     executed = flops_per_iteration(m_cfg, B, vocab, remat)
@@ -289,27 +292,63 @@ def options(config: Config) -> dict:
 def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed: float,
           bubble: float) -> tuple[dict, dict, dict]:
     """(communication volumes, step time, context parallelism's terms) of timing.py's
-    model for one configuration. The context ranks sit next to tensor's in the mesh: a
-    context group's c t devices use the node's links when they fit in one; the expert
-    ranks next to context's. A mixture of experts' gradients are all-reduced over the
-    data and context ranks that hold the same experts (replicas / parallel.expert), the
-    rest over all replicas; its all-to-all moves the routed rows (capacity: the buffer's)."""
+    model for one configuration (the volumes: _comm). The context ranks sit next to
+    tensor's in the mesh: a context group's c t devices use the node's links when they
+    fit in one; the expert ranks next to context's."""
+    from jaxptd.model import get  # JAX on use: --verify configures it first
     hw = inputs.hardware
+    m_cfg, par = config.model, config.parallel
+    b, s, h, c = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, par.context
+    e = pm.DTYPE_BYTES[m_cfg.dtype]
+    again = recomputation(config) in ("full", *MINIMAL)
+    comm = _comm(config, inputs, counts, host, again)
+    link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
+    overlap = pt.context_overlap(
+        comm=comm, c=c, method=par.context_attention,
+        layers_per_stage=m_cfg.num_layers // par.pipe,
+        block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
+        device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
+    # the head, unless spread over pipe (_spreads_head), is the last stage's work: a
+    # lockstep round lasts as long as the last stage's, as if every rank ran it
+    head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
+        m_cfg, counts["vocab_padded"])["head"]
+    unspread = 0 if _spreads_head(config, inputs.platform) else par.pipe - 1
+    time = pt.step_time(
+        flops_device=(executed + unspread * head) / config.num_devices,
+        bubble=bubble, comm=comm, m=par.microbatches, v=par.chunks, p=par.pipe,
+        t=par.tensor, d=par.data, fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
+        device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
+        weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
+        intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link, c=c,
+        context_exposed_s=overlap["exposed_s"], ep=par.expert)
+    context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
+               "core_fraction": pt.context_core_fraction(c, par.context_attention,
+                                                         _causal(config)),
+               "imbalance": pt.context_imbalance(c),
+               "imbalance_contiguous": pt.context_imbalance(c, pairs=False)}
+    return comm, time, context
+
+
+def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,
+          again: bool) -> dict:
+    """timing.comm_volumes of one configuration (again: the backward runs the layers'
+    forward again). A mixture of experts' gradients are all-reduced over the data and
+    context ranks that hold the same experts (replicas / parallel.expert), the rest over
+    all replicas; its all-to-all moves the routed rows (capacity: the buffer's)."""
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     gather = pm.DTYPE_BYTES[config.optimizer.grad_reduce_dtype]
     b, s, h, c = config.microbatch_size, m_cfg.seq_len, m_cfg.hidden_size, par.context
     layers = m_cfg.num_layers // par.pipe
-    again = recomputation(config) in ("full", *MINIMAL)
     moe = moe_shape(config)
     replicas = par.data // par.fsdp_size * c  # the context ranks hold the same parameters
-    comm = pt.comm_volumes(
+    return pt.comm_volumes(
         b=b, s=s, h=h, t=par.tensor, e=e,
         layers_per_stage=layers, grad_bytes=4 * counts["weight_params"],
         replicas=replicas, fsdp_group=par.fsdp_size,
         expert_grad_bytes=4 * counts["expert_weight_params"],
         expert_replicas=replicas // par.expert,
-        moe=pt.moe_volumes(rows=pm.moe_rows(b * s / c, moe)["balanced"],
+        moe=pt.moe_volumes(rows=moe_rows(b * s / c, moe)["balanced"],
                            h=h, e=e, ep=par.expert, layers_per_stage=layers // moe.every,
                            forward_again=again) if moe else None,
         stage_params=counts["stage_params"], gather_bytes=gather,
@@ -323,31 +362,6 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
                              sp=par.sequence_parallel and par.tensor > 1,
                              head_params=counts["head_params"])
         if _spreads_head(config, inputs.platform) else None)
-    link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
-    overlap = pt.context_overlap(
-        comm=comm, c=c, method=par.context_attention, layers_per_stage=layers,
-        block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
-        device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
-    # the head, unless spread over pipe (_spreads_head), is the last stage's work: a
-    # lockstep round lasts as long as the last stage's, as if every rank ran it
-    from jaxptd.model import get  # JAX: --verify configures it first
-    head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
-        m_cfg, counts["vocab_padded"])["head"]
-    unspread = 0 if _spreads_head(config, inputs.platform) else par.pipe - 1
-    time = pt.step_time(
-        flops_device=(executed + unspread * head) / config.num_devices,
-        bubble=bubble, comm=comm, m=par.microbatches, v=par.chunks, p=par.pipe, t=par.tensor, d=par.data,
-        fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
-        device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
-        weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
-        intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link, c=c,
-        context_exposed_s=overlap["exposed_s"], ep=par.expert)
-    context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
-               "core_fraction": pt.context_core_fraction(c, par.context_attention,
-                                                         _causal(config)),
-               "imbalance": pt.context_imbalance(c),
-               "imbalance_contiguous": pt.context_imbalance(c, pairs=False)}
-    return comm, time, context
 
 
 def _host_traffic(config: Config, host: dict) -> float:

@@ -10,7 +10,7 @@ import sys
 
 from jaxptd.config import ConfigError
 from jaxptd.pipeline.draw import draw_timeline
-from jaxptd.plan.model import BACKWARD_PHASE
+from jaxptd.plan.memory import BACKWARD_PHASE
 from jaxptd.runtime.target import Target
 from jaxptd.units import GB, MB
 

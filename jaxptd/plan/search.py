@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 
 from jaxptd.config import Config, ConfigError, validate
-from jaxptd.plan import model as pm
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.inputs import PlanInputs
 from jaxptd.plan.planner import plan
@@ -50,23 +49,28 @@ OPTION_SETS = (
 )
 
 
+def divisors(n: int) -> list:
+    """The divisors of n, ascending."""
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
 def search(config: Config, inputs: PlanInputs, n: int) -> list:
     """Rows (layout, schedule, options, memory, time) that fit on n GPUs, best estimated
     throughput first."""
     model, B = config.model, config.train.global_batch
     cache, rows = {}, []
-    tensors = [t for t in pm.divisors(inputs.hardware.gpus_per_node) if t & (t - 1) == 0
+    tensors = [t for t in divisors(inputs.hardware.gpus_per_node) if t & (t - 1) == 0
                and model.num_heads % t == 0 and n % t == 0]
     contexts = [c for c in CONTEXTS if c == 1 or (model.seq_len % (2 * c) == 0 and
                                                   model.seq_len // c >= MIN_CONTEXT_TOKENS)]
     for t, c in ((t, c) for t in tensors for c in contexts if n % (t * c) == 0):
-        for p in (p for p in pm.divisors(model.units) if n % (t * c * p) == 0):
+        for p in (p for p in divisors(model.units) if n % (t * c * p) == 0):
             d = n // (t * c * p)
             if B % d:
                 continue
             chunks = [1] if p == 1 else [v for v in (1, 2, 4) if model.units % (p * v) == 0]
             for v, ep in ((v, ep) for v in chunks for ep in _experts(model, d)):
-                for b in pm.divisors(B // d):
+                for b in divisors(B // d):
                     m = B // (d * b)
                     if v > 1 and m % p:
                         continue
@@ -82,7 +86,7 @@ def search(config: Config, inputs: PlanInputs, n: int) -> list:
 def _experts(model, d: int) -> list:
     """The expert-parallel sizes to try: a mixture of experts' e dividing both the data
     ranks and the experts; a dense model's 1."""
-    return [e for e in pm.divisors(d) if model.moe_experts % e == 0] if model.moe else [1]
+    return [e for e in divisors(d) if model.moe_experts % e == 0] if model.moe else [1]
 
 
 def _schedules(p: int, v: int) -> tuple:

@@ -13,10 +13,10 @@ import shutil
 import sys
 import tempfile
 
-from jaxptd.plan import compile_check
 from jaxptd.config import Config, ConfigError
-from jaxptd.train.metrics import recomputed_flops
+from jaxptd.plan import compile_check
 from jaxptd.plan.planner import recomputation
+from jaxptd.train.metrics import recomputed_flops
 
 MAX_VERIFY_DEVICES = 1024
 
@@ -27,6 +27,7 @@ def verify(config: Config, report: dict, dump: str | None = None) -> dict:
     step dumped into `dump` (cpu_backend) the device peak, its temporaries live at
     once but for those a GPU program keeps in host memory (_in_host_memory). The backend
     must already have config.num_devices devices (cpu_backend sets jax_num_cpu_devices first)."""
+    # JAX on use: cpu_backend configures it first (the module docstring)
     import jax
     import jax.numpy as jnp
     from jaxptd.parallel.mesh import make_mesh
@@ -104,7 +105,7 @@ def _loop_body_flops(config: Config, report: dict) -> float:
     layer (6 b s h V), per device (a context rank's s/c tokens). A step that reduces
     gradients inside the last microbatch's backward runs that microbatch outside the scan:
     two microbatches."""
-    from jaxptd.model import get
+    from jaxptd.model import get  # JAX on use: cpu_backend configures it first
     m_cfg, par = config.model, config.parallel
     tokens = config.microbatch_size * m_cfg.seq_len
     per_token = get(m_cfg).forward_flops(m_cfg, m_cfg.padded_vocab(par.tensor))

@@ -1,0 +1,40 @@
+"""The pipeline executor's buffers in bytes, for the planner (jaxptd/plan/model.py's
+activation_memory adds them up; how many slots of each kind: the lowering, or
+model.slots_formula). A slot of jaxptd/pipeline/lowering.py: a stash slot holds a stage
+input and, with parallel.stash = activations, what the chunk's backward keeps and its
+output; a grad slot an output gradient; a zero-bubble W slot the chunk's dense() output
+gradients (`dense_tap_bytes`), with stash = inputs also their inputs
+(`dense_input_bytes`), which with activations a tape slot holds from F to W. No JAX.
+"""
+from __future__ import annotations
+
+
+def dense_tap_bytes(b, s, h, t, e) -> float:
+    """Each dense() matmul's output gradient, a layer's, which a zero-bubble B keeps for
+    its W (qkv [b, s, 3h/t], the two row-parallel partial sums [b, s, h], fc1 [b, s, 4h/t]),
+    in the compute dtype: sbh (2 + 7/t) e."""
+    return s * b * h * (2 + 7 / t) * e
+
+
+def dense_input_bytes(b, s, h, t, e, sp: bool = False) -> float:
+    """Each dense() matmul's input, a layer's: the two norm outputs [b, s, h] (with sequence
+    parallelism as they were before the all-gather, [b, s/t, h]: W gathers them again,
+    model.layer_dense_weight_grads), the context [b, s, h/t], the GeLU output [b, s, 4h/t]:
+    sbh (2 + 5/t) e, with SP 7 sbh e / t. A zero-bubble schedule's W reads them: taped by
+    the F (stash=activations) or the B's recomputation (inputs)."""
+    return s * b * h * (2 / (t if sp else 1) + 5 / t) * e
+
+
+def stash_bytes(slots: dict, stage_input: float, chunk_layers: int, kept: float,
+                keep_activations: bool, b, n, h, t, e, sp: bool) -> float:
+    """The executor's buffers (`slots`: {stash, grad, w, tape} counts) of one rank in
+    bytes: each as the module docstring says, for b rows of n tokens (a rank's), a chunk
+    of chunk_layers layers, each keeping `kept` bytes in a stash slot, and a stage input
+    of stage_input bytes; plus the input gradient a round carries to the next, which
+    sends it (jaxptd/pipeline/executor.py)."""
+    per_slot = stage_input + (chunk_layers * kept + stage_input if keep_activations else 0.0)
+    inputs = chunk_layers * dense_input_bytes(b, n, h, t, e, sp)  # in tape or W slots
+    return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 1) * stage_input
+            + slots.get("w", 0) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
+                                   + (0.0 if keep_activations else inputs))
+            + (slots.get("tape", 0) * inputs if keep_activations else 0.0))

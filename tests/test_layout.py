@@ -1,0 +1,224 @@
+"""The package's layout against the house limits (DESIGN.md, issue 47), read from the source
+with `ast` alone (nothing of jaxptd is imported, nor bench/house.py, which prints the same
+figures): no import cycle between jaxptd's modules, type-only imports included; at most
+MAX_TOP_MODULES modules directly in jaxptd/; a package's __init__.py only re-exports
+(a docstring, imports, `__all__`); no module over MAX_LINES lines, no function over
+MAX_FUNCTION_LINES; a function-local import of a jaxptd module says why it is local in a
+comment on its line or the line above (a JAX-free path, a fast --help).
+
+The import graph: module-level imports, those under `if TYPE_CHECKING:` and in class
+bodies included, function bodies not (their imports run on use). `from jaxptd.pkg import
+mod` is an edge to the module jaxptd.pkg.mod, `from jaxptd.pkg import name` (not a
+module) and `import jaxptd.pkg` an edge to the package's __init__.py. A package's own
+__init__ being run first by an import of one of its modules is not an edge: otherwise every
+package that re-exports its modules would be a cycle with each of them.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import pathlib
+import tokenize
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "jaxptd"
+MAX_LINES, MAX_FUNCTION_LINES, MAX_TOP_MODULES = 400, 60, 6
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """{dotted name: path} of every module under jaxptd/ (a package by its own name)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        dotted = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found[dotted.removesuffix(".__init__")] = path
+    return found
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(path.read_text(), filename=str(path)) for name, path in MODULES.items()}
+
+
+def _where(module: str, node: ast.AST) -> str:
+    return f"{MODULES[module].relative_to(ROOT)}:{node.lineno}"
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The jaxptd modules an import statement is an edge to (module docstring)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in MODULES}
+    base = node.module or ""
+    if node.level:  # relative: from the module's package (a package: itself)
+        package = module.split(".")
+        if not MODULES[module].name == "__init__.py":
+            package = package[:-1]
+        package = package[:len(package) - node.level + 1]
+        base = ".".join(package + ([base] if base else []))
+    targets = set()
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        targets.add(sub if sub in MODULES else base)
+    return targets & MODULES.keys()
+
+
+def _module_level(body: list[ast.stmt]):
+    """The statements a module's import runs: its body and the blocks inside it (if,
+    try, with, class bodies), not function bodies."""
+    for node in body:
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                yield from _module_level([n for n in block if isinstance(n, ast.AST)])
+
+
+def _import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for module, tree in TREES.items():
+        edges = set()
+        for node in _module_level(tree.body):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                edges |= _targets(module, node)
+        graph[module] = edges - {module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _comment_lines(path: pathlib.Path) -> set[int]:
+    """The lines of a file that hold a comment."""
+    tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+    return {token.start[0] for token in tokens if token.type == tokenize.COMMENT}
+
+
+def _functions(tree: ast.AST):
+    return (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def test_the_graph_and_cycle_finder_see_what_they_should():
+    """The helpers against a made-up graph and the package's own known edges, so that the
+    tests below cannot pass by seeing nothing."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    graph = _import_graph()
+    assert "jaxptd.config.schema" in graph["jaxptd.config"]  # from jaxptd.config.schema import
+    assert "jaxptd.arch.interface" in graph["jaxptd.arch.gpt"]
+    assert sum(map(len, graph.values())) > len(graph)
+
+
+def test_no_import_cycle_between_jaxptd_modules():
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles (type-only imports included):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_few_modules_directly_in_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly in jaxptd/: {top}"
+
+
+def _re_exports_only(node: ast.stmt, first: bool) -> bool:
+    """A docstring, an import, `__all__`, or `if TYPE_CHECKING:` around imports."""
+    if first and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+            and isinstance(node.value.value, str):
+        return True
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets)
+    if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                               "typing.TYPE_CHECKING"):
+        return not node.orelse and all(isinstance(n, (ast.Import, ast.ImportFrom))
+                                       for n in node.body)
+    return False
+
+
+def test_package_inits_only_re_export():
+    problems = [f"{_where(module, node)}: {ast.unparse(node).splitlines()[0][:70]}"
+                for module, tree in TREES.items() if MODULES[module].name == "__init__.py"
+                for i, node in enumerate(tree.body) if not _re_exports_only(node, i == 0)]
+    assert not problems, "a package's __init__.py holds only a docstring, imports and " \
+        "__all__ (put the rest in a named module):\n" + "\n".join(problems)
+
+
+def test_modules_are_short():
+    long = {str(MODULES[m].relative_to(ROOT)): n for m in MODULES
+            if (n := len(MODULES[m].read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_functions_are_short():
+    long = [f"{_where(module, f)} {f.name} ({f.end_lineno - f.lineno + 1} lines)"
+            for module, tree in TREES.items() for f in _functions(tree)
+            if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
+
+
+def _statement_runs(function: ast.AST):
+    """Every list of statements inside a function (its body, and the blocks within)."""
+    for node in ast.walk(function):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block
+
+
+def test_function_local_imports_of_jaxptd_say_why():
+    """A comment on the import's lines or the line above; an import right below an
+    explained one (a block of them under one comment) is explained with it."""
+    unexplained = []
+    for module, tree in TREES.items():
+        comments = _comment_lines(MODULES[module])
+        for function in _functions(tree):
+            for block in _statement_runs(function):
+                explained = False
+                for before, node in zip([None, *block], block):
+                    if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                        explained = False
+                        continue
+                    explained = bool(comments & set(range(node.lineno - 1,
+                                                          node.end_lineno + 1))) or (
+                        explained and before.end_lineno == node.lineno - 1)
+                    if not explained and _targets(module, node):
+                        unexplained.append(f"{_where(module, node)} {ast.unparse(node)}")
+    assert not unexplained, "function-local imports of jaxptd modules without a comment " \
+        "saying why they are local (on their line or the line above; or move them to the " \
+        "top of the module):\n" + "\n".join(sorted(set(unexplained)))
