@@ -259,7 +259,7 @@ def test_import_refuses_an_existing_directory_and_overwrite_replaces_it(imported
     _one_error_line(capsys, str(run), "--overwrite")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert hf.main(["import", str(hf_dir), str(run), "--overwrite"]) == 0
-    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml"]
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "starts"]
     assert os.listdir(tmp_path) == ["run"]
     config, _, step = hf.load_params(run)
     assert step == 0 and yaml.safe_load((run / "config.yaml").read_text())["checkpoint"] == {

@@ -19,14 +19,10 @@ inspect` start in a fraction of a second):
 - `store.py`: `Checkpointer`, Orbax's save and restore into any layout (JAX, Orbax);
 - `__main__.py`: `python -m jaxptd.checkpoint inspect DIR`.
 
-This module owns `CheckpointError`, the one error every part raises, and its kind
-`ModelMismatch`, which a caller that knows the configs turns into the keys that changed.
+- `errors.py`: `CheckpointError`, the one error every part raises, and its kind
+  `ModelMismatch`, which a caller that knows the configs turns into the keys that changed.
 """
+from jaxptd.checkpoint.errors import CheckpointError, ModelMismatch
 
+__all__ = ["CheckpointError", "ModelMismatch"]
 
-class CheckpointError(ValueError):
-    """A user-caused checkpoint problem (unwritable directory, unreadable step); one line."""
-
-
-class ModelMismatch(CheckpointError):
-    """A checkpoint whose leaves or shapes are another model's than the run's."""
