@@ -1,7 +1,7 @@
 """The GPU program's memory against the planner's, compiled for H100s without a GPU
 (jaxptd/plan/compile_check.py, `python -m jaxptd.plan --verify --target h100`): what one more
 layer adds to the compiled step (kept activations, full recomputation, offloaded layers,
-the pipeline's kept backward a layer at a time, zero-bubble's buffers) and seeds/003's FSDP
+the pipeline's kept backward a layer at a time, zero-bubble's buffers) and the PyTorch FSDP runs' FSDP
 runs scaled down.
 Slow: each compiles a step twice or at a width that takes minutes. Needs the CUDA compile
 extra, as tests/test_h100.py (whose set-up it shares)."""
@@ -186,7 +186,7 @@ def test_offloaded_layers_backward_one_at_a_time():
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["gpt_1t_seq2048"])
 def test_seed003_runs_scaled_are_what_the_planner_says(config):
-    """seeds/003's FSDP runs (one matmul's weight gathered at a time, the optimizer state
+    """the PyTorch FSDP 1T runs (one matmul's weight gathered at a time, the optimizer state
     offloaded with a streamed update, SGD) at a width a test compiles, for 8 H100s: the
     planner's device + host memory (the topology devices have no host memory: what a
     run offloads is compiled into device memory) within 10% of the compiled step."""

@@ -103,7 +103,7 @@ def _device_values_of_layer_shape(setup, eval_step=False) -> list:
                          ids=["fsdp", "plain", "zero1-m2"])
 def test_offloaded_layers_are_never_whole_on_the_device(extra):
     """offload.optimizer: the stacked layers' masters, moments and gradients stay in host
-    memory for the whole step (seeds/003's 1T run cannot hold 4 bytes a parameter on a
+    memory for the whole step (the PyTorch FSDP post's 1T run cannot hold 4 bytes a parameter on a
     40 GB device): no value of the traced step shaped like a stacked layer leaf is in
     device memory. Each layer's slice is brought to the device where it is used, forward,
     backward (not kept between them) and update, and its gradient and new state go back.
@@ -202,7 +202,7 @@ def _fsdp_gathers(jaxpr) -> list:
 
 
 def test_fsdp_gathers_one_matmul_weight_at_a_time():
-    """parallel.fsdp_unit=matmul: FSDP's unit is one matmul's weight (seeds/003 wrapped
+    """parallel.fsdp_unit=matmul: FSDP's unit is one matmul's weight (the PyTorch FSDP post wrapped
     each linear: 4 h^2 at most whole, not a layer's 12 h^2): each dense() weight shard of a
     layer is all-gathered twice, for its forward and for its backward, each time out of an
     optimization barrier with the matmul's input or output gradient (none is gathered

@@ -238,7 +238,7 @@ def _seed003(capsys, name, *overrides, status=0):
 
 
 def test_seed003_gpt3_175b_fits_with_fsdp_and_offload(capsys):
-    """seeds/003's GPT-3 175B run: sequence 512, 20 sequences per GPU, 128 A100-40GB,
+    """The PyTorch FSDP post's GPT-3 175B run: sequence 512, 20 sequences per GPU, 128 A100-40GB,
     FSDP over all of them one linear at a time, per-layer checkpoints, SGD's float32
     masters, momentum and gradients and the layer inputs in host memory. The recomputed
     layer at b = 20 and the gathered linear are what the device holds, beside one
@@ -263,7 +263,7 @@ def test_seed003_gpt3_175b_fits_with_fsdp_and_offload(capsys):
 
 @pytest.mark.parametrize("gpus", [128, 256, 512])
 def test_seed003_1t_fits_in_40gb_as_the_paper_trained_it(capsys, gpus):
-    """seeds/003 trained its 1T model (sequence 2048, 4 per GPU) on 128 to 512
+    """the PyTorch FSDP post trained its 1T model (sequence 2048, 4 per GPU) on 128 to 512
     A100-40GB; with its options jaxptd's plan fits too: FSDP gathers one linear (4 h^2 =
     2.6B parameters, in bf16, cast to fp16, and its fp16 gradient: 15.7 GB), not a layer;
     each layer is recomputed from its input in host memory with flash attention (no
@@ -292,7 +292,7 @@ def test_seed003_1t_fits_in_40gb_as_the_paper_trained_it(capsys, gpus):
 @pytest.mark.slow
 def test_search_considers_the_memory_options(capsys):
     """GPT-3 175B on 128 A100-40GB at sequence 1024, with AdamW and XLA attention (more
-    to fit than seeds/003's run, so more layouts need options): the search mixes layouts
+    to fit than the PyTorch FSDP run, so more layouts need options): the search mixes layouts
     that need no option with ones that need SP, FSDP or offloading (and, for GPT 1.7B on
     64 GPUs of 8 GB, ZeRO-1 and HSDP); each row re-planned with its options fits, and is
     as fast as the search said. Zero-bubble schedules are among the rows at sequence 512
@@ -492,7 +492,7 @@ def test_fsdp_memory_matches_compiled_step():
     assert hsdp["weights"] < hsdp["optimizer"] < 2 * hsdp["weights"]
 
 
-# seeds/003's runs scaled down to 8 CPU devices, every memory option as the config has it
+# the PyTorch FSDP runs scaled down to 8 CPU devices, every memory option as the config has it
 # (FSDP over all ranks, offloaded state and layer inputs, full recomputation, SGD), in
 # float32: XLA:CPU computes 16-bit matmuls and FSDP gathers in float32 anyway (the same
 # proxy in float16 compiles to the float32 program's memory), so the plan is checked at
@@ -510,7 +510,7 @@ SEED003_PROXIES = {
 
 @pytest.mark.slow
 def test_seed003_proxies_match_compiled_step():
-    """--verify of the scaled seeds/003 runs: the plan within 10% of XLA's compiled step in
+    """--verify of the scaled PyTorch FSDP runs: the plan within 10% of XLA's compiled step in
     all (host and device memory are one on CPU), its state to 2%, and the device holds no
     whole layer stack: the step's device peak (the most of its temporaries live at once,
     XLA's buffer live ranges, but the stacked gradients and layer inputs a GPU program

@@ -174,8 +174,8 @@ class Dispatch:
 def permute(x, index, inverse):
     """x's rows reordered, x[index], for `index` a permutation of them and `inverse` its
     inverse: a gather both ways (the backward is dy[inverse]), where autodiff's transpose
-    of a gather is a scatter-add, and XLA:GPU sorts a scatter's indices first (the
-    deviceless Mixtral compile: u32 [rows, h] buffers of 1 GiB)."""
+    of a gather is a scatter-add, and XLA:GPU sorts a scatter's indices first (u32
+    [rows, h] buffers in the deviceless Mixtral compile)."""
     return x.at[index].get(mode="promise_in_bounds", unique_indices=True)
 
 

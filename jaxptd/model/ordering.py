@@ -43,26 +43,24 @@ def weight_gradients_first(x, params):
     gradient it passes on depend on the layer's parameter gradients: the layer below starts
     its backward only once this layer's weight-gradient GEMMs have run. Left free, XLA
     runs the input-gradient chain first (the critical path) and defers every layer's
-    weight gradients, each keeping its inputs: with offload.activations, 17 layers'
-    recomputed activations at once in the H100 compile of GPT-1.3B (27.8 GiB; 22.5 with
-    this); with model.remat=full and the layers unrolled, a stage's 12 layers recomputed
-    at once ((2,2,2) 1F1B m8 SP: 11.05 -> 7.83 GiB; (2,1,4) SP: 8.81 -> 5.62; no change
-    of the static time). Not with model.remat=minimal, whose matmul outputs are kept
-    anyway (14.50 -> 14.16 GiB there, with the planner's figure then 13% above it), nor
-    for a zero-bubble B slot (`perturbations`: its dense() weights' gradients are the W
-    slot's; made a dependence here, XLA computed them in the B slot too: zb-h1 m4 with
-    full recomputation 197.7 -> 218.4 ms), nor with context parallelism (the ring's last
-    backward send of a layer then overlapped nothing: tests/test_h100.py). The
-    dependence is data (`_gradient_after`). GPU programs only: XLA's CPU schedule is
-    another, which this made larger (seeds/003's proxies)."""
+    weight gradients, each keeping its inputs: with offload.activations most layers'
+    recomputed activations at once; with model.remat=full and the layers unrolled, a
+    stage's layers recomputed at once (this saves that memory at the same static time).
+    Not with model.remat=minimal, whose matmul outputs are kept anyway, nor for a
+    zero-bubble B slot (`perturbations`: its dense() weights' gradients are the W slot's;
+    made a dependence here, XLA computed them in the B slot too, at a cost in time), nor
+    with context parallelism (the ring's last backward send of a layer then overlapped
+    nothing: tests/test_h100.py). The dependence is data (`_gradient_after`). GPU programs
+    only: XLA's CPU schedule is another, which this made larger (the PyTorch FSDP runs'
+    proxies). Figures: BENCHMARKS.md and the git log."""
     return _gradient_after(x, params)
 
 
 # reduced_ahead's distance: layer i's input gradient waits for the reduced gradients of
 # layer i + AHEAD, so each reduction has the backward of the AHEAD - 1 layers between to
 # run beside (1 layer at 1: none left where XLA's all-reduce combiner merges two layers'
-# reductions into one, as it does below 128 MiB a layer; the H100 compile of a width-1024
-# 8-layer offload step had then 1 of 5 all-reduces with a GEMM in flight, 3 of 4 at 2).
+# reductions into one, as it does below 128 MiB a layer: in the H100 compile of a small
+# offload step most all-reduces then had no GEMM in flight, at 2 most had).
 AHEAD = 2
 
 
@@ -73,13 +71,12 @@ def reduced_ahead(x, ahead):
     prepare's transpose: all-reduced over data (the step's hook). So each layer's
     reduction runs beside the backward of the layers between it and the one that waits
     for it. Left free, XLA's scheduler queued them, one at a time, behind the last
-    layers' backward: offload.activations on 8 H100s (GPT-1.3B) had 22 of its 41
-    all-reduces with a GEMM in flight, 45 of 49 with this (the two bottom layers' four,
-    which nothing waits for, have only the embedding's gradient after them; 48 of 50 at
-    AHEAD = 1), at the same static time and 0.03 GiB more. Only with `weights_first` and
-    no FSDP (measured on the H100 compile: (2,1,4) SP without recomputation took 0.6%
-    more time, its all-reduces split where they had been combined; FSDP 8 and seeds/003's
-    FSDP lost overlap of their reduce-scatters)."""
+    layers' backward, so that about half of offload.activations' all-reduces had no GEMM
+    in flight; with this nearly all do (the two bottom layers', which nothing waits for,
+    have only the embedding's gradient after them), at the same static time. Only with
+    `weights_first` and no FSDP (in the H100 compile, (2,1,4) SP without recomputation
+    took more time, its all-reduces split where they had been combined; FSDP lost overlap
+    of its reduce-scatters)."""
     return _gradient_after(x, ahead)
 
 

@@ -225,10 +225,11 @@ def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str):
     """einsum(spec, x, w) for w this rank's FSDP shard, split on `dim` over `axis`: the
     weight is all-gathered in `dtype`, cast to x's, for this one matmul, and gathered again
     for its backward, whose weight gradient the gather's transpose reduce-scatters into the
-    shard (float32). One matmul's weight (seeds/003 wrapped each linear, 4 h^2 at most, in
-    its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization barriers tie
-    the forward's gather to x and the backward's to the output gradient, so XLA cannot
-    gather ahead (no prefetch: the gather is not overlapped with the matmul before it)."""
+    shard (float32). One matmul's weight (the PyTorch FSDP post wrapped each linear, 4 h^2
+    at most, in its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization
+    barriers tie the forward's gather to x and the backward's to the output gradient, so XLA
+    cannot gather ahead (no prefetch: the gather is not overlapped with the matmul before
+    it)."""
     def gathered(w, like):
         whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
         return jnp.einsum(spec, like, whole.astype(like.dtype))

@@ -3,14 +3,14 @@
 what stays for the whole step, the forward and backward phase, the update phase, and what
 offloading puts in host memory. No JAX.
 
-Memory per device (the empirical study's model, seeds/002 §4.5: (alpha + 2) w + a, with
-our specifics): float32 master weights (4 bytes), float32 gradients (4), the optimizer's
-float32 moments (Adam's mu and nu 8, SGD's momentum 4): 16 bytes per local parameter with
-Adam (seeds/004's "N_d 16 Psi < GPU RAM" for ZeRO-3). ZeRO-1 splits the moments over the
+Memory per device (the empirical study's model, Lu et al. §4.5: (alpha + 2) w + a, with our
+specifics): float32 master weights (4 bytes), float32 gradients (4), the optimizer's float32
+moments (Adam's mu and nu 8, SGD's momentum 4): 16 bytes per local parameter with Adam (the
+3D-parallelism notes' "N_d 16 Psi < GPU RAM" for ZeRO-3). ZeRO-1 splits the moments over the
 data replicas; FSDP (ZeRO-3) splits all of them over g and adds the one matmul weight it
 gathers at a time; offload.optimizer keeps the masters and moments, and unpipelined the
-gradients too, in host memory for the whole step, the device holding one layer's at a
-time (see device_memory).
+gradients too, in host memory for the whole step, the device holding one layer's at a time
+(see device_memory).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
     each weight's is reduce-scattered as it is made (measured on the CPU compile,
     tests/test_plan.py). gpu: the head's backward holds the ends gathered in the compute
     dtype alone (XLA's GPU program casts before gathering, and the tied embedding's
-    float32 gradient comes after: the H100 compile of seeds/003's FSDP run)."""
+    float32 gradient comes after: the H100 compile of the PyTorch FSDP 1T run's config)."""
     gather_bytes, e = DTYPE_BYTES[gather_dtype], DTYPE_BYTES[dtype]
     unit = gather_bytes + (e if dtype != gather_dtype else 0) + e  # a gathered element
     layer_unit = unit - (e if recomputed else 0)

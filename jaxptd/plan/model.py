@@ -1,12 +1,12 @@
 """The planner's analytical model of a step's activations: parameters (equation 2), what
 a layer, the head and the pipeline's buffers keep, a mixture of experts' rows. No JAX.
 
-Owns those formulas of `python -m jaxptd.plan` (the device and host totals they go into
-are jaxptd/plan/memory.py's, time and communication jaxptd/plan/timing.py's);
-jaxptd/plan/counts.py counts the real model (jax.eval_shape), jaxptd/plan/planner.py
-feeds these formulas, jaxptd/plan/verify.py checks them against XLA. Notation as in the
-PTD-P paper (seeds/000, §3.1): p pipeline, t tensor, d data, v chunks, m microbatches per
-pipeline, b microbatch size, s sequence, h hidden, a heads, l layers, V vocabulary, B
+Owns those formulas of `python -m jaxptd.plan` (the device and host totals they go into are
+jaxptd/plan/memory.py's, time and communication jaxptd/plan/timing.py's);
+jaxptd/plan/counts.py counts the real model (jax.eval_shape), jaxptd/plan/planner.py feeds
+these formulas, jaxptd/plan/verify.py checks them against XLA. Notation as in the PTD-P
+paper (Narayanan et al. 2021, §3.1): p pipeline, t tensor, d data, v chunks, m microbatches
+per pipeline, b microbatch size, s sequence, h hidden, a heads, l layers, V vocabulary, B
 global batch; g the FSDP group (data ranks one parameter is sharded over), e the bytes of
 the compute dtype.
 
@@ -117,8 +117,8 @@ def attention_terms(b, s, h, a, t, e, c: int = 1, method: str = "ring",
 
 # What the ring's XLA blocks hold at once in a layer's backward, in units of its largest
 # block part's float32 scores [b, a/t, n/2, n]: its probabilities and their gradients
-# (the H100 compile of configs/gpu/llama3_8b_32k.yaml with the ring: XLA's blocks 9.1 GiB
-# over Pallas's flash blocks, 2.1 units of 4 GiB)
+# (read off the H100 compile of configs/gpu/llama3_8b_32k.yaml with the ring: XLA's blocks
+# over Pallas's flash blocks)
 RING_UNITS = 2
 
 
@@ -173,7 +173,7 @@ def head_activation_bytes(b, s, h, vocab_local, e, t_sp: int = 1, gpu: bool = Fa
     float32 logits and exponentials [b, s, V/t] (the CPU program); t_sp = t with SP, else
     1. On a GPU XLA fuses the loss into reductions over the logits in the compute dtype,
     whose gradient then takes their buffer: one [b, s, V/t] in e bytes (the H100 compile
-    of GPT-1.3B with offload.activations and of seeds/003's FSDP run, buffer by buffer)."""
+    of GPT-1.3B with offload.activations and of the PyTorch FSDP 1T run, buffer by buffer)."""
     gathered = s * b * h * e if t_sp > 1 else 0.0
     logits = e * vocab_local if gpu else 2 * 4 * vocab_local
     return s * b * (3 * 4 * h / t_sp + logits) + gathered
@@ -215,8 +215,8 @@ class StepActivations:
     for a GPU (head_activation_bytes). layer_weights: a layer's weights cast to the
     compute dtype (0 for float32), which an unpipelined layer with SP keeps where it keeps
     what it computes (remat none or selective): tensor.entered's jax.checkpoint takes
-    them cast (the H100 compile, 8 layers against 4 at (2,1,4), h 1024: 46.19 MB a
-    layer, kept + gradients + these 46.17; a pipeline passes its cast weights in again).
+    them cast (the H100 compile, 8 layers against 4 at (2,1,4): a layer's kept values,
+    gradients and these; a pipeline passes its cast weights in again).
     unrolled: the layers run unrolled (model.scan_layers), so that with
     parallel.stash=activations, no zero-bubble split and sequence parallelism (or t = 1)
     the executor keeps and reads a stash slot a layer at a time (pipeline/training.py,
@@ -354,8 +354,8 @@ def _pipeline_buffers(x: StepActivations, kept: float, twice: float) -> float:
     # (a tape slot), and the vjp of the rest, the B's, keeps the two norm outputs and the
     # context (as the output projection's input) nowhere: with remat none or selective
     # they are the kept dense() inputs (minimal and full keep none of them; the context
-    # cuDNN keeps is its own residual). The H100 compile of GPT-1.3B, zb-h1 at (2,2,2):
-    # 2.48 GB a stash slot, the full layer's kept values less these, buffer by buffer.
+    # cuDNN keeps is its own residual). The H100 compile of GPT-1.3B, zb-h1 at (2,2,2),
+    # buffer by buffer: a stash slot is the full layer's kept values less these.
     taped = x.keep_activations and slots.get("tape", 0) > 0
     slot_kept = kept - (n * x.b * x.h * (2 / (x.t if x.sp else 1) + 1 / x.t) * x.e
                         if taped and x.remat in ("none", "selective") else 0.0)

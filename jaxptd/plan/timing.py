@@ -1,7 +1,7 @@
 """The planner's time model: pipeline bubble, communication volumes, step time, training
 days, context parallelism's attention work, traffic and balance, and expert parallelism's
 all-to-all. No JAX. Notation as
-in jaxptd/plan/model.py (the PTD-P paper's, seeds/000 §3.1); c context ranks, n = s/c
+in jaxptd/plan/model.py (the PTD-P paper's, Narayanan et al. 2021 §3.1); c context ranks, n = s/c
 tokens a rank, k key/value heads.
 
 Context parallelism (jaxptd/model/context.py): a rank's n queries attend to all s keys.

@@ -134,8 +134,8 @@ def cpu_backend(config: Config) -> str | None:
 
 def dump_dir() -> str | None:
     """A new directory for XLA's dump of the step (its memory report and buffers' live
-    ranges), removed at exit (left behind, each H100 compile of GPT-1.3B kept about 45
-    MB); None where JAX already runs (XLA reads its flags once, when it starts)."""
+    ranges), removed at exit (left behind, the dumps of H100 compiles once filled a CI
+    machine's disk); None where JAX already runs (XLA reads its flags once, when it starts)."""
     if "jax" in sys.modules:
         return None
     dump = tempfile.mkdtemp(prefix="jaxptd-xla-")

@@ -2,11 +2,11 @@
 scaling.
 
 Owns the optax chain (global-norm clipping, then AdamW with weight decay on matrices only,
-or SGD with momentum, optimizer.name: seeds/003 trained its 175B and 1T models with SGD),
-the learning-rate schedule (linear warm-up, cosine decay to a minimum, Megatron-LM 2019),
-the optimizer-state shardings (mirroring the parameters, or ZeRO-1: also split over data),
-and dynamic loss scaling for float16. Master weights and optimizer state are float32
-whatever the compute dtype (model.dtype); the model casts weights at use.
+or SGD with momentum, optimizer.name: the PyTorch FSDP post trained its 175B and 1T models
+with SGD), the learning-rate schedule (linear warm-up, cosine decay to a minimum,
+Megatron-LM 2019), the optimizer-state shardings (mirroring the parameters, or ZeRO-1: also
+split over data), and dynamic loss scaling for float16. Master weights and optimizer state
+are float32 whatever the compute dtype (model.dtype); the model casts weights at use.
 """
 from __future__ import annotations
 
