@@ -21,7 +21,7 @@ differ per tensor rank. A rank's part is a block of the microbatch's b s tokens 
 order (rank k: tokens k b s / t onwards), shaped [b, s/t, h]: Megatron splits its
 [s, b, h] activations on the leading axis for the same reason, a gather or scatter of a
 contiguous block (a split of the sequence axis of [b, s, h] made XLA transpose around
-every collective: 8 GB a step at (2,1,4) on H100). The ops between them are token-wise;
+every collective, gigabytes a step on an H100). The ops between them are token-wise;
 only the positions a rank's tokens have depend on the split (`token_positions`).
 
 Every matmul with a weight goes through `dense` (`entered` for the column-parallel ones
