@@ -15,7 +15,6 @@ import numpy as np
 
 from jaxptd.train import optim
 from jaxptd.config import Config, load_config
-from jaxptd.data import prepare_corpus
 from jaxptd.parallel.mesh import make_mesh
 from jaxptd import model as models
 from jaxptd.model import moe
@@ -62,11 +61,13 @@ def fixed_batches(config, n, seed=0):
 
 
 def reference_loss(config, vocab, params, batch):
-    """The step's loss on one device, global parameters, no dropout: the loss sum over
-    (rows x seq_len), the mean token loss of a decoder."""
-    tokens = batch.shape[0] * config.model.seq_len
-    return models.loss_sum(params, jnp.asarray(batch), jax.random.key(0), config.model,
-                           Layout(vocab), True) / tokens
+    """The step's objective on one device, global parameters, no dropout: the token loss's
+    mean over the targets that take loss plus the balance terms' over every token."""
+    model, batch, key = config.model, jnp.asarray(batch), jax.random.key(0)
+    loss, stats = models.loss_terms(params, batch, key, model, Layout(vocab), True)
+    tokens, end = batch.shape[0] * model.seq_len, model.document_end
+    counted = tokens if end < 0 else jnp.sum(batch[:, :-1] != end)  # packed: not after an end
+    return loss / counted + moe.objective(stats, model) / tokens
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,12 +108,12 @@ def reference_losses(config, vocab, params, batches):
     return losses
 
 
-def assert_grads_match_single_device(setup):
+def assert_grads_match_single_device(setup, batch=None):
     """build_grads at the setup's layout gives the single-device loss and gradients."""
     from jaxptd.train.step import build_grads
 
     state = placed_state(setup)
-    batch = fixed_batches(setup.config, 1)[0]
+    batch = fixed_batches(setup.config, 1)[0] if batch is None else batch  # [B, s + 1]
     grads, loss, stats = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
@@ -120,24 +121,24 @@ def assert_grads_match_single_device(setup):
     ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
     assert np.isfinite(float(ref_loss))
     # the reference's loss is the objective: a mixture of experts' balance terms included
-    objective = loss + moe.objective(stats, setup.config.model) * setup.policy.loss_norm
+    objective = loss + moe.objective(stats, setup.config.model) * setup.policy.token_norm
     np.testing.assert_allclose(float(objective), float(ref_loss), rtol=1e-5)
     assert_trees_close(setup.state_layout.to_logical(jax.device_get(grads)), ref_grads)
     return float(loss)
 
 
-def assert_steps_match_single_device(setup, steps=3):
+def assert_steps_match_single_device(setup, steps=3, batches=None):
     """`steps` optimizer steps at the setup's layout give the single-device losses."""
     from jaxptd.train.step import build_train_step
 
     state = placed_state(setup)
     params0 = setup.state_layout.to_logical(jax.device_get(state["params"]))  # (host memory: numpy)
-    batches = fixed_batches(setup.config, steps)
+    batches = batches or fixed_batches(setup.config, steps)
     step, losses = build_train_step(setup), []
     for batch in batches:
         state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
         balance = moe.objective(metrics.get("moe"), setup.config.model)  # (the reference's
-        losses.append(float(metrics["loss"] + balance * setup.policy.loss_norm))  # objective)
+        losses.append(float(metrics["loss"] + balance * setup.policy.token_norm))  # objective)
     np.testing.assert_allclose(
         losses, reference_losses(setup.config, setup.vocab, params0, batches), rtol=1e-5)
 

@@ -1,7 +1,10 @@
 """fp32 parity: every (data, pipe=1, tensor) layout, with ZeRO-1 too where data > 1,
-computes the losses and gradients of the single-device program (rtol 1e-5); and every
-layout, each architecture's, starts from the same model: the initialiser run at the layout
-gives the single device's logical parameters bitwise, zero padding, and its first loss."""
+computes the losses and gradients of the single-device program (rtol 1e-5); every layout,
+each architecture's, starts from the same model: the initialiser run at the layout gives
+the single device's logical parameters bitwise, zero padding, and its first loss; and
+packed rows' loss, the mean over the targets that take loss counted over the global batch,
+and its gradients are the single device's at every kind of layout (pipelined, tensor with
+SP, data, FSDP, context), in training and evaluation."""
 import functools
 
 import jax
@@ -10,13 +13,16 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import (assert_same_state, assert_trees_close, fixed_batches, make_setup,
-                     placed_state, reference_loss, reference_loss_and_grads, reference_losses)
+from helpers import (assert_grads_match_single_device, assert_same_state,
+                     assert_steps_match_single_device, assert_trees_close, fixed_batches,
+                     make_setup, placed_state, reference_loss, reference_loss_and_grads,
+                     reference_losses)
 from jax.sharding import PartitionSpec as P
 
 from jaxptd.model import weight_decay_mask
 from jaxptd.train.optim import lr_schedule
-from jaxptd.train.step import build_grads, build_train_step
+from jaxptd.train.step import (build_eval_step, build_grads, build_train_step,
+                               pipeline_context)
 
 # ZeRO-1 shards the optimizer state over data (with data = 1 it is the same program); it
 # leaves the gradients of the layout unchanged, so (2, 1, 4) is run with it only.
@@ -213,3 +219,78 @@ def test_every_layout_starts_from_the_same_model(arch, data, pipe, tensor, extra
         assert all(np.all(p == 0) for p in padding)
     trained = vocab_split(setup.state_layout.to_logical(state["params"]), axes, vocab_size)[0]
     assert not np.array_equal(trained["embed"]["wte"], params["embed"]["wte"])  # it trains
+
+
+# --------------------------------------------------------------------------- packed rows
+
+# Packed rows (model.document_end; jaxptd/model/sequence.py): the loss is the mean over the
+# targets that take loss, counted over the whole global batch (the rows hold 0 to 8 ends:
+# every microbatch and data rank counts differently, so a count of its own would show).
+END = 7
+PACKED = [f"model.document_end={END}", "model.init_std=0.2"]
+PACKED_LAYOUTS = {
+    "d8": (8, 1, 1, ["parallel.microbatches=2"]),
+    "d2-t4-sp-zero1": (2, 1, 4, [SP, "optimizer.zero1=true", "parallel.microbatches=2"]),
+    "d4-t2-fsdp-overlap": (4, 1, 2, [FSDP, "optimizer.overlap_grad_reduce=true",
+                                     "parallel.microbatches=2"]),
+    "p2-t2-1f1b": (1, 2, 2, _schedule("1f1b")),
+    "d2-p2-t2-zb-h1-sp": (2, 2, 2, [SP, *_schedule("zb-h1")]),
+    "p4-interleaved-steady": (1, 4, 1, [*_schedule("interleaved", 2), "model.num_layers=8",
+                                        "parallel.round_form=steady"]),  # a spread head
+    "c2-d2-p2-1f1b": (2, 2, 1, ["parallel.context=2", *_schedule("1f1b")]),
+}
+PACKED_FAST = {"p2-t2-1f1b"}
+
+
+def packed_batches(config, n, seed=0):
+    """n of fixed_batches' global batches as packed rows: model.document_end only where
+    placed, at 2 (i % 5) random inputs of row i (0 to 8 of its targets not counted), so
+    that the rows', the microbatches' and the data ranks' counted targets differ."""
+    end, rng = config.model.document_end, np.random.default_rng(seed)
+    assert end >= 0
+    batches = []
+    for batch in fixed_batches(config, n, seed):
+        batch = np.where(batch == end, end + 1, batch)  # ends only where placed
+        for i, row in enumerate(batch):
+            row[rng.choice(batch.shape[1] - 1, 2 * (i % 5), replace=False)] = end
+        batches.append(batch)
+    return batches
+
+
+def _packed_setup(name):
+    data, pipe, tensor, extra = PACKED_LAYOUTS[name]
+    return make_setup(data, pipe, tensor, [*PACKED, *extra])
+
+
+@pytest.mark.parametrize("name", [n if n in PACKED_FAST else pytest.param(
+    n, marks=pytest.mark.slow) for n in PACKED_LAYOUTS])
+def test_packed_loss_and_gradients_match_single_device(name):
+    """A packed batch's loss at the layout is the single device's mean over the counted
+    targets (helpers.reference_loss: not the one after a document end), and its gradients
+    that mean's: pipelined (1F1B, zb-h1, interleaved with the head spread over the ranks),
+    tensor with sequence parallelism, data with ZeRO-1 or FSDP, context (rtol 1e-5)."""
+    setup = _packed_setup(name)
+    (batch,) = packed_batches(setup.config, 1)
+    # 196 of 256 targets counted: a mean over every target would be 23% lower, far
+    # outside the tolerance
+    assert np.sum(batch[:, :-1] != END) < 0.8 * batch[:, :-1].size
+    if setup.config.parallel.pipe > 1:  # the steady form spreads the head over the ranks
+        assert pipeline_context(setup).spread_head == name.endswith("steady")
+    assert_grads_match_single_device(setup, batch)
+
+
+@pytest.mark.slow
+def test_packed_training_and_eval_match_single_device():
+    """Two Adam steps of packed batches at a pipelined layout with SP (zb-h1) give the
+    single device's losses, and the eval step its loss of a third batch: the gradients'
+    scale is the loss's, and evaluation is normalised as training."""
+    setup = _packed_setup("d2-p2-t2-zb-h1-sp")
+    config = setup.config
+    batches = packed_batches(config, 3, seed=1)
+    assert_steps_match_single_device(setup, 2, batches[:2])
+    state = placed_state(setup)
+    loss = build_eval_step(setup)(state["params"], jax.device_put(batches[2],
+                                                                  setup.batch_sharding))
+    params = setup.state_layout.to_logical(jax.device_get(state["params"]))
+    np.testing.assert_allclose(float(loss), float(reference_loss(
+        config, setup.vocab, params, batches[2])), rtol=1e-5)

@@ -1,15 +1,22 @@
 """data.pack through the training entry point: the document end resolved from the corpus
 (its eot id) or data.eod_id (Megatron data), the refusals as one error line before any
 device work, and a short packed run that saves the resolved config (tests/test_train.py's
-subprocess helpers and corpus).
+subprocess helpers and corpus). The packed loss against transformers: on a GPT-2 imported
+from transformers, the step's loss is transformers' mean over the counted labels (-100 on
+the target after each document end) and its gradients are transformers', on one device
+and at layouts of data, pipe and context (tests/test_parity.py: every kind of layout
+against the single device).
 """
 from __future__ import annotations
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import assert_trees_close, tiny_hf_model
 from test_train import ONE, assert_ok, dirs, records, run_train
 
 
@@ -110,3 +117,101 @@ def test_packed_run_trains_and_saves_the_resolved_config(corpus_env, tmp_path):
     (step,) = inspect(str(tmp_path / "ckpt"))
     assert step["status"] == "complete"
     assert step["layout"]["config"]["model"]["document_end"] == eot
+
+
+# --------------------------------------------------------------------------- the loss's mean
+
+END = 7  # the document end of the comparison with transformers
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """(transformers' tiny GPT2LMHeadModel (helpers.tiny_hf_model), its import's
+    directory)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from jaxptd.hf import bridge as hf
+    model = tiny_hf_model("gpt")
+    tmp = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(tmp / "hf")
+    assert hf.main(["import", str(tmp / "hf"), str(tmp / "jaxptd")]) == 0
+    return model, tmp / "jaxptd"
+
+
+def _packed_rows(rows: int, seq: int, vocab: int, seed=0):
+    """[rows, seq + 1] random ids, END at 1 to 4 random inputs of each row (at least one:
+    a row's last document is then at most seq ids, all transformers' GPT-2 reads) and
+    nowhere else."""
+    rng = np.random.default_rng(seed)
+    batch = rng.integers(0, vocab, (rows, seq + 1))
+    batch[batch == END] = END + 1
+    for i, row in enumerate(batch):
+        row[rng.choice(seq, i % 4 + 1, replace=False)] = END
+    return batch.astype(np.int32)
+
+
+def transformers_loss(model, batch):
+    """transformers' loss of packed rows [B, s + 1] and its gradients of the token and
+    position embeddings (wte, tied to the head, and wpe). Its GPT-2 attends across a row's
+    documents, so each runs as a sequence of its own (Megatron's reset attention mask and
+    position ids): its inputs up to and with its end (the row's last document also the
+    row's final token), labels its ids (shifted by transformers: the target after its end
+    is its padding, -100), num_items_in_batch the batch's counted labels, so that the
+    losses sum to transformers' mean over them (its Trainer's loss of a batch)."""
+    import torch
+    model.zero_grad()
+    s = batch.shape[1] - 1
+    counted = torch.tensor(int(np.sum(batch[:, :-1] != END)))
+    total = 0.0
+    for row in batch:
+        ends = [i + 1 for i in np.flatnonzero(row[:s] == END)]
+        for start, stop in zip([0, *ends], [*ends, s + 1]):
+            ids = torch.tensor(row[None, start:stop].astype(np.int64))
+            total = total + model(ids, labels=ids, num_items_in_batch=counted).loss
+    total.backward()
+    embed = model.transformer
+    return total.item(), {"wte": embed.wte.weight.grad.numpy(),
+                          "wpe": embed.wpe.weight.grad.numpy()}
+
+
+def jaxptd_loss(directory, batch, overrides=()):
+    """(the step's loss, its embeddings' gradients, cut to the real vocabulary) of the
+    import in `directory` with packed rows (model.document_end = END) at the layout of
+    `overrides` (build_grads, no dropout)."""
+    from jaxptd.config import load_config
+    from jaxptd.hf import bridge as hf
+    from jaxptd.parallel.mesh import make_mesh
+    from jaxptd.train.step import Setup, build_grads
+    config = load_config(str(directory / "config.yaml"), [
+        f"model.document_end={END}", f"train.global_batch={batch.shape[0]}", *overrides])
+    setup = Setup(config, make_mesh(config.parallel, jax.devices()[:config.num_devices]))
+    layout = setup.state_layout
+    params = jax.device_put(layout.to_stacked(hf.load_params(directory)[1]),
+                            layout.state_shardings["params"])
+    grads, loss, _ = jax.jit(build_grads(setup, deterministic=True))(
+        params, jax.device_put(batch, setup.batch_sharding),
+        jax.random.key_data(jax.random.key(0)), jnp.int32(0), jnp.float32(1))
+    embed = layout.to_logical(jax.device_get(grads))["embed"]
+    vocab = config.model.vocab_size
+    return float(loss), {"wte": embed["wte"][:vocab], "wpe": embed["wpe"]}
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["parallel.data=2", "parallel.pipe=3", "parallel.microbatches=2"],  # (3 layers)
+    pytest.param(["parallel.pipe=3", "parallel.context=2", "parallel.schedule=zb-h1",
+                  "parallel.microbatches=4"], marks=pytest.mark.slow)],
+    ids=["one device", "d2-p3-1f1b", "p3-c2-zb-h1"])
+def test_packed_loss_is_transformers_mean_over_counted_labels(gpt2, overrides):
+    """The step's loss of packed rows is transformers' GPT2LMHeadModel loss with labels
+    -100 on the targets after document ends, the mean over the counted labels (not over
+    every target: that reads low by the masked fraction), and its gradients transformers'
+    (fp32: rtol 1e-5 and 1e-4)."""
+    model, directory = gpt2
+    seq = model.config.n_positions
+    batch = _packed_rows(8, seq, model.config.vocab_size)
+    expected, expected_grads = transformers_loss(model, batch)
+    loss, grads = jaxptd_loss(directory, batch, overrides)
+    # 140 of 160 targets counted: a mean over every target would be 12.5% lower
+    assert np.sum(batch[:, :-1] != END) < 0.9 * batch.shape[0] * seq
+    np.testing.assert_allclose(loss, expected, rtol=1e-5)
+    assert_trees_close(grads, expected_grads, rtol=1e-4)

@@ -213,7 +213,10 @@ class DataConfig:
     # path prefix (PREFIX.bin, PREFIX.idx) or pystdlib (this Python's standard library)
     path: str = "pystdlib"
     # rows hold several documents that do not see each other: model.document_end is set to
-    # the corpus's eot id (a directory's meta.json; data.eod_id for Megatron data)
+    # the corpus's eot id (a directory's meta.json; data.eod_id for Megatron data). The
+    # target after each document end takes no loss; the loss (logged, evaluated, and what
+    # the gradient is of) is the mean over the targets that do, counted over the global
+    # batch, as Megatron-LM's (eod_mask_loss) and transformers' (labels -100) are
     pack: bool = False
     # the id ending each document of a Megatron dataset (its --append-eod token; the format
     # does not record it): what data.pack needs there. -1: unknown

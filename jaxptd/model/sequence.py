@@ -13,7 +13,8 @@ Packed rows (model.document_end = the id that ends a document, >= 0) hold severa
 documents one after another. A token's segment is the number of document ends before it in
 the row and its position restarts at each document's first token; attention never crosses
 a segment, and the target after a document end (the next document's first token) takes no
-loss (Megatron's reset_attention_mask, reset_position_ids and eod_mask_loss).
+loss (Megatron's reset_attention_mask, reset_position_ids and eod_mask_loss); the loss is
+the mean over the targets that do (`counted_targets`), as Megatron's and transformers' is.
 
 `Rows` carries this per token to the layers (with BERT's padding under context
 parallelism); it is None when neither applies, so the layers keep their plain causal (or
@@ -109,12 +110,27 @@ def rows_of(inputs, cfg: ModelConfig, layout: Layout, padding=None) -> Rows | No
     return Rows(positions, segments, padding)
 
 
+def _counted(inputs, cfg: ModelConfig):
+    """inputs [b, s] -> [b, s] bool: which targets take loss, the one after a document
+    end not (packed rows only)."""
+    return inputs != cfg.document_end
+
+
 def loss_mask(inputs, cfg: ModelConfig, layout: Layout):
     """[b, s / c] bool: which of this rank's targets count (packed: not the one after a
     document end), or None: all."""
     if not packed(cfg):
         return None
-    return split(inputs != cfg.document_end, layout)
+    return split(_counted(inputs, cfg), layout)
+
+
+def counted_targets(batch, cfg: ModelConfig):
+    """batch [b, s + 1] int32 (packed rows, whole: every context rank's tokens) -> int32
+    []: how many of its b s targets take loss (`loss_mask`'s over all ranks). The loss
+    is a mean over these, Megatron's (eod_mask_loss: the loss mask's sum) and
+    transformers' (the labels not -100); unpacked, all b s count."""
+    assert packed(cfg)
+    return jnp.sum(_counted(batch[:, :-1], cfg), dtype=jnp.int32)
 
 
 def blocked(q_rows: Rows, k_rows: Rows, causal: bool):

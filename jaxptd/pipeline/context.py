@@ -25,7 +25,9 @@ class Context:
     model: ModelConfig  # passed to the model's functions (dtype, shapes, remat policy)
     layout: Layout  # one tensor rank's view of the parameters (step.Setup.local_layout)
     arch: Any  # the model family's module: embed(...) and head_loss(...)
-    loss_norm: float  # 1 / (global batch * seq_len): every loss is a scaled token sum
+    # 1 / (global batch x seq_len): the balance terms' normalisation (a mean over every
+    # token; the loss's own is the step's loss_norm, given with the batch: `Stage.norm`)
+    token_norm: float
     spread_head: bool  # every rank runs the head on 1/p of the rows (lowering.spreads_head)
     # FSDP's all-gathers inside the shard_map (step.Setup.gathers); None without FSDP
     gather_ends: Callable | None = None

@@ -20,10 +20,10 @@ from jaxptd.parallel.varying import mark_varying
 class Evaluation:
     """The F slots of a forward-only schedule: embedding, layers and head, the loss summed."""
 
-    def __init__(self, context: Context, rounds: Rounds, params, batch):
+    def __init__(self, context: Context, rounds: Rounds, params, batch, norm):
         self.p, self.v, self.tensor = context.pipe, context.chunks, context.message_split
         self.rounds = rounds
-        self.stage = Stage(context, batch, jax.random.key(0), deterministic=True)
+        self.stage = Stage(context, batch, jax.random.key(0), deterministic=True, norm=norm)
         self.params, self.ends = params, models.ends(params)
         self.backward = self.weight = None  # their slots are 'off'
 

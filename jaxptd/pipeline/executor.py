@@ -242,14 +242,15 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
 # --------------------------------------------------------------------------- programs
 
 
-def pipeline_grads(params, batch, key, loss_scale, *, context: Context, deterministic: bool,
-                   reduce_chunk=None):
+def pipeline_grads(params, batch, key, loss_scale, norm, *, context: Context,
+                   deterministic: bool, reduce_chunk=None):
     """Pipelined local gradients; runs inside the step's shard_map.
 
     params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
-    batch: this data rank's rows [m * b, s + 1]. Returns (gradient sums, loss sum,
-    statistics) on this device, the loss scaled to the global token mean (nonzero on the
-    last stage's rank); statistics: the mixture of experts' sums over this rank's
+    batch: this data rank's rows [m * b, s + 1]; norm: the loss's normalisation (the
+    step's loss_norm, 1 / the global batch's counted targets). Returns (gradient sums, loss
+    sum, statistics) on this device, the loss and its gradients scaled by norm (nonzero on
+    the last stage's rank); statistics: the mixture of experts' sums over this rank's
     microbatches for its layers [v, 1, Lc, ...] (None: a dense model).
     reduce_chunk: given, each chunk's layer gradients [1, 1, Lc, ...] go to it between the
     scans as soon as the chunk is done (`chunks_done`), so its data-parallel reduction
@@ -258,7 +259,7 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
     """
     rounds = rounds_for(context.schedule, context.pipe, context.microbatches, context.chunks,
                         context.round_form)
-    program = Training(context, rounds, params, batch, key, loss_scale, deterministic)
+    program = Training(context, rounds, params, batch, key, loss_scale, norm, deterministic)
     done = chunks_done(rounds) if reduce_chunk is not None else ()
     reduced = {}
 
@@ -274,15 +275,15 @@ def pipeline_grads(params, batch, key, loss_scale, *, context: Context, determin
     return grads, carry["loss"], carry["stats"]
 
 
-def pipeline_loss(params, batch, *, context: Context):
+def pipeline_loss(params, batch, norm, *, context: Context):
     """Pipelined local loss of a forward pass alone (no dropout, no backward); runs inside
     the eval step's shard_map.
 
     params: local shards (layers [v, 1, Lc, ...]), varying over data and pipe;
-    batch: this data rank's rows [m * b, s + 1]. Returns this device's loss sum scaled to
-    the global token mean (nonzero on the last stage's rank), as pipeline_grads does.
+    batch: this data rank's rows [m * b, s + 1]. Returns this device's loss sum scaled by
+    norm (nonzero on the last stage's rank), as pipeline_grads does.
     """
     rounds = rounds_for(context.schedule, context.pipe, context.microbatches, context.chunks,
                         context.round_form, forward_only=True)
-    return _run(Evaluation(context, rounds, params, batch), rounds, context.round_form,
+    return _run(Evaluation(context, rounds, params, batch, norm), rounds, context.round_form,
                 "F")["loss"]

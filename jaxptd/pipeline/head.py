@@ -78,7 +78,7 @@ class SpreadHead:
         return {path: total + flat[path].astype(total.dtype) for path, total in sums.items()}
 
     def loss(self, weights, y, mb, on):
-        """This rank's part of the last stage's loss (scaled to the global token mean, 0
+        """This rank's part of the last stage's loss (its token sum times Stage.norm, 0
         where `on` is not set): the head on its 1/p of the rows of y [b, s, h], the last
         rank's stage output of microbatch mb (the tables' head_mb, head_on; y on the
         other ranks is sent and unused)."""
@@ -96,7 +96,7 @@ class SpreadHead:
                                           rows)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
                                                  layout)
-        return jnp.where(on > 0, loss * self.stage.context.loss_norm, 0.0)
+        return jnp.where(on > 0, loss * self.stage.norm, 0.0)
 
     def grads(self, sums):
         """This rank's gradient sums -> the ends slots' gradients (leaves [1, ...]):

@@ -26,8 +26,11 @@ class Stage:
     [Lc, ...]. Virtual stage c p + r runs chunk c on rank r.
     """
 
-    def __init__(self, context: Context, batch, key, deterministic: bool):
+    def __init__(self, context: Context, batch, key, deterministic: bool, norm):
+        """norm: the loss's normalisation, 1 / the global batch's counted targets (the
+        step's loss_norm: with packed rows a traced scalar, invariant over the mesh)."""
         self.context, self.model, self.layout = context, context.model, context.layout
+        self.norm = norm
         self.micro = batch.reshape(context.microbatches, -1, batch.shape[-1])  # [m, b, w]
         self.key, self.rank = key, lax.axis_index(PIPE)
         self.deterministic = deterministic
@@ -87,11 +90,11 @@ class Stage:
                                   keep=self.keep, apart=True)
 
     def head(self, ends, y, mb, chunk, how: str):
-        """The loss contribution (scaled to the global token mean) of the last stage; 0
+        """The loss contribution (its token sum times `norm`) of the last stage; 0
         elsewhere. how: as for embed_or_input."""
         def loss():
             return self.context.arch.head_loss(self.gather_ends(ends), y, self.tokens(mb),
-                                               self.model, self.layout) * self.context.loss_norm
+                                               self.model, self.layout) * self.norm
 
         def zero():
             return mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))

@@ -13,7 +13,7 @@ Owns the step's parts (`Setup`, `Policy`) and its programs. The step has two par
    (`optimizer.grad_reduce_dtype`); pipelined, each chunk's layers as soon as the
    schedule is done with them (Config.reduces_chunks_early). With FSDP (`parallel.fsdp`,
    ZeRO-3) every parameter is sharded over the fsdp axis and all-gathered where it is
-   used: each matmul's weight by `dense` for that matmul alone (seeds/003's unit, one
+   used: each matmul's weight by `dense` for that matmul alone (the PyTorch FSDP runs' unit, one
    linear), the rest of a layer with the layer, inside a `jax.checkpoint` so the backward
    gathers it again instead of keeping it; the gather's transpose reduce-scatters each
    microbatch's gradient into the shards (per microbatch: the memory of unsharded
@@ -31,6 +31,12 @@ Owns the step's parts (`Setup`, `Policy`) and its programs. The step has two par
 
 The eval step (validation loss) is the same fully manual shard_map without gradients: a
 forward over the local rows, or with pipe > 1 the executor's forward-only pipeline.
+
+Both report the mean token loss over the targets that take loss, and train on its
+gradient: every loss is a sum over tokens times `loss_norm`, 1 / (global batch x seq_len),
+or with packed rows 1 / the batch's counted targets (the target after a document end takes
+none), a count made once a step inside the shard_map; the mixture of experts' balance
+terms stay a mean over every token (Policy.token_norm).
 
 The state is a dict {params, opt_state, step, rng, loss_scale} passed in and returned; its
 layouts and shardings are jaxptd/train/state.py's, the gathers and reductions of its parameters'
@@ -53,7 +59,7 @@ from jaxptd.train import offload, optim
 from jaxptd.runtime import target
 from jaxptd.config import Config, ConfigError
 from jaxptd.parallel.mesh import BATCH, CONTEXT, EXPERT, FSDP, PIPE, TENSOR, TOKENS
-from jaxptd.model import moe
+from jaxptd.model import moe, sequence
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
@@ -75,7 +81,9 @@ class Policy:
     reduces_chunks_early: bool  # pipelined: each chunk's layers when the schedule is done
     offload_optimizer: bool  # the masters and moments in host memory, a streamed update
     streams: bool  # offload.optimizer unpipelined: each layer's masters fetched where used
-    loss_norm: float  # every loss is a sum over tokens, scaled to the global token mean
+    # 1 / (global batch x seq_len): a mean over the batch's tokens, the balance terms'
+    # (every token is routed) and the loss's unless packed (`loss_norm`)
+    token_norm: float
 
     @classmethod
     def of(cls, config: Config) -> "Policy":
@@ -87,7 +95,7 @@ class Policy:
             reduces_chunks_early=config.reduces_chunks_early,
             offload_optimizer=config.offload.optimizer,
             streams=config.offload.optimizer and config.parallel.pipe == 1,
-            loss_norm=1.0 / (config.train.global_batch * config.model.seq_len))
+            token_norm=1.0 / (config.train.global_batch * config.model.seq_len))
 
 
 class Setup:
@@ -130,32 +138,58 @@ class Setup:
         return fsdp_gathers(self.state_layout, self.local_layout)
 
 
-def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, deterministic: bool):
+def loss_norm(rows, setup: Setup):
+    """The loss's normalisation, inside the shard_map: 1 / the targets of the global batch
+    that take loss, from this data rank's rows [r, s + 1]. Unpacked all B s do (Policy
+    .token_norm, static); packed rows (model.document_end) leave out the target after each
+    document end, and the loss is the mean over the rest, as Megatron's (eod_mask_loss
+    divides by the loss mask's sum) and transformers' (the labels not -100): a count of
+    the local rows summed over the data ranks (the context, pipe and tensor ranks hold the
+    same whole rows), so that every layout has the single device's mean. At least 1: a
+    batch with no counted target has loss 0, not NaN (Megatron clamps it so too)."""
+    model = setup.config.model
+    if not sequence.packed(model):
+        return setup.policy.token_norm
+    count = lax.psum(sequence.counted_targets(rows, model), BATCH)  # [] int32
+    return 1.0 / jnp.maximum(count, 1).astype(jnp.float32)
+
+
+def _microbatch_loss(setup: Setup, deterministic: bool, loss_scale, norm):
+    """One unpipelined microbatch's loss function: (params, rows [b, s + 1], key, hooks)
+    -> (objective x loss_scale, (loss, statistics)), the loss sum scaled by `norm`
+    (loss_norm), the balance terms by Policy.token_norm; hooks: the last microbatch's
+    reduction hooks (config.overlaps_grad_reduce), else None."""
+    config, policy = setup.config, setup.policy
+    gather_ends, gather_layer = setup.gathers()
+
+    def loss_fn(p, mb, k, hooks=None):
+        ends_fn = compose(gather_ends, hooks and hooks[0], policy.streams)
+        layer_fn = compose(gather_layer, hooks and hooks[1], policy.streams)
+        loss, stats = models.loss_terms(
+            p, mb, k, config.model, setup.local_layout, deterministic, prepare_ends=ends_fn,
+            prepare=layer_fn, extra=hooks and hooks[2],
+            keep=regather if gather_layer or policy.streams else None,
+            reduced=hooks is not None and gather_layer is None)
+        loss = loss * norm
+        objective = loss + moe.objective(stats, config.model) * policy.token_norm
+        return objective * loss_scale, (loss, stats)
+    return loss_fn
+
+
+def microbatch_grads(params, batch, key, loss_scale, norm, *, setup: Setup,
+                     deterministic: bool):
     """Unpipelined gradients: a scan over the microbatches, reduced after it, or (config
     .overlaps_grad_reduce) over those before the last, whose local sums the last one's
     backward adds in and reduces layer by layer (reduction.Reduction). Runs inside the
     shard_map.
 
-    params: local shards, invariant over data; batch [rows, s + 1] local rows.
-    Returns (reduced gradients, local loss sum), both scaled to the global token mean.
+    params: local shards, invariant over data; batch [rows, s + 1] local rows; norm:
+    loss_norm's. Returns (reduced gradients, local loss sum, statistics), the gradients
+    and loss scaled by `norm` (the global mean's part).
     """
-    config = setup.config
     micro = batch.reshape(setup.policy.microbatches, -1, batch.shape[-1])  # [m, b, s+1]
-    gather_ends, gather_layer = setup.gathers()
     reduction = Reduction(setup.state_layout, setup.policy.streams)
-
-    def loss_fn(p, mb, k, hooks=None):
-        ends_fn = compose(gather_ends, hooks and hooks[0], setup.policy.streams)
-        layer_fn = compose(gather_layer, hooks and hooks[1], setup.policy.streams)
-        extra = hooks and hooks[2]
-        loss, stats = models.loss_terms(
-            p, mb, k, config.model, setup.local_layout, deterministic, prepare_ends=ends_fn,
-            prepare=layer_fn, extra=extra,
-            keep=regather if gather_layer or setup.policy.streams else None,
-            reduced=hooks is not None and gather_layer is None)
-        objective = (loss + moe.objective(stats, config.model)) * setup.policy.loss_norm
-        return objective * loss_scale, (loss * setup.policy.loss_norm, stats)
-
+    loss_fn = _microbatch_loss(setup, deterministic, loss_scale, norm)
     varying = mark_varying(params, REDUCED)
     loss0 = mark_varying(jnp.float32(0), REDUCED)  # like the model's loss
 
@@ -172,7 +206,7 @@ def microbatch_grads(params, batch, key, loss_scale, *, setup: Setup, determinis
         gradients (the sums live in host memory, where zeros would be made on the device
         and moved)."""
         if not setup.policy.streams:
-            stats0 = None if not config.model.moe else zeros_as(  # (its shapes: a trace)
+            stats0 = None if not setup.config.model.moe else zeros_as(  # (a trace's shapes)
                 jax.eval_shape(lambda: grads_of(0)[1][1]))
             zeros = (jax.tree.map(jnp.zeros_like, varying), (loss0, stats0))
             return lax.scan(one, zeros, jnp.arange(count))[0]
@@ -207,16 +241,17 @@ def pipeline_context(setup: Setup) -> Context:
         # the activations are already split over the sequence
         message_split=1 if setup.local_layout.split_sequence else par.tensor,
         model=setup.config.model, layout=setup.local_layout, arch=setup.arch,
-        loss_norm=setup.policy.loss_norm,
+        token_norm=setup.policy.token_norm,
         spread_head=spreads_head(form, setup.config.microbatch_size, par.pipe),
         gather_ends=gather_ends, gather_layer=gather_layer)
 
 
 def build_grads(setup: Setup, deterministic: bool):
-    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss, stats), reduced over
-    data (ZeRO-1: scattered into the optimizer's shards); stats: the mixture of experts'
-    per-layer statistics summed over the global batch, laid out as the layers (None for a
-    dense model)."""
+    """shard_map'd (params, batch, rng, step, scale) -> (grads, loss, stats): the batch's
+    mean token loss (over the targets that take loss: loss_norm) and its gradients times
+    `scale`, reduced over data (ZeRO-1: scattered into the optimizer's shards); stats: the
+    mixture of experts' per-layer statistics summed over the global batch, laid out as the
+    layers (None for a dense model)."""
     config = setup.config
     pipelined = config.parallel.pipe > 1
     if pipelined:
@@ -226,9 +261,9 @@ def build_grads(setup: Setup, deterministic: bool):
         early = setup.policy.reduces_chunks_early
         by_chunk = partial(reduction.after, part=lambda tree: tree["layers"])
 
-        def local_fn(params, batch, key, scale):
+        def local_fn(params, batch, key, scale, norm):
             grads, loss, stats = pipeline_grads(
-                mark_varying(params, REDUCED), batch, key, scale, context=context,
+                mark_varying(params, REDUCED), batch, key, scale, norm, context=context,
                 deterministic=deterministic, reduce_chunk=by_chunk if early else None)
             if not early:
                 return reduction.after(grads), loss, stats
@@ -240,7 +275,7 @@ def build_grads(setup: Setup, deterministic: bool):
     def local(params, batch, rng, step, scale):
         key = jax.random.fold_in(jax.random.wrap_key_data(rng), step)
         key = jax.random.fold_in(key, lax.axis_index(BATCH))  # (context: model/layers.py)
-        grads, loss, stats = local_fn(params, batch, key, scale)
+        grads, loss, stats = local_fn(params, batch, key, scale, loss_norm(batch, setup))
         # pipelined, each rank's statistics are its own layers' [v, 1, Lc, ...]
         stats = jax.tree.map(lambda v: lax.psum(v, TOKENS if pipelined else REDUCED), stats)
         return grads, lax.psum(loss, REDUCED), stats
@@ -304,16 +339,18 @@ def _update(layout: StateLayout, params, opt_state, grads, scale, dynamic: bool)
 
 
 def build_eval_step(setup: Setup):
-    """The jitted validation loss: (params, batch) -> mean token loss (no dropout, no
-    mixture-of-experts balance terms). With
-    pipe > 1 the pipeline runs the schedule's forwards alone (no gradient program)."""
+    """The jitted validation loss: (params, batch) -> the mean token loss over the targets
+    that take loss (loss_norm: packed rows' as training's; no dropout, no mixture-of-experts
+    balance terms). With pipe > 1 the pipeline runs the schedule's forwards alone (no
+    gradient program)."""
     config, policy, layout = setup.config, setup.policy, setup.state_layout
     gather_ends, gather_layer = setup.gathers()
     if config.parallel.pipe > 1:
         context = pipeline_context(setup)
 
         def local_loss(params, batch):
-            loss = pipeline_loss(mark_varying(params, REDUCED), batch, context=context)
+            loss = pipeline_loss(mark_varying(params, REDUCED), batch,
+                                 loss_norm(batch, setup), context=context)
             return lax.psum(loss, REDUCED)
     else:
         def local_loss(params, batch):
@@ -322,7 +359,7 @@ def build_eval_step(setup: Setup):
                 prepare_ends=compose(gather_ends, None, policy.streams),
                 prepare=compose(gather_layer, None, policy.streams))
             # (the loss varies over data and fsdp only; pipe is 1 here)
-            return lax.psum(mark_varying(loss, REDUCED), REDUCED) * policy.loss_norm
+            return lax.psum(mark_varying(loss, REDUCED), REDUCED) * loss_norm(batch, setup)
 
     eval_fn = jax.shard_map(local_loss, mesh=setup.mesh,
                             in_specs=(layout.param_specs, P(BATCH)), out_specs=P())
