@@ -37,7 +37,7 @@ def grads_at(expert: int, devices, batch):
     grads, loss, stats = jax.jit(build_grads(setup, True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
-    objective = loss + moe.objective(stats, config.model) * setup.policy.loss_norm
+    objective = loss + moe.objective(stats, config.model) * setup.policy.token_norm
     return float(objective), jax.device_get(setup.state_layout.to_logical(grads))
 
 
