@@ -4,7 +4,9 @@ figures): no import cycle between jaxptd's modules, type-only imports included; 
 MAX_TOP_MODULES modules directly in jaxptd/; a package's __init__.py only re-exports
 (a docstring, imports, `__all__`); no module over MAX_LINES lines, no function over
 MAX_FUNCTION_LINES; a function-local import of a jaxptd module says why it is local in a
-comment on its line or the line above (a JAX-free path, a fast --help).
+comment on its line or the line above (a JAX-free path, a fast --help); no comment or
+docstring under jaxptd/ or pallas_kernels/ quotes a measured figure (issue 47: they go
+stale; BENCHMARKS.md and the git log hold them).
 
 The import graph: module-level imports, those under `if TYPE_CHECKING:` and in class
 bodies included, function bodies not (their imports run on use). `from jaxptd.pkg import
@@ -18,6 +20,7 @@ from __future__ import annotations
 import ast
 import io
 import pathlib
+import re
 import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -222,3 +225,62 @@ def test_function_local_imports_of_jaxptd_say_why():
     assert not unexplained, "function-local imports of jaxptd modules without a comment " \
         "saying why they are local (on their line or the line above; or move them to the " \
         "top of the module):\n" + "\n".join(sorted(set(unexplained)))
+
+
+# a benchmark figure: a size in GiB, a time in ms, or a before -> after pair of measurements
+FIGURE = re.compile(r"\b\d+(\.\d+)? ?(GiB|ms)\b|\b\d+\.\d+ -> \d+\.\d+")
+SOURCES = (PACKAGE, ROOT / "pallas_kernels")
+
+
+def _prose(source: str):
+    """(first line, text) of each comment block (consecutive comment lines, one text) and
+    each module, class and function docstring of a module's source."""
+    blocks = []  # [first line, last line, text]
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            line, text = token.start[0], token.string.lstrip("#")
+            if blocks and blocks[-1][1] == line - 1:
+                blocks[-1][1:] = [line, f"{blocks[-1][2]}\n{text}"]
+            else:
+                blocks.append([line, line, text])
+    yield from ((first, text) for first, _, text in blocks)
+    owners = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, owners) and ast.get_docstring(node, clean=False) is not None:
+            yield node.body[0].lineno, node.body[0].value.value
+
+
+def _figures(source: str) -> list[int]:
+    """The lines of a module's comments and docstrings where a figure (FIGURE) starts, one
+    wrapped onto the next line too ("152.3 ->" above "152.4 ms")."""
+    found = set()
+    for first, text in _prose(source):
+        lines = [line.strip() for line in text.splitlines()] + [""]
+        for i, (line, below) in enumerate(zip(lines, lines[1:])):
+            if any(m.start() < len(line) for m in FIGURE.finditer(f"{line} {below}")):
+                found.add(first + i)
+    return sorted(found)
+
+
+def test_the_figure_finder_sees_what_it_should():
+    source = '''"""Module: 3.5 GiB."""
+x = "12 ms"  # not a comment's: a string
+# wrapped: 152.3 ->
+# 152.4 and 2
+# GiB
+def f():
+    """f: 2.60 -> 2.63 ten times over, 4 of 4."""
+    return f"{x} 5 ms"  # jax 0.10.2, 1F1B m8, (2,2,2)
+'''
+    assert _figures(source) == [1, 3, 4, 7]
+
+
+def test_no_benchmark_figures_in_source_comments_or_docstrings():
+    """Docstrings and comments say what code does and why (what went wrong without it,
+    where that was seen); measured figures go stale there, so they live in BENCHMARKS.md
+    and the commit messages (issue 47)."""
+    hits = [f"{path.relative_to(ROOT)}:{line}" for root in SOURCES
+            for path in sorted(root.rglob("*.py")) for line in _figures(path.read_text())]
+    assert not hits, "benchmark figures (GiB, ms, before -> after) in comments or " \
+        "docstrings (keep the reason; the figures: BENCHMARKS.md and the git log):\n" + \
+        "\n".join(hits)

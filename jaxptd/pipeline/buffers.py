@@ -36,12 +36,12 @@ def _row_major(buffer):
     """buffer in row-major layout. Left to XLA's layout assignment, a slot buffer of the
     rounds' carry could be laid out with its slots inside another dimension, and the
     values written to it and read from it then laid out to match: in the H100 compile of
-    GPT-1.3B at (2,2,2), 1F1B m8, SP, remat=full, kept a layer at a time, the layers'
-    stored inputs [3, b, s/t, h] came out hidden dimension first, and with them the whole
-    residual stream (511 transpose kernels a step against 36, 270.0 against 264.3 ms);
-    1F1B without SP, m4, had 52 of its 215 carried arrays so, and the B slot's copies out of
-    the stash were transposes (pinned: 165.0 -> 152.4 ms; interleaved (1,4,2) 217.3 ->
-    160.1 ms, zb-h1 173.3 -> 159.4 ms: BENCHMARKS.md, stop 44)."""
+    GPT-1.3B at (2,2,2), 1F1B, SP, remat=full, kept a layer at a time, the layers' stored
+    inputs [3, b, s/t, h] came out hidden dimension first, and with them the whole
+    residual stream (many times the transpose kernels a step, and a slower step); 1F1B
+    without SP had a good part of its carried arrays so, and the B slot's copies out of
+    the stash were transposes. Pinned, every schedule measured (1F1B, interleaved,
+    zb-h1) took less time a step (figures: BENCHMARKS.md and the git log)."""
     return with_layout_constraint(buffer, Layout(tuple(range(buffer.ndim))))
 
 

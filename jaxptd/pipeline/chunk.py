@@ -45,7 +45,7 @@ class Chunks:
         self.stage, self.params, self.v = stage, params, context.chunks
         self.model, self.layout = context.model, context.layout
         # the dense() weights in the compute dtype, cast once for every round (each F and B
-        # slot cast its chunk's float32 masters again: 1.8 GB a round at (2,2,2) on H100)
+        # slot cast its chunk's float32 masters again, every round, in the H100 compile)
         dense, rest = models.split_dense(params["layers"])
         self.layers = models.merge_dense(_cast(dense, jnp.dtype(self.model.dtype)), rest)
         self.keep_activations = context.stash == "activations"
@@ -61,8 +61,8 @@ class Chunks:
     def per_layer(self, chunk) -> list:
         """Chunk c's layers as a list of each layer's tree, as `weights`. With one
         chunk each layer is sliced from the float32 masters and cast on its own: slices of
-        the cast [Lc, ...] stack were copies of it, kept for the whole step (0.5 GiB at
-        (2,2,2) in the H100 compile of GPT-1.3B)."""
+        the cast [Lc, ...] stack were copies of it, kept for the whole step (the H100
+        compile of GPT-1.3B at (2,2,2))."""
         if self.v > 1:
             return models.per_layer(self.weights(chunk))
         dense, rest = models.split_dense(buffers.chunk(self.params["layers"], 0))
@@ -74,11 +74,11 @@ class Chunks:
         """Layer i of chunk c from `weights` (cast once a step), read only once every
         leaf of `deps` is computed (buffers.read_after: F's layer input, B's gradient
         reaching the layer): the kept backward a layer at a time with model.remat=
-        minimal_mlp (`late_weights`). In the H100 compile of GPT-1.3B at (2,2,2), 1F1B m8,
-        SP, ZeRO-1: 10.51 -> 10.27 GiB for a ceiling of 0.609 -> 0.601 (from per_layer,
-        each slot's casts were made at its start and kept through it, transposed copies
-        too); with remat none (17.96 -> 17.88 GiB, 0.588 -> 0.581) or minimal (12.10 ->
-        12.11 GiB, 0.630 -> 0.621) it costs time and saves nothing."""
+        minimal_mlp (`late_weights`). From per_layer, each slot's casts were made at its
+        start and kept through it, transposed copies too: in the H100 compile of GPT-1.3B
+        at (2,2,2), 1F1B, SP, ZeRO-1 this saves memory for a slightly lower MFU ceiling;
+        with remat none or minimal it costs time and saves next to nothing, so not there
+        (figures: BENCHMARKS.md and the git log)."""
         return jax.tree.map(lambda w: buffers.read_after(w, i, deps), self.weights(chunk))
 
     def vjp_weights(self, chunk):
@@ -121,8 +121,8 @@ class Chunks:
         """(the leaves of the chunk's dense() perturbations, zeros, as a tuple; their tree):
         unrolled layers take them as a list of each layer's tree, so that a zero a layer's
         jax.checkpoint keeps (as its input) is one of the vjp's arguments, which `kept.Kept`
-        passes in again, not a slice of the [Lc, ...] stack, which it stored (4 GiB of
-        zeros in the H100 compile of (2,2,2) zb-h1 m8 SP with model.remat=minimal). Made
+        passes in again, not a slice of the [Lc, ...] stack, which it stored (gigabytes of
+        zeros in the H100 compile of (2,2,2) zb-h1 SP with model.remat=minimal). Made
         again by every slot that needs them: a broadcast XLA folds into their adds (made
         once for the step, they would be arrays the round loop carries)."""
         added = models.perturbations(self.weights(self.stage.rank * 0), x, self.model,
@@ -146,10 +146,11 @@ class Chunks:
         them, keeping the F slot's values meanwhile. The middle layer's stores wait for
         `waits` (training.IN_FLIGHT); with model.remat=none its attention output projection too
         (models.waiting_attention_out): the stores alone, the transfer had only small
-        kernels in flight there (H100 compile of GPT-1.3B, (2,2,2) 1F1B m8 SP: steady
-        sends 2 -> 4 of 4 with a GEMM in flight, 18.04 -> 17.97 GiB, 255.7 -> 255.9 ms);
+        kernels in flight there (the H100 compile of GPT-1.3B, (2,2,2) 1F1B SP: with the
+        wait every steady send has a GEMM in flight, at about the same time and memory);
         with minimal or minimal_mlp the weights' wait put the transfer among the stores of
-        the layer below instead (4 -> 2 of 4)."""
+        the layer below instead, and fewer sends had a GEMM in flight, so only with none
+        (figures: BENCHMARKS.md and the git log)."""
         saved, stats, mid = list(saved), [], len(saved) // 2
         layers = None if self.late_weights else self.per_layer(chunk)
         for i in range(len(saved)):

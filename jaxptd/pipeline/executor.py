@@ -36,7 +36,7 @@ Round forms (parallel.round_form; `segments`):
   rows (training.py, head.py; the tables' head_on and head_mb). On a GPU the ranks run
   in lockstep, so a round lasts as long as its busiest rank's work whatever the idle ones
   do, while an XLA:GPU conditional copies its predicate to the host and, in the compiled
-  H100 program, copied the whole stash it passed through (19.7 GB a step at (2,2,2));
+  H100 program, copied the whole stash it passed through, every step;
 - masked: no conditional anywhere; an idle slot computes and its results are discarded.
 
 The backward is driven by the schedule, not by autodiff through the loop: what F keeps for
@@ -131,13 +131,12 @@ def _stored_after(slot, made, message):
     which a few small fusions can cover. Stored after the F slot's output (an input
     gradient, which the B slot reads) or the B slot's (an output, stored at the end of the
     round), a message's transfer overlaps at least that slot's last GEMMs. With chunks
-    only, as measured in the H100 compiles: zb-interleaved (2,2,2) m4's steady loops went
-    from 4 + 0 of 4 + 4 sends with a GEMM in flight to 2 + 4 (the small test layout's from
-    0 + 2 to 2 + 2); interleaved (1,4,2) m8's three steady loops from 4, 4 and 0 of 4 to
-    4, 4 and 4 (217.1 -> 217.3 ms, the same memory). zb-h1 at 8 microbatches had all 4
-    without it and with it kept them but lost tensor all-reduce overlap (72 of 501
-    collectives with a GEMM in flight -> 29 of 503); 1F1B's sends were all overlapped
-    without it and with it lost 2 of 4 (the mixture of experts' layout)."""
+    only, as measured in the H100 compiles: the interleaved and zb-interleaved kinds'
+    steady loops had sends with no GEMM in flight without it and more sends overlapped
+    with it, at about the same time and memory; zb-h1's sends were all overlapped without
+    it, and with it kept them but lost much of its tensor all-reduces' overlap; 1F1B's
+    sends were all overlapped without it and with it lost some (the mixture of experts'
+    layout). Figures: BENCHMARKS.md and the git log."""
     return slot if made is None else after(slot, made, like=message)
 
 
@@ -148,10 +147,10 @@ def _steady_recomputed(program, seg) -> bool:
     came, XLA gathered a message over tensor and stored it at the top of the round, where
     the received gradient's fused select and the B slot's read of its input went too, and
     started and finished both transfers back to back; held, and stored late (the round's
-    `late`), in the H100 compile of GPT-1.3B at (2,2,2) m4 stash=inputs, the steady
-    loop's sends have attention or a GEMM in flight, 0 -> 4 of 4, 171.9 -> 167.2 ms,
-    11.89 -> 11.78 GiB. In the warm-up and cool-down rounds too, it computed one stage
-    forward more (+4.9 TFLOP)."""
+    `late`), in the H100 compile of GPT-1.3B at (2,2,2) stash=inputs, every steady send
+    has attention or a GEMM in flight, where none had, and the step takes less time and
+    memory. In the warm-up and cool-down rounds too, it computed one stage forward more
+    (figures: BENCHMARKS.md and the git log)."""
     return getattr(program, "recomputes", False) and seg.modes[:2] == ("run", "run")
 
 
@@ -180,12 +179,12 @@ def _round(program, seg: Segment):
     # is stored at, which _stored_after's wait leaves XLA free to gather and store it
     # early), so that a transfer's done, which XLA's latency-hiding scheduler puts just
     # before what reads it, lands past that slot's last GEMMs. In the H100 compile of
-    # GPT-1.3B at (2,2,2) 1F1B m4 (the chunk's kept vjp, no sequence parallelism) the steady
-    # sends with a GEMM in flight 2 -> 4 of 4 (152.3 -> 152.4 ms, 22.60 -> 22.63 GiB); m8
-    # the same (273.8 -> 274.1 ms); XLA attention 3 -> 4. Where the sends were all
-    # overlapped already (zb-h1, interleaved, zb-interleaved) it costs 0.1-0.3 ms a step
-    # (the select's pass over the message); on the kept backward a layer at a time, +0.17
-    # GiB (min zero1), so not there.
+    # GPT-1.3B at (2,2,2) 1F1B (the chunk's kept vjp, no sequence parallelism) every steady
+    # send has a GEMM in flight with it (XLA's attention too), where some had none without,
+    # at about the same time and memory. Where the sends were all overlapped already (zb-h1,
+    # interleaved, zb-interleaved) it costs a little time a step (the select's pass over
+    # the message); on the kept backward a layer at a time, memory, so not there (figures:
+    # BENCHMARKS.md and the git log).
     late = seg.modes[:2] == ("run", "run") and not by_layer
 
     def one_round(carry, row):

@@ -24,17 +24,17 @@ class Kept:
     function whose first argument is a flat tuple of the chunk's weights; `arguments[k]`
     is argument k's flat tuple of leaves where it is passed in again (the weights, and a
     zero-bubble F's perturbations: zeros, which the layers' jax.checkpoint keeps as its
-    inputs, 4 GiB of them in the H100 compile of (2,2,2) zb-h1 m8 SP with model.remat=
-    minimal), None where it is stored. Those leaves among the residuals are found by their
-    place in that tree, (argument k, leaf j), not by comparing values. The probe (the first
-    trace) fixes the treedef and which leaves are passed in again; every later backward
-    must have the same tree and leaf types. That `jax.vjp`'s backward is a pytree
-    of its residuals, to be carried, inspected and edited, is documented (JAX's "First-class
-    VJPs"); where the weights sit in it is how jax 0.10.2 builds it, not a documented layout:
-    the probe asserts it, so a JAX that lays it out otherwise fails at trace time rather
-    than storing the weights. (Newer JAX's `jax.vjp(..., saveable_args=...)` leaves argument
-    values such as weights out of the residuals directly: the way to go once the project's
-    JAX has it.)
+    inputs, gigabytes of them in the H100 compile of (2,2,2) zb-h1 SP with model.remat=
+    minimal where they were stored), None where it is stored. Those leaves among the
+    residuals are found by their place in that tree, (argument k, leaf j), not by
+    comparing values. The probe (the first trace) fixes the treedef and which leaves are
+    passed in again; every later backward must have the same tree and leaf types. That
+    `jax.vjp`'s backward is a pytree of its residuals, to be carried, inspected and
+    edited, is documented (JAX's "First-class VJPs"); where the weights sit in it is how
+    jax 0.10.2 builds it, not a documented layout: the probe asserts it, so a JAX that
+    lays it out otherwise fails at trace time rather than storing the weights. (Newer
+    JAX's `jax.vjp(..., saveable_args=...)` leaves argument values such as weights out of
+    the residuals directly: the way to go once the project's JAX has it.)
     """
 
     def __init__(self, backward, *arguments):

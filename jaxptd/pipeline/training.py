@@ -48,9 +48,9 @@ from jaxptd.parallel.varying import after, mark_varying, zeros_as
 # the slot's call): the kept backward a layer at a time makes its middle layer wait for it
 # (F: that layer's stores; B: its reads), so that the transfer's done lands mid-slot and
 # XLA's latency-hiding scheduler starts it among the slot's GEMMs. Left free, it started
-# each transfer just before its done, beside small fusions: 0 of the 4 steady sends of the
-# H100 compile of GPT-1.3B at (2,2,2), 1F1B m8, SP, minimal_mlp, ZeRO-1 had a GEMM in flight
-# (2 with minimal), 4 of 4 with this, at the same static time.
+# each transfer just before its done, beside small fusions: in the H100 compile of GPT-1.3B
+# at (2,2,2), 1F1B, SP, minimal_mlp, ZeRO-1 no steady send had a GEMM in flight (some with
+# minimal), every one with this, at the same static time.
 IN_FLIGHT = "in_flight"
 
 
@@ -63,15 +63,16 @@ def _add_slot(total, g):
 
 def kept_by_layer(context: Context, split: bool) -> bool:
     """Whether the kept backward is taken, stored and read a layer at a time (Training's
-    `forward_by_layer` and chunk.Chunks' `backward_by_layer`): kept activations of unrolled layers, no zero-bubble
-    split, and the layers' kept values varying over the mesh axes their input does
-    (sequence parallelism, or one tensor rank), so that F's stores can be tied to the next
-    layer. Elsewhere XLA forwarded F's values to B's reads past the stores: the H100
-    compile of (2,2,2) 1F1B without sequence parallelism went from 0.452 to 0.369 (MFU
-    ceiling) and 23.9 to 24.9 GiB; with it, at 8 microbatches, from 0.597 to 0.606 and 14.5
-    to 12.2 GiB with model.remat=minimal, 0.575 to 0.580 and 21.9 to 18.0 GiB without. With
-    model.remat=full (its layers keep only their inputs) the ceiling is the same (0.569)
-    and the middle layer's stores can hold the message in flight (buffers._row_major)."""
+    `forward_by_layer` and chunk.Chunks' `backward_by_layer`): kept activations of unrolled
+    layers, no zero-bubble split, and the layers' kept values varying over the mesh axes
+    their input does (sequence parallelism, or one tensor rank), so that F's stores can be
+    tied to the next layer. Elsewhere XLA forwarded F's values to B's reads past the
+    stores: in the H100 compile of (2,2,2) 1F1B without sequence parallelism a layer at a
+    time had a far lower MFU ceiling and more memory; with it, a slightly higher ceiling
+    and much less memory, with model.remat=minimal and without. With model.remat=full (its
+    layers keep only their inputs) the ceiling is the same and the middle layer's stores
+    can hold the message in flight (buffers._row_major). Figures: BENCHMARKS.md and the
+    git log."""
     model, layout = context.model, context.layout
     return context.stash == "activations" and not split and \
         not models.scans_layers(model, layout.platform) and \
@@ -158,7 +159,7 @@ class Training:
         layer at a time, one chunk): the layers' as a list of each layer's tree, which B
         adds to in place. Summed into the [v, 1, Lc, ...] stack, each layer's add was a
         dynamic-update-slice of it that XLA fused with other layers' slices and rounds' into
-        copies (5.4 ms a step of the H100 compile of GPT-1.3B at (2,2,2), 1F1B m8). With
+        copies, time lost every step (the H100 compile of GPT-1.3B at (2,2,2), 1F1B). With
         chunks B's chunk is the table's (traced): the stack."""
         grads = jax.tree.map(jnp.zeros_like, self.params)
         if self.layer_sums:
@@ -215,8 +216,8 @@ class Training:
             # the stage's forward is recomputed only once its output gradient is there and
             # the earlier B slots' weight gradients are summed: where XLA unrolls rounds
             # it would recompute it beside the previous B's weight gradients, which keep
-            # their inputs, two B slots' activations at once (+2.6 GiB, the H100 compile
-            # of GPT-1.3B at (2,2,2)); kept activations are better left to XLA's schedule
+            # their inputs, two B slots' activations at once (the H100 compile of GPT-1.3B
+            # at (2,2,2)); kept activations are better left to XLA's schedule
             # (the received gradient on its own first: the dependence on the tensor-
             # sharded sums is a scalar all-reduce, which XLA starts at the top of the
             # round, and a gradient it waited for arrived there, its transfer beside
@@ -349,10 +350,11 @@ class Training:
         each) read out of their slots, with sequence parallelism its inputs gathered, and
         its gradients added to the sums [v, 1, Lc, ...]. The stacked W
         (`models.dense_weight_grads`) copied a slot's values for all the chunk's layers out
-        at once and gathered them at once: the H100 compile of (2,2,2) zb-h1 m8 SP with
-        model.remat=minimal, 25.36 -> 24.31 GiB, 284.0 -> 282.3 ms. (Reading layer i only
-        once layer i - 2's gradients were made, 24.0 GiB, cost 333.3 ms: XLA fused those
-        reads with other work into kernels that were far slower.)"""
+        at once and gathered them at once: in the H100 compile of (2,2,2) zb-h1 SP with
+        model.remat=minimal a layer at a time takes less memory and a little less time.
+        (Reading layer i only once layer i - 2's gradients were made took a little less
+        memory still but far more time: XLA fused those reads with other work into kernels
+        that were far slower. Figures: BENCHMARKS.md and the git log.)"""
         for i in range(jax.tree.leaves(dense)[0].shape[0]):
             x, g = (jax.tree.map(lambda b: buffers.read(b, slot)[i], tree)
                     for tree, slot in (inputs, g_taps))
