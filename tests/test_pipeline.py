@@ -149,20 +149,33 @@ SPREAD = [
                  marks=pytest.mark.slow),
     pytest.param((1, 2, 2, "1f1b", 1, 2, 4), "activations",
                  ["parallel.context=2", "parallel.sequence_parallel=true"], id="context-sp",
+                 marks=pytest.mark.slow),
+    # fewer rows than ranks: each row cut into pieces of its tokens (b 2 at p 4; b 1 at p 4
+    # with SP, a piece's tokens split over tensor again; packed rows' masks by piece)
+    pytest.param((1, 4, 1, "1f1b", 1, 4, 4), "activations", ["train.global_batch=8"],
+                 id="pieces-b2-p4"),
+    pytest.param((1, 4, 2, "zb-h1", 1, 4, 4), "activations",
+                 ["train.global_batch=4", "parallel.sequence_parallel=true"],
+                 id="pieces-b1-sp", marks=pytest.mark.slow),
+    pytest.param((1, 4, 1, "interleaved", 2, 4, 8), "inputs",
+                 ["train.global_batch=8", "model.document_end=7"], id="pieces-packed",
                  marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("case, stash, extra", SPREAD)
 def test_spread_head_matches_single_device(case, stash, extra):
-    """Each pipe rank runs the head on 1/p of the last stage's rows (an all-to-all in the
-    program, none in the cond form's): the single-device loss and gradients."""
+    """Each pipe rank runs the head on 1/p of the last stage's rows, or of pieces of them
+    (an all-to-all in the program, none in the cond form's): the single-device loss and
+    gradients."""
     from jaxptd.train.step import pipeline_context
 
     data, pipe, micro = case[0], case[1], case[5]
     setup = pipelined_setup(*case, extra=[
         f"parallel.stash={stash}", "parallel.round_form=steady",
         f"train.global_batch={pipe * data * micro}", *extra])
-    assert pipeline_context(setup).spread_head
+    context = pipeline_context(setup)
+    rows = setup.config.microbatch_size
+    assert context.head_pieces == (1 if rows % pipe == 0 else pipe // rows)
     assert_grads_match_single_device(setup)
 
 

@@ -28,10 +28,17 @@ class Context:
     # 1 / (global batch x seq_len): the balance terms' normalisation (a mean over every
     # token; the loss's own is the step's loss_norm, given with the batch: `Stage.norm`)
     token_norm: float
-    spread_head: bool  # every rank runs the head on 1/p of the rows (lowering.spreads_head)
+    # every rank runs the head on 1/p of the microbatch, its rows cut in this many pieces
+    # each (lowering.head_pieces); 0: the last stage runs it alone
+    head_pieces: int
     # FSDP's all-gathers inside the shard_map (step.Setup.gathers); None without FSDP
     gather_ends: Callable | None = None
     gather_layer: Callable | None = None
+
+    @property
+    def spread_head(self) -> bool:
+        """Whether every pipe rank runs the head on its share (pipeline/head.py)."""
+        return self.head_pieces > 0
 
     @property
     def last_stage(self) -> int:

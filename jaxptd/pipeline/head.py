@@ -8,7 +8,7 @@ on every rank anyway (inline: computed, then selected), so instead each rank com
 for 1/p of the last stage's rows:
 
 - the rows: the last rank's stage output y [b, s, h] goes out by an all-to-all over pipe
-  (rank r gets rows r b/p .. (r + 1) b/p; with sequence parallelism y, a block of the
+  (rank r gets rows r b/p .. (r + 1) b/p, or with fewer rows than ranks pieces of rows; with sequence parallelism y, a block of the
   b s tokens on each tensor rank, is first gathered over tensor into rows and the rows'
   tokens split over tensor again: one all-gather over tensor more a slot); the
   gradient of each rank's rows comes back by the all-to-all's transpose, inside the B
@@ -24,7 +24,8 @@ for 1/p of the last stage's rows:
   them as before.
 
 Every rank's part of the loss is its own (the step sums the loss over pipe). It applies
-where `lowering.spreads_head` says: an inline round form and b divisible by p.
+where `lowering.head_pieces` says: a round form without conditionals, and b divisible by
+p, or (a token-wise head) each row cut into k pieces of s/k tokens, b k divisible by p.
 """
 from __future__ import annotations
 
@@ -86,14 +87,14 @@ class SpreadHead:
         # sequence parallelism: a tensor rank's [b, s/t, h] is a block of the b s tokens,
         # not of the rows; gathered (tensor.enter_tensor) into rows, split by rows, and
         # the rows' tokens split over tensor again (tensor.token_block)
-        y = enter_tensor(y, layout)
-        b = y.shape[0]
-        rows = b // self.p
-        # [p, b/p, s, h]: from rank j, j's rows for this rank; the last rank's are the ones
+        y, tokens = _pieces(enter_tensor(y, layout), self.stage.tokens(mb),
+                            self.stage.context.head_pieces)
+        rows = y.shape[0] // self.p
+        # [p, b k/p, s/k, h]: from rank j, j's pieces for this rank; the last rank's are
+        # the ones
         mine = token_block(lax.all_to_all(y.reshape(self.p, rows, *y.shape[1:]), PIPE, 0,
                                           0)[-1], layout)
-        tokens = lax.dynamic_slice_in_dim(self.stage.tokens(mb), self.stage.rank * rows,
-                                          rows)
+        tokens = lax.dynamic_slice_in_dim(tokens, self.stage.rank * rows, rows)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
                                                  layout)
         return jnp.where(on > 0, loss * self.stage.norm, 0.0)
@@ -105,3 +106,15 @@ class SpreadHead:
         flat = traverse_util.flatten_dict(self.weights)
         cotangent = {path: sums.get(path, jnp.zeros_like(x)) for path, x in flat.items()}
         return self._back(traverse_util.unflatten_dict(cotangent))[0]
+
+
+def _pieces(y, tokens, k: int):
+    """y [b, s, h] and its rows' tokens [b, s + 1] cut into k pieces a row: [b k, s/k, h]
+    and [b k, s/k + 1] (a piece's inputs and its targets, the next piece's first token)."""
+    if k == 1:
+        return y, tokens
+    b, s = y.shape[:2]
+    piece = s // k
+    window = jnp.arange(k)[:, None] * piece + jnp.arange(piece + 1)[None, :]  # [k, s/k + 1]
+    return (y.reshape(b * k, piece, *y.shape[2:]),
+            tokens[:, window].reshape(b * k, piece + 1))

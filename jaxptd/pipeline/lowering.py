@@ -29,8 +29,10 @@ executor.py) and the round by which each chunk's gradients are complete (`chunks
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from jaxptd.arch import family
 from jaxptd.pipeline.schedules import Costs, Schedule, format_grid, round_cells, validate
 
 TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
@@ -265,11 +267,26 @@ def round_form(config, platform: str) -> str:
     return form
 
 
-def spreads_head(form: str, rows: int, pipe: int) -> bool:
-    """Whether every pipe rank computes the head and loss of 1/p of the last stage's rows
-    (pipeline/head.py): where every rank runs the head anyway (a round form without
-    conditionals) and the b rows of a microbatch split evenly over the p ranks."""
-    return form != "cond" and pipe > 1 and rows % pipe == 0
+def head_pieces(config, form: str) -> int:
+    """How the last stage's microbatch [b, s] is dealt out when every pipe rank computes the
+    head and loss of 1/p of it (pipeline/head.py): each row cut into k pieces of s/k
+    tokens, the b k pieces split evenly over the p ranks; 0 where the head is not spread.
+
+    Spread where every rank runs the head anyway (`form`: a round form without
+    conditionals). k = 1 (whole rows) where p divides b; with fewer rows a row is cut
+    (k = p / gcd(b, p)) where the head is token-wise (a decoder without context
+    parallelism, whose rows are not whole on a rank) and k divides s into pieces that
+    sequence parallelism can split over tensor again. Left whole, the head of b < p rows
+    ran on every rank: the costliest kernels of a deep pipeline."""
+    par, rows, seq = config.parallel, config.microbatch_size, config.model.seq_len
+    if form == "cond" or par.pipe == 1:
+        return 0
+    if rows % par.pipe == 0:
+        return 1
+    k = par.pipe // math.gcd(rows, par.pipe)
+    unit = par.tensor if par.sequence_parallel else 1
+    tokenwise = not family(config.model).encoder and par.context == 1
+    return k if tokenwise and seq % k == 0 and (seq // k) % unit == 0 else 0
 
 
 def head_rows(rounds: Rounds, start: int, stop: int) -> dict:

@@ -107,7 +107,7 @@ class Training:
         self.layer_sums = self.chunks.layer_sums  # (_zero_grads)
         self.token_norm = context.token_norm
         self.stats_template = self._stats_template()
-        self.head = SpreadHead(self.stage, self.ends) if context.spread_head else None
+        self.head = SpreadHead(self.stage, self.ends) if context.head_pieces else None
 
     def _stats_template(self):
         """Zeros like a chunk's mixture-of-experts statistics [Lc, ...] (None: a dense

@@ -21,7 +21,7 @@ from functools import lru_cache
 from jaxptd.arch import family
 from jaxptd.config import Config
 from jaxptd.pipeline import schedules
-from jaxptd.pipeline.lowering import lower, round_costs, round_form, spreads_head
+from jaxptd.pipeline.lowering import head_pieces, lower, round_costs, round_form
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
 from jaxptd.plan import memory as pmem
 from jaxptd.plan import model as pm
@@ -140,8 +140,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
 
 def _spreads_head(config: Config, platform: str) -> bool:
     """Whether the step spreads the head over the pipe ranks (jaxptd/pipeline/head.py)."""
-    return spreads_head(round_form(config, platform), config.microbatch_size,
-                        config.parallel.pipe)
+    return head_pieces(config, round_form(config, platform)) > 0
 
 
 def flash_attention(config: Config, platform: str) -> bool:

@@ -63,7 +63,7 @@ from jaxptd.model import moe, sequence
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
-from jaxptd.pipeline.lowering import round_form, spreads_head
+from jaxptd.pipeline.lowering import head_pieces, round_form
 from jaxptd.train.reduction import REDUCED, Reduction, compose, fsdp_gathers
 from jaxptd.parallel.sharding import regather
 from jaxptd.parallel.varying import mark_varying, zeros_as
@@ -242,7 +242,7 @@ def pipeline_context(setup: Setup) -> Context:
         message_split=1 if setup.local_layout.split_sequence else par.tensor,
         model=setup.config.model, layout=setup.local_layout, arch=setup.arch,
         token_norm=setup.policy.token_norm,
-        spread_head=spreads_head(form, setup.config.microbatch_size, par.pipe),
+        head_pieces=head_pieces(setup.config, form),
         gather_ends=gather_ends, gather_layer=gather_layer)
 
 
