@@ -32,6 +32,9 @@ def layout(d: int, p: int, t: int, m: int, *more: str) -> list:
             f"parallel.microbatches={m}", f"train.global_batch={d * m * B}", *more]
 
 
+# the papers' depth (issue 48): 32 layers over 8 stages, 32 microbatches of 2 sequences
+DEEP = ["parallel.data=1", "parallel.pipe=8", "parallel.tensor=1", "parallel.microbatches=32",
+        "train.global_batch=64", "model.num_layers=32"]
 LLAMA = ["model.arch=llama", "model.num_kv_heads=4", "model.ffn_size=5632"]
 BERT = ["model.arch=bert", "model.vocab_size=30528"]
 ROWS = {
@@ -62,6 +65,7 @@ ROWS = {
                               "offload.activations=true"),
     "llama (2,1,4)": layout(2, 1, 4, 1, *LLAMA),
     "bert (2,1,4)": layout(2, 1, 4, 1, *BERT),
+    "(1,8,1) 1f1b m32 b2 L32": DEEP,
 }
 
 
