@@ -41,11 +41,16 @@ GPU_XLA_FLAGS = (
     # one at p = 8, m = 32; with loop double-buffering, scheduling fails instead
     # ("kExceedsOverlapLimit"). Seen compiling for H100. The executor sends a round's
     # input gradient at the start of the next round instead: jaxptd/pipeline/executor.py.)
-    # Data parallelism: gradient reductions and parameter gathers pipelined across loop
-    # iterations, and large enough to use the links' bandwidth (at least one layer's
-    # gradients or weights per collective).
+    # Data parallelism: gradient reductions pipelined across loop iterations, and
+    # collectives large enough to use the links' bandwidth (at least one layer's gradients
+    # or weights per collective).
     "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_enable_pipelined_all_gather=true",
+    # (Not --xla_gpu_enable_pipelined_all_gather: XLA's pass moves each all-gather of a
+    # loop body to the iteration before, with every op it depends on back to the loop's
+    # invariants and the iteration's slice of them, dots included. In the microbatch scan
+    # of an unpipelined step (layers unrolled) every sequence-parallel gather, and FSDP's,
+    # depends on nothing the loop carries, so each microbatch's layers ran twice, forward
+    # and backward: issue #50, figures in BENCHMARKS.md. Pipelined steps compiled the same.)
     "--xla_gpu_enable_pipelined_reduce_scatter=true",
     "--xla_gpu_all_reduce_combine_threshold_bytes=134217728",
     "--xla_gpu_all_gather_combine_threshold_bytes=134217728",
