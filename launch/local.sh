@@ -7,14 +7,19 @@
 #
 # Output: process 0 prints as usual; other processes' lines (errors, mostly: only process 0
 # reports progress) are prefixed "[rank] ".
-# Exit status: 0 when every process exits 0. When one fails, the others are killed and
-# this script exits with that process's status, naming it. SIGTERM / SIGUSR1 sent to this
+# Exit status: 0 when every process exits 0. When one fails, this script names it, gives
+# the others JAXPTD_GRACE_S seconds (default 30) to end on their own (a process that dies
+# or hangs ends the others within seconds, each with a line saying why and its threads'
+# stacks: jaxptd/runtime/watchdog.py), names each as it ends, kills those still running
+# (a stopped or frozen one) and exits with the first failed process's status (75 for a
+# fault: relaunch the same command to resume from the newest checkpoint). SIGTERM / SIGUSR1 sent to this
 # script are forwarded to every process (a preemption: they agree on a step, save it and
 # exit 0); so is SIGINT (Ctrl-C: they save and exit 130, and this script with them; a
 # second Ctrl-C ends them at once). Each process runs in its own session, so a terminal's
 # Ctrl-C reaches them once, through this script, not twice.
 #
-# Environment: PYTHON (default: python3), JAXPTD_PORT (default: a free port).
+# Environment: PYTHON (default: python3), JAXPTD_PORT (default: a free port),
+# JAXPTD_GRACE_S (default 30).
 set -u
 if [ $# -lt 2 ]; then
   echo "usage: launch/local.sh NPROC CONFIG|- [section.key=value ...]" >&2
@@ -83,11 +88,28 @@ forward() {
 }
 for sig in TERM INT USR1; do trap "forward $sig" "$sig"; done
 
+rank_of() { for r in "${!pids[@]}"; do [ "${pids[$r]}" = "$1" ] && echo "$r"; done; }
+ended() {  # the first of "$@" that has ended (a zombie or gone), or nothing
+  for pid in "$@"; do
+    state=$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)
+    if [ -z "$state" ] || [ "$state" = Z ]; then echo "$pid"; return; fi
+  done
+}
+grace=${JAXPTD_GRACE_S:-30}
 alive=("${pids[@]}")
+failed= deadline=
 while [ "${#alive[@]}" -gt 0 ]; do
   done_pid=
-  wait -n -p done_pid "${alive[@]}"
-  code=$?
+  if [ -n "$failed" ]; then  # after a failure: look every 0.2 s until the deadline
+    [ "$SECONDS" -ge "$deadline" ] && break
+    done_pid=$(ended "${alive[@]}")
+    if [ -z "$done_pid" ]; then sleep 0.2; continue; fi
+    wait "$done_pid" 2>/dev/null
+    code=$?
+  else
+    wait -n -p done_pid "${alive[@]}" 2>/dev/null  # not bash's "Killed" line: ours below
+    code=$?
+  fi
   if [ -z "${done_pid:-}" ]; then  # a trapped signal interrupted wait, or none is left
     [ "$code" -eq 127 ] && break
     continue
@@ -97,12 +119,18 @@ while [ "${#alive[@]}" -gt 0 ]; do
     final=130
     continue
   fi
-  if [ "$code" -ne 0 ]; then
-    for rank in "${!pids[@]}"; do [ "${pids[$rank]}" = "$done_pid" ] && failed=$rank; done
-    echo "local.sh: process $failed (pid $done_pid) exited with status $code; killing the others" >&2
-    kill -KILL "${alive[@]}" 2>/dev/null
-    wait 2>/dev/null
-    exit "$code"
+  if [ -n "$failed" ]; then
+    echo "local.sh: process $(rank_of "$done_pid") (pid $done_pid) exited with status $code" >&2
+  elif [ "$code" -ne 0 ]; then
+    failed=$(rank_of "$done_pid") final=$code deadline=$((SECONDS + grace))
+    echo "local.sh: process $failed (pid $done_pid) exited with status $code; waiting up to" \
+      "${grace} s for the others to end" >&2
   fi
 done
+for pid in "${alive[@]}"; do
+  echo "local.sh: killing process $(rank_of "$pid") (pid $pid): still running ${grace} s after" \
+    "process $failed failed" >&2
+  kill -KILL "$pid" 2>/dev/null
+done
+wait 2>/dev/null
 exit "${final:-0}"

@@ -1,11 +1,15 @@
 """The SLURM template's environment and the GPU step's XLA options: every option of
 jaxptd/runtime/target.py parses on the installed jaxlib (an unknown flag stops XLA at start-up),
 a newer XLA that lacks one compiles the step without it, the template sets the memory fraction the planner assumes, and no PyTorch-only variable
-is left in it."""
+is left in it. The template's requeue: after USR1 (the signal before the time limit) and
+after a failure, a few times (stand-ins for srun and scontrol record what it does)."""
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -47,21 +51,51 @@ def test_compile_leaves_out_options_this_xla_lacks(capsys):
         compile_lowered(lowered, {"xla_cpu_enable_fast_math": "not a bool"})
 
 
+# Stand-ins: srun records its arguments and environment, then exits with SRUN_STATUS, or
+# with SRUN_USR1 set waits for USR1 (as the training processes save on it) and exits 0;
+# scontrol records its arguments.
+SRUN = """#!/bin/bash
+printf "%s\\n" "$@" > "$RECORD.args"
+env > "$RECORD.env"
+if [ -n "${SRUN_USR1:-}" ]; then
+  sleep 30 &
+  trap 'echo USR1 > "$RECORD.usr1"; kill $!; exit 0' USR1
+  touch "$RECORD.ready"
+  wait $!
+  exit 1
+fi
+exit "${SRUN_STATUS:-0}"
+"""
+SCONTROL = '#!/bin/sh\necho "$@" >> "$RECORD.scontrol"\n'
+
+
+def start_sbatch(tmp_path, env=()):
+    """The template started by bash with the stand-ins first on PATH -> its Popen."""
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
+        (tmp_path / name).write_text(text)
+        (tmp_path / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS", "SLURM_RESTART_COUNT")}
+    return subprocess.Popen(["bash", SBATCH, "configs/gpt_tiny.yaml", "train.steps=3"],
+                            env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                                 "RECORD": str(tmp_path / "srun"), "SLURM_JOB_ID": "17",
+                                 **dict(env)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def recorded(tmp_path, name) -> str:
+    path = tmp_path / f"srun.{name}"
+    return path.read_text() if path.exists() else ""
+
+
 def run_sbatch(tmp_path, env=()) -> dict:
     """The template run by bash with a stand-in `srun` that records what it was given:
     {"args": srun's arguments, "env": the environment the training processes get}."""
-    (tmp_path / "srun").write_text(
-        '#!/bin/sh\nprintf "%s\\n" "$@" > "$RECORD.args"\nenv > "$RECORD.env"\n')
-    (tmp_path / "srun").chmod(0o755)
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_FLAGS")}
-    done = subprocess.run(["bash", SBATCH, "configs/gpt_tiny.yaml", "train.steps=3"],
-                          env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}",
-                               "RECORD": str(tmp_path / "srun"), **dict(env)},
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    seen = (tmp_path / "srun.env").read_text().splitlines()
-    return {"args": (tmp_path / "srun.args").read_text().splitlines(),
+    done = start_sbatch(tmp_path, env)
+    _, err = done.communicate(timeout=60)
+    assert done.returncode == 0, err
+    seen = recorded(tmp_path, "env").splitlines()
+    return {"args": recorded(tmp_path, "args").splitlines(),
             "env": dict(line.split("=", 1) for line in seen if "=" in line)}
 
 
@@ -90,3 +124,39 @@ def test_sbatch_sets_the_memory_fraction_the_planner_assumes(tmp_path):
 
 def test_sbatch_sets_no_pytorch_variables():
     assert "TORCH_" not in open(SBATCH).read()
+
+
+def test_sbatch_saves_on_usr1_and_requeues(tmp_path):
+    """`--signal=B:USR1@...` signals the batch shell: it passes USR1 to srun (the training
+    processes agree on a step, save it and exit 0), then requeues the job."""
+    text = open(SBATCH).read()
+    assert re.search(r"^#SBATCH --signal=B:USR1@\d+$", text, re.M), text
+    assert re.search(r"^#SBATCH --requeue$", text, re.M), text
+    job = start_sbatch(tmp_path, {"SRUN_USR1": "1"})
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "srun.ready").exists():
+        assert time.monotonic() < deadline and job.poll() is None, job.communicate()
+        time.sleep(0.05)
+    job.send_signal(signal.SIGUSR1)
+    _, err = job.communicate(timeout=60)
+    assert job.returncode == 0, err
+    assert recorded(tmp_path, "usr1") == "USR1\n"
+    assert recorded(tmp_path, "scontrol") == "requeue 17\n"
+
+
+@pytest.mark.parametrize("status,restarts,requeued", [
+    (75, 0, True),  # a process lost or hung
+    (137, 2, True),  # one killed
+    (75, 3, False),  # JAXPTD_MAX_RESTARTS=3 spent
+    (2, 0, False),  # a user error: a restart would fail the same way
+    (130, 0, False),  # interrupted
+    (0, 0, False),  # done
+])
+def test_sbatch_requeues_a_failed_job_a_few_times(tmp_path, status, restarts, requeued):
+    job = start_sbatch(tmp_path, {"SRUN_STATUS": str(status),
+                                  "SLURM_RESTART_COUNT": str(restarts)})
+    _, err = job.communicate(timeout=60)
+    assert recorded(tmp_path, "scontrol") == ("requeue 17\n" if requeued else ""), err
+    assert job.returncode == (0 if requeued else status)
+    args = recorded(tmp_path, "args").splitlines()  # the others end on their own first
+    assert args[:2] == ["--kill-on-bad-exit=0", "--wait=30"]

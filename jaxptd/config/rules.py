@@ -49,7 +49,8 @@ POSITIVE = (
     "model.moe_every", "train.steps",
     "train.global_batch",
     "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
-    "runtime.heartbeat_timeout_s",
+    "runtime.heartbeat_timeout_s", "runtime.watchdog_min_s", "runtime.watchdog_first_s",
+    "runtime.straggler_window",
 )
 NON_NEGATIVE = (
     "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
@@ -257,6 +258,12 @@ def _validate_runtime(config: Config) -> None:
     _require(rt.num_processes == 0 or rt.process_id < rt.num_processes,
              f"runtime.process_id={rt.process_id}: must be < runtime.num_processes="
              f"{rt.num_processes}")
+    _require(rt.watchdog_factor == 0 or rt.watchdog_factor >= 2,
+             f"runtime.watchdog_factor={rt.watchdog_factor:g}: must be 0 (no watchdog) or at "
+             "least 2 (a limit near the median step time ends healthy runs)")
+    _require(rt.straggler_ratio == 0 or rt.straggler_ratio > 1,
+             f"runtime.straggler_ratio={rt.straggler_ratio:g}: must be 0 (no warning) or "
+             "above 1")
     if rt.cpu_devices and (rt.num_processes or rt.cpu_devices > config.num_devices):
         processes = max(rt.num_processes, 1)
         check_device_count(config, rt.cpu_devices * processes,

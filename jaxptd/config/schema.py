@@ -295,8 +295,22 @@ class RuntimeConfig:
     num_processes: int = 0  # 0: JAXPTD_NUM_PROCESSES, else SLURM's, else 1
     process_id: int = -1  # -1: JAXPTD_PROCESS_ID, else SLURM's
     init_timeout_s: int = 300  # how long processes wait for each other at start
-    heartbeat_timeout_s: int = 30  # a silent process is declared dead after this
+    # a process that sends nothing for this long (stopped, frozen, cut off) ends the job;
+    # one that dies ends it at once (jaxptd/runtime/peers.py); exit status 75
+    heartbeat_timeout_s: int = 30
     collective_logs: bool = False  # show the collectives' (gloo's) connection messages
+    # the hang watchdog (jaxptd/runtime/watchdog.py): a step that takes longer than this
+    # many median step times ends the job (every thread's stack in <train.run_dir>/stacks/,
+    # exit status 75 for a restart); 0: no watchdog
+    watchdog_factor: float = 10.0
+    watchdog_min_s: int = 120  # the step limit is never shorter than this
+    # the limit of the start-up (restore, compile, the first step), of an evaluation and of
+    # a checkpoint save
+    watchdog_first_s: int = 1800
+    # name a process whose host time a step (reading its batch rows, dispatching the step)
+    # is this many times the median process's (jaxptd/runtime/stragglers.py); 0: never
+    straggler_ratio: float = 1.5
+    straggler_window: int = 5  # log steps a process must lag over (their median) to be named
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,10 @@ Invariants:
   never arrived within `runtime.init_timeout_s` and every process exits with an `error:`.
 - `runtime.cpu_devices` is per process (default: data x pipe x context x tensor / processes); the
   device-count rule is checked by the caller against the global `jax.device_count()`.
-- A process that dies is noticed by the others within `runtime.heartbeat_timeout_s`: the
-  coordination service ends them with a message naming the dead task.
+- The roll-call's connections stay open for the run: jaxptd/runtime/peers.py watches the
+  other processes over them (a death at once, silence after `runtime.heartbeat_timeout_s`)
+  and ends this one with a line naming the lost process. jax.distributed's own heartbeat,
+  which aborts the process with a C++ stack instead, gets twice that timeout: a backstop.
 - The collectives' (gloo's) C++ code prints a connection line on stdout for every new
   communicator; unless `runtime.collective_logs` asks for them, a filter on file
   descriptor 1 removes those lines' pieces (and blank lines) and passes the rest through.
@@ -48,6 +50,15 @@ SLURM_ENV = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCI
 
 class DistributedError(ConfigError):
     """A start-up failure a user can cause or fix (missing process, bad address)."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The processes of a run as `start` joined them."""
+    process: int  # this process's index (jax.process_index(), known before the backend is)
+    hosts: dict  # {rank: host name}: every process's on process 0, this one's elsewhere
+    links: dict  # {rank: socket} of the roll-call left open: process 0 to each, others to 0
+    flush: object = None  # passes on what the stdout filter holds (before an os._exit)
 
 
 @dataclass(frozen=True)
@@ -107,8 +118,20 @@ def _rollcall_address(coordinator: str) -> tuple[str, int]:
     return host, int(port) - 1
 
 
-def _serve_rollcall(spec: ProcessSpec, timeout_s: int) -> dict[int, str]:
-    """Process 0: waits for every process's (id, host); names the missing ones."""
+def _read_line(conn: socket.socket) -> str:
+    """One line, read a byte at a time: nothing after it is taken from the socket."""
+    data = b""
+    while not data.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte:
+            break
+        data += byte
+    return data.decode().strip()
+
+
+def _serve_rollcall(spec: ProcessSpec, timeout_s: int) -> tuple[dict, dict]:
+    """Process 0: waits for every process's (id, host); names the missing ones.
+    -> ({rank: host}, {rank: its connection, left open})."""
     _, port = _rollcall_address(spec.coordinator)
     server = socket.create_server(("", port), reuse_port=False)
     server.settimeout(1.0)
@@ -121,22 +144,25 @@ def _serve_rollcall(spec: ProcessSpec, timeout_s: int) -> dict[int, str]:
             except socket.timeout:
                 continue
             conn.settimeout(10.0)
-            rank, host = conn.makefile().readline().split()
+            rank, host = _read_line(conn).split()
             arrived[int(rank)] = (host, conn)
         missing = sorted(set(range(1, spec.num_processes)) - set(arrived))
         for _, conn in arrived.values():
             conn.sendall(b"missing\n" if missing else b"ok\n")
-            conn.close()
+            if missing:
+                conn.close()
     if missing:
         raise DistributedError(
             f"runtime.init_timeout_s={timeout_s}: processes {missing} of "
             f"{spec.num_processes} never arrived at {spec.coordinator} (arrived: "
             f"{[0] + sorted(arrived)})")
-    return {0: socket.gethostname(), **{r: h for r, (h, _) in arrived.items()}}
+    return ({0: socket.gethostname(), **{r: h for r, (h, _) in arrived.items()}},
+            {r: conn for r, (_, conn) in arrived.items()})
 
 
-def _join_rollcall(spec: ProcessSpec, timeout_s: int) -> None:
-    """Process > 0: reports to process 0 and waits until everyone has arrived."""
+def _join_rollcall(spec: ProcessSpec, timeout_s: int) -> socket.socket:
+    """Process > 0: reports to process 0 and waits until everyone has arrived.
+    -> the connection to process 0, left open."""
     address = _rollcall_address(spec.coordinator)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -149,18 +175,19 @@ def _join_rollcall(spec: ProcessSpec, timeout_s: int) -> None:
                     f"runtime.init_timeout_s={timeout_s}: process {spec.process_id} found no "
                     f"process 0 at {spec.coordinator}") from None
             time.sleep(0.5)
-    with conn:
-        conn.sendall(f"{spec.process_id} {socket.gethostname()}\n".encode())
-        conn.settimeout(timeout_s + 30)
-        reply = conn.makefile().readline().strip()
-    if reply != "ok":
-        raise DistributedError(f"runtime.init_timeout_s={timeout_s}: process "
-                               f"{spec.process_id} gave up: not every process arrived "
-                               "(process 0 names the missing ones)")
+    conn.sendall(f"{spec.process_id} {socket.gethostname()}\n".encode())
+    conn.settimeout(timeout_s + 30)
+    reply = _read_line(conn)
+    if reply == "ok":
+        return conn
+    conn.close()
+    raise DistributedError(f"runtime.init_timeout_s={timeout_s}: process "
+                           f"{spec.process_id} gave up: not every process arrived "
+                           "(process 0 names the missing ones)")
 
 
 def start(config: Config):
-    """Configures the platform, joins the process group; returns (jax, {rank: host}).
+    """Configures the platform, joins the process group; returns (jax, Group).
 
     Call before any other JAX work. Raises DistributedError naming missing processes.
     """
@@ -174,28 +201,29 @@ def start(config: Config):
     jax.config.update("jax_num_cpu_devices",
                       rt.cpu_devices or max(config.num_devices // spec.num_processes, 1))
     if spec.num_processes == 1:
-        return jax, {0: socket.gethostname()}
-    if not rt.collective_logs:
-        drop_collective_chatter()
+        return jax, Group(0, {0: socket.gethostname()}, {})
+    flush = None if rt.collective_logs else drop_collective_chatter()
     if spec.process_id == 0:
-        hosts = _serve_rollcall(spec, rt.init_timeout_s)
+        hosts, links = _serve_rollcall(spec, rt.init_timeout_s)
     else:
-        _join_rollcall(spec, rt.init_timeout_s)
-        hosts = {}
-    timeouts = dict(initialization_timeout=rt.init_timeout_s,
-                    heartbeat_timeout_seconds=rt.heartbeat_timeout_s)
+        links = {0: _join_rollcall(spec, rt.init_timeout_s)}
+        hosts = {spec.process_id: socket.gethostname(),
+                 0: spec.coordinator.rsplit(":", 1)[0]}
+    timeouts = dict(initialization_timeout=rt.init_timeout_s,  # peers.py's is the first
+                    heartbeat_timeout_seconds=2 * rt.heartbeat_timeout_s)
     if spec.source == "slurm":
         jax.distributed.initialize(**timeouts)
     else:
         jax.distributed.initialize(spec.coordinator, spec.num_processes, spec.process_id,
                                    **timeouts)
-    return jax, hosts
+    return jax, Group(spec.process_id, hosts, links, flush)
 
 
-def drop_collective_chatter() -> None:
+def drop_collective_chatter():
     """Routes file descriptor 1 through a thread that drops gloo's connection lines
     (C++ writes there directly, so sys.stdout alone cannot filter them). At exit the real
-    stdout is put back and the lines still in the pipe are passed on."""
+    stdout is put back and the lines still in the pipe are passed on; -> the function
+    that does so (for an exit that skips atexit)."""
     sys.stdout.flush()
     real = os.dup(1)
     read_end, write_end = os.pipe()
@@ -218,6 +246,7 @@ def drop_collective_chatter() -> None:
         thread.join(timeout=5)
 
     atexit.register(restore)
+    return restore
 
 
 def lead_decides(jax, message: str | None) -> str | None:

@@ -10,6 +10,8 @@ Owns what goes into `train.run_dir`:
   logged warnings (Orbax's absl, asyncio) and exceptions ignored in their threads, which
   would otherwise fill the console;
 - `metrics.jsonl`: one JSON record per step and kind (training, validation, compile);
+  with several processes a training record has their host times (jaxptd/runtime/
+  stragglers.py) and the console a warning line naming a process that lags the others;
 - `tensorboard/`: event files, tags grouped as train/, val/ and perf/;
 - Weights & Biases, when `train.wandb_project` is set and `wandb` is installed.
 
@@ -44,7 +46,8 @@ from jaxptd.runtime import storage
 LOG = logging.getLogger("jaxptd")
 PERF_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "compile_time_s",
              "temp_bytes_per_device", "argument_bytes_per_device", "flops_per_iteration",
-             "bubble_fraction")
+             "bubble_fraction", "host_time_s_min", "host_time_s_median", "host_time_s_max",
+             "host_time_slowest")  # host_time_*: runtime/stragglers.py's, several processes
 
 
 def human_bytes(count: float) -> str:
@@ -97,7 +100,8 @@ def setup_logging(run_dir: str | None = None, lead: bool = True) -> None:
     if run_dir:
         sys.unraisablehook = _unraisable_to(os.path.join(run_dir, "train.log") if lead
                                             else None)
-    if not lead:
+    if not lead:  # silent: not logging's last resort, which prints warnings on stderr
+        LOG.addHandler(logging.NullHandler())
         return
     LOG.addHandler(_Console("stdout", logging.INFO, logging.WARNING))
     LOG.addHandler(_Console("stderr", logging.WARNING, logging.CRITICAL + 1))

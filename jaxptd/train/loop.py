@@ -14,8 +14,8 @@ and a storage failure (a full disk, a file-size limit) in any of the run's write
 (jaxptd/runtime/storage.py: checkpoints, config, log, metrics, the corpus prepared on first
 use). SIGTERM or SIGUSR1 ends the loop after a step all processes agree on, saves it
 and exits 0; SIGINT (Ctrl-C) does the same and exits 130, and a second SIGINT exits at
-once (jaxptd/runtime/preemption.py). What the run prints and writes into train.run_dir is
-jaxptd/runtime/runlog.py's.
+once (jaxptd/runtime/preemption.py); a hung step or a lost process, with status 75 (runtime/
+watchdog.py). What the run prints and writes into train.run_dir is runtime/runlog.py's.
 """
 from __future__ import annotations
 
@@ -27,14 +27,15 @@ import time
 
 import numpy as np
 
-from jaxptd.runtime import distributed, preflight, rundir, runlog
+from jaxptd.runtime import distributed, preflight, resize, rundir, runlog
+from jaxptd.runtime.stragglers import Stragglers
+from jaxptd.runtime.watchdog import watch
 from jaxptd.train import metrics
 from jaxptd import model as models
 from jaxptd.checkpoint import CheckpointError, ModelMismatch
 from jaxptd.checkpoint.files import layout_metadata
 from jaxptd.checkpoint.integrity import inspect
-from jaxptd.config import (Config, ConfigError, changed_keys, check_device_count, continued,
-                           load_config)
+from jaxptd.config import Config, ConfigError, changed_keys, check_device_count, load_config
 from jaxptd.config.reference import describe_keys
 from jaxptd.config.resume import ASKED, model_mismatch, refused_change
 from jaxptd.data import DataError, TokenDataset
@@ -89,13 +90,12 @@ def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
     return float(sum(float(x) for x in losses) / len(losses))
 
 
-def start(config: Config, lock: RunLock, allowed: tuple[str, ...] = ()):
-    """Processes, devices, the run's directories locked, mesh, checkpointer and state
-    (restored or new) -> (jax, config, setup, ckpt, state, the devices' memory); the
-    config is the one the run trains with (`continue_schedule`)."""
-    jax, hosts = distributed.start(config)
-    from jaxptd.plan import device_memory_bytes  # the whole planner: ~40 ms of --help
-    from jaxptd.train.step import Setup  # optax and the pipeline executor: ~70 ms of --help
+def start(jax, hosts: dict, config: Config, lock: RunLock, allowed: tuple[str, ...] = ()):
+    """Devices, the run's directories locked, mesh, checkpointer and state (restored or
+    new), once the processes joined (distributed.start) -> (config, setup, ckpt, state,
+    the devices' memory); the config is the one the run trains with (`continue_schedule`)."""
+    from jaxptd.plan import device_memory_bytes  # the whole planner: on use (--help)
+    from jaxptd.train.step import Setup  # optax and the pipeline executor: on use (--help)
 
     devices = preflight.devices(jax, config)  # the first use of the backend
     check_device_count(config, len(devices), "devices found")
@@ -106,7 +106,7 @@ def start(config: Config, lock: RunLock, allowed: tuple[str, ...] = ()):
     if jax.process_index() == 0:
         LOG.info(distributed.describe_hosts(jax, hosts))
     given = config  # as the user gave it; the run's own keeps the schedule it continues
-    config, note = continue_schedule(given, allowed)
+    config, notes = continue_schedule(given, allowed)
     mesh = make_mesh(config.parallel)
     LOG.info(describe(mesh))
     if config.data.pack:
@@ -114,8 +114,8 @@ def start(config: Config, lock: RunLock, allowed: tuple[str, ...] = ()):
                  f"{config.model.document_end}; attention stays inside each document and "
                  "positions restart after it")
     setup = Setup(config, mesh)
-    ckpt, state = restore(jax, setup, given, note)
-    return jax, config, setup, ckpt, state, available
+    ckpt, state = restore(jax, setup, given, notes)
+    return config, setup, ckpt, state, available
 
 
 def newest_saved(config: Config) -> tuple[int, dict | None]:
@@ -128,23 +128,24 @@ def newest_saved(config: Config) -> tuple[int, dict | None]:
 
 
 def continue_schedule(config: Config, allowed: tuple[str, ...] = ()):
-    """(config, note) with the learning-rate schedule of the newest complete step in
-    checkpoint.dir kept (config.continued); the config itself when there is none, or it
-    is step 0 (`hf import`'s: no step trained on any schedule yet). Raises ConfigError for
-    a change of a key the run may change only when asked (config.refused_change)."""
+    """(config, notes) with the learning-rate schedule of the newest complete step in
+    checkpoint.dir kept (config.continued) and its microbatch size at another
+    parallel.data (runtime/resize.py); the config itself when there is none, or it is
+    step 0 (`hf import`'s: no step trained on any schedule yet). Raises ConfigError for a
+    change of a key the run may change only when asked (config.refused_change)."""
     step, saved = newest_saved(config)
     refusal = refused_change(saved, config, allowed) if saved else None
     if refusal:
         raise ConfigError(refusal)
-    return continued(config, saved) if saved and step else (config, None)
+    return resize.resumed(config, saved) if saved and step else (config, ())
 
 
-def restore(jax, setup, given: Config, note: str | None):
+def restore(jax, setup, given: Config, notes: tuple[str, ...] = ()):
     """(checkpointer, state): the newest readable step in checkpoint.dir, also with
     checkpoint.every=0 (which only stops saving), or a new state where starting over
     writes over no earlier run's history (rundir.unrestored_history). `given`: the config
     as the user gave it, whose changes against the restored step's are named."""
-    from jaxptd.checkpoint.store import Checkpointer  # Orbax: ~150 ms of --help
+    from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use (--help)
     config = setup.config
     ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
                         config.checkpoint.async_save,
@@ -169,7 +170,7 @@ def restore(jax, setup, given: Config, note: str | None):
     if changes:
         LOG.warning(f"step {restored[1]} was trained with other settings; continuing with "
                     f"the new ones: {', '.join(changes)}")
-    if note:
+    for note in notes:
         LOG.warning(note)
     return ckpt, setup.state_layout.state_from_logical(restored[0])
 
@@ -178,8 +179,8 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
     """Compiles the step ahead of time, checks its memory against `available` (bytes,
     where from) and records its cost once in `metrics_log` (each when given)
     -> (step, FLOPs/iter). bench/gpu_train.py compiles through here too."""
-    from jaxptd.plan import recomputation, schedule_stats  # the planner: ~40 ms of --help
-    from jaxptd.train.step import build_train_step  # optax, the pipeline: ~70 ms of --help
+    from jaxptd.plan import recomputation, schedule_stats  # the planner: on use (--help)
+    from jaxptd.train.step import build_train_step  # optax, the pipeline: on use (--help)
 
     config = setup.config
     train_step = setup.compile(build_train_step(setup).lower(state, batch))
@@ -205,21 +206,27 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
 class Run:
     """One training run's loop state: what each step needs and what it reports."""
 
-    def __init__(self, config: Config, train: TokenDataset, val: TokenDataset,
-                 lock: RunLock, allowed: tuple[str, ...] = ()):
-        from jaxptd.train.step import build_eval_step  # optax, the pipeline: ~70 ms of --help
+    def __init__(self, config: Config, train: TokenDataset, val: TokenDataset):
         self.began = time.monotonic()
-        self.train, self.val = train, val
-        self.jax, self.config, self.setup, self.ckpt, self.state, self.available = \
-            start(config, lock, allowed)
-        self.lead = self.jax.process_index() == 0
+        self.config, self.train, self.val = config, train, val
+        self.watchdog = self.metrics_log = None
+
+    def start(self, lock: RunLock, allowed: tuple[str, ...] = ()) -> None:
+        """Joins the processes, watches them and this one (watchdog.py), then `start`."""
+        from jaxptd.train.step import build_eval_step  # optax, the pipeline: on use (--help)
+        config = self.config
+        self.jax, group = distributed.start(config)
+        self.lead = group.process == 0  # the backend starts in `start`: user errors first
+        self.watchdog = watch(config, group)
+        self.config, self.setup, self.ckpt, self.state, self.available = \
+            start(self.jax, group.hosts, config, lock, allowed)
         self.preemption = Preemption(self.lead)  # after jax.distributed: the last handlers
-        self.start_step = self.last = int(self.state["step"])
+        self.start_step = self.last = self.watchdog.step = int(self.state["step"])
         self.tokens = config.train.global_batch * config.model.seq_len
         self.timer = metrics.StepTimer()
+        self.stragglers = Stragglers(self.jax, config.runtime, group.hosts)
         self.peak = self.setup.target.peak_bf16
         self.eval_step = build_eval_step(self.setup)
-        self.metrics_log = None
 
     def log_step(self, done: int, since: int, out, flops: float) -> None:
         """Waits for step `done` and logs it: metrics record and a progress line."""
@@ -234,10 +241,15 @@ class Run:
         if "moe" in out:  # each layer's balance losses, expert load and drops
             record.update(metrics.moe_record(out["moe"], self.config.model,
                                              self.config.train.global_batch))
+        entries, lagging = self.stragglers.report(step_time)  # a collective
+        record.update(entries)
         self.metrics_log.write(record)
         LOG.info(self.progress.line(record))
+        if lagging:
+            LOG.warning(lagging)
 
     def evaluate(self, done: int) -> None:
+        self.watchdog.slow(f"the evaluation at step {done}")
         val_loss = evaluate(self.setup, self.eval_step, self.state["params"], self.val)
         record = {"step": done, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self.metrics_log.write(record)
@@ -245,6 +257,7 @@ class Run:
                  f"{record['val_ppl']:.2f}")
 
     def save(self, step: int) -> None:
+        self.watchdog.slow(f"saving step {step}")
         self.ckpt.save(step, self.setup.state_layout.state_to_logical(self.state))
 
     def report_saves(self) -> None:
@@ -266,9 +279,11 @@ class Run:
         self.progress.start_steps()
         since = self.start_step
         for step in range(self.start_step, config.train.steps):
+            began = time.perf_counter()
             batch = first if step == self.start_step else \
                 global_batch(self.setup, self.train, seed, step)
             self.state, out = train_step(self.state, batch)
+            self.stragglers.add(time.perf_counter() - began)  # this process's own part
             done = self.last = step + 1
             if done % log_every == 0 or done == config.train.steps:
                 self.log_step(done, since, out, flops)
@@ -282,6 +297,7 @@ class Run:
             if saved or evaluated:
                 self.timer.lap(0)  # keep saving and evaluation out of the next step time
             self.report_saves()
+            self.watchdog.beat(done)
             if self.preemption.agreed():  # every process stops after the same step
                 LOG.info(f"{self._stop_reason()}: saving step {done} and exiting"
                          if config.checkpoint.every else f"{self._stop_reason()}: exiting "
@@ -306,6 +322,7 @@ class Run:
 
     def finish(self) -> None:
         """The last step saved (or the agreed preemption step), files closed, summary."""
+        self.watchdog.slow("the final save")
         if self.ckpt:
             if self.config.checkpoint.every and not self.ckpt.has(self.last):
                 self.save(self.last)
@@ -344,7 +361,7 @@ class Run:
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    config = None
+    config, run, code = None, None, 1  # 1 while an unexpected error propagates
     try:
         config = load_config(args.config, args.overrides)
         moved = rundir.moved_record(args.config, config)
@@ -353,16 +370,22 @@ def main(argv=None) -> int:
         with preflight.new_directories(config), RunLock(config) as lock:
             train, val = preflight.check_files(config)
             config = preflight.packing(config, train)  # what the step, logs and saves see
-            return Run(config, train, val, lock, tuple(args.allow_change))()
+            run = Run(config, train, val)
+            run.start(lock, tuple(args.allow_change))
+            code = run()
     except (ConfigError, DataError, CheckpointError, StorageError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("interrupted before training started: nothing saved", file=sys.stderr)
-        return INTERRUPTED
+        code = INTERRUPTED
     except Exception as e:  # noqa: BLE001 - only XLA's out-of-memory is a user error here
         message = preflight.out_of_memory(e, config) if config else None
         if message is None:
             raise
         print(f"error: {message}", file=sys.stderr)
-        return 2
+        code = 2
+    finally:
+        if run is not None and run.watchdog is not None:  # the other processes are told
+            run.watchdog.leave(code)
+    return code
