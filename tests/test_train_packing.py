@@ -215,3 +215,25 @@ def test_packed_loss_is_transformers_mean_over_counted_labels(gpt2, overrides):
     assert np.sum(batch[:, :-1] != END) < 0.9 * batch.shape[0] * seq
     np.testing.assert_allclose(loss, expected, rtol=1e-5)
     assert_trees_close(grads, expected_grads, rtol=1e-4)
+
+
+def test_packed_validation_loss_pools_the_targets_of_its_batches(megatron_prefix):
+    """train.loop.evaluate over 3 packed batches (data 2) is the mean over all their
+    counted targets, as one batch of all their rows on one device gives it, not the
+    mean of the batches' means (which weighs a batch with more document ends more)."""
+    from helpers import make_setup, placed_state, reference_loss
+    from jaxptd.data import TokenDataset, resolve_corpus
+    from jaxptd.train.loop import evaluate
+    from jaxptd.train.step import build_eval_step
+    setup = make_setup(2, 1, 1, [f"data.path={megatron_prefix}", "model.document_end=9",
+                                 "train.eval_batches=3", "train.global_batch=4",
+                                 "model.init_std=1.0"])  # batches' means apart: 1.5e-4
+    config = setup.config
+    val = TokenDataset(resolve_corpus(megatron_prefix), "train")
+    state = placed_state(setup)
+    pooled = evaluate(setup, build_eval_step(setup), state["params"], val)
+    rows = np.concatenate([val.batch(config.train.seed, i, 4, config.model.seq_len)
+                           for i in range(3)])
+    params = setup.state_layout.to_logical(jax.device_get(state["params"]))
+    expected = float(reference_loss(config, setup.vocab, params, rows))
+    np.testing.assert_allclose(pooled, expected, rtol=2e-5)

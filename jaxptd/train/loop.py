@@ -32,6 +32,7 @@ from jaxptd.runtime.stragglers import Stragglers
 from jaxptd.runtime.watchdog import watch
 from jaxptd.train import metrics
 from jaxptd import model as models
+from jaxptd.model import sequence
 from jaxptd.checkpoint import CheckpointError, ModelMismatch
 from jaxptd.checkpoint.files import layout_metadata
 from jaxptd.checkpoint.integrity import inspect
@@ -83,11 +84,18 @@ def global_batch(setup, dataset: TokenDataset, seed: int, step: int):
 
 
 def evaluate(setup, eval_step, params, val: TokenDataset) -> float:
-    """Mean validation loss over train.eval_batches fixed batches."""
+    """Mean validation loss over train.eval_batches fixed batches: over all their targets
+    that take loss, so packed rows' batch means are weighted by their counted targets (as
+    Megatron pools the sums and counts of its evaluation batches)."""
     config = setup.config
-    losses = [eval_step(params, global_batch(setup, val, config.train.seed, i))
-              for i in range(config.train.eval_batches)]
-    return float(sum(float(x) for x in losses) / len(losses))
+    seed, batches = config.train.seed, range(config.train.eval_batches)
+    losses = [float(eval_step(params, global_batch(setup, val, seed, i))) for i in batches]
+    if not sequence.packed(config.model):
+        return sum(losses) / len(losses)
+    counts = [int(sequence.counted_targets(val.batch(seed, i, config.train.global_batch,
+                                                     config.model.seq_len), config.model))
+              for i in batches]
+    return sum(loss * n for loss, n in zip(losses, counts)) / max(sum(counts), 1)
 
 
 def start(jax, hosts: dict, config: Config, lock: RunLock, allowed: tuple[str, ...] = ()):
