@@ -1,18 +1,19 @@
 """A run that resumes, maybe on another number of data-parallel ranks: what it keeps.
 
 Owns the config a resumed run trains with (`resumed`): the learning-rate schedule's length
-(config.continued) and the microbatch size, the rule of a restart on fewer (or more)
-hosts, such as a requeued SLURM job given half its nodes. The checkpoint restores into any layout (jaxptd/checkpoint/), and the
-global batch is a key of its own (train.global_batch), so one override, parallel.data,
-moves a run. What would change with it is the microbatch size, global_batch / (data x
-microbatches): half the ranks would each take microbatches twice the size, and their
-activations twice the memory. So, as Megatron's --micro-batch-size does, the microbatch
-size is kept and the microbatch count scaled: data 4 -> 2 turns parallel.microbatches 2
-into 4, the same global batch in the same sequences, the same loss to rounding.
+(config.continued) and the microbatch size, the rule of a restart on fewer (or more) hosts,
+such as a requeued SLURM job given half its nodes. The checkpoint restores into any layout
+(jaxptd/checkpoint/), and the global batch is a key of its own (train.global_batch), so one
+override, parallel.data, moves a run. What would change with it is the microbatch size,
+global_batch / (data x microbatches): half the ranks would each take microbatches twice the
+size, and their activations twice the memory. So, as Megatron's --micro-batch-size does, the
+microbatch size is kept and the microbatch count scaled: data 4 -> 2 turns
+parallel.microbatches 2 into 4, the same global batch in the same sequences, the same loss
+to rounding.
 
-Only when the run leaves parallel.microbatches as the checkpoint had it (a count set
-anew is the user's), the kept size divides the new share of the batch and the new count
-passes the config's rules (a pipeline's schedule may need a multiple of pipe).
+The rule applies only when the run leaves parallel.microbatches as the checkpoint had it
+(a count set anew is the user's), the kept size divides the new share of the batch and the
+new count passes the config's rules (a pipeline's schedule may need a multiple of pipe).
 """
 from __future__ import annotations
 
