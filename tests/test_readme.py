@@ -66,7 +66,8 @@ def close(shown: str, real: float, scale: float = 1.0) -> bool:
 # Flags the pages name for other programs.
 FOREIGN_FLAGS = {"--append-eod": "Megatron-LM's tools/preprocess_data.py",
                  "--signal": "SLURM's sbatch", "--nodes": "SLURM's sbatch",
-                 "--time": "SLURM's sbatch"}
+                 "--time": "SLURM's sbatch", "--requeue": "SLURM's sbatch",
+                 "--wait": "SLURM's srun"}
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
