@@ -26,6 +26,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
     "model.attention": ("xla", "cudnn"),
+    "model.fp8": ("none", "tensorwise"),
     "model.remat": ("none", "minimal", "minimal_mlp", "selective", "full"),
     "model.scan_layers": ("auto", "true", "false"),
     "parallel.fsdp_unit": ("layer", "matmul"),

@@ -36,6 +36,10 @@ class ModelConfig:
     # compute dtype: float32 | bfloat16 | float16 (with optimizer.loss_scale=dynamic); the
     # master weights are always float32
     dtype: str = "float32"
+    # FP8 GEMMs for the layers' linears (jaxptd/model/fp8.py): none | tensorwise (e4m3
+    # weights and activations, e5m2 output gradients, each tensor scaled by its own amax
+    # this step, f32 accumulation); embedding, head, norms, attention core stay in dtype
+    fp8: str = "none"
     # fused softmax / bias-GeLU and the context ring's attention blocks: xla | pallas
     # (pallas_kernels/: Pallas kernels, interpret mode on CPU)
     kernels: str = "xla"

@@ -51,6 +51,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxptd.model import fp8
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -81,6 +83,7 @@ class Layout:
     # backward, models.layer_function's `apart`): what it recomputes needs no barrier
     # against XLA merging it with the forward (jax.checkpoint's prevent_cse)
     apart: bool = False
+    fp8: str = "none"  # model.fp8: the layers' linears as FP8 GEMMs (model/fp8.py)
 
     @property
     def split_sequence(self) -> bool:
@@ -90,6 +93,13 @@ class Layout:
     def fsdp_dim(self, name: str) -> int | None:
         """The dimension on which the dense() weight `name` is an FSDP shard (None: whole)."""
         return dict(self.fsdp).get(name)
+
+    def fp8_axes(self, name: str) -> tuple[str, ...] | None:
+        """For a dense() matmul that runs in FP8 (model.fp8, a layer linear): the mesh axes
+        over which its tensors may be split (fp8.einsum's amax reduction); else None."""
+        if self.fp8 == "none" or name not in fp8.LINEARS:
+            return None
+        return tuple(a for a in (self.tensor_axis, self.context_axis, self.expert_axis) if a)
 
 
 def normal(std: float, names: tuple[str, ...]):
@@ -214,14 +224,16 @@ def weight(module: nn.Module, name: str, init, shape: tuple[int, ...]):
 def matmul(name: str, layout: Layout):
     """(x, w) -> x times the weight `name` as dense() multiplies it: einsum DENSE[name] with
     w cast to x's dtype, and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul)."""
-    dim = layout.fsdp_dim(name)
-    if dim is None:
-        return lambda x, w: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
-    return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype)
+    dim, axes = layout.fsdp_dim(name), layout.fp8_axes(name)
+    if dim is not None:
+        return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes)
+    if axes is not None:
+        return fp8.einsum(DENSE[name], axes)  # w quantized from the dtype it comes in
+    return lambda x, w: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str):
+def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | None):
     """einsum(spec, x, w) for w this rank's FSDP shard, split on `dim` over `axis`: the
     weight is all-gathered in `dtype`, cast to x's, for this one matmul, and gathered again
     for its backward, whose weight gradient the gather's transpose reduce-scatters into the
@@ -229,9 +241,11 @@ def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str):
     at most, in its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization
     barriers tie the forward's gather to x and the backward's to the output gradient, so XLA
     cannot gather ahead (no prefetch: the gather is not overlapped with the matmul before
-    it)."""
+    it). With FP8 (`fp8_axes` not None) the gathered weight is quantized for the matmul."""
     def gathered(w, like):
         whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
+        if fp8_axes is not None:
+            return fp8.einsum(spec, fp8_axes)(like, whole)
         return jnp.einsum(spec, like, whole.astype(like.dtype))
 
     @jax.custom_vjp

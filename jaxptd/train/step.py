@@ -120,7 +120,7 @@ class Setup:
                                    fsdp_dtype=config.optimizer.grad_reduce_dtype,
                                    context=par.context, context_axis=CONTEXT,
                                    context_attention=par.context_attention,
-                                   expert=par.expert, expert_axis=EXPERT)
+                                   expert=par.expert, expert_axis=EXPERT, fp8=model.fp8)
         self.policy = Policy.of(config)
         self.lr_schedule = optim.lr_schedule(config)
         self.batch_sharding = NamedSharding(mesh, P(BATCH))
