@@ -169,3 +169,53 @@ def test_a_step_without_its_file_list_is_damaged(saved, tmp_path):
     (older / "1" / "layout" / "metadata").write_text(json.dumps(layout))
     assert inspect(str(older))[0]["status"] == "complete"
 
+
+
+def test_local_tier_restores_what_the_persistent_tier_does_and_skips_damage(tmp_path, capfd):
+    """checkpoint/local.py in one process (no peer; the copies between processes are
+    tests/test_faults.py's): steps saved at (data 2, tensor 2, ZeRO-1) to both tiers restore
+    at (pipe 2, tensor 4) bitwise alike; a save killed before its rename is removed; a
+    damaged local step (a flipped byte, a cut file) is one warning line and the next older
+    step is taken, then the persistent tier's, which is also taken when newer."""
+    from jaxptd.checkpoint.local import LocalTier, restore_newest
+    source = make_setup(2, 1, 2, (*EXTRA, "optimizer.zero1=true"))
+    first = source.state_layout.init_state(1)
+    states = {s: jax.tree.map(lambda x: x * s if x.dtype.kind == "f" else x + s, first)
+              for s in (1, 2, 3)}
+    ckpt = Checkpointer(str(tmp_path / "persistent"), 1, 10,
+                        metadata=layout_metadata(source.config, 1))
+    ckpt.save(1, states[1])
+    ckpt.close()
+    tier = LocalTier(str(tmp_path / "local-{process}"), 1, 2, "run")
+    for step in (1, 2, 3):
+        tier.save(step, states[step])
+    tier.close()
+    assert tier.steps() == [2, 3]  # checkpoint.local_keep
+    (tmp_path / "local-0" / "process-0" / "4.partial-99" / "own").mkdir(parents=True)
+    target = make_setup(1, 2, 4, EXTRA)
+    abstract, vocab = target.state_layout.abstract_state(logical=True), 300
+    persistent = Checkpointer(str(tmp_path / "persistent"), 0, 10)
+
+    def newest():
+        return restore_newest(LocalTier(str(tmp_path / "local-{process}"), 1, 2, "run"),
+                              persistent, abstract, vocab)
+
+    state, step, where = newest()
+    assert step == 3 and where.startswith("the local tier")
+    assert not (tmp_path / "local-0" / "process-0" / "4.partial-99").exists()
+    local_one = LocalTier(str(tmp_path / "one-{process}"), 1, 2, "run")
+    local_one.save(1, states[1])
+    local_one.close()
+    assert_same_state(local_one.restore_newer(abstract, vocab, 0)[0],
+                      persistent.restore(abstract, 1, vocab))
+    own = tmp_path / "local-0" / "process-0"
+    blocks = own / "3" / "own" / "blocks.bin"
+    blocks.write_bytes(bytes([blocks.read_bytes()[0] ^ 1]) + blocks.read_bytes()[1:])
+    state, step, _ = newest()
+    assert step == 2 and "local checkpoint" in capfd.readouterr().err
+    blocks = own / "2" / "own" / "blocks.bin"
+    blocks.write_bytes(blocks.read_bytes()[:-4])
+    state, step, where = newest()
+    assert step == 1 and where == persistent.directory
+    assert_same_state(state, persistent.restore(abstract, 1, vocab))
+    persistent.close()

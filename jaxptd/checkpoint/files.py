@@ -160,18 +160,3 @@ def _recorded_checkpoints(run_dir: str) -> str | None:
     if os.path.commonpath([recorded_run, recorded]) != recorded_run:
         return recorded
     return os.path.join(run_dir, os.path.relpath(recorded, recorded_run))
-    if is_step_dir(path):
-        return os.path.dirname(os.path.normpath(path)) or "."
-    candidates = [path]
-    config_file = os.path.join(path, "config.yaml")
-    if os.path.isfile(config_file):
-        try:
-            candidates.append(load_config(config_file).checkpoint_dir)
-        except ConfigError:
-            pass
-    candidates.append(os.path.join(path, "checkpoints"))
-    for candidate in candidates:
-        if os.path.isdir(candidate) and any(
-                is_step_dir(os.path.join(candidate, n)) for n in os.listdir(candidate)):
-            return candidate
-    return None

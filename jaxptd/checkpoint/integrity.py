@@ -10,7 +10,8 @@ Owns:
   either): that one is checked without it. Identical on every process reading a shared
   file system.
 - `inspect(directory)`: one record per step directory (complete, damaged, half-written
-  or set aside as corrupt), its problem and its layout.
+  or set aside as corrupt), its problem and its layout; `newest_complete`, the newest
+  complete step's number and config (what a resumed run continues).
 
 The arrays themselves are checked against their checksums after reading (checksums.py).
 A step that fails any check is damaged: restore sets it aside and falls back (store.py);
@@ -103,3 +104,11 @@ def inspect(directory: str) -> list[dict]:
         records.append({"step": int(step_text), "path": path, "status": status,
                         "problem": problem, "layout": read_layout(path)})
     return sorted(records, key=lambda r: (r["step"], r["path"]))
+
+
+def newest_complete(directory: str) -> tuple[int, dict | None]:
+    """(step, the config it was written with as a to_dict()) of the newest complete step in
+    checkpoint directory `directory`; (0, None) when there is none."""
+    steps = [r for r in inspect(directory) if r["status"] == "complete"] \
+        if os.path.isdir(directory) else []
+    return (steps[-1]["step"], (steps[-1]["layout"] or {}).get("config")) if steps else (0, None)

@@ -186,7 +186,7 @@ class Checkpointer:
         shapes = {leaf_name(p): leaf.shape for p, leaf in
                   jax.tree_util.tree_leaves_with_path(saved)}
         targets = jax.tree_util.tree_map_with_path(
-            lambda path, want: _read_target(path, want, shapes.get(leaf_name(path)),
+            lambda path, want: read_target(path, want, shapes.get(leaf_name(path)),
                                             vocab_size), abstract_state)
         restored = self.manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(targets)))["state"]
@@ -194,7 +194,7 @@ class Checkpointer:
             "checksums"))
         if mismatch:
             raise _Damaged(mismatch)
-        return jax.tree.map(_resize, restored, abstract_state)
+        return jax.tree.map(resize, restored, abstract_state)
 
     def layout(self, step: int) -> dict | None:
         """The layout item of `step` (how it was written, its config and checksums)."""
@@ -278,7 +278,7 @@ class Checkpointer:
         self.manager.close()
 
 
-def _read_target(path, want, have: tuple | None, vocab_size: int):
+def read_target(path, want, have: tuple | None, vocab_size: int):
     """The ShapeDtypeStruct to read a saved leaf (of shape `have`) into: its saved shape
     when only padded vocabulary rows differ, else the target itself."""
     name = jax.tree_util.keystr(path)
@@ -300,7 +300,7 @@ def _read_target(path, want, have: tuple | None, vocab_size: int):
     return jax.ShapeDtypeStruct(have, want.dtype, sharding=sharding)
 
 
-def _resize(array, want):
+def resize(array, want):
     """Pads with zeros or slices `array` to `want`'s shape, in `want`'s sharding."""
     if array.shape == want.shape:
         return array

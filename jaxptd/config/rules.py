@@ -49,14 +49,16 @@ POSITIVE = (
     "parallel.context", "parallel.expert", "parallel.microbatches", "parallel.chunks",
     "model.moe_every", "train.steps",
     "train.global_batch",
-    "train.log_every", "train.eval_batches", "checkpoint.keep", "runtime.init_timeout_s",
+    "train.log_every", "train.eval_batches", "checkpoint.keep", "checkpoint.local_keep",
+    "runtime.init_timeout_s",
     "runtime.heartbeat_timeout_s", "runtime.watchdog_min_s", "runtime.watchdog_first_s",
     "runtime.straggler_window",
 )
 NON_NEGATIVE = (
     "optimizer.warmup_steps", "optimizer.decay_steps", "train.eval_every",
-    "checkpoint.every", "optimizer.weight_decay", "optimizer.clip_norm", "optimizer.lr",
-    "optimizer.min_lr", "model.init_std", "runtime.cpu_devices", "model.ffn_size",
+    "checkpoint.every", "checkpoint.local_every", "optimizer.weight_decay",
+    "optimizer.clip_norm", "optimizer.lr", "optimizer.min_lr", "model.init_std",
+    "runtime.cpu_devices", "model.ffn_size",
     "model.num_kv_heads", "parallel.fsdp_group", "model.moe_experts", "model.moe_ffn",
     "model.moe_shared_ffn", "model.moe_capacity", "model.moe_aux_loss", "model.moe_z_loss",
     "model.moe_bias_rate",
@@ -85,6 +87,7 @@ def validate(config: Config) -> None:
     _validate_parallel(config)
     _validate_training(config)
     _validate_data(config)
+    _validate_checkpoint(config)
     _validate_runtime(config)
 
 
@@ -250,6 +253,19 @@ def _validate_data(config: Config) -> None:
     _require(-1 <= data.eod_id < m.vocab_size,
              f"data.eod_id={data.eod_id}: must be a token id below model.vocab_size="
              f"{m.vocab_size} (-1: none)")
+
+
+def _validate_checkpoint(config: Config) -> None:
+    """The local tier needs its directory; `{process}` is the one placeholder there."""
+    ck = config.checkpoint
+    _require(not ck.local_every or ck.local_dir,
+             f"checkpoint.local_every={ck.local_every}: needs checkpoint.local_dir, a "
+             "directory on each node's own storage (e.g. /dev/shm/jaxptd); or set "
+             "checkpoint.local_every=0")
+    braces = ck.local_dir.replace("{process}", "")
+    _require("{" not in braces and "}" not in braces,
+             f"checkpoint.local_dir={ck.local_dir}: the only placeholder is {{process}} "
+             "(the process index)")
 
 
 def _validate_runtime(config: Config) -> None:

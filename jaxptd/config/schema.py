@@ -285,6 +285,14 @@ class CheckpointConfig:
     every: int = 100  # steps between saves; 0: none (checkpoints there are still restored)
     keep: int = 3  # the newest checkpoints kept
     async_save: bool = True  # save in the background while training goes on
+    # the local tier (jaxptd/checkpoint/local.py): a directory on each node's own storage
+    # (local disk, /dev/shm), "{process}" replaced by the process index; each process's
+    # shards also go to a peer process on another node. "": no local tier
+    local_dir: str = ""
+    # steps between local saves (0: none); a restart resumes from the newest step complete
+    # across the local copies or checkpoint.dir, whichever is newer
+    local_every: int = 0
+    local_keep: int = 2  # the newest local steps each process keeps
 
 
 @dataclass(frozen=True)

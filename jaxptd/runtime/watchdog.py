@@ -5,7 +5,7 @@ step, the process that failed and the process that stops (`error: ...` on stderr
 process 0's also in train.log), every Python thread's stack (faulthandler) in
 <train.run_dir>/stacks/step-<N>-process-<K>.txt, then exit status FAULT = 75 (sysexits'
 EX_TEMPFAIL: try again) at once, through os._exit: no atexit handler runs, so no shutdown
-barrier waits for the lost process. launch/slurm/train.sbatch requeues a job whose step
+barrier waits for the lost process (only AT_FAULT's, which wait a bounded time). launch/slurm/train.sbatch requeues a job whose step
 ends so; the relaunched run resumes from the newest checkpoint.
 
 Owns the progress watchdog too: each process watches its own loop. A training step must
@@ -40,6 +40,10 @@ FAULT = 75  # the exit status of a run ended by a fault (a relaunch resumes it)
 WINDOW = 100  # recent step times whose median sets the step limit
 POLL_S = 0.25  # how often the watchdog's thread looks
 SETTLE_S = 3.0  # how long an unexpected error waits for the peer watch's verdict
+# What runs before the fault exit, which skips atexit: weak references to callables, each
+# bounding its own wait (checkpoint/local.py's files of a save in flight, so that a save
+# every process has copied survives the fault).
+AT_FAULT: list = []
 
 
 def watch(config, group) -> "Watchdog":
@@ -157,6 +161,9 @@ class Watchdog:
         sys.stdout.flush()
         if self.flush is not None:
             self.flush()
+        for finish in (ref() for ref in AT_FAULT):
+            if finish is not None:
+                finish()
         os._exit(FAULT)
 
 

@@ -35,7 +35,7 @@ from jaxptd import model as models
 from jaxptd.model import sequence
 from jaxptd.checkpoint import CheckpointError, ModelMismatch
 from jaxptd.checkpoint.files import layout_metadata
-from jaxptd.checkpoint.integrity import inspect
+from jaxptd.checkpoint.integrity import newest_complete
 from jaxptd.config import Config, ConfigError, changed_keys, check_device_count, load_config
 from jaxptd.config.reference import describe_keys
 from jaxptd.config.resume import ASKED, model_mismatch, refused_change
@@ -122,17 +122,7 @@ def start(jax, hosts: dict, config: Config, lock: RunLock, allowed: tuple[str, .
                  f"{config.model.document_end}; attention stays inside each document and "
                  "positions restart after it")
     setup = Setup(config, mesh)
-    ckpt, state = restore(jax, setup, given, notes)
-    return config, setup, ckpt, state, available
-
-
-def newest_saved(config: Config) -> tuple[int, dict | None]:
-    """(step, the config it was written with as a to_dict()) of the newest complete step in
-    checkpoint.dir; (0, None) when there is none."""
-    directory = config.checkpoint_dir
-    steps = [r for r in inspect(directory) if r["status"] == "complete"] \
-        if os.path.isdir(directory) else []
-    return (steps[-1]["step"], (steps[-1]["layout"] or {}).get("config")) if steps else (0, None)
+    return (config, setup, *restore(jax, setup, given, notes), available)
 
 
 def continue_schedule(config: Config, allowed: tuple[str, ...] = ()):
@@ -141,7 +131,7 @@ def continue_schedule(config: Config, allowed: tuple[str, ...] = ()):
     parallel.data (runtime/resize.py); the config itself when there is none, or it is
     step 0 (`hf import`'s: no step trained on any schedule yet). Raises ConfigError for a
     change of a key the run may change only when asked (config.refused_change)."""
-    step, saved = newest_saved(config)
+    step, saved = newest_complete(config.checkpoint_dir)
     refusal = refused_change(saved, config, allowed) if saved else None
     if refusal:
         raise ConfigError(refusal)
@@ -149,38 +139,40 @@ def continue_schedule(config: Config, allowed: tuple[str, ...] = ()):
 
 
 def restore(jax, setup, given: Config, notes: tuple[str, ...] = ()):
-    """(checkpointer, state): the newest readable step in checkpoint.dir, also with
-    checkpoint.every=0 (which only stops saving), or a new state where starting over
-    writes over no earlier run's history (rundir.unrestored_history). `given`: the config
-    as the user gave it, whose changes against the restored step's are named."""
+    """(checkpointer, local tier, state): the newest readable step in checkpoint.dir, or in
+    checkpoint.local_dir where newer (checkpoint/local.py), also with checkpoint.every=0
+    (which only stops saving), or a new state where starting over writes over no earlier
+    run's history (rundir.unrestored_history). `given`: the config as the user gave it,
+    whose changes against the restored step's are named."""
+    from jaxptd.checkpoint.local import LocalTier, restore_newest  # JAX: on use (--help)
     from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use (--help)
-    config = setup.config
-    ckpt = Checkpointer(config.checkpoint_dir, config.checkpoint.every, config.checkpoint.keep,
-                        config.checkpoint.async_save,
+    config, ck = setup.config, setup.config.checkpoint
+    ckpt = Checkpointer(config.checkpoint_dir, ck.every, ck.keep, ck.async_save,
                         layout_metadata(config, jax.process_count())
-                        ) if config.checkpoint.every or os.path.isdir(config.checkpoint_dir) \
-        else None
+                        ) if ck.every or os.path.isdir(config.checkpoint_dir) else None
+    local = LocalTier(ck.local_dir, ck.local_every, ck.local_keep, os.path.abspath(
+        config.checkpoint_dir)) if ck.local_dir else None
     try:
-        restored = ckpt.restore_latest(setup.state_layout.abstract_state(logical=True),
-                                       config.model.vocab_size) if ckpt else None
+        restored = restore_newest(local, ckpt, setup.state_layout.abstract_state(logical=True),
+                                  config.model.vocab_size)
     except ModelMismatch as e:  # name the keys that changed, not the leaf that shows it
-        saved = newest_saved(config)[1]
+        saved = newest_complete(config.checkpoint_dir)[1]
         detail = model_mismatch(saved, given) if saved else None
-        raise CheckpointError(f"checkpoint.dir={ckpt.directory}: {detail or e}") from None
+        raise CheckpointError(f"checkpoint.dir={config.checkpoint_dir}: {detail or e}") from None
     if restored is None:
         refusal = distributed.lead_decides(jax, rundir.unrestored_history(config)
                                            if jax.process_index() == 0 else None)
         if refusal:
             raise rundir.RunDirError(refusal)
-        return ckpt, setup.state_layout.init_state(config.train.seed)
-    LOG.info(f"resumed from step {restored[1]} in {ckpt.directory}")
-    changes = changed_keys((ckpt.layout(restored[1]) or {}).get("config", {}), given)
+        return ckpt, local, setup.state_layout.init_state(config.train.seed)
+    LOG.info(f"resumed from step {restored[1]} in {restored[2]}")
+    changes = changed_keys(((ckpt and ckpt.layout(restored[1])) or {}).get("config", {}), given)
     if changes:
         LOG.warning(f"step {restored[1]} was trained with other settings; continuing with "
                     f"the new ones: {', '.join(changes)}")
     for note in notes:
         LOG.warning(note)
-    return ckpt, setup.state_layout.state_from_logical(restored[0])
+    return ckpt, local, setup.state_layout.state_from_logical(restored[0])
 
 
 def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
@@ -226,7 +218,7 @@ class Run:
         self.jax, group = distributed.start(config)
         self.lead = group.process == 0  # the backend starts in `start`: user errors first
         self.watchdog = watch(config, group)
-        self.config, self.setup, self.ckpt, self.state, self.available = \
+        self.config, self.setup, self.ckpt, self.local, self.state, self.available = \
             start(self.jax, group.hosts, config, lock, allowed)
         self.preemption = Preemption(self.lead)  # after jax.distributed: the last handlers
         self.start_step = self.last = self.watchdog.step = int(self.state["step"])
@@ -264,9 +256,13 @@ class Run:
         LOG.info(f"step {done}: validation loss {val_loss:.4f}, perplexity "
                  f"{record['val_ppl']:.2f}")
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, persistent: bool = True) -> None:  # and the local tier, if due
         self.watchdog.slow(f"saving step {step}")
-        self.ckpt.save(step, self.setup.state_layout.state_to_logical(self.state))
+        logical = self.setup.state_layout.state_to_logical(self.state)
+        if persistent:
+            self.ckpt.save(step, logical)
+        if self.local and self.local.due(step):
+            self.local.save(step, logical)
 
     def report_saves(self) -> None:
         for step, seconds, size in self.ckpt.completed() if self.ckpt else ():
@@ -297,12 +293,13 @@ class Run:
                 self.log_step(done, since, out, flops)
                 since = done
             saved = bool(ckpt) and ckpt.due(done)
-            if saved:
-                self.save(done)
+            local = bool(self.local) and self.local.due(done)
+            if saved or local:
+                self.save(done, saved)
             evaluated = eval_every and done % eval_every == 0
             if evaluated:
                 self.evaluate(done)
-            if saved or evaluated:
+            if saved or local or evaluated:
                 self.timer.lap(0)  # keep saving and evaluation out of the next step time
             self.report_saves()
             self.watchdog.beat(done)
@@ -336,6 +333,8 @@ class Run:
                 self.save(self.last)
             self.ckpt.close()
             self.report_saves()
+        if self.local:
+            self.local.close()
         self.metrics_log.close()
         LOG.info(self.progress.summary(self.last, self.metrics_log, self._files()))
 
