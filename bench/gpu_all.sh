@@ -10,6 +10,8 @@
 #   kernels     bench/kernels.py: the Pallas kernels and attention paths vs XLA
 #   sizes       bench/gpu_train.py: GPT 1.3B, 350M, 125M as configured, each with
 #               the PyTorch baseline (bench/torch_gpt.py) when torch is importable
+#   fp8         GPT-1.3B with model.fp8=tensorwise beside its bf16 base row in the same
+#               command (issue 49's speed-up; --toy: the toy GPT)
 #   llama       the Llama-style sizes (skipped, with a note, until model.arch=llama exists)
 #   long        Llama-1.3B at an 8k sequence: one stream, packed rows (cuDNN's masked
 #               kernel), and with 2 GPUs or more context parallelism 2 (ring, all-gather)
@@ -39,7 +41,7 @@
 # 2-layer models, eager PyTorch): what CI runs (tests/test_bench_gpu.py).
 set -u -o pipefail
 
-ALL_PARTS=(env kernels sizes llama long moe variants microbatch profile pipeline)
+ALL_PARTS=(env kernels sizes fp8 llama long moe variants microbatch profile pipeline)
 usage="usage: bench/gpu_all.sh [--toy] OUT_DIR [PART ...]; parts: ${ALL_PARTS[*]}"
 TOY=""
 if [ "${1:-}" = "--toy" ]; then TOY=1; shift; fi
@@ -90,6 +92,7 @@ for p in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'torch', 'triton
 
 part_kernels() { $PY -m bench.kernels "${KERNELS[@]}" --out-dir "$OUT"; }
 part_sizes() { $PY -m bench.gpu_train --models "$BIG,$MID,$SMALL" "${TRAIN[@]}"; }
+part_fp8() { $PY -m bench.gpu_train --models "$BIG" --variants base fp8=tensorwise "${TRAIN[@]}"; }
 part_llama() { $PY -m bench.gpu_train --models "$LLAMA" "${TRAIN[@]}"; }
 part_long() {
   local variants=("seq=$SEQ,b=1,pack=0")  # (--toy: the llama part ran the stream)

@@ -61,7 +61,8 @@ VARIANT_KEYS = {"attention": "model.attention", "kernels": "model.kernels",
                 "remat": "model.remat", "scan": "model.scan_layers", "seq": "model.seq_len",
                 "pack": "model.document_end", "context": "parallel.context",
                 "experts": "model.moe_experts", "topk": "model.moe_top_k",
-                "expert_ffn": "model.moe_ffn", "capacity": "model.moe_capacity"}
+                "expert_ffn": "model.moe_ffn", "capacity": "model.moe_capacity",
+                "fp8": "model.fp8"}
 RUN_TIMEOUT_S = 300
 
 

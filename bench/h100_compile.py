@@ -66,6 +66,12 @@ ROWS = {
     "llama (2,1,4)": layout(2, 1, 4, 1, *LLAMA),
     "bert (2,1,4)": layout(2, 1, 4, 1, *BERT),
     "(1,8,1) 1f1b m32 b2 L32": DEEP,
+    # model.fp8 (issue 49): beside their bf16 rows above
+    "1 device fp8": layout(1, 1, 1, 1, "model.fp8=tensorwise"),
+    "(2,1,4) SP fp8": layout(2, 1, 4, 1, "parallel.sequence_parallel=true",
+                             "model.fp8=tensorwise"),
+    "(2,2,2) 1f1b m8 fp8": layout(2, 2, 2, 8, "model.fp8=tensorwise"),
+    "llama (2,1,4) fp8": layout(2, 1, 4, 1, *LLAMA, "model.fp8=tensorwise"),
 }
 
 
@@ -91,10 +97,12 @@ def row_text(r: dict) -> str:
     overlap = sum(k.get("overlapped", 0) for k in kinds.values())
     launches = sum(k.get("launches", 0) for k in kinds.values())
     conds = max((lp["conditionals"] for lp in r["loops"]), default=0)
+    gemms = cost.get("layer_gemms", {})
     return (f"{r['name']:<28} {r['memory']['total'] / GiB:7.1f} "
             f"{'yes' if r['fits'] else 'NO':>4} {r['planned_ratio'] or 0:6.2f} "
             f"{overlap:5.0f}/{launches:<5.0f} {conds:5d} {cost['seconds'] * 1e3:8.1f} "
-            f"{cost['mfu_ceiling']:6.3f} {r['compile_s']:6.1f}")
+            f"{cost['mfu_ceiling']:6.3f} {gemms.get('fp8', 0):3.0f}/{gemms.get('other', 0):<3.0f}"
+            f" {r['compile_s']:6.1f}")
 
 
 def main() -> int:
@@ -104,7 +112,7 @@ def main() -> int:
     args = parser.parse_args()
     names = args.only or list(ROWS)
     print(f"{'layout':<28} {'GiB':>7} {'fits':>4} {'plan/x':>6} {'overlap':>11} "
-          f"{'conds':>5} {'ms':>8} {'MFU<=':>6} {'comp s':>6}")
+          f"{'conds':>5} {'ms':>8} {'MFU<=':>6} {'fp8/16':>7} {'comp s':>6}")
     rows = []
     for name in names:
         rows.append(run(name))
@@ -112,7 +120,8 @@ def main() -> int:
     print("\nGiB: compiled memory a device; plan/x: the planner's bytes over it; overlap: "
           "collective launches a step with a GEMM, attention or loop in flight / all; conds: "
           "most conditionals in one loop body; ms and MFU<=: the static cost report "
-          "(jaxptd/hlo/).")
+          "(jaxptd/hlo/; FP8 GEMMs at the FP8 peak, MFU against bf16's); fp8/16: a layer's "
+          "GEMMs a pass with 8-bit operands / with 16-bit ones.")
     print("reproduce: python -m bench.h100_compile" + (" --only " + " ".join(
         repr(n) for n in args.only) if args.only else ""))
     if args.out:

@@ -235,7 +235,8 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     doc = json.loads((out / "gpu_train_cpu.json").read_text())
     assert doc["device"] == "cpu" and doc["jax"] == jax.__version__
     runs = {r["variant"]: r for r in doc["runs"] if r["model"] == "gpt-toy"}
-    assert set(runs) == {"base", "kernels=pallas", "remat=full", "b=1", "b=4"}
+    assert set(runs) == {"base", "fp8=tensorwise", "kernels=pallas", "remat=full", "b=1",
+                         "b=4"}
     for variant, row in runs.items():
         assert_measured(row)
     assert_toy_base_row(runs["base"], doc)
@@ -255,7 +256,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     profile = json.loads((out / "profile_gpt-toy_cpu.json").read_text())
     assert profile["ops"] and profile["categories"] and profile["op_time_ms"] > 0
     log = (out / "gpu_all.log").read_text()
-    for part in ("env", "kernels", "sizes", "llama", "long", "moe", "variants", "microbatch",
-                 "profile", "pipeline"):
+    for part in ("env", "kernels", "sizes", "fp8", "llama", "long", "moe", "variants",
+                 "microbatch", "profile", "pipeline"):
         assert f"==== part {part}" in log and f"\n{part:<11} ok" in log
     assert "reproduce: bench/gpu_all.sh --toy OUT_DIR env kernels" in log

@@ -11,11 +11,12 @@ import dataclasses
 from jaxptd.config.schema import Config
 
 # Keys a resumed run may change without a warning: the layout, where files go, how often
-# to log, save and evaluate, and how long to train.
+# to log, save and evaluate, how long to train, and how the same model computes (FP8
+# GEMMs: the state holds no FP8 value).
 RESUME_FREE = ("parallel.", "runtime.", "checkpoint.", "train.steps", "train.run_dir",
                "train.log_every", "train.eval_every", "train.eval_batches",
                "train.wandb_project", "model.kernels", "model.attention", "model.remat",
-               "model.scan_layers")
+               "model.scan_layers", "model.fp8")
 
 
 # Keys whose change a checkpoint survives but a run should not make by accident: the

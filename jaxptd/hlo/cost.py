@@ -26,10 +26,15 @@ class Kernel:
     flops: float
     bytes: float
     count: float
-    is_layer: bool  # the op belongs to a transformer layer (Block)
+    is_layer: bool  # the op belongs to a transformer layer (layers.Block: '(Block)' or
+    # 'Block/' in its jax name, as a layer is applied alone or inside its module)
+    fp8: bool = False  # a GEMM whose every dot takes two 8-bit float operands
+    op_name: str = ""  # the jax op that made it (its metadata)
 
-    def seconds(self, peak: float, bandwidth: float) -> float:
-        return max(self.flops / peak, self.bytes / bandwidth)
+    def seconds(self, peak: float, bandwidth: float, fp8_peak: float | None = None) -> float:
+        """max(FLOPs / peak, bytes / bandwidth), an FP8 GEMM's FLOPs at fp8_peak (given)."""
+        rate = fp8_peak if self.fp8 and fp8_peak else peak
+        return max(self.flops / rate, self.bytes / bandwidth)
 
 
 def trip_count(module: Module, loop: Instr) -> int:
@@ -54,11 +59,19 @@ def _dot_flops(comp: Computation, dot: Instr) -> float:
     return 2.0 * math.prod(_first_dims(dot.type)) * size
 
 
-def _dots_flops(module: Module, comp: Computation) -> float:
-    """FLOPs of every dot in a fused computation and what it calls (nested GEMM fusions)."""
-    return sum(_dot_flops(comp, i) if i.opcode == "dot" else 0.0 for i in comp.instrs) + \
-        sum(_dots_flops(module, module[c]) for i in comp.instrs for c in i.called()
-            if c in module.computations)
+def _dots(module: Module, comp: Computation) -> list:
+    """(computation, dot) of every dot in a fused computation and what it calls (nested
+    GEMM fusions)."""
+    return [(comp, i) for i in comp.instrs if i.opcode == "dot"] + \
+        [d for i in comp.instrs for c in i.called() if c in module.computations
+         for d in _dots(module, module[c])]
+
+
+def _fp8(comp: Computation, instr: Instr) -> bool:
+    """Whether a dot (or GEMM call) takes 8-bit float operands, both of them: an operand
+    converted up from FP8 inside the fusion makes it a 16-bit GEMM."""
+    return all(comp.by_name[o].type.startswith("f8") for o in instr.operands[:2]
+               if o in comp.by_name)
 
 
 def _gemm_call_flops(comp: Computation, call: Instr) -> float:
@@ -137,12 +150,14 @@ def phase(op_name: str) -> str:
 
 def kernel(module: Module, comp: Computation, instr: Instr, count: float) -> Kernel:
     """One kernel's category, FLOPs and bytes (module docstring)."""
-    flops, category = 0.0, "other"
+    flops, category, fp8 = 0.0, "other", False
     plain = nbytes(instr.type) + sum(nbytes(comp.by_name[o].type) for o in instr.operands
                                      if o in comp.by_name)
     if instr.opcode == "fusion":
         body = module[instr.attr("calls")]
-        flops, moved = _dots_flops(module, body), _fusion_bytes(module, comp, instr)
+        dots = _dots(module, body)
+        flops, moved = sum(_dot_flops(c, d) for c, d in dots), _fusion_bytes(module, comp, instr)
+        fp8 = bool(dots) and all(_fp8(c, d) for c, d in dots)
         outputs = body.root.operands if body.root.opcode == "tuple" else [body.root.name]
         if flops:
             category = "gemm"
@@ -158,12 +173,12 @@ def kernel(module: Module, comp: Computation, instr: Instr, count: float) -> Ker
         elif target == "__gpu$xla.gpu.triton" and re.search(FLASH_CALL, instr.op_name):
             flops, category = _flash_flops(comp, instr), "attention"
         elif target.startswith("__cublas"):
-            flops, category = _gemm_call_flops(comp, instr), "gemm"
+            flops, category, fp8 = _gemm_call_flops(comp, instr), "gemm", _fp8(comp, instr)
         elif instr.opcode == "copy":
             category = "copy"
     op_name = instr.op_name
     return Kernel(instr.name, comp.name, category, phase(op_name), flops, moved, count,
-                  "Block/" in op_name)
+                  re.search(r"\bBlock\b", op_name) is not None, fp8, op_name)
 
 
 def collective_started(module: Module, instr: Instr) -> str | None:
@@ -203,9 +218,9 @@ def counts_as_kernel(module: Module, instr: Instr) -> bool:
                 or instr.base in COLLECTIVES)
 
 
-def cost(module: Module, peak: float, bandwidth: float) -> list:
+def cost(module: Module, peak: float, bandwidth: float, fp8_peak: float | None = None) -> list:
     """Every kernel the step launches (Kernel, with its launches a step) in program order,
-    of each conditional its costlier branch."""
+    of each conditional its costlier branch (Kernel.seconds: FP8 GEMMs at fp8_peak)."""
     def kernels_of(comp: str | None, count: float) -> list:
         found = []
 
@@ -216,7 +231,8 @@ def cost(module: Module, peak: float, bandwidth: float) -> list:
         return found
 
     def costlier(_, names, count):
-        seconds = [sum(k.seconds(peak, bandwidth) * k.count for k in kernels_of(n, count))
+        seconds = [sum(k.seconds(peak, bandwidth, fp8_peak) * k.count
+                       for k in kernels_of(n, count))
                    for n in names]
         return [names[seconds.index(max(seconds))]]
     return kernels_of(None, 1.0)

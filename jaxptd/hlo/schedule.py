@@ -21,10 +21,11 @@ class Collective:
     kernels: tuple  # the Kernels scheduled between start and done (not inside loops/calls)
     op_name: str
 
-    def in_flight_s(self, peak: float, bandwidth: float) -> float:
+    def in_flight_s(self, peak: float, bandwidth: float, fp8_peak: float | None = None
+                    ) -> float:
         """Static seconds of the kernels in flight (each Kernel.seconds): whether they can
         hide the transfer, where `overlap` says only what kind of work is there."""
-        return sum(k.seconds(peak, bandwidth) for k in self.kernels)
+        return sum(k.seconds(peak, bandwidth, fp8_peak) for k in self.kernels)
 
 
 def _between(comp: Computation, start: int, done: int | None) -> list:

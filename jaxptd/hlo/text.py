@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 DTYPE_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "s16": 16, "u16": 16,
               "f16": 16, "bf16": 16, "s32": 32, "u32": 32, "f32": 32, "s64": 64, "u64": 64,
-              "f64": 64, "c64": 64, "c128": 128, "token": 0}
+              "f64": 64, "c64": 64, "c128": 128, "token": 0, "f8e4m3fn": 8, "f8e5m2": 8,
+              "f8e4m3": 8, "f8e4m3fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3b11fnuz": 8, "f8e3m4": 8,
+              "f8e8m0fnu": 8}
 _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _LINE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")

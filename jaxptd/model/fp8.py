@@ -58,11 +58,11 @@ def quantize(x, dtype, axes: tuple[str, ...]):
     return q, scale
 
 
-def _product(spec: str, a, b, scale, like):
-    """einsum(spec) of two 8-bit operands, float32 accumulation, times `scale`, in like's
-    dtype."""
+def _product(spec: str, a, b, scale, dtype):
+    """einsum(spec) of two 8-bit operands, float32 accumulation, times `scale`, in
+    `dtype`."""
     y = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-    return (y * scale).astype(like.dtype)
+    return (y * scale).astype(dtype)
 
 
 def _bits(q):
@@ -74,10 +74,10 @@ def _bits(q):
     return lax.bitcast_convert_type(q, jnp.uint8)
 
 
-def _reduced_to(grad, like):
-    """A cotangent made for a primal `like`: summed over the manual axes it varies over
-    and like does not (what autodiff's transpose of the broadcast would do)."""
-    extra = tuple(sorted(varying_axes(grad) - varying_axes(like)))
+def _reduced_to(grad, axes: frozenset):
+    """A cotangent summed over the manual axes it varies over and its primal (varying over
+    `axes`) does not: what autodiff's transpose of the broadcast would do."""
+    extra = tuple(sorted(varying_axes(grad) - axes))
     return lax.psum(grad, extra) if extra else grad
 
 
@@ -88,23 +88,22 @@ def einsum(spec: str, axes: tuple[str, ...] = ()):
     be split (amax reduced over those it varies over)."""
     to_x, to_w = transposed(spec)
 
-    @jax.custom_vjp
-    def product(x, w):
-        return forward(x, w)[0]
+    # the primals' dtypes and varying axes reach the backward as static arguments
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+    def product(x, w, dtypes, vma):
+        return forward(x, w, dtypes, vma)[0]
 
-    def forward(x, w):
+    def forward(x, w, dtypes, vma):
         (qx, sx), (qw, sw) = quantize(x, E4M3, axes), quantize(w, E4M3, axes)
-        # zero-size slices carry the primals' dtypes and varying axes to the backward
-        return _product(spec, qx, qw, sx * sw, x), (_bits(qx), sx, _bits(qw), sw,
-                                                    x.ravel()[:0], w.ravel()[:0])
+        return _product(spec, qx, qw, sx * sw, dtypes[0]), (_bits(qx), sx, _bits(qw), sw)
 
-    def backward(kept, g):
-        qx, sx, qw, sw, x_like, w_like = kept
+    def backward(dtypes, vma, kept, g):
+        qx, sx, qw, sw = kept
         qx, qw = lax.bitcast_convert_type(qx, E4M3), lax.bitcast_convert_type(qw, E4M3)
         qg, sg = quantize(g, E5M2, axes)
-        dx = _product(to_x, qg, qw, sg * sw, x_like)
-        dw = _product(to_w, qx, qg, sx * sg, w_like)
-        return _reduced_to(dx, x_like), _reduced_to(dw, w_like)
+        dx = _product(to_x, qg, qw, sg * sw, dtypes[0])
+        dw = _product(to_w, qx, qg, sx * sg, dtypes[1])
+        return _reduced_to(dx, vma[0]), _reduced_to(dw, vma[1])
 
     product.defvjp(forward, backward)
-    return product
+    return lambda x, w: product(x, w, (x.dtype, w.dtype), (varying_axes(x), varying_axes(w)))

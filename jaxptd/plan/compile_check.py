@@ -177,13 +177,14 @@ def cost_report(config: Config, module: hlo.Module, target: Target) -> dict:
     """The static cost report (jaxptd/hlo/): time, FLOPs, bytes and launches by kernel
     category and by phase, kernels a layer, and the MFU ceiling: PTD-P eq. (3)'s model
     FLOPs without recomputation per device over the roofline time at the target's peak."""
-    peak, bandwidth = target.peak_bf16, target.hbm
-    kernels = hlo.cost(module, peak, bandwidth)
+    peak, bandwidth, fp8_peak = target.peak_bf16, target.hbm, target.peak_fp8
+    kernels = hlo.cost(module, peak, bandwidth, fp8_peak)
     by = {"category": defaultdict(lambda: [0.0] * 4), "phase": defaultdict(lambda: [0.0] * 4)}
     for k in kernels:
         for key, group in (("category", k.category), ("phase", k.phase)):
             row = by[key][group]
-            for i, value in enumerate((k.seconds(peak, bandwidth), k.flops, k.bytes, 1.0)):
+            for i, value in enumerate((k.seconds(peak, bandwidth, fp8_peak), k.flops, k.bytes,
+                                       1.0)):
                 row[i] += value * k.count
     seconds = sum(row[0] for row in by["category"].values())
     model = config.model
@@ -198,14 +199,30 @@ def cost_report(config: Config, module: hlo.Module, target: Target) -> dict:
     return {"seconds": seconds, **table, "bytes_outside_gemm_attention": other,
             "launches": sum(k.count for k in kernels),
             "kernels_per_layer": sum(k.count for k in kernels if k.is_layer) / layer_passes,
+            "layer_gemms": layer_gemms(kernels, layer_passes),
             "model_flops_per_device": model_flops / config.num_devices,
             "mfu_ceiling": model_flops / config.num_devices / (seconds * peak)}
+
+
+def layer_gemms(kernels: list, layer_passes: float) -> dict:
+    """A layer's GEMM launches, those with FP8 operands and the others (model.fp8's
+    evidence), each a layer pass; the others by the jax op that made them (the attention
+    core's einsums under model.attention=xla are GEMMs that stay 16-bit)."""
+    others: Counter = Counter()
+    for k in kernels:
+        if k.is_layer and k.category == "gemm" and not k.fp8:
+            op = re.split(r"Block\W*/", k.op_name)[-1].removesuffix("/dot_general")
+            others[f"{k.phase} {op}"] += k.count / layer_passes
+    gemms = [k for k in kernels if k.is_layer and k.category == "gemm"]
+    return {"fp8": sum(k.count for k in gemms if k.fp8) / layer_passes,
+            "other": sum(others.values()), "other_by_op": dict(others.most_common(8))}
 
 
 def covered(c: hlo.Collective, target: Target) -> bool:
     """The kernels in flight take, statically, at least the message's time over the node's
     links (bytes / target.intra: a lower bound of any collective's transfer)."""
-    return c.in_flight_s(target.peak_bf16, target.hbm) >= c.bytes / target.intra
+    return c.in_flight_s(target.peak_bf16, target.hbm, target.peak_fp8) >= \
+        c.bytes / target.intra
 
 
 def overlap_report(module: hlo.Module, target: Target) -> dict:
@@ -311,4 +328,8 @@ def format_report(report: dict) -> str:
                          f"{row['launches']:6.0f} kernels")
     lines.append(f"  bytes moved outside GEMMs and attention: "
                  f"{cost['bytes_outside_gemm_attention'] / GB:.1f} GB a step")
+    gemms = cost["layer_gemms"]
+    lines.append(f"  a layer's GEMMs (each pass): {gemms['fp8']:g} FP8 (8-bit operands, at "
+                 f"the FP8 peak), {gemms['other']:g} other" + "".join(
+                     f"\n    other: {n:g} x {op}" for op, n in gemms["other_by_op"].items()))
     return "\n".join(lines)

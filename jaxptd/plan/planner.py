@@ -278,6 +278,24 @@ def executed_flops(config: Config, vocab: int) -> float:
     return executed + core * (ring * fraction - counted)
 
 
+def fp8_flops(config: Config, vocab: int) -> float:
+    """Of the iteration's executed FLOPs, those model.fp8 runs as FP8 GEMMs: the layers'
+    linears (a layer's forward less its attention core; a mixture's expert MLPs are counted
+    16-bit), forward and both backward GEMMs, and what model.remat runs again of them
+    (full: the layer's; minimal_mlp: q, k, v). 0 without FP8."""
+    from jaxptd.model import get  # JAX on use: --verify configures it first
+    from jaxptd.model.moe import active_mlp_flops  # (the same)
+    m_cfg = config.model
+    if m_cfg.fp8 == "none":
+        return 0.0
+    per_token = get(m_cfg).forward_flops(m_cfg, vocab)
+    linear = per_token["layer"] - per_token["core"]
+    if m_cfg.moe:
+        linear -= active_mlp_flops(m_cfg, 6 if family(m_cfg).gated_mlp else 4) / m_cfg.unit
+    again = {"full": linear, "minimal_mlp": per_token["qkv"]}.get(recomputation(config), 0)
+    return config.train.global_batch * m_cfg.seq_len * m_cfg.num_layers * (3 * linear + again)
+
+
 def options(config: Config) -> dict:
     """The memory-saving options a plan was made with (what --search varies)."""
     par = config.parallel
@@ -312,8 +330,11 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
     head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
         m_cfg, counts["vocab_padded"])["head"]
     unspread = 0 if _spreads_head(config, inputs.platform) else par.pipe - 1
+    # FP8 GEMMs run at the target's FP8 peak: their FLOPs count at peak_bf16 / peak_fp8
+    speedup = hw.peak_fp8 / hw.peak_bf16 if hw.peak_fp8 and hw.peak_bf16 else 1.0
+    fp8_saved = fp8_flops(config, counts["vocab_padded"]) * (1 - 1 / speedup)
     time = pt.step_time(
-        flops_device=(executed + unspread * head) / config.num_devices,
+        flops_device=(executed - fp8_saved + unspread * head) / config.num_devices,
         bubble=bubble, comm=comm, m=par.microbatches, v=par.chunks, p=par.pipe,
         t=par.tensor, d=par.data, fsdp_group=par.fsdp_size, gpus_per_node=hw.gpus_per_node,
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,

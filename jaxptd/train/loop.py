@@ -193,13 +193,15 @@ def compile_step(setup, state, batch, timer, metrics_log=None, available=None):
               "temp_bytes_per_device": getattr(memory, "temp_size_in_bytes", None),
               "argument_bytes_per_device": getattr(memory, "argument_size_in_bytes", None),
               "flops_per_iteration": flops, "bubble_fraction": schedule_stats(
-                  config, setup.target.platform)[0]}
+                  config, setup.target.platform)[0], "fp8": config.model.fp8}
     if metrics_log is not None:
         metrics_log.write(record)
     LOG.info(f"compiled the step in {compile_s:.1f} s: "
              f"{human_bytes(record['argument_bytes_per_device'] or 0)} of state and "
              f"{human_bytes(record['temp_bytes_per_device'] or 0)} of temporaries per device,"
-             f" pipeline bubble {record['bubble_fraction']:.3f}")
+             f" pipeline bubble {record['bubble_fraction']:.3f}" + (
+                 f"; the layers' linears in FP8 (model.fp8={config.model.fp8}), MFU still "
+                 "against the bf16 peak" if config.model.fp8 != "none" else ""))
     return train_step, flops
 
 

@@ -111,6 +111,10 @@ class Setup:
             self.target = target.resolve(config.runtime.target, mesh.devices.flat)
         except target.TargetError as e:
             raise ConfigError(str(e)) from None
+        if model.fp8 != "none" and self.target.platform == "gpu" and self.target.chip and \
+                not self.target.peak_fp8:
+            raise ConfigError(f"model.fp8={model.fp8}: {self.target.name} GPUs have no FP8 "
+                              "tensor cores (Hopper and newer: h100, h200); set model.fp8=none")
         self.arch = models.get(model)
         self.vocab = model.padded_vocab(par.tensor)
         self.state_layout = StateLayout(config, mesh, self.arch, self.vocab)
