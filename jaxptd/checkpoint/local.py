@@ -263,6 +263,8 @@ def restore_newest(local: LocalTier | None, ckpt, abstract_state, vocab_size: in
     newest = max(complete_steps(ckpt.directory), default=0) if ckpt else 0
     restored = local.restore_newer(abstract_state, vocab_size, newest) if local else None
     if restored is not None:
+        if ckpt:  # as restore_latest does: no later save meets a killed one's leftovers
+            ckpt.remove_half_written()
         return (*restored, f"the local tier (checkpoint.local_dir={local.template})")
     restored = ckpt.restore_latest(abstract_state, vocab_size) if ckpt else None
     return None if restored is None else (*restored, ckpt.directory)

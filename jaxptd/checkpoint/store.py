@@ -122,13 +122,7 @@ class Checkpointer:
         Raises CheckpointError when steps exist but none can be read, or when a whole step
         was written by a different model.
         """
-        for name in sorted(os.listdir(self.directory)):
-            if TMP_MARK in name:  # a save killed before its rename: never a complete step
-                path = os.path.join(self.directory, name)
-                if jax.process_index() == 0:  # the run holds the directory's lock: no other
-                    shutil.rmtree(path, ignore_errors=True)  # save can be writing it
-                LOG.warning(f"removed half-written checkpoint {path} (a save that did not "
-                            "finish)")
+        self.remove_half_written()
         failures = []
         for step in sorted(self.manager.all_steps(), reverse=True):
             state, problem = self._try_restore(abstract_state, step, vocab_size)
@@ -139,6 +133,17 @@ class Checkpointer:
             raise CheckpointError(f"no readable checkpoint in {self.directory}: "
                                   + "; ".join(failures) + " (each moved to <step>.corrupt)")
         return None
+
+    def remove_half_written(self) -> None:
+        """Removes the saves killed before their rename (never a complete step), one
+        warning line each. The caller holds the run's lock: no other save is writing."""
+        for name in sorted(os.listdir(self.directory)):
+            if TMP_MARK in name:
+                path = os.path.join(self.directory, name)
+                if jax.process_index() == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+                LOG.warning(f"removed half-written checkpoint {path} (a save that did not "
+                            "finish)")
 
     def _try_restore(self, abstract_state, step: int, vocab_size: int):
         """(state, None) or (None, why the step is damaged), agreed by every process."""
