@@ -6,21 +6,27 @@ a subprocess that hangs, against its limit and its stack; the straggler verdict 
 the process made slow; a smaller restart's microbatches against the saved microbatch
 size; the config rules.
 
-Slow: one sequence of three 4-process launches of the same command through
-launch/local.sh, shared by the tests below it (`sequence`): process 2 reads its batches
-late (a slow disk on its host) until the straggler warning names it; then a process chosen
-at random stops itself (SIGSTOP) as it begins a step, until the others' watchdogs end the
-job (both through a sitecustomize module the test writes: a step, not a checkpoint save
-with its longer limit); the relaunch resumes, and a process chosen at random is killed
-(SIGKILL) at a random step; the relaunch resumes again and is preempted. Its
-losses, every step once, must equal the single-process run's. JAXPTD_FAULT_SEED=N
-repeats a sequence's choices. The SLURM sequence (USR1, requeue, half the processes) is in
-tests/test_multihost.py.
+Slow: one sequence of four 4-process launches of the same command through
+launch/local.sh (the local checkpoint tier on: checkpoint.local_every=2, a local directory
+per process standing for a node), shared by the tests below it (`sequence`): process 2
+reads its batches late (a slow disk on its host) until the straggler warning names it, and
+a second run on the same run directory is refused meanwhile; then a process chosen at
+random stops itself (SIGSTOP) as it begins a step, until the others' watchdogs end the job
+(both through a sitecustomize module the test writes: a step, not a checkpoint save with
+its longer limit). Both copies of one process's blocks of the newest local step are
+damaged: the relaunch resumes from the step before it; a process chosen at random is
+killed (SIGKILL) at a random step and its node's local directory deleted: the relaunch
+resumes from the newest local step through its peer's copy, at most local_every steps
+lost; SIGTERM to one process saves an agreed step, from which the last relaunch resumes
+before it is preempted. Its losses, every step once, must equal the single-process run's.
+JAXPTD_FAULT_SEED=N repeats a sequence's choices. The SLURM sequence (USR1, requeue, half
+the processes) is in tests/test_multihost.py.
 """
 import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -251,13 +257,15 @@ def test_watchdog_keys_are_checked(override, message):
 
 # ------------------------------------------------------------------ real processes
 
-# 4 processes x 2 devices: data 4, tensor 2 inside each process; a checkpoint every 3 steps.
+# 4 processes x 2 devices: data 4, tensor 2 inside each process; a checkpoint every 10 steps
+# (the local tier's every 2: `sequence`).
 FAULT_ARGS = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=8",
               "model.seq_len=16", "model.vocab_size=300", "train.global_batch=16",
               "optimizer.warmup_steps=1", "parallel.data=4", "parallel.tensor=2",
               "parallel.microbatches=2", "train.steps=400", "train.log_every=1",
-              "train.eval_every=0", "checkpoint.every=3", "runtime.watchdog_min_s=10",
+              "train.eval_every=0", "checkpoint.every=10", "runtime.watchdog_min_s=10",
               "runtime.straggler_window=3"]
+LOCAL_EVERY = 2  # with checkpoint.local_dir=<the test's directory>/local/{process}
 GRACE = {"JAXPTD_GRACE_S": "5"}  # local.sh: the stopped process is killed 5 s after the rest
 # Imported by every Python the launch starts (FAULTS: the test's directory): while the
 # file `slow` is there, process 2 reads each batch 0.3 s late; the process named in the
@@ -307,6 +315,21 @@ def newest_checkpoint(run_dir):
                 if r["status"] == "complete"), default=0)
 
 
+def local_steps(local, process, part="own"):
+    """The complete local steps holding `part` in `process`'s directory, ascending."""
+    directory = local / str(process) / f"process-{process}"
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and
+                  (p / part / "manifest.json").exists()) if directory.is_dir() else []
+
+
+def newest_local(local, below=None):
+    """The newest step (below `below`) whose every process's blocks lie in its own or its
+    peer's copy; 0 when there is none."""
+    held = [set(local_steps(local, p)) | set(local_steps(local, (p + 1) % 4, "peer"))
+            for p in range(4)]
+    return max((s for s in set.intersection(*held) if below is None or s < below), default=0)
+
+
 def exited(pid):
     """Whether `pid` has ended (gone, or a zombie its launcher has not reaped yet)."""
     try:
@@ -315,22 +338,95 @@ def exited(pid):
         return True
 
 
-def relaunch(run_dir, out, facts, name):
+def relaunch(run_dir, out, facts, name, expected):
     """Launches the same command again; -> the Popen once it trains (past its compile),
-    with facts[name] = (the newest complete checkpoint before, the step it resumed from,
-    the last step trained before it)."""
-    before, trained = newest_checkpoint(run_dir), max(losses_of(run_dir))
-    proc = launch(4, FAULT_ARGS, run_dir, out=out, extra_env=facts["env"])
+    with facts[name] = (the step it should resume from, the step it resumed from, the
+    last step trained before it)."""
+    trained = max(losses_of(run_dir))
+    proc = launch(4, facts["args"], run_dir, out=out, extra_env=facts["env"])
     wait_for_text(out, "compiled the step", proc)
     resumed = int(re.search(r"resumed from step (\d+)", out.read_text()).group(1))
-    facts[name] = (before, resumed, trained)
+    facts[name] = (expected, resumed, trained)
     print(f"{name}: resumed from step {resumed}; {trained - resumed} trained steps lost")
     return proc
 
 
+def damage_newest_local(local, rng):
+    """Flips a byte in every copy of one process's blocks of the newest local step (the
+    stopped process's own copy may be missing: its save never finished) -> (step, the
+    damaged copies as (holder, part)); the relaunch must resume from the newest complete
+    local step before it, or the persistent tier's."""
+    step, process = newest_local(local), rng.randrange(4)
+    copies = [(holder, part) for holder, part in ((process, "own"), ((process + 1) % 4, "peer"))
+              if step in local_steps(local, holder, part)]
+    for holder, part in copies:
+        blocks = local / str(holder) / f"process-{holder}" / str(step) / part / "blocks.bin"
+        data = bytearray(blocks.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blocks.write_bytes(bytes(data))
+    return step, copies
+
+
+def stop_one(run_dir, base, facts, procs, rng):
+    """Launch 1: process 2 reads its batches late until the straggler warning names it; a
+    second run on the same run directory is refused meanwhile; then a process stops."""
+    (base / "slow").touch()
+    procs.append(launch(4, facts["args"], run_dir, out=base / "stop.txt",
+                        extra_env=facts["env"]))
+    wait_for_step(run_dir, 1, procs[-1], timeout=300)
+    second = launch(4, facts["args"], run_dir, out=base / "second.txt", extra_env=facts["env"])
+    facts["second_status"] = second.wait(timeout=300)
+    wait_for_text(base / "stop.txt", "lags the others", procs[-1], timeout=300)
+    (base / "slow").unlink()
+    facts["frozen"] = rng.randrange(4)
+    wait_for_step(run_dir, max(losses_of(run_dir)) + rng.randint(1, 3), procs[-1])
+    (base / "stop").write_text(str(facts["frozen"]))
+    facts["stop_status"] = procs[-1].wait(timeout=120)
+    facts["stopped"] = float((base / "stopped").read_text())
+    facts["stacks"] = {p.name: p.stat().st_mtime for p in (run_dir / "stacks").iterdir()}
+
+
+def kill_one(run_dir, base, facts, procs, rng):
+    """Launch 2, after the newest local step was damaged: a process killed at a step."""
+    local = base / "local"
+    damaged, _ = facts["damaged"] = damage_newest_local(local, rng)
+    procs.append(relaunch(run_dir, base / "kill.txt", facts, "after_stop", max(
+        newest_checkpoint(run_dir), newest_local(local, below=damaged))))
+    victim, step = rng.randrange(4), facts["after_stop"][1] + rng.randint(1, 5)
+    wait_for_step(run_dir, step, procs[-1])
+    pids = {rank: rank_pid(procs[-1].pid, rank) for rank in range(4)}
+    os.kill(pids[victim], signal.SIGKILL)
+    killed, ends = time.monotonic(), {}
+    print(f"killed process {victim} after step {max(losses_of(run_dir))}")
+    while len(ends) < 3 and time.monotonic() - killed < 90:
+        ends.update({r: time.monotonic() - killed for r, pid in pids.items()
+                     if r != victim and r not in ends and exited(pid)})
+        time.sleep(0.05)
+    facts.update(victim=victim, ends=ends, kill_status=procs[-1].wait(timeout=60))
+
+
+def preempt_one(run_dir, base, facts, procs, rng):
+    """Launch 3, the killed process's node's local directory deleted: resumes from the
+    peers' copies; then SIGTERM to one process only: all agree on a step, save, exit 0.
+    Launch 4 resumes from that persistent step; SIGTERM to the launcher ends it."""
+    local = base / "local"
+    before = newest_local(local)
+    shutil.rmtree(local / str(facts["victim"]))
+    facts["local_lost"] = (before, newest_local(local))
+    procs.append(relaunch(run_dir, base / "term.txt", facts, "after_kill", newest_local(local)))
+    wait_for_step(run_dir, facts["after_kill"][1] + 2, procs[-1])
+    os.kill(rank_pid(procs[-1].pid, rng.randrange(4)), signal.SIGTERM)
+    facts["term_status"] = procs[-1].wait(timeout=120)
+    saved = max(losses_of(run_dir))
+    procs.append(relaunch(run_dir, base / "last.txt", facts, "after_term", saved))
+    wait_for_step(run_dir, facts["after_term"][1] + 2, procs[-1])
+    procs[-1].send_signal(signal.SIGTERM)
+    facts["last_status"] = procs[-1].wait(timeout=120)
+
+
 @pytest.fixture(scope="module")
 def sequence(tmp_path_factory):
-    """The three launches of one command, each fault once; -> what the tests check."""
+    """The four launches of one command, each fault once; -> what the tests check."""
     seed = int(os.environ.get("JAXPTD_FAULT_SEED", time.time_ns() % 10**6))
     rng = random.Random(seed)
     print(f"JAXPTD_FAULT_SEED={seed}")
@@ -338,39 +434,12 @@ def sequence(tmp_path_factory):
     base = tmp_path_factory.mktemp("faults")
     (base / "sitecustomize.py").write_text(FAULTS)
     run_dir, procs = base / "run", []
-    facts = {"env": {**GRACE, "FAULTS": str(base), "PYTHONPATH": f"{base}{os.pathsep}{ROOT}"}}
+    facts = {"env": {**GRACE, "FAULTS": str(base), "PYTHONPATH": f"{base}{os.pathsep}{ROOT}"},
+             "args": [*FAULT_ARGS, f"checkpoint.local_every={LOCAL_EVERY}",
+                      f"checkpoint.local_dir={base}/local/{{process}}"]}
     try:
-        # 1. process 2 reads its batches late until the straggler warning names it; then
-        # a process stopped
-        (base / "slow").touch()
-        procs.append(launch(4, FAULT_ARGS, run_dir, out=base / "stop.txt",
-                            extra_env=facts["env"]))
-        wait_for_text(base / "stop.txt", "lags the others", procs[-1], timeout=300)
-        (base / "slow").unlink()
-        facts["frozen"] = rng.randrange(4)
-        wait_for_step(run_dir, max(losses_of(run_dir)) + rng.randint(1, 3), procs[-1])
-        (base / "stop").write_text(str(facts["frozen"]))
-        facts["stop_status"] = procs[-1].wait(timeout=120)
-        facts["stopped"] = float((base / "stopped").read_text())
-        facts["stacks"] = {p.name: p.stat().st_mtime for p in (run_dir / "stacks").iterdir()}
-        # 2. the same command resumes; a process chosen at random killed at a random step
-        procs.append(relaunch(run_dir, base / "kill.txt", facts, "after_stop"))
-        victim, step = rng.randrange(4), facts["after_stop"][1] + rng.randint(1, 5)
-        wait_for_step(run_dir, step, procs[-1])
-        pids = {rank: rank_pid(procs[-1].pid, rank) for rank in range(4)}
-        os.kill(pids[victim], signal.SIGKILL)
-        killed, ends = time.monotonic(), {}
-        print(f"killed process {victim} after step {max(losses_of(run_dir))}")
-        while len(ends) < 3 and time.monotonic() - killed < 90:
-            ends.update({r: time.monotonic() - killed for r, pid in pids.items()
-                         if r != victim and r not in ends and exited(pid)})
-            time.sleep(0.05)
-        facts.update(victim=victim, ends=ends, kill_status=procs[-1].wait(timeout=60))
-        # 3. the same command resumes again; preempted (SIGTERM: saved, exit 0) soon after
-        procs.append(relaunch(run_dir, base / "last.txt", facts, "after_kill"))
-        wait_for_step(run_dir, facts["after_kill"][1] + 2, procs[-1])
-        procs[-1].send_signal(signal.SIGTERM)
-        facts["last_status"] = procs[-1].wait(timeout=120)
+        for act in (stop_one, kill_one, preempt_one):
+            act(run_dir, base, facts, procs, rng)
     finally:  # the training processes run in sessions of their own
         for proc in procs:
             if proc.poll() is None:
@@ -378,9 +447,11 @@ def sequence(tmp_path_factory):
                     os.kill(pid, signal.SIGKILL)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    facts["out"] = {name: (base / f"{name}.txt").read_text() for name in ("stop", "kill", "last")}
+    facts["out"] = {name: (base / f"{name}.txt").read_text()
+                    for name in ("stop", "second", "kill", "term", "last")}
     facts["records"] = [json.loads(line) for line in
                         (run_dir / "metrics.jsonl").read_text().splitlines()]
+    facts["checkpoints"] = inspect(str(run_dir / "checkpoints"))
     return facts
 
 
@@ -445,15 +516,59 @@ def test_killed_process_ends_every_other_within_a_minute(sequence):
 
 
 @pytest.mark.slow
-def test_relaunches_resume_from_the_newest_checkpoint_and_match_one_process(sequence):
-    for name in ("after_stop", "after_kill"):
-        newest, resumed, trained = sequence[name]
-        assert resumed == newest and trained - 6 < resumed <= trained, (name, sequence[name])
+def test_a_second_run_on_the_run_directory_is_refused(sequence):
+    """Process 0 of the first launch holds the run directory; a second 4-process run on it
+    stops at start-up with process 0's line on every process (distributed.lead_decides:
+    the others cannot see the lock), and the first goes on, its history unmixed (every
+    step's loss once: the last test)."""
+    out = sequence["out"]["second"]
+    assert sequence["second_status"] == 2, out[-3000:]
+    assert "is in use by another run" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_relaunches_resume_from_the_newest_complete_local_step(sequence):
+    """After the stop: the newest local step, damaged in both copies of one process's
+    blocks, is skipped with a warning; after the kill: the newest local step although the
+    killed process's node lost its directory (its blocks from its peer's copy), at most
+    checkpoint.local_every steps lost; after the preemption: its persistent step."""
+    for name in ("after_stop", "after_kill", "after_term"):
+        expected, resumed, trained = sequence[name]
+        print(f"{name}: {trained - resumed} trained steps lost (resumed from {resumed})")
+        assert resumed == expected, (name, sequence[name])
+    damaged, copies = sequence["damaged"]
+    for holder, part in copies:
+        assert re.search(rf"warning: local checkpoint step {damaged}: the {part} copy in \S+/"
+                         rf"{holder}/process-{holder} is damaged; skipped",
+                         sequence["out"]["kill"]), sequence["out"]["kill"][-3000:]
+    expected, resumed, trained = sequence["after_kill"]
+    assert trained - resumed <= LOCAL_EVERY and sequence["local_lost"][0] == resumed
+    assert f"resumed from step {resumed} in the local tier" in sequence["out"]["term"]
+    assert "3 processes' blocks from their own copies, 1 from their peers'" in \
+        sequence["out"]["term"]
+    _, resumed, trained = sequence["after_term"]
+    assert sequence["term_status"] == 0 and resumed == trained, sequence["out"]["term"][-3000:]
+    assert f"saving step {resumed} and exiting" in sequence["out"]["term"]
+    assert re.search(rf"resumed from step {resumed} in /\S+/checkpoints$",
+                     sequence["out"]["last"], re.M)
+
+
+@pytest.mark.slow
+def test_the_losses_match_one_process_every_step_once(sequence):
+    """The four launches' losses equal the single-process run's (restores from the local
+    tier, from peers' copies and from the persistent tier included); the quiet last launch
+    prints only process 0's lines, no collectives' chatter; its checkpoints record it."""
     assert sequence["last_status"] == 0, sequence["out"]["last"][-3000:]
     losses = {r["step"]: r["loss"] for r in sequence["records"] if "loss" in r}
     assert sorted(losses) == list(range(1, max(losses) + 1))  # every step once
     expected = first_losses(FAULT_ARGS, max(losses))
     np.testing.assert_allclose([losses[s] for s in sorted(losses)], expected, rtol=1e-5)
+    out = sequence["out"]["last"]
+    assert "peer ranks" not in out and not any(line.startswith(("[1]", "[2]", "[3]"))
+                                               for line in out.splitlines()), out[-3000:]
+    layout = sequence["checkpoints"][-1]["layout"]
+    assert {k: layout[k] for k in ("data", "pipe", "tensor", "chunks", "processes")} == \
+        dict(data=4, pipe=1, tensor=2, chunks=1, processes=4)
 
 
 def first_losses(args, steps):
