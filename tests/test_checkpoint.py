@@ -191,7 +191,7 @@ def test_local_tier_restores_what_the_persistent_tier_does_and_skips_damage(tmp_
         tier.save(step, states[step])
     tier.close()
     assert tier.steps() == [2, 3]  # checkpoint.local_keep
-    (tmp_path / "local-0" / "process-0" / "4.partial-99" / "own").mkdir(parents=True)
+    (tmp_path / "local-0" / "process-0" / "4" / "own.partial-99").mkdir(parents=True)
     target = make_setup(1, 2, 4, EXTRA)
     abstract, vocab = target.state_layout.abstract_state(logical=True), 300
     persistent = Checkpointer(str(tmp_path / "persistent"), 0, 10)
@@ -202,7 +202,7 @@ def test_local_tier_restores_what_the_persistent_tier_does_and_skips_damage(tmp_
 
     state, step, where = newest()
     assert step == 3 and where.startswith("the local tier")
-    assert not (tmp_path / "local-0" / "process-0" / "4.partial-99").exists()
+    assert not (tmp_path / "local-0" / "process-0" / "4" / "own.partial-99").exists()
     local_one = LocalTier(str(tmp_path / "one-{process}"), 1, 2, "run")
     local_one.save(1, states[1])
     local_one.close()

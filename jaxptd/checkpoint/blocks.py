@@ -6,7 +6,8 @@ reads them.
 A part is what one process's devices hold: a manifest (JSON: per leaf its name, shape,
 dtype, spec and the distinct blocks, each as [start, stop] per dimension; the mesh's axis
 names, shape and device ids) and one uint8 buffer of the blocks, leaf after leaf, block
-after block. `pack` puts both in one buffer (an 8-byte length, the manifest, the blocks).
+after block. `pack` puts both in one buffer (an 8-byte length, the manifest, the blocks),
+`host_blocks` a state's part straight into one.
 
 `exchange` hands every process's buffer to the process `shift` further on (mod the count),
 spread over the local devices as rows of a [devices, width] uint8 array in rounds of at
@@ -31,9 +32,10 @@ CHUNK = 1 << 28  # bytes a device carries in one round of an exchange
 HEADER = 8  # bytes of the manifest's length at the head of a packed part
 
 
-def host_blocks(state) -> tuple[dict, np.ndarray]:
-    """(manifest, uint8 buffer) of the distinct blocks this process's devices hold of
-    `state` (global arrays, NamedShardings over one mesh)."""
+def host_blocks(state, extra: dict) -> np.ndarray:
+    """This process's part of `state` (global arrays, NamedShardings over one mesh), packed:
+    the manifest (with `extra`'s entries) and the distinct blocks its devices hold, copied
+    once into one uint8 buffer."""
     leaves, datas = [], []
     for path, x in jax.tree_util.tree_leaves_with_path(state):
         indices = {}
@@ -47,16 +49,24 @@ def host_blocks(state) -> tuple[dict, np.ndarray]:
     mesh = jax.tree.leaves(state)[0].sharding.mesh
     record = {"names": list(mesh.axis_names), "shape": list(mesh.devices.shape),
               "devices": [int(d.id) for d in mesh.devices.flat]}
-    return {"leaves": leaves, "mesh": record}, np.concatenate(datas or [np.zeros(0, np.uint8)])
+    return pack({**extra, "leaves": leaves, "mesh": record}, datas)
 
 
-def pack(manifest: dict, data: np.ndarray) -> np.ndarray:
-    """One uint8 buffer: the manifest's length, the manifest (JSON), the blocks."""
-    text = np.frombuffer(json.dumps(manifest).encode(), np.uint8)
-    return np.concatenate([np.frombuffer(np.int64(text.size).tobytes(), np.uint8), text, data])
+def pack(manifest: dict, datas: list[np.ndarray]) -> np.ndarray:
+    """One uint8 buffer: the manifest's length, the manifest (JSON), then `datas` (uint8)."""
+    text = json.dumps(manifest).encode()
+    buffer = np.empty(HEADER + len(text) + sum(d.size for d in datas), np.uint8)
+    buffer[:HEADER] = np.frombuffer(np.int64(len(text)).tobytes(), np.uint8)
+    buffer[HEADER:HEADER + len(text)] = np.frombuffer(text, np.uint8)
+    offset = HEADER + len(text)
+    for data in datas:
+        buffer[offset:offset + data.size] = data
+        offset += data.size
+    return buffer
 
 
 def unpack(buffer: np.ndarray) -> tuple[dict, np.ndarray]:
+    """(manifest, blocks: a view into `buffer`) of a packed part."""
     size = int(buffer[:HEADER].view(np.int64)[0])
     return json.loads(bytes(buffer[HEADER:HEADER + size])), buffer[HEADER + size:]
 
@@ -74,9 +84,9 @@ def exchange(buffer: np.ndarray, shift: int) -> np.ndarray:
                                         object), ("rows",)), P("rows"))
     received = []
     for start in range(0, int(sizes.max()), local * width):
-        piece = np.zeros(local * width, np.uint8)  # [local devices x width], zero-padded
-        chunk = buffer[start:start + local * width]
-        piece[:chunk.size] = chunk
+        piece = buffer[start:start + local * width]  # [local devices x width], padded
+        if piece.size < local * width:
+            piece = np.concatenate([piece, np.zeros(local * width - piece.size, np.uint8)])
         piece = piece.reshape(local, width)
         sent = jax.make_array_from_callback(
             (n * local, width), rows, lambda index: piece[index[0].start - p * local][None])

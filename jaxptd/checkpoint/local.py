@@ -18,13 +18,14 @@ shares one host; no copy with one process.
 
 Invariants:
 
-- A save is written under `<step>.partial-<pid>` and renamed to `<step>` once both parts
-  are written and flushed, so a process killed mid-save leaves no step that restore reads
-  (the next start removes the leftover). The copy to the host and the exchange with the
-  peer (a collective) run in the step's thread on every process; a background thread
-  writes the files while training goes on, one save in flight; a fault exit gives it
-  SETTLE_S to finish (watchdog.AT_FAULT). A failed write is one warning line: the run goes
-  on with the steps already written and the persistent tier.
+- Each part is written under `<step>/<part>.partial-<pid>` and renamed once written and
+  flushed, so a process killed mid-save leaves no part that restore reads (the next start
+  removes the leftover). The copy to the host and the exchange with the peer (a
+  collective) run in the step's thread on every process; background threads write the
+  files while training goes on, the own part's before the exchange begins (a peer lost in
+  it costs not this copy), one save in flight; a fault exit gives them SETTLE_S to finish
+  (watchdog.AT_FAULT). A failed write is one warning line: the run goes on with the steps
+  already written and the persistent tier.
 - Restore is a collective that agrees on everything through allgathers, so a damaged or
   missing part never hangs a process: each process reports the parts it can read (cheap
   checks: manifest, size); the newest step above the persistent tier's newest whose every
@@ -47,6 +48,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 import weakref
 import zlib
 
@@ -82,7 +84,7 @@ class LocalTier:
             self.root(self.process), "checkpoint.local_dir"), f"process-{self.process}")
         os.makedirs(self.directory, exist_ok=True)
         self.shift = _peer_shift(self.processes)
-        self._writer: threading.Thread | None = None
+        self._writers: list[threading.Thread] = []
         self._failure: str | None = None
         self._notes: set[str] = set()
         watchdog.AT_FAULT.append(weakref.WeakMethod(self._settle))
@@ -95,30 +97,31 @@ class LocalTier:
         return bool(self.every) and step % self.every == 0
 
     def steps(self) -> list[int]:
-        """This process's complete steps, ascending."""
+        """The steps this process holds parts of, ascending."""
         return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
 
     def save(self, step: int, state) -> None:
         """Copies this process's blocks of the logical `state` to the host and to its peer
         (a collective: every process, the same step), then writes both in the background."""
         self.wait()
-        manifest, data = host_blocks(state)
-        common = {"step": step, "processes": self.processes, "run": self.run}
-        parts = {"own": ({**manifest, **common, "owner": self.process}, data)}
+        sent = host_blocks(state, {"step": step, "processes": self.processes, "run": self.run,
+                                   "owner": self.process})
+        self._start(step, "own", unpack(sent))
         if self.shift:
-            sent = pack({**manifest, **common, "owner": self.process}, data)
-            parts["peer"] = unpack(exchange(sent, self.shift))
-        self._writer = threading.Thread(target=self._write, args=(step, parts), daemon=True,
-                                        name="jaxptd-local-save")
-        self._writer.start()
+            self._start(step, "peer", unpack(exchange(sent, self.shift)))
 
-    def _write(self, step: int, parts: dict) -> None:
-        final = os.path.join(self.directory, str(step))
+    def _start(self, step: int, part: str, packed: tuple) -> None:
+        writer = threading.Thread(target=self._write, args=(step, part, *packed), daemon=True,
+                                  name=f"jaxptd-local-save-{part}")
+        writer.start()
+        self._writers.append(writer)
+
+    def _write(self, step: int, part: str, manifest: dict, data: np.ndarray) -> None:
+        final = os.path.join(self.directory, str(step), part)
         partial = f"{final}.partial-{os.getpid()}"
         try:
-            for part, (manifest, data) in parts.items():
-                _write_part(os.path.join(partial, part), manifest, data)
-            if os.path.isdir(final):  # a step of an abandoned history (restore skipped it)
+            _write_part(partial, manifest, data)
+            if os.path.isdir(final):  # a part of an abandoned history (restore skipped it)
                 shutil.rmtree(final)
             os.replace(partial, final)
             for old in self.steps()[:-self.keep]:
@@ -130,9 +133,9 @@ class LocalTier:
 
     def wait(self) -> None:
         """Waits for the save in flight; reports a failed one in one warning line."""
-        if self._writer is not None:
-            self._writer.join()
-            self._writer = None
+        for writer in self._writers:
+            writer.join()
+        self._writers = []
         if self._failure:
             LOG.warning(self._failure)
             self._failure = None
@@ -143,16 +146,19 @@ class LocalTier:
     def _settle(self) -> None:
         """On a fault exit: the save in flight gets SETTLE_S to finish its files (its
         blocks are on the host, its peer's too: the step survives the fault)."""
-        if self._writer is not None:
-            self._writer.join(SETTLE_S)
+        deadline = time.monotonic() + SETTLE_S
+        for writer in self._writers:
+            writer.join(max(0.0, deadline - time.monotonic()))
 
     def restore_newer(self, abstract_state, vocab_size: int, than: int):
         """(logical state in `abstract_state`'s shardings, step) of the newest step above
         `than` whose blocks every process can get; None when there is none. A collective.
         Raises ModelMismatch when the step holds another model's leaves."""
-        for name in os.listdir(self.directory):  # saves killed before their rename
-            if ".partial-" in name:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        for step in self.steps():  # parts of saves killed before their rename
+            step_dir = os.path.join(self.directory, str(step))
+            for name in os.listdir(step_dir):
+                if ".partial-" in name:
+                    shutil.rmtree(os.path.join(step_dir, name), ignore_errors=True)
         found = self._scan()
         while True:
             table = _gather(_encode(found))  # [processes, MAX_STEPS, 3]
@@ -234,7 +240,8 @@ class LocalTier:
         peers = sources.count("peer")
         own = loaded.get("own")
         if peers:  # the peers' copies go back to their owners
-            sent = pack(*loaded["peer"]) if "peer" in loaded else np.zeros(0, np.uint8)
+            manifest, data = loaded.get("peer", ({}, None))
+            sent = pack(manifest, [data]) if data is not None else np.zeros(0, np.uint8)
             back = exchange(sent, -self.shift)
             own = unpack(back) if sources[self.process] == "peer" else own
         manifest, data = own
@@ -282,7 +289,7 @@ def _peer_shift(processes: int) -> int:
 
 def _write_part(directory: str, manifest: dict, data: np.ndarray) -> None:
     """blocks.bin, then its manifest (with its size and CRC-32), both flushed to disk."""
-    os.makedirs(directory)
+    os.makedirs(directory)  # (and its step's directory)
     with open(os.path.join(directory, BLOCKS), "wb") as f:
         f.write(data.data)
         f.flush()
