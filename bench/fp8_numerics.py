@@ -12,12 +12,13 @@ directory under a temporary directory; the table reads their metrics.jsonl.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
+
+from bench.report import write_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = {"gpt": [], "llama": ["model.arch=llama"]}
@@ -54,8 +55,7 @@ def main() -> int:
             print(f"{arch:<6} {bf16:9.4f} {fp8:9.4f} {fp8 / bf16:9.4f}", flush=True)
     print(f"reproduce: python -m bench.fp8_numerics --steps {args.steps}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "rows": rows}, f, indent=1)
+        write_rows(args.out, rows)
     return 0
 
 

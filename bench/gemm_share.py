@@ -19,10 +19,10 @@ nothing is autotuned or run.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
+
+from bench.report import write_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "configs", "megatron", "gpt_18.4b.yaml")
@@ -114,9 +114,7 @@ def main() -> int:
           f"row's recomputation; ms: the static cost report's step (jaxptd/hlo/).")
     print("reproduce: python -m bench.gemm_share " + " ".join(sys.argv[1:]))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "target": args.target,
-                       "options": options, "rows": rows}, f, indent=1)
+        write_rows(args.out, rows, target=args.target, options=options)
     return 0
 
 

@@ -13,12 +13,12 @@ and memory, and a roofline ceiling, not speed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 
+from bench.report import write_rows
 from jaxptd.units import GiB
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,8 +125,7 @@ def main() -> int:
     print("reproduce: python -m bench.h100_compile" + (" --only " + " ".join(
         repr(n) for n in args.only) if args.only else ""))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"date": str(datetime.date.today()), "rows": rows}, f, indent=1)
+        write_rows(args.out, rows)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""How the bench scripts name their result files, print their tables and time a step.
+"""How the bench scripts name their result files, write and print their tables and time a
+step.
 
 A result file is <out_dir>/<prefix>_<device kind>.json, the device kind with every run of
 characters other than letters, digits and '.' made one '_' (e.g.
@@ -7,6 +8,8 @@ and each name is one the device machines hand back.
 """
 from __future__ import annotations
 
+import datetime
+import json
 import pathlib
 import re
 import statistics
@@ -17,6 +20,12 @@ def result_path(out_dir, prefix: str, device_kind: str) -> pathlib.Path:
     """<out_dir>/<prefix>_<device kind made a file name>.json"""
     name = re.sub(r"[^A-Za-z0-9.]+", "_", device_kind).strip("_")
     return pathlib.Path(out_dir) / f"{prefix}_{name}.json"
+
+
+def write_rows(path: str, rows: list, **more) -> None:
+    """A table's rows as JSON at path: {"date": today, **more, "rows": rows}."""
+    with open(path, "w") as f:
+        json.dump({"date": str(datetime.date.today()), **more, "rows": rows}, f, indent=1)
 
 
 def cell(value, fmt: str, width: int) -> str:

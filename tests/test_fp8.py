@@ -1,0 +1,269 @@
+"""model.fp8=tensorwise: the FP8 GEMM against an independent quantize-in-numpy reference
+(ml_dtypes' float8 casts), its gradients against bf16's (cosine per leaf; a stale scale
+fails the same check), the same loss and gradients at every kind of layout as the
+single-device FP8 program with the same microbatches, and the log that says so."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import REPO, fixed_batches, make_setup, placed_state
+
+from jaxptd.model import fp8
+from jaxptd.train.step import build_grads
+
+E4M3_MAX, E5M2_MAX = 448.0, 57344.0
+
+
+def _numpy_quantized(x, dtype, largest):
+    """x rounded as the FP8 GEMM sees it, back in float32: x / s cast to `dtype` by
+    ml_dtypes (round to nearest even), times s, s = amax / largest."""
+    x = np.asarray(x, np.float32)
+    scale = np.float32(np.max(np.abs(x)) / largest)
+    return (x / scale).astype(dtype).astype(np.float32) * scale
+
+
+def test_transposed_specs_are_the_gradients_einsums():
+    assert fp8.transposed("bsh,hcnd->bscnd") == ("bscnd,hcnd->bsh", "bsh,bscnd->hcnd")
+    assert fp8.transposed("bqnd,ndh->bqh") == ("bqh,ndh->bqnd", "bqnd,bqh->ndh")
+
+
+def test_quantize_scales_by_amax_and_keeps_zeros():
+    x = jnp.asarray([[-3.0, 0.5], [1.5, 0.0]])
+    q, scale = fp8.quantize(x, fp8.E4M3, ())
+    assert float(scale) == pytest.approx(3.0 / E4M3_MAX)
+    assert float(jnp.max(jnp.abs(q.astype(jnp.float32)))) == E4M3_MAX
+    q0, scale0 = fp8.quantize(jnp.zeros((2, 2)), fp8.E4M3, ())
+    assert float(scale0) == 1.0 and not jnp.any(q0.astype(jnp.float32))
+
+
+def test_fp8_gemm_and_its_gradients_match_numpy_quantization():
+    """Forward e4m3 x e4m3, backward the e5m2 output gradient times each e4m3 operand,
+    float32 accumulation: the products of the numpy-rounded operands."""
+    kx, kw, kg = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(kx, (2, 8, 16))
+    w = jax.random.normal(kw, (16, 24)) * 0.1
+    g = jax.random.normal(kg, (2, 8, 24))
+    product = fp8.einsum("bsh,hf->bsf")
+    y, vjp = jax.vjp(product, x, w)
+    dx, dw = vjp(g)
+    xq, wq = (_numpy_quantized(v, ml_dtypes.float8_e4m3fn, E4M3_MAX) for v in (x, w))
+    gq = _numpy_quantized(g, ml_dtypes.float8_e5m2, E5M2_MAX)
+    np.testing.assert_allclose(y, np.einsum("bsh,hf->bsf", xq, wq), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, np.einsum("bsf,hf->bsh", gq, wq), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, np.einsum("bsh,bsf->hf", xq, gq), rtol=1e-5, atol=1e-5)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    # and FP8 is not the identity: the float32 product differs
+    assert not np.allclose(y, np.einsum("bsh,hf->bsf", x, w), rtol=1e-3)
+
+
+def _grads(setup):
+    state = placed_state(setup)
+    batch = fixed_batches(setup.config, 1)[0]
+    grads, loss, _ = jax.jit(build_grads(setup, deterministic=True))(
+        state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
+        state["step"], jnp.float32(1))
+    return float(loss), jax.device_get(setup.state_layout.to_logical(grads))
+
+
+def _cosines(grads, reference) -> dict:
+    def cosine(a, b):
+        a, b = np.ravel(np.asarray(a, np.float64)), np.ravel(np.asarray(b, np.float64))
+        return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
+    paths = ["/".join(str(getattr(k, "key", k)) for k in p)
+             for p, _ in jax.tree_util.tree_leaves_with_path(grads)]
+    return dict(zip(paths, map(cosine, jax.tree.leaves(grads), jax.tree.leaves(reference))))
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_grads(arch: str):
+    return _grads(make_setup(extra=[f"model.arch={arch}", "model.dtype=bfloat16"]))
+
+
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_fp8_gradients_point_where_bf16_ones_do(arch, monkeypatch):
+    """One step's gradients in FP8 have cosine similarity >= 0.99 with bf16's for every
+    leaf; with a stale scale (an amax four steps of growth old: a quarter of today's, so
+    the largest values clip) the same check fails."""
+    extra = [f"model.arch={arch}", "model.dtype=bfloat16", "model.fp8=tensorwise"]
+    loss, grads = _grads(make_setup(extra=extra))
+    ref_loss, ref = _bf16_grads(arch)
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    cosines = _cosines(grads, ref)
+    assert min(cosines.values()) >= 0.99, cosines
+
+    quantize = fp8.quantize
+
+    def stale(x, dtype, axes):
+        q, scale = quantize(x, dtype, axes)
+        largest = float(jnp.finfo(dtype).max)
+        return jnp.clip(x.astype(jnp.float32) / (scale / 4), -largest, largest).astype(
+            dtype), scale / 4
+    monkeypatch.setattr(fp8, "quantize", stale)
+    fp8.einsum.cache_clear()
+    try:
+        _, broken = _grads(make_setup(extra=extra + ["model.num_layers=3"]))
+    finally:
+        fp8.einsum.cache_clear()
+    _, ref3 = _grads(make_setup(extra=[f"model.arch={arch}", "model.dtype=bfloat16",
+                                       "model.num_layers=3"]))
+    assert min(_cosines(broken, ref3).values()) < 0.99
+
+
+# Every kind of layout against the single device with the same microbatches of 4 rows
+# (16 rows: 4 microbatches on one device, 2 on each of 2 data ranks): a tensorwise scale
+# is a microbatch tensor's, so identical inputs give identical scales.
+LAYOUTS = [
+    (2, 2, 2, ["parallel.microbatches=2"]),
+    (2, 2, 2, ["parallel.microbatches=2", "parallel.schedule=zb-h1"]),
+    (1, 1, 4, ["parallel.microbatches=4", "parallel.sequence_parallel=true",
+               "model.remat=selective"]),
+    (2, 1, 1, ["parallel.microbatches=2", "parallel.fsdp=true"]),
+    (2, 1, 2, ["parallel.microbatches=2", "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
+               "model.remat=full"]),
+    # context parallelism: 2.3% off in norm (layer 0's LayerNorm scale), not explained yet;
+    # the same figure as a 1F1B (2,2,2) step compiled at XLA:CPU's default optimisation
+    # level (which the suite's level 0 agrees with): a discrepancy to find, shown here
+    pytest.param(1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"],
+                 marks=pytest.mark.xfail(strict=True, reason="FP8 under context "
+                                         "parallelism: 2.3% off, not explained yet")),
+    (1, 2, 1, ["parallel.microbatches=4", "parallel.schedule=interleaved",
+               "parallel.chunks=2"]),
+]
+
+
+def _fp8_setup(data, pipe, tensor, extra):
+    """FP8 at a layout, the vocabulary a multiple of 128 x 4 (no padding row at tensor <= 4:
+    every layout's tree has the single device's shapes)."""
+    return make_setup(data, pipe, tensor, ["model.fp8=tensorwise", "model.vocab_size=512",
+                                           *extra])
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device_fp8():
+    return _grads(_fp8_setup(1, 1, 1, ["parallel.microbatches=4"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data, pipe, tensor, extra", LAYOUTS)
+def test_fp8_layouts_match_the_single_device_fp8_program(data, pipe, tensor, extra):
+    ref_loss, ref = _single_device_fp8()
+    loss, grads = _grads(_fp8_setup(data, pipe, tensor, extra))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_fp8_close(grads, ref)
+
+
+@pytest.mark.slow
+def test_an_amax_not_reduced_over_tensor_ranks_fails_the_layout_check(monkeypatch):
+    """Each tensor rank scaling its shards by its own amax (no pmax) is caught."""
+    quantize = fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda x, dtype, axes: quantize(x, dtype, ()))
+    fp8.einsum.cache_clear()
+    try:
+        _, grads = _grads(_fp8_setup(1, 1, 4, ["parallel.microbatches=4",
+                                               "parallel.sequence_parallel=true"]))
+    finally:
+        fp8.einsum.cache_clear()
+    with pytest.raises(AssertionError):
+        assert_fp8_close(grads, _single_device_fp8()[1])
+
+
+def assert_fp8_close(actual, expected, rtol=1e-3):
+    """Each leaf within rtol of the reference in norm. Where a layout's float32 sums differ
+    from the single device's in the last bit, an element on a rounding boundary of e5m2
+    (two mantissa bits) may round the other way: one output-gradient element a quarter
+    off, which moves a column of its weight's gradient and, through the layers below, a
+    little of everything (seen: 126 of 16,384 elements of a w_fc2 gradient under zb-h1;
+    with context parallelism most elements of the position embedding's, slightly). A scale
+    that differs between ranks (an amax not reduced over tensor) is a tenth off in norm."""
+    flat_a = jax.tree_util.tree_leaves_with_path(actual)
+    for (path, a), e in zip(flat_a, jax.tree.leaves(expected)):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape and np.isfinite(e).all(), jax.tree_util.keystr(path)
+        error = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+        assert error <= rtol, (jax.tree_util.keystr(path), error)
+
+
+@pytest.mark.slow
+def test_a_hugging_face_import_fine_tunes_in_fp8_and_exports_its_weights(tmp_path):
+    """A transformers Llama imported, one step trained with model.fp8=tensorwise at pipe 3,
+    tensor 2 with SP: the first loss is transformers' on the same batch within FP8's rounding
+    (2%), and the export after it holds the run's float32 master weights."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    from helpers import tiny_hf_model, train_a_step_from_import
+    from jaxptd.data import TokenDataset
+    from jaxptd.hf import bridge as hf
+
+    model = tiny_hf_model("llama")
+    model.save_pretrained(tmp_path / "hf")
+    assert hf.main(["import", str(tmp_path / "hf"), str(tmp_path / "jaxptd")]) == 0
+    corpus, record = train_a_step_from_import(tmp_path / "jaxptd", tmp_path, [
+        "model.fp8=tensorwise", "parallel.pipe=3", "parallel.tensor=2",
+        "parallel.sequence_parallel=true", "parallel.microbatches=2", "model.seq_len=16",
+        "train.global_batch=4", "checkpoint.every=1"])
+    batch = TokenDataset(corpus, "train").batch(0, 0, 4, 16).astype(np.int64)
+    with torch.no_grad():
+        expected = model(torch.tensor(batch), labels=torch.tensor(batch)).loss.item()
+    assert record["loss"] == pytest.approx(expected, rel=2e-2)
+    assert record["loss"] != pytest.approx(expected, rel=1e-6)  # FP8 did run
+    assert hf.main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert {str(v.dtype) for v in exported.values()} == {"float32"}
+
+
+def test_a_gpu_without_fp8_tensor_cores_refuses_fp8():
+    """The deviceless compile for A100s (no FP8 tensor cores) stops at one error line."""
+    import subprocess
+    import sys
+    pytest.importorskip("jax_plugins.xla_cuda13")
+    done = subprocess.run([sys.executable, "-m", "jaxptd.plan", "--config",
+                           "configs/gpu/gpt_125m.yaml", "--verify", "--target", "a100",
+                           "model.fp8=tensorwise"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "error: model.fp8=tensorwise: a100 GPUs have no FP8 tensor cores (Hopper and "
+        "newer: h100, h200); set model.fp8=none"]
+
+
+H100_SMALL = ["model.num_layers=4", "model.hidden_size=256", "model.num_heads=4",
+              "model.seq_len=256", "model.vocab_size=1000", "model.dtype=bfloat16",
+              "model.attention=cudnn", "runtime.target=h100", "model.fp8=tensorwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["parallel.data=2", "parallel.tensor=4", "parallel.sequence_parallel=true",
+     "train.global_batch=4"],
+    ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2", "parallel.microbatches=4",
+     "parallel.schedule=zb-h1", "train.global_batch=16"]])
+def test_every_layer_gemm_compiles_to_fp8_for_h100(layout):
+    """Compiled for 8 H100s without a GPU: every GEMM of a layer pass (each linear's
+    forward and both backward GEMMs, the zero-bubble W's included) has 8-bit operands, and
+    the static cost times them at the FP8 peak."""
+    from jaxptd import hlo
+    from jaxptd.config import load_config
+    from jaxptd.plan import compile_check
+    from jaxptd.runtime.target import TARGETS, TargetError, topology_devices
+    h100 = TARGETS["h100"]
+    try:
+        topology_devices(h100, 1, 1)
+    except TargetError as e:
+        pytest.skip(str(e))
+    config = load_config(None, [*H100_SMALL, *layout])
+    step, seconds = compile_check.compile_step(config, h100, 8)
+    module = hlo.parse(step.as_text())
+    gemms = compile_check.cost_report(config, module, h100)["layer_gemms"]
+    assert gemms["fp8"] >= 12 and gemms["other"] == 0, gemms
+    fp8_kernels = [k for k in hlo.cost(module, h100.peak_bf16, h100.hbm, h100.peak_fp8)
+                   if k.fp8]
+    assert fp8_kernels and all(k.category == "gemm" and "Block" in k.op_name
+                               for k in fp8_kernels)
+    kernel = max(fp8_kernels, key=lambda k: k.flops)
+    assert kernel.seconds(1e12, 1e30, 2e12) == pytest.approx(kernel.flops / 2e12)
