@@ -378,18 +378,28 @@ def _train(tmp_path, name, overrides):
 
 
 @pytest.mark.slow
-def test_train_cli_memory_options_equal_the_plain_run(tmp_path):
-    """`python -m jaxptd.train` for three steps: HSDP with ZeRO-1 and offload give the
-    plain (2, 1, 4) run's losses (SP and ZeRO-1 alone: the parity grids')."""
-    plain = _train(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4"])
+def test_train_cli_memory_options_and_a_pipeline_equal_the_plain_run(tmp_path):
+    """`python -m jaxptd.train` for three steps: HSDP with ZeRO-1, offload and an
+    interleaved pipeline (data 2, pipe 2, tensor 2) give the plain (2, 1, 4) run's losses
+    (SP and ZeRO-1 alone, and the other schedules: the parity grids'); the pipelined run
+    logs its bubble, (p-1)/(v m) (zero-bubble's: tests/test_schedules.py's formulas of the
+    same simulation)."""
+    plain = _train(tmp_path, "plain", ["parallel.data=2", "parallel.tensor=4",
+                                       "parallel.microbatches=2"])
     variants = {
         "hsdp": ["parallel.data=8", FSDP, "parallel.fsdp_group=4", "optimizer.zero1=true"],
         "offload": ["parallel.data=2", "parallel.tensor=4", "offload.optimizer=true",
                     "offload.activations=true"],
+        "piped": ["parallel.data=2", "parallel.pipe=2", "parallel.tensor=2",
+                  "parallel.microbatches=2", "parallel.schedule=interleaved",
+                  "parallel.chunks=2"],
     }
     for name, overrides in variants.items():
-        np.testing.assert_allclose(_train(tmp_path, name, overrides), plain, rtol=1e-5,
+        records, events = train_cli_records(tmp_path, name, overrides)
+        np.testing.assert_allclose([r["loss"] for r in records], plain, rtol=1e-5,
                                    err_msg=name)
+        if name == "piped":
+            assert events[0]["bubble_fraction"] == pytest.approx(1 / 4)  # (p-1)/(v m)
 
 
 def test_fsdp_layer_keeps_no_gathered_weight(capsys):
