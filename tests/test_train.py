@@ -130,25 +130,6 @@ def test_killed_run_resumes_bitwise(corpus_env, reference, tmp_path):
     assert losses(tmp_path / "b") == expected
 
 
-@pytest.mark.slow
-def test_half_written_checkpoint_is_ignored_and_removed(corpus_env, reference, tmp_path):
-    env, _ = corpus_env
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    shutil.copytree(reference[1] / "3", ckpt / "3")
-    junk = ckpt / f"9{TMP_MARK}-1234"
-    (junk / "state").mkdir(parents=True)
-    (junk / "state" / "manifest.ocdbt").write_bytes(os.urandom(256))
-    (junk / "_CHECKPOINT_METADATA").write_text("{not json")
-
-    result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"))
-    assert_ok(result)
-    assert "resumed from step 3" in result.stdout, result.stdout[-3000:]
-    assert not junk.exists()  # the killed save's directory is removed, not skipped forever
-    expected = {s: v for s, v in losses(reference[0]).items() if s > 3}
-    assert losses(tmp_path / "run") == expected
-
-
 # --------------------------------------------------------------------------- what a run says
 
 
@@ -230,14 +211,20 @@ def test_rerun_of_a_finished_run_says_so_and_names_changed_settings(corpus_env, 
 
 
 @pytest.mark.slow
-def test_resume_keeps_one_record_per_step_and_runs_the_due_evaluation(corpus_env, reference,
-                                                                      tmp_path):
+def test_resume_ignores_a_half_written_save_keeps_one_record_per_step_and_evaluates(
+        corpus_env, reference, tmp_path):
     """Resume at step 6 of a run whose metrics reach step 12 and lack step 6's validation
-    (a kill between saving and evaluating): records past 6 are replaced, 6 is evaluated."""
+    (a kill between saving and evaluating), a killed save of step 9 beside it: the
+    half-written step is ignored and removed (not skipped forever), records past 6 are
+    replaced, 6 is evaluated."""
     env, _ = corpus_env
     copy_run(reference, tmp_path)
     for step in (9, 12):
         shutil.rmtree(tmp_path / "ckpt" / str(step))
+    junk = tmp_path / "ckpt" / f"9{TMP_MARK}-1234"
+    (junk / "state").mkdir(parents=True)
+    (junk / "state" / "manifest.ocdbt").write_bytes(os.urandom(256))
+    (junk / "_CHECKPOINT_METADATA").write_text("{not json")
     path = tmp_path / "run" / "metrics.jsonl"
     path.write_text("".join(line + "\n" for line in path.read_text().splitlines()
                             if json.loads(line) != next(r for r in records(reference[0])
@@ -246,6 +233,8 @@ def test_resume_keeps_one_record_per_step_and_runs_the_due_evaluation(corpus_env
     wandb = [] if importlib.util.find_spec("wandb") else ["train.wandb_project=jaxptd-test"]
     result = run_train(env, *BASE, f"train.steps={STEPS}", *dirs(tmp_path, "run"), *wandb)
     assert_ok(result)
+    assert "resumed from step 6" in result.stdout, result.stdout[-3000:]
+    assert not junk.exists()
     if wandb:  # asked for, not installed: said once, TensorBoard goes on
         assert result.stderr.count("wandb is not installed") == 1, result.stderr
     kinds = [("val" if "val_loss" in r else "event" if "event" in r else "train", r["step"])
