@@ -32,10 +32,13 @@ from jaxptd.parallel.varying import varying_axes
 
 RECIPES = ("none", "tensorwise")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-# the layers' linears that model.fp8 makes FP8 GEMMs (tensor.DENSE names); the untied head
-# (w_head) and BERT's heads stay in the compute dtype, as the embedding does
+# the layers' linears that model.fp8 makes FP8 GEMMs (tensor.DENSE names, and EXPERTS: a
+# mixture's expert GEMMs with a capacity, moe_dispatch.py); the untied head (w_head) and
+# BERT's heads stay in the compute dtype, as the embedding does, and so do the dropless
+# mixture's grouped GEMMs (pallas_kernels/grouped.py takes 16-bit operands)
+EXPERTS = "experts"
 LINEARS = ("w_qkv", "w_out", "w_fc1", "w_fc2", "w_q", "w_kv", "w_o", "w_gate", "w_up",
-           "w_down")
+           "w_down", EXPERTS)
 
 
 def transposed(spec: str) -> tuple[str, str]:

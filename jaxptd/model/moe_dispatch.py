@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.config import ModelConfig
-from jaxptd.model import fused
+from jaxptd.model import fp8, fused
 from jaxptd.model.tensor import Layout
 from jaxptd.parallel.varying import mark_varying, varying_axes
 
@@ -155,8 +155,9 @@ class Dispatch:
                                    self.layout.expert_axis, 0, 0, tiled=True)
             slots = slots.reshape(self.e, self.local, cap, -1).transpose(1, 0, 2, 3)
             slots = slots.reshape(self.local, self.e * cap, -1)
-        out = self._mlp(slots, lambda x, w: jnp.einsum("ech,ehf->ecf", x, w),
-                        lambda b: b[:, None, :])
+        axes = self.layout.fp8_axes(fp8.EXPERTS)  # None: 16-bit
+        out = self._mlp(slots, fp8.einsum("ech,ehf->ecf", axes) if axes is not None else
+                        lambda x, w: jnp.einsum("ech,ehf->ecf", x, w), lambda b: b[:, None, :])
         if self.exchanges:
             out = out.reshape(self.local, self.e, cap, -1).transpose(1, 0, 2, 3)
             out = lax.all_to_all(out.reshape(self.e, -1, out.shape[-1]),

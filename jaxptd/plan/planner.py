@@ -280,18 +280,20 @@ def executed_flops(config: Config, vocab: int) -> float:
 
 def fp8_flops(config: Config, vocab: int) -> float:
     """Of the iteration's executed FLOPs, those model.fp8 runs as FP8 GEMMs: the layers'
-    linears (a layer's forward less its attention core; a mixture's expert MLPs are counted
-    16-bit), forward and both backward GEMMs, and what model.remat runs again of them
-    (full: the layer's; minimal_mlp: q, k, v). 0 without FP8."""
+    linears (a layer's forward less its attention core and router; a dropless mixture's
+    routed experts are grouped GEMMs, 16-bit), forward and both backward GEMMs, and what
+    model.remat runs again of them (full: the layer's; minimal_mlp: q, k, v). 0 without
+    FP8."""
     from jaxptd.model import get  # JAX on use: --verify configures it first
-    from jaxptd.model.moe import active_mlp_flops  # (the same)
     m_cfg = config.model
     if m_cfg.fp8 == "none":
         return 0.0
     per_token = get(m_cfg).forward_flops(m_cfg, vocab)
     linear = per_token["layer"] - per_token["core"]
-    if m_cfg.moe:
-        linear -= active_mlp_flops(m_cfg, 6 if family(m_cfg).gated_mlp else 4) / m_cfg.unit
+    if m_cfg.moe:  # (a mean over the layers: one a unit is a mixture)
+        h, width = m_cfg.hidden_size, 6 if family(m_cfg).gated_mlp else 4
+        routed = 0 if m_cfg.moe_capacity else m_cfg.moe_top_k * width * h * m_cfg.expert_ffn
+        linear -= (2 * h * m_cfg.moe_experts + routed) / m_cfg.unit
     again = {"full": linear, "minimal_mlp": per_token["qkv"]}.get(recomputation(config), 0)
     return config.train.global_batch * m_cfg.seq_len * m_cfg.num_layers * (3 * linear + again)
 
