@@ -213,13 +213,22 @@ def compiler_options(target: Target, pipelined: bool = False) -> dict | None:
     return {name: value(text) for name, text in (f[2:].split("=", 1) for f in flags)}
 
 
+# XLA 0.10.2 compiling for a GPU it cannot see (and so cannot autotune on) gives some dots
+# no Triton tiling: the attention's output projection at PTD-P's 1.7B and 3.6B rows (96
+# wide heads, bf16[4096, 2304] out) fails with this message; with Triton's GEMMs off the
+# step's dots become cuBLAS calls and it compiles.
+TRITON_TILES = "Couldn't find output tile sizes"
+TRITON_GEMM = "xla_gpu_enable_triton_gemm"
+
+
 def compile_lowered(lowered, options: dict | None):
     """`lowered.compile(options)`, leaving out the options the running XLA does not know.
 
     The flags above are checked against jaxlib 0.10.2; a newer XLA renames or retires some
     (0.11.2 on the H100: no xla_gpu_enable_pipelined_all_reduce/_all_gather). It refuses
     an unknown option before compiling, so each retry is cheap; each one left out is named
-    on stderr."""
+    on stderr. A step whose dot Triton cannot tile (TRITON_TILES) is compiled again with
+    cuBLAS GEMMs, said on stderr."""
     import jax  # (this module is read by --help paths that never start a backend)
 
     options = dict(options or {})
@@ -227,6 +236,11 @@ def compile_lowered(lowered, options: dict | None):
         try:
             return lowered.compile(options or None)
         except jax.errors.JaxRuntimeError as e:
+            if TRITON_TILES in str(e) and options.get(TRITON_GEMM, True):
+                print(f"note: XLA's Triton GEMM tiling failed on a dot of this step "
+                      f"({TRITON_TILES}): compiling its GEMMs with cuBLAS", file=sys.stderr)
+                options[TRITON_GEMM] = False
+                continue
             unknown = re.search(r"No such compile option: '(\w+)'", str(e))
             if not unknown or unknown.group(1) not in options:
                 raise
