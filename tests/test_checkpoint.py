@@ -176,7 +176,7 @@ def test_local_tier_restores_what_the_persistent_tier_does_and_skips_damage(tmp_
     tests/test_faults.py's): steps saved at (data 2, tensor 2, ZeRO-1) to both tiers restore
     at (pipe 2, tensor 4) bitwise alike; a save killed before its rename is removed; a
     damaged local step (a flipped byte, a cut file) is one warning line and the next older
-    step is taken, then the persistent tier's, which is also taken when newer."""
+    step is taken (the skipped one removed), then the persistent tier's."""
     from jaxptd.checkpoint.local import LocalTier, restore_newest
     source = make_setup(2, 1, 2, (*EXTRA, "optimizer.zero1=true"))
     first = source.state_layout.init_state(1)
@@ -213,6 +213,7 @@ def test_local_tier_restores_what_the_persistent_tier_does_and_skips_damage(tmp_
     blocks.write_bytes(bytes([blocks.read_bytes()[0] ^ 1]) + blocks.read_bytes()[1:])
     state, step, _ = newest()
     assert step == 2 and "local checkpoint" in capfd.readouterr().err
+    assert tier.steps() == [2]  # the skipped step after it removed: an abandoned history
     blocks = own / "2" / "own" / "blocks.bin"
     blocks.write_bytes(blocks.read_bytes()[:-4])
     state, step, where = newest()

@@ -33,7 +33,9 @@ Invariants:
   checked; a damaged part is one warning line, then the next copy or an older step); a
   peer's copy goes back to its owner by the inverse exchange; every process places its
   blocks in the saved layout, then in the run's: any parallel layout over the same
-  processes and devices (another count restores from the persistent tier).
+  processes and devices (another count restores from the persistent tier). The steps
+  after the one restored, from either tier, are removed: an abandoned history, whose parts
+  must never stand beside a new save's of the same step.
 
 Orbax's emergency checkpointing (orbax.checkpoint.experimental.emergency) is not used: its
 local tier keeps whole data-parallel replicas, none on the primary one and no copy on a
@@ -149,6 +151,17 @@ class LocalTier:
         deadline = time.monotonic() + SETTLE_S
         for writer in self._writers:
             writer.join(max(0.0, deadline - time.monotonic()))
+
+    def discard_after(self, step: int) -> None:
+        """Removes this process's steps after `step`, the one the run resumes from: an
+        abandoned history's (damaged or incomplete ones the restore skipped), which a later
+        save of the same step must not meet beside its new parts. Another run's stay."""
+        for newer in (s for s in self.steps() if s > step):
+            step_dir = os.path.join(self.directory, str(newer))
+            manifests = [_check_part(os.path.join(step_dir, part))[0] for part in PARTS]
+            if all(m is None or m["run"] == self.run for m in manifests):
+                shutil.rmtree(step_dir, ignore_errors=True)
+                LOG.info(f"local checkpoint {step_dir} removed: after the step resumed from")
 
     def restore_newer(self, abstract_state, vocab_size: int, than: int):
         """(logical state in `abstract_state`'s shardings, step) of the newest step above
@@ -272,9 +285,13 @@ def restore_newest(local: LocalTier | None, ckpt, abstract_state, vocab_size: in
     if restored is not None:
         if ckpt:  # as restore_latest does: no later save meets a killed one's leftovers
             ckpt.remove_half_written()
-        return (*restored, f"the local tier (checkpoint.local_dir={local.template})")
-    restored = ckpt.restore_latest(abstract_state, vocab_size) if ckpt else None
-    return None if restored is None else (*restored, ckpt.directory)
+        where = f"the local tier (checkpoint.local_dir={local.template})"
+    else:
+        restored = ckpt.restore_latest(abstract_state, vocab_size) if ckpt else None
+        where = ckpt.directory if restored else None
+    if local:
+        local.discard_after(restored[1] if restored else 0)
+    return None if restored is None else (*restored, where)
 
 
 def _peer_shift(processes: int) -> int:
