@@ -30,7 +30,6 @@ from jax import lax
 
 from jaxptd.parallel.varying import varying_axes
 
-RECIPES = ("none", "tensorwise")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # the layers' linears that model.fp8 makes FP8 GEMMs (tensor.DENSE names, and EXPERTS: a
 # mixture's expert GEMMs with a capacity, moe_dispatch.py); the untied head (w_head) and
