@@ -153,7 +153,7 @@ SPREAD = [
     # with SP, a piece's tokens split over tensor again, packed rows' masks by piece, the
     # stage recomputed from its stashed input)
     pytest.param((1, 4, 1, "1f1b", 1, 4, 4), "activations", ["train.global_batch=8"],
-                 id="pieces-b2-p4"),
+                 id="pieces-b2-p4", marks=pytest.mark.slow),
     pytest.param((1, 4, 2, "zb-h1", 1, 4, 4), "inputs",
                  ["train.global_batch=4", "parallel.sequence_parallel=true",
                   "model.document_end=7"], id="pieces-b1-sp-packed", marks=pytest.mark.slow)]

@@ -23,12 +23,17 @@ from jaxptd.train.step import build_eval_step, build_train_step
 from test_pipeline import CASES, LLAMA, ZB_CASES, pipelined_setup
 
 
+# The fast subset keeps three cases (the kept backward a layer at a time with SP, ZeRO-1's
+# early reduction and minimal_mlp; by layer with chunks at one tensor rank; the recomputed
+# stage); the full suite runs them all.
 @pytest.mark.parametrize("stash, case, remat, more", [
     pytest.param("activations", CASES[1], "none", [], marks=pytest.mark.slow),
     pytest.param("activations", ZB_CASES[11], "minimal", [], marks=pytest.mark.slow),
     pytest.param("activations", CASES[3], "full", [], marks=pytest.mark.slow),
-    ("activations", CASES[1], "minimal", ["parallel.sequence_parallel=true"]),
-    ("activations", CASES[1], "none", ["parallel.sequence_parallel=true"]),
+    pytest.param("activations", CASES[1], "minimal", ["parallel.sequence_parallel=true"],
+                 marks=pytest.mark.slow),
+    pytest.param("activations", CASES[1], "none", ["parallel.sequence_parallel=true"],
+                 marks=pytest.mark.slow),
     ("activations", CASES[1], "minimal_mlp", ["parallel.sequence_parallel=true",
                                               "optimizer.zero1=true"]),
     pytest.param("activations", CASES[3], "full", ["parallel.sequence_parallel=true"],
@@ -39,7 +44,8 @@ from test_pipeline import CASES, LLAMA, ZB_CASES, pipelined_setup
     ("inputs", CASES[1], "none", []),
     pytest.param("inputs", (1, 2, 2, "interleaved", 2, 4, 4), "none",
                  ["parallel.sequence_parallel=true"], marks=pytest.mark.slow),
-    ("activations", ZB_CASES[3], "minimal", ["parallel.sequence_parallel=true"]),
+    pytest.param("activations", ZB_CASES[3], "minimal", ["parallel.sequence_parallel=true"],
+                 marks=pytest.mark.slow),
     pytest.param("inputs", ZB_CASES[3], "none", ["parallel.sequence_parallel=true", *LLAMA],
                  marks=pytest.mark.slow)])
 def test_unrolled_layers_match_single_device(stash, case, remat, more):
