@@ -118,26 +118,26 @@ def test_fp8_gradients_point_where_bf16_ones_do(arch, monkeypatch):
 # (16 rows: 4 microbatches on one device, 2 on each of 2 data ranks): a tensorwise scale
 # is a microbatch tensor's, so identical inputs give identical scales.
 LAYOUTS = [
-    (2, 2, 2, ["parallel.microbatches=2"]),
-    (2, 2, 2, ["parallel.microbatches=2", "parallel.schedule=zb-h1"]),
+    (2, 2, 2, ["parallel.microbatches=2"], 1e-3),
+    (2, 2, 2, ["parallel.microbatches=2", "parallel.schedule=zb-h1"], 1e-3),
     (1, 1, 4, ["parallel.microbatches=4", "parallel.sequence_parallel=true",
-               "model.remat=selective"]),
-    (2, 1, 1, ["parallel.microbatches=2", "parallel.fsdp=true"]),
+               "model.remat=selective"], 1e-3),
+    (2, 1, 1, ["parallel.microbatches=2", "parallel.fsdp=true"], 1e-3),
     (2, 1, 1, ["parallel.microbatches=2", "offload.activations=true",
-               "offload.optimizer=true"]),
+               "offload.optimizer=true"], 1e-3),
     (2, 1, 2, ["parallel.microbatches=2", "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
-               "model.remat=full"]),
-    # context parallelism: 2.3% off in norm (layer 0's LayerNorm scale), not explained yet.
-    # Pipe 1 agrees with jax.grad of the plain FP8 model, microbatch by microbatch, at one
-    # or two microbatches of 4 rows (3e-7); at four (16 rows) it is off, with the scan or
-    # the last microbatch peeled, and no other grouping of the rows explains it. A 1F1B
-    # (2,2,2) step compiled at XLA:CPU's default optimisation level gives the same 2.3%
-    # (the suite's level 0 agrees with one device): a discrepancy to find, shown here
-    pytest.param(1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"],
-                 marks=pytest.mark.xfail(strict=True, reason="FP8 under context "
-                                         "parallelism: 2.3% off, not explained yet")),
+               "model.remat=full"], 1e-3),
+    # context parallelism: 2.3% off in norm (layer 0's LayerNorm scale): one rounding flip.
+    # Its scales are the single device's (every amax, printed), but the ring sums the
+    # attention in another order, and one element of rows 8-11 lies on an FP8 rounding
+    # boundary: the plain FP8 model with its weights perturbed by 1e-7 moves those rows'
+    # gradients by the same 4.7% (16-bit: under 1e-5). A 1F1B (2,2,2) step compiled at
+    # XLA:CPU's default optimisation level flips the same element. At this tiny width (64
+    # tokens a microbatch, h 32) one flip is several percent: held to 5% here
+    pytest.param(1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"], 0.05,
+                 id="context"),
     (1, 2, 1, ["parallel.microbatches=4", "parallel.schedule=interleaved",
-               "parallel.chunks=2"]),
+               "parallel.chunks=2"], 1e-3),
 ]
 
 
@@ -154,12 +154,12 @@ def _single_device_fp8():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data, pipe, tensor, extra", LAYOUTS)
-def test_fp8_layouts_match_the_single_device_fp8_program(data, pipe, tensor, extra):
+@pytest.mark.parametrize("data, pipe, tensor, extra, rtol", LAYOUTS)
+def test_fp8_layouts_match_the_single_device_fp8_program(data, pipe, tensor, extra, rtol):
     ref_loss, ref = _single_device_fp8()
     loss, grads = _grads(_fp8_setup(data, pipe, tensor, extra))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_fp8_close(grads, ref)
+    assert_fp8_close(grads, ref, rtol)
 
 
 # a mixture of experts with a capacity (its expert GEMMs in FP8), every token to every
