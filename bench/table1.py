@@ -59,9 +59,10 @@ def compile_row(name: str, target: str, timeout_s: float) -> dict:
     row = {"name": name, "config": config, "paper_tflops": tflops,
            "host_peak_bytes": int(rss[-1]) * 1024 if rss else None}
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if proc.returncode or not lines:
-        error = [ln for ln in err.splitlines() if ln.startswith("error:")]
-        return {**row, "error": (error or err.strip().splitlines()[-1:] or ["?"])[0]}
+    if not lines:  # (a report with exit status 1: the step does not fit)
+        error = [ln for ln in err.splitlines() if ln.startswith("error:")] or [
+            ln for ln in err.strip().splitlines() if not ln.startswith("maxrss ")][-1:]
+        return {**row, "error": (error or ["?"])[0]}
     return {**row, **json.loads(lines[-1])}
 
 
