@@ -223,7 +223,8 @@ def weight(module: nn.Module, name: str, init, shape: tuple[int, ...]):
 
 def matmul(name: str, layout: Layout):
     """(x, w) -> x times the weight `name` as dense() multiplies it: einsum DENSE[name] with
-    w cast to x's dtype, and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul)."""
+    w cast to x's dtype, or with model.fp8 an FP8 GEMM of the layer linears (fp8.einsum),
+    and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul)."""
     dim, axes = layout.fsdp_dim(name), layout.fp8_axes(name)
     if dim is not None:
         return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes)
