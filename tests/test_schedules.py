@@ -114,9 +114,38 @@ def test_peak_stash():
         assert len(peaks) == 1 and max(next(iter(peaks))) <= (v + 1) * p
 
 
+def _place(kind: str, p: int, s: int) -> int:
+    """The rank of virtual stage s, restated from the schedules' docstrings: s mod p, or
+    V-shaped s for s < p and 2p - 1 - s after the turn."""
+    return 2 * p - 1 - s if kind == "zb-v" and s >= p else s % p
+
+
+def _channel(kind: str, forward: bool, src: int, dst: int) -> str:
+    """The tables a message is received in: 'recv_f'/'recv_b', V-shaped 'recv_f2' for an
+    activation from rank dst + 1 or the turn's (src = dst), 'recv_b2' for a gradient from
+    dst - 1."""
+    other = kind == "zb-v" and (src >= dst if forward else src < dst)
+    return ("recv_f" if forward else "recv_b") + ("2" if other else "")
+
+
+def _deliver(R, t, p, letter, sent, buffers):
+    """Stores round t's messages of a kind (letter 'f' or 'b'; sent: {(dst, tables):
+    label}) in buffers[dst] at their tables' slot, checking that both channels' tables
+    expect exactly these, and that no live slot is overwritten."""
+    for dst in range(p):
+        for channel in (f"recv_{letter}", f"recv_{letter}2"):
+            label = sent.get((dst, channel))
+            assert getattr(R, channel + "_valid")[t][dst] == (label is not None), (t, dst)
+            if label:
+                slot = getattr(R, channel + "_slot")[t][dst]
+                assert buffers[dst][slot] is None  # never overwrite a live input
+                buffers[dst][slot] = label
+
+
 @pytest.mark.parametrize("forward", [False, True], ids=["train", "forward-only"])
 @pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 4, 6, 2),
-                                        ("interleaved", 3, 7, 3), ("gpipe", 3, 4, 1)])
+                                        ("interleaved", 3, 7, 3), ("gpipe", 3, 4, 1),
+                                        ("zb-v", 4, 9, 2), ("zb-v", 2, 3, 2)])
 def test_messages_and_slot_tables_replay(kind, p, m, v, forward):
     """Replays the tables the way the executor does, with labels in place of tensors:
     every (microbatch, virtual stage) forward runs once, on its own input, and a live
@@ -128,39 +157,36 @@ def test_messages_and_slot_tables_replay(kind, p, m, v, forward):
     grads = [[None] * R.num_grad_slots for _ in range(p)]
     forwards, done = [], 0
     for t in range(R.num_rounds):
-        sent = [None] * p
+        sent = {}  # (destination rank, its tables) -> label
         for r in range(p):
             if R.f_valid[t][r]:
-                j, s = R.f_mb[t][r], R.f_chunk[t][r] * p + r
+                j, s = R.f_mb[t][r], R.stage(R.f_chunk[t][r], r)
+                assert _place(kind, p, s) == r
                 if s == 0:
                     stash[r][R.f_slot[t][r]] = (j, 0)
                 assert stash[r][R.f_slot[t][r]] == (j, s)
                 forwards.append((j, s))
-                sent[(r + 1) % p] = (j, s + 1) if s < S - 1 else None
-        for r in range(p):
-            assert R.recv_f_valid[t][r] == (sent[r] is not None)
-            if sent[r]:
-                assert stash[r][R.recv_f_slot[t][r]] is None  # never overwrite a live input
-                stash[r][R.recv_f_slot[t][r]] = sent[r]
+                if s < S - 1:
+                    dst = _place(kind, p, s + 1)
+                    sent[(dst, _channel(kind, True, r, dst))] = (j, s + 1)
+        _deliver(R, t, p, "f", sent, stash)
         for r in range(p):  # forward-only: the input is free once its F has read it
             if forward and R.f_valid[t][r]:
                 stash[r][R.f_slot[t][r]] = None
-        sent = [None] * p
+        sent = {}
         for r in range(p):
             if R.b_valid[t][r]:
-                j, s = R.b_mb[t][r], R.b_chunk[t][r] * p + r
+                j, s = R.b_mb[t][r], R.stage(R.b_chunk[t][r], r)
                 assert stash[r][R.b_slot[t][r]] == (j, s)
                 if s < S - 1:
                     assert grads[r][R.b_grad_slot[t][r]] == (j, s)
                     grads[r][R.b_grad_slot[t][r]] = None
                 stash[r][R.b_slot[t][r]] = None
-                sent[(r - 1) % p] = (j, s - 1) if s > 0 else None
+                if s > 0:
+                    dst = _place(kind, p, s - 1)
+                    sent[(dst, _channel(kind, False, r, dst))] = (j, s - 1)
                 done += 1
-        for r in range(p):
-            assert R.recv_b_valid[t][r] == (sent[r] is not None)
-            if sent[r]:
-                assert grads[r][R.recv_b_slot[t][r]] is None
-                grads[r][R.recv_b_slot[t][r]] = sent[r]
+        _deliver(R, t, p, "b", sent, grads)
     assert sorted(forwards) == [(j, s) for j in range(m) for s in range(S)]
     assert done == (0 if forward else m * S)
     assert all(x is None for rank in stash + grads for x in rank)
@@ -397,7 +423,7 @@ def test_zb_peak_stash_keeps_the_base_kinds_and_does_not_grow_with_m():
 @pytest.mark.parametrize("masked", [False, True], ids=["cond", "masked"])
 @pytest.mark.parametrize("kind,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 3, 1),
                                         ("zb-interleaved", 4, 6, 2),
-                                        ("zb-interleaved", 2, 5, 3)])
+                                        ("zb-interleaved", 2, 5, 3), ("zb-v", 4, 8, 2)])
 def test_zb_w_slot_tables_replay(kind, p, m, v, masked):
     """Every B fills the W slot its W later empties, every F the tape slot its W empties,
     one W per B, no live W or tape slot is overwritten, and a W never runs before its B."""
@@ -525,3 +551,22 @@ def test_cli_masked_json():
                "--json")
     got = json.loads(out.stdout)
     assert out.returncode == 0 and got["bubble_fraction"] == pytest.approx(6 / 24)
+
+
+@pytest.mark.parametrize("costs", [UNIFORM, MASKED], ids=["cond", "masked"])
+def test_zb_v_is_a_v_within_1f1bs_time_and_stash(costs):
+    """zb-v: chunk 0 of rank r is stage r, chunk 1 stage 2p - 1 - r (the last on rank 0);
+    its rounds take no longer than 1F1B's (zb-h1's: about as long, not always less), and
+    the chunk-stages a rank holds stay within twice 1F1B's whole stages (a chunk is half a
+    stage: no more bytes) and do not grow with m."""
+    for p in (2, 3, 4, 8):
+        assert [make_schedule("zb-v", p, 1, 2).stage(c, r) for c in (0, 1)
+                for r in range(p)] == [*range(p), *range(2 * p - 1, p - 1, -1)]
+        peaks = set()
+        for m in (p, 2 * p, 4 * p):
+            v_shape = simulate(make_schedule("zb-v", p, m, 2, costs), costs)
+            one = simulate(make_schedule("1f1b", p, m, 1, costs), costs)
+            assert v_shape.total_time <= one.total_time
+            assert max(v_shape.peak_stash) <= 2 * max(one.peak_stash)
+            peaks.add(max(v_shape.peak_stash)) if m >= 2 * p else None
+        assert len(peaks) == 1

@@ -7,7 +7,9 @@ slot (microbatch, chunk, the stash slot of its input, and with zero-bubble kinds
 slot it fills), a B slot (its input's stash slot, the grad slot
 of its output gradient, and with zero-bubble kinds the W slot it fills), a W slot (the W
 and tape slots it empties), and the messages that arrive at the end of the round
-(activations into a stash slot, gradients into a grad slot).
+(activations into a stash slot, gradients into a grad slot, each with the rank it comes
+from: a V-shaped schedule's go both ways, in two channels, and its turn on rank p - 1 to
+the rank itself).
 
 Slot lifetimes (lowest free index first; a slot freed in round t is reusable from t + 1
 unless said otherwise):
@@ -33,11 +35,13 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
-from jaxptd.pipeline.schedules import Costs, Schedule, format_grid, round_cells, validate
+from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells, stage_place,
+                                       validate, virtual_stage)
 
 TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
           "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "f_tslot",
-          "w_tslot", "recv_f_valid", "recv_f_slot", "recv_b_valid", "recv_b_slot")
+          "w_tslot", "recv_f_valid", "recv_f_slot", "recv_f2_valid", "recv_f2_slot",
+          "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot")
 
 
 @dataclass(frozen=True)
@@ -65,16 +69,25 @@ class Rounds:
     w_tslot: tuple
     recv_f_valid: tuple
     recv_f_slot: tuple
+    recv_f2_valid: tuple
+    recv_f2_slot: tuple
     recv_b_valid: tuple
     recv_b_slot: tuple
+    recv_b2_valid: tuple
+    recv_b2_slot: tuple
     num_stash_slots: int
     num_grad_slots: int
     num_w_slots: int
     num_tape_slots: int
+    v_shape: bool  # chunks placed in a V (schedules.virtual_stage)
     idle_f_slots_free: bool  # every idle F's f_slot holds no kept values (`_idle_f_slots`)
     forward_only: bool
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
+
+    def stage(self, chunk: int, rank: int) -> int:
+        """The virtual stage of a rank's chunk (schedules.virtual_stage)."""
+        return virtual_stage(self.v_shape, self.stages, chunk, rank)
 
     def grid(self) -> str:
         """Rank x round text grid: each round shows its F, B (and W) slots."""
@@ -87,7 +100,7 @@ class Rounds:
             live = peak = 0
             for t in range(self.num_rounds):
                 stage0 = self.f_valid[t][r] and r == 0 and self.f_chunk[t][r] == 0
-                live += stage0 + self.recv_f_valid[t][r]
+                live += stage0 + self.recv_f_valid[t][r] + self.recv_f2_valid[t][r]
                 peak = max(peak, live)
                 done = self.f_valid if self.forward_only else \
                     self.w_valid if self.split_backward else self.b_valid
@@ -131,7 +144,8 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
-                  num_tape_slots=size["tape"], idle_f_slots_free=free,
+                  num_tape_slots=size["tape"], v_shape=schedule.v_shape,
+                  idle_f_slots_free=free,
                   forward_only=schedule.forward_only,
                   split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
 
@@ -160,28 +174,44 @@ class _Lowering:
         for r, (fa, _, _) in enumerate(row):  # forward-only: an input is done after its F
             if fa and self.schedule.forward_only:
                 self.pools["stash"][r].give(
-                    self.stash_of.pop((r, fa.microbatch, fa.chunk * p + r)))
+                    self.stash_of.pop((r, fa.microbatch, self.schedule.stage(fa.chunk, r))))
         for r, (_, ba, wa) in enumerate(row):  # B slot, then W slot
             if ba:
                 self._backward(t, r, ba)
             if wa:
-                key = (r, wa.microbatch, wa.chunk * p + r)
+                key = (r, wa.microbatch, self.schedule.stage(wa.chunk, r))
                 slot, tslot = self.w_of.pop(key), self.tape_of.pop(key)
                 _put(self.tab, "w", t, r, wa, w_slot=slot, w_tslot=tslot)
                 freed_w.append((r, slot, tslot))
         for r, (_, ba, _) in enumerate(row):  # gradient arrivals
-            if ba and ba.chunk * p + r > 0:
-                dst, key = (r - 1) % p, (ba.microbatch, ba.chunk * p + r - 1)
+            s = self.schedule.stage(ba.chunk, r) if ba else 0
+            if s > 0:
+                dst, key = self._rank_of(s - 1), (ba.microbatch, s - 1)
                 self.grad_of[(dst,) + key] = slot = self.pools["grad"][dst].take()
-                self.tab["recv_b_valid"][t][dst], self.tab["recv_b_slot"][t][dst] = 1, slot
+                self._receive("b", t, r, dst, slot)
         for r, slot, tslot in freed_w:  # a W reads its slots after the round's B and F
             self.pools["w"][r].give(slot)     # wrote theirs
             self.pools["tape"][r].give(tslot)
 
+    def _receive(self, kind: str, t: int, src: int, dst: int, slot: int) -> None:
+        """Round t's message of `kind` ('f' or 'b') from rank src arrives at rank dst, in
+        `slot`: recv_f_* from rank dst - 1 (the ring's wrap-around too), recv_b_* from
+        dst + 1; V-shaped, a message the other way arrives apart, in recv_f2_* (from
+        dst + 1) or recv_b2_* (from dst - 1), and the turn's on rank p - 1 (src = dst) in
+        the channel no rank above uses there (recv_f2_*, recv_b_*)."""
+        above = src >= dst if self.schedule.v_shape else kind == "b"
+        channel = kind + ("" if above == (kind == "b") else "2")
+        assert not self.tab[f"recv_{channel}_valid"][t][dst], "two arrivals in one channel"
+        self.tab[f"recv_{channel}_valid"][t][dst] = 1
+        self.tab[f"recv_{channel}_slot"][t][dst] = slot
+
+    def _rank_of(self, stage: int) -> int:
+        return stage_place(self.schedule.v_shape, self.p, stage)[1]
+
     def _forward(self, t: int, r: int, fa) -> None:
         """Rank r's F in round t: its input's stash slot (virtual stage 0: taken now), its
         tape slot, and the slot its output arrives in at the next rank."""
-        j, s = fa.microbatch, fa.chunk * self.p + r
+        j, s = fa.microbatch, self.schedule.stage(fa.chunk, r)
         if s == 0:
             self.stash_of[(r, j, s)] = self.pools["stash"][r].take()
         tslot = 0
@@ -190,14 +220,14 @@ class _Lowering:
         _put(self.tab, "f", t, r, fa, f_slot=self.stash_of[(r, j, s)], f_tslot=tslot)
         self.kept_from[(r, j, s)] = t
         if s < self.stages - 1:
-            dst = (r + 1) % self.p
+            dst = self._rank_of(s + 1)
             self.stash_of[(dst, j, s + 1)] = slot = self.pools["stash"][dst].take()
-            self.tab["recv_f_valid"][t][dst], self.tab["recv_f_slot"][t][dst] = 1, slot
+            self._receive("f", t, r, dst, slot)
 
     def _backward(self, t: int, r: int, ba) -> None:
         """Rank r's B in round t: frees its input's stash slot and its output gradient's
         grad slot, takes a W slot (zero-bubble kinds)."""
-        j, s = ba.microbatch, ba.chunk * self.p + r
+        j, s = ba.microbatch, self.schedule.stage(ba.chunk, r)
         slot = self.stash_of.pop((r, j, s))
         self.kept.append((r, slot, self.kept_from.pop((r, j, s)), t))
         grad_slot = self.grad_of.pop((r, j, s)) if s < self.stages - 1 else 0
@@ -290,10 +320,10 @@ def head_pieces(config, form: str) -> int:
 
 
 def head_rows(rounds: Rounds, start: int, stop: int) -> dict:
-    """Per round of [start, stop): whether the last rank's B slot is the last virtual
+    """Per round of [start, stop): whether the head's rank's B slot is the last virtual
     stage's (head_on) and its microbatch (head_mb), which every rank reads when the head
     is spread (the same on every rank)."""
-    last, chunk = rounds.stages - 1, rounds.chunks - 1
+    chunk, last = stage_place(rounds.v_shape, rounds.stages, rounds.stages * rounds.chunks - 1)
     on = [int(rounds.b_valid[t][last] and rounds.b_chunk[t][last] == chunk)
           for t in range(start, stop)]
     return {"head_on": on, "head_mb": [rounds.b_mb[t][last] for t in range(start, stop)]}
@@ -325,8 +355,9 @@ def segments(rounds: Rounds, form: str) -> list:
         states = tuple(_slot_state(tables[k][t]) for k in "FBW")
         ends = frozenset((name, k) for name, stage in (("embed", 0), ("head", last))
                          for k in "FB" if any(
-                             tables[k][t][r] and getattr(rounds, f"{k.lower()}_chunk")[t][r]
-                             * p + r == stage for r in range(p)))
+                             tables[k][t][r] and rounds.stage(
+                                 getattr(rounds, f"{k.lower()}_chunk")[t][r], r) == stage
+                             for r in range(p)))
         return states, ends
 
     runs = []  # [start, stop, slot states, pieces needed] of equal slot states

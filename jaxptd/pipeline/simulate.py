@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, fields
 
 from jaxptd.pipeline.draw import draw_timeline
 from jaxptd.pipeline.lowering import Rounds, lower
-from jaxptd.pipeline.schedules import (KINDS, ZERO_BUBBLE, Costs, Schedule, ScheduleError,
-                                       forward_only, make_schedule)
+from jaxptd.pipeline.schedules import (KINDS, V_SHAPED, ZERO_BUBBLE, Costs, Schedule,
+                                       ScheduleError, forward_only, make_schedule)
 
 
 # The CLI's limit on a schedule's actions: at the limit it answers in 3 (1f1b) to 15 s
@@ -57,10 +57,13 @@ class Stats:
 
 def paper_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> float:
     """The published bubble fraction: (p-1)/m (GPipe, 1F1B), (p-1)/(v m) (PTD-P §2.2.2),
-    (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) (ZB-H1, Qi et al. §3), / v when interleaved."""
+    (p-1)(t_f+t_b-t_w)/(m(t_f+t_b+t_w)) (ZB-H1, Qi et al. §3), / v when interleaved;
+    ZB-V's (their §6, with a chunk's times, half a stage's): that of ZB-H2,
+    (p-1)(t_f+t_b-2t_w)/(v m(t_f+t_b+t_w)), zero when t_w >= (t_f+t_b)/2."""
     if kind in ZERO_BUBBLE:
         f, b, w = costs.fwd, costs.bwd, costs.wgt
-        return max(0.0, (p - 1) * (f + b - w)) / (v * m * (f + b + w))
+        filled = 2 * w if kind in V_SHAPED else w  # the W time that fills the bubble
+        return max(0.0, (p - 1) * (f + b - filled)) / (v * m * (f + b + w))
     return (p - 1) / (v * m)
 
 
@@ -75,7 +78,7 @@ def _async_time(schedule: Schedule, costs: Costs, hop: float) -> float:
         for r, acts in enumerate(schedule.actions):
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                s = a.chunk * p + r
+                s = schedule.stage(a.chunk, r)
                 dep, latency = {"F": (("F", a.microbatch, s - 1), hop),
                                 "B": (("B", a.microbatch, s + 1), hop),
                                 "W": (("B", a.microbatch, s), 0.0)}[a.kind]
@@ -116,7 +119,8 @@ def simulate(schedule: Schedule, costs: Costs = Costs(), hop_latency: float = 0.
                     start = end
         now += costs.round(row, split, v) + hop_latency
     ideal = m * (costs.fwd + (0.0 if schedule.forward_only else costs.bwd + costs.wgt))
-    sends = sum(map(sum, rounds.recv_f_valid)), sum(map(sum, rounds.recv_b_valid))
+    sends = tuple(sum(map(sum, getattr(rounds, f"recv_{k}_valid"))) +
+                  sum(map(sum, getattr(rounds, f"recv_{k}2_valid"))) for k in "fb")
     return Stats(total_time=now, ideal_time=ideal, bubble_fraction=(now - ideal) / ideal,
                  peak_stash=rounds.peak_stash(), num_rounds=rounds.num_rounds,
                  messages={"forward": sends[0], "backward": sends[1]},
@@ -132,7 +136,8 @@ def _parse_args(argv):
     parser.add_argument("--kind", required=True, choices=KINDS)
     parser.add_argument("--stages", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
-    parser.add_argument("--chunks", type=int, default=1)
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="chunks a rank (default 1; zb-v: 2, its only choice)")
     parser.add_argument("--fwd-cost", type=float, default=1.0)
     parser.add_argument("--bwd-cost", type=float, default=1.0,
                         help="the input-gradient part of a backward (B)")
@@ -178,6 +183,7 @@ def _check_size(args, costs: Costs) -> None:
 def main(argv=None) -> int:
     """CLI entry: grid + statistics, or --json; bad arguments -> 'error: ...', exit 2."""
     args = _parse_args(argv)
+    args.chunks = args.chunks or (2 if args.kind in V_SHAPED else 1)
     wgt = args.bwd_cost if args.wgt_cost is None else args.wgt_cost
     if min(args.fwd_cost, args.bwd_cost, wgt) <= 0 or args.hop_latency < 0:
         _fail("--fwd-cost, --bwd-cost and --wgt-cost must be > 0 and --hop-latency >= 0")

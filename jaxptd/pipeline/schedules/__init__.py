@@ -37,13 +37,15 @@ Invariants:
   GPU's forms run a kind some rank uses on every rank); the W's are placed for the one
   given (packing.py), so the executor packs for the round form it runs.
 """
-from jaxptd.pipeline.schedules.actions import (KINDS, ZERO_BUBBLE, Action, Costs, Schedule,
-                                               ScheduleError)
+from jaxptd.pipeline.schedules.actions import (KINDS, V_SHAPED, ZERO_BUBBLE, Action, Costs,
+                                               Schedule, ScheduleError, head_rank,
+                                               stage_place, virtual_stage)
 from jaxptd.pipeline.schedules.grid import format_grid, round_cells
 from jaxptd.pipeline.schedules.make import forward_only, make_schedule
 from jaxptd.pipeline.schedules.packing import pack_rounds, packed_time
 from jaxptd.pipeline.schedules.rules import check_layers, validate
 
-__all__ = ["KINDS", "ZERO_BUBBLE", "Action", "Costs", "Schedule", "ScheduleError",
-           "check_layers", "forward_only", "format_grid", "make_schedule", "pack_rounds",
-           "packed_time", "round_cells", "validate"]
+__all__ = ["KINDS", "V_SHAPED", "ZERO_BUBBLE", "Action", "Costs", "Schedule", "ScheduleError",
+           "check_layers", "forward_only", "format_grid", "head_rank", "make_schedule",
+           "pack_rounds", "packed_time", "round_cells", "stage_place", "validate",
+           "virtual_stage"]

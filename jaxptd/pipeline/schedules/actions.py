@@ -4,8 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved")
-ZERO_BUBBLE = {"zb-h1": "1f1b", "zb-interleaved": "interleaved"}  # kind -> its F/B order
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved", "zb-v")
+# kind -> its F/B order (zb-v's is its own: vshape.py)
+ZERO_BUBBLE = {"zb-h1": "1f1b", "zb-interleaved": "interleaved", "zb-v": "zb-v"}
+V_SHAPED = ("zb-v",)  # kinds whose chunk 1 runs back up the ranks (virtual_stage)
+
+
+def virtual_stage(v_shape: bool, p: int, chunk, rank):
+    """The virtual stage chunk c of rank r runs (ints, or traced arrays alike): c p + r,
+    or V-shaped (two chunks) r for chunk 0 and 2p - 1 - r for chunk 1, so that stage
+    p - 1's output feeds stage p on the same rank and the last stage is on rank 0."""
+    if v_shape:
+        return rank + chunk * (2 * p - 1 - 2 * rank)
+    return chunk * p + rank
+
+
+def stage_place(v_shape: bool, p: int, stage: int) -> tuple:
+    """(chunk, rank) of a virtual stage: virtual_stage's inverse."""
+    chunk = stage // p
+    return chunk, (2 * p - 1 - stage if v_shape and chunk else stage % p)
+
+
+def head_rank(v_shape: bool, p: int, v: int) -> int:
+    """The rank of the last virtual stage (the head and the loss): p - 1, V-shaped 0."""
+    return stage_place(v_shape, p, p * v - 1)[1]
 
 
 class ScheduleError(ValueError):
@@ -69,3 +91,12 @@ class Schedule:
     def split_backward(self) -> bool:
         """True when B is the input gradient alone and W the weight gradients."""
         return self.kind in ZERO_BUBBLE and not self.forward_only
+
+    @property
+    def v_shape(self) -> bool:
+        """True when the chunks are placed in a V (virtual_stage)."""
+        return self.kind in V_SHAPED
+
+    def stage(self, chunk: int, rank: int) -> int:
+        """The virtual stage of a rank's chunk (virtual_stage)."""
+        return virtual_stage(self.v_shape, self.stages, chunk, rank)

@@ -4,8 +4,8 @@ Pure Python.
 
 Zero-bubble kinds are made two ways, and make_schedule keeps the one whose rounds cost
 less under its costs (on a tie, the one with fewer rounds):
-- W's in the slots (`_weight_grads_in_slots`; both kinds): the F/B order of the base kind
-  is packed first; then its W's are placed by packing.py's rule (at most one a rank a
+- W's in the slots (`_weight_grads_in_slots`; every zero-bubble kind, zb-v's only
+  making, on vshape.py's F/B order): the F/B order of the base kind is packed first; then its W's are placed by packing.py's rule (at most one a rank a
   round, where it costs nothing or where the stash demands it). About m + 3p rounds
   (v = 1), most of them full on every rank (what the steady round form runs without
   conditionals). With uniform costs
@@ -28,9 +28,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from jaxptd.pipeline.schedules.actions import (KINDS, ZERO_BUBBLE, Action, Costs, Schedule,
-                                               ScheduleError)
+from jaxptd.pipeline.schedules.actions import (KINDS, V_SHAPED, ZERO_BUBBLE, Action, Costs,
+                                               Schedule, ScheduleError)
 from jaxptd.pipeline.schedules.packing import can_run, pack_rounds, packed_time
+from jaxptd.pipeline.schedules.vshape import v_order
 
 
 def _check_params(kind: str, stages: int, microbatches: int, chunks: int) -> None:
@@ -39,7 +40,10 @@ def _check_params(kind: str, stages: int, microbatches: int, chunks: int) -> Non
     for name, value in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name}={value!r} must be an integer >= 1")
-    if "interleaved" not in kind and chunks != 1:
+    if kind in V_SHAPED and chunks != 2:
+        raise ScheduleError(f"chunks={chunks} must be 2 for kind={kind!r} (its V: chunk 0 "
+                            "down the ranks, chunk 1 back up)")
+    if "interleaved" not in kind and kind not in V_SHAPED and chunks != 1:
         raise ScheduleError(f"chunks={chunks} must be 1 for kind={kind!r} (use an "
                             "interleaved kind)")
 
@@ -68,7 +72,7 @@ def make_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1,
     """Builds the per-rank action order.
 
     Args: kind in KINDS; stages p >= 1; microbatches m >= 1; chunks v (1 for gpipe, 1f1b
-      and zb-h1, >= 1 for the interleaved kinds, where v = 1 gives exactly the v = 1 kind);
+      and zb-h1, 2 for zb-v, >= 1 for the interleaved kinds, where v = 1 gives exactly the v = 1 kind);
       costs: where zero-bubble kinds place W (the executor uses the uniform default).
     Returns: a Schedule. gpipe: all forwards, then all backwards. 1f1b and interleaved:
       warm-up forwards, then (F, B) pairs, then the remaining backwards, with forwards
@@ -113,9 +117,9 @@ def _zero_bubble(kind: str, p: int, m: int, v: int, costs: Costs) -> Schedule:
 
 
 def _weight_grads_in_slots(kind: str, p: int, m: int, v: int, costs: Costs) -> tuple:
-    """(the base kind's F/B order with each rank's W's placed by `_place_weight_grads`,
-    the per-rank order as packed; its packed rounds)."""
-    base = make_schedule(ZERO_BUBBLE[kind], p, m, v)
+    """(the base kind's F/B order (zb-v: vshape.v_order) with each rank's W's placed by
+    packing's `_place_weight_grads`, the per-rank order as packed; its packed rounds)."""
+    base = v_order(p, m) if kind in V_SHAPED else make_schedule(ZERO_BUBBLE[kind], p, m, v)
     draft = replace(base, kind=kind, actions=tuple(
         acts + tuple(Action("W", a.microbatch, a.chunk) for a in acts if a.kind == "B")
         for acts in base.actions))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from jaxptd.pipeline.schedules.actions import Action, Costs, Schedule, ScheduleError
+from jaxptd.pipeline.schedules.actions import (Action, Costs, Schedule, ScheduleError,
+                                               stage_place)
 from jaxptd.pipeline.schedules.grid import format_grid, round_cells
 
 
@@ -65,10 +66,10 @@ def _pack_in_order(schedule: Schedule, one_per_round: bool) -> list:
             slots = [None, None, None]
             for wanted in ("any",) if one_per_round else ("F", "B"):
                 a = acts[pos[r]] if pos[r] < len(acts) else None
-                if a and wanted in (a.kind, "any") and can_run(ran, a, a.chunk * p + r, t,
-                                                                 S - 1):
+                if a and wanted in (a.kind, "any") and can_run(
+                        ran, a, schedule.stage(a.chunk, r), t, S - 1):
                     slots["FBW".index(a.kind)] = a
-                    ran[(a.kind, a.microbatch, a.chunk * p + r)] = t
+                    ran[(a.kind, a.microbatch, schedule.stage(a.chunk, r))] = t
                     pos[r] += 1
             row.append(tuple(slots))
         if not any(any(slots) for slots in row):
@@ -96,7 +97,7 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
     1F1B's peak.
     """
     p, v = schedule.stages, schedule.chunks
-    arrivals = [_arrivals(row, p, v) for row in packed]
+    arrivals = [_arrivals(row, schedule) for row in packed]
     live, cap = [0] * p, 0  # live[r]: held from arrival until B, as lowering counts it
     for row, arrived in zip(packed, arrivals):
         for r, (_, ba, _) in enumerate(row):
@@ -136,12 +137,14 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
     return out
 
 
-def _arrivals(row: list, p: int, v: int) -> list:
+def _arrivals(row: list, schedule: Schedule) -> list:
     """Per rank: stage inputs that arrive in a round (virtual stage 0: made by its F)."""
+    p, v = schedule.stages, schedule.chunks
     arrived = [0] * p
     for r, (fa, _, _) in enumerate(row):
-        if fa and fa.chunk * p + r == 0:
+        s = schedule.stage(fa.chunk, r) if fa else None
+        if s == 0:
             arrived[r] += 1
-        if fa and fa.chunk * p + r < p * v - 1:
-            arrived[(r + 1) % p] += 1
+        if fa and s < p * v - 1:
+            arrived[stage_place(schedule.v_shape, p, s + 1)[1]] += 1
     return arrived
