@@ -51,6 +51,8 @@ def test_vocab_padded_to_multiple_of_128_times_tensor():
     (["train.global_batch=10", "parallel.data=4"], "train.global_batch=10: must be divisible"),
     (["parallel.data=3", "train.global_batch=24", "runtime.cpu_devices=8"], "must equal the device count 8"),
     (["parallel.chunks=2"], "parallel.chunks=2: more than one chunk per rank needs"),
+    (["parallel.pipe=2", "parallel.schedule=zb-v"],
+     "parallel.chunks=1: parallel.schedule=zb-v needs parallel.chunks=2"),
     (["model.dtype=float64"], "model.dtype='float64': must be one of"),
     (["model.dtype=float16"], "needs optimizer.loss_scale=dynamic"),
     (["model.nonsense=1"], "model.nonsense: unknown key"),

@@ -318,6 +318,8 @@ RESTORES = [  # (writer, reader): (data, pipe, tensor, extra)
     ((2, 2, 2, ("parallel.schedule=interleaved", "parallel.chunks=2")),
      (8, 1, 1, (FSDP, "parallel.fsdp_group=4"))),
     ((8, 1, 1, ("optimizer.zero1=true",)), (2, 2, 2, (FSDP,))),
+    # a V's layers (chunk 1's ranks reversed) and ends (the head's on rank 0) to 1F1B's
+    ((2, 2, 2, ("parallel.schedule=zb-v", "parallel.chunks=2")), (1, 4, 1, ())),
 ]
 
 

@@ -149,7 +149,8 @@ def _case(data, pipe, tensor, *extra, slow=True, arch=LLAMA):
 
 # (model.moe_every > 1: units of dense layers and a mixture, model/stack.py). 1F1B with a
 # mixture: tests/test_pipeline_program.py's unrolled moe case (and the H100 compile's);
-# experts with pipe: the zb-h1, GPipe and zb-interleaved cases; with tensor: the SP ones.
+# experts with pipe: the zb-h1, GPipe, zb-interleaved and zb-v cases; with tensor: the SP
+# ones.
 PARITY = [
     _case(4, 2, 1, "parallel.expert=4", "parallel.microbatches=2", "parallel.schedule=zb-h1",
           "model.moe_every=2"),
@@ -161,6 +162,8 @@ PARITY = [
     _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=4",
           "parallel.schedule=zb-interleaved", "parallel.chunks=2", "model.num_layers=8",
           "model.moe_every=2"),
+    _case(2, 2, 1, "parallel.expert=2", "parallel.microbatches=2", "parallel.schedule=zb-v",
+          "parallel.chunks=2"),
     _case(4, 1, 1, "parallel.expert=2", "parallel.fsdp=true"),
     _case(4, 1, 1, "parallel.expert=2", "optimizer.zero1=true", "model.remat=full",
           "model.moe_every=4"),

@@ -32,6 +32,8 @@ CASES = [
 # Zero-bubble, 8 layouts of each (zb-h1: 10): m = p, m < p, m not a multiple of p, data
 # and tensor inside the stages; zb-h1 with one action a round (2 <= m < 2p - 2: p = m = 3,
 # p = m = 4, p = 4 m = 5, p = 5 m = 6, p = m = 8, p = 4 m = 2) and with W's in the slots.
+# zb-v at p = 4 (its (2, 2, 2) with SP: SPREAD's; with FSDP and context: tests/
+# test_context.py's; with experts: tests/test_moe.py's).
 ZB_CASES = [
     (1, 2, 1, "zb-h1", 1, 2, 4),
     (1, 4, 1, "zb-h1", 1, 4, 4),
@@ -51,6 +53,7 @@ ZB_CASES = [
     (1, 2, 2, "zb-interleaved", 2, 2, 4),
     (2, 2, 1, "zb-interleaved", 2, 5, 4),
     (1, 4, 1, "zb-interleaved", 2, 1, 8),
+    (1, 4, 1, "zb-v", 2, 4, 8),
 ]
 FAST = {CASES[1], ZB_CASES[11]}  # kept activations, auto form; the rest: -m slow
 
@@ -132,7 +135,8 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
 # The head spread over the pipe ranks (round forms without conditionals, b % p == 0:
 # jaxptd/pipeline/head.py; PARITY's steady and masked cases at p = 2 spread it too): p = 4
 # with interleaving (the last rank's B slots of its other chunk run no head), the stage
-# recomputed (the head inside the B slot's vjp: BERT's and the packed pieces' cases), FSDP
+# recomputed (the head inside the B slot's vjp: BERT's and the packed pieces' cases), zb-v
+# (the head, the last stage's, on rank 0) with data, tensor and SP, FSDP
 # with sequence parallelism, the untied head of Llama (its embedding read by the first stage
 # alone), BERT's heads, and context parallelism (each rank's rows hold s/c of their tokens)
 # with SP.
@@ -142,6 +146,8 @@ SPREAD = [
     pytest.param((2, 2, 2, "1f1b", 1, 2, 4), "activations",
                  ["parallel.fsdp=true", "parallel.sequence_parallel=true"], id="fsdp-sp",
                  marks=pytest.mark.slow),
+    pytest.param((2, 2, 2, "zb-v", 2, 2, 4), "activations",
+                 ["parallel.sequence_parallel=true"], id="zb-v-sp", marks=pytest.mark.slow),
     pytest.param((1, 2, 2, "zb-h1", 1, 3, 4), "activations", LLAMA, id="llama-zb",
                  marks=pytest.mark.slow),
     pytest.param((1, 2, 1, "1f1b", 1, 2, 4), "inputs", ["model.arch=bert"], id="bert",

@@ -34,7 +34,7 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.rope_scaling": ("none", "llama3"),
     "model.moe_router": ("softmax", "sigmoid"),
-    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved"),
+    "parallel.schedule": ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-interleaved", "zb-v"),
     "parallel.stash": ("activations", "inputs"),
     "parallel.round_form": ("auto", "cond", "steady", "masked"),
     "parallel.context_attention": ("ring", "allgather"),
@@ -219,9 +219,12 @@ def _validate_parallel(config: Config) -> None:
     _require(m.units % stages == 0,
              f"model.num_layers={m.num_layers}{units}: must be divisible by parallel.pipe x "
              f"parallel.chunks = {par.pipe} x {par.chunks} = {stages}")
-    _require(par.chunks == 1 or "interleaved" in par.schedule,
+    _require(par.schedule != "zb-v" or par.chunks == 2,
+             f"parallel.chunks={par.chunks}: parallel.schedule=zb-v needs parallel.chunks=2 "
+             "(its V: chunk 0 down the ranks, chunk 1 back up)")
+    _require(par.chunks == 1 or "interleaved" in par.schedule or par.schedule == "zb-v",
              f"parallel.chunks={par.chunks}: more than one chunk per rank needs "
-             f"parallel.schedule=interleaved or zb-interleaved (got {par.schedule})")
+             f"parallel.schedule=interleaved, zb-interleaved or zb-v (got {par.schedule})")
     if par.pipe > 1:
         try:
             make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)

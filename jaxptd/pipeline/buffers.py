@@ -134,10 +134,21 @@ def _pairs(p: int, v: int, step: int) -> list:
     return [(r, (r + step) % p) for r in range(p) if v > 1 or 0 <= r + step < p]
 
 
-def send(x, p: int, v: int, step: int, tensor: int):
+def send(x, p: int, v: int, step: int, tensor: int, v_shape: bool = False):
     """Starts sending x [b, s, h] along the chain (each tensor rank its 1/t slice; with
-    sequence parallelism, tensor = 1 here: x is already this rank's [b, s/t, h])."""
-    return lax.ppermute(_scatter(x, tensor), PIPE, _pairs(p, v, step))
+    sequence parallelism, tensor = 1 here: x is already this rank's [b, s/t, h]) -> what
+    arrives. V-shaped (schedules.virtual_stage), a rank's message goes up or down the
+    ranks by its chunk, or stays (the turn on rank p - 1): x goes both ways, and what
+    arrives is a pair for lowering's two channels, (along, against) the chain's direction
+    `step` (from rank r - step, from rank r + step; recv_f_* and recv_f2_*, recv_b_* and
+    recv_b2_*), with rank p - 1's own x in place of what no rank above sends it."""
+    mine = _scatter(x, tensor)
+    if not v_shape:
+        return lax.ppermute(mine, PIPE, _pairs(p, v, step))
+    below = lax.ppermute(mine, PIPE, _pairs(p, 1, 1))  # from rank r - 1
+    above = jnp.where(lax.axis_index(PIPE) == p - 1, mine,
+                      lax.ppermute(mine, PIPE, _pairs(p, 1, -1)))  # from r + 1, the turn
+    return (below, above) if step == 1 else (above, below)
 
 
 def arrive(buffer, message, valid, slot, tensor: int):

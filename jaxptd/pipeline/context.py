@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.tensor import Layout
+from jaxptd.pipeline.schedules import V_SHAPED, head_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,4 +45,14 @@ class Context:
     def last_stage(self) -> int:
         """The last virtual stage's index, p v - 1 (it runs the head and the loss)."""
         return self.pipe * self.chunks - 1
+
+    @property
+    def v_shape(self) -> bool:
+        """Whether the chunks are placed in a V (schedules.virtual_stage)."""
+        return self.schedule in V_SHAPED
+
+    @property
+    def head_rank(self) -> int:
+        """The rank of the last virtual stage: p - 1, or 0 V-shaped."""
+        return head_rank(self.v_shape, self.pipe, self.chunks)
 

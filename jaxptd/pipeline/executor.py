@@ -53,7 +53,11 @@ Scatter/gather (PTD-P §4.1): a stage output is the same on every tensor rank, s
 tensor rank sends only its 1/t slice of the hidden dimension (buffers.send).
 
 Parameters: each layer leaf is [v, 1, L/(p v), ...] on a device (chunks, this rank's
-stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r.
+stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r, or for a
+V-shaped schedule (zb-v) r and 2p - 1 - r (schedules.virtual_stage): its messages go up
+or down the ranks by chunk, or stay on rank p - 1 at the turn, so each is sent both ways
+and each rank stores what arrives from either side where the tables' two channels say
+(buffers.send, `_store`).
 """
 from __future__ import annotations
 
@@ -78,9 +82,10 @@ from jaxptd.parallel.varying import after, mark_varying, waiting
 # is stored), sent at the start of the next round (see the module docstring)
 PENDING = "pending"
 SLOT_FIELDS = {
-    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_valid", "recv_f_slot"),
+    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_valid", "recv_f_slot",
+          "recv_f2_valid", "recv_f2_slot"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "recv_b_valid",
-          "recv_b_slot"),
+          "recv_b_slot", "recv_b2_valid", "recv_b2_slot"),
     "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_tslot"),
 }
 
@@ -164,10 +169,37 @@ def _run_beside(message, mode, fn, carry, row, valid_field, seg, idle_message):
     return out, {k: x for k, x in carry.items() if k != IN_FLIGHT}
 
 
+def _store(buffer, sent, arrivals, made, late, tensor: int):
+    """buffer with the round's arrived messages stored (buffers.arrive): `sent` (buffers.
+    send's: one message, or V-shaped a pair, one a channel) where arrivals ({'_valid',
+    '_slot'}, V-shaped also {'2_valid', '2_slot'}: the tables' recv_* and recv_*2) say;
+    each stored after `made` (_stored_after) and, given `late`, waiting for it too (the
+    round's late stores)."""
+    for message, channel in zip(sent if isinstance(sent, tuple) else (sent,), ("_", "2_")):
+        slot = _stored_after(arrivals[channel + "slot"], made, message)
+        message = message if late is None else waiting(message, late)
+        buffer = buffers.arrive(buffer, message, arrivals[channel + "valid"], slot, tensor)
+    return buffer
+
+
+def _pending(pending, g_x, idle, row, v_shape: bool) -> dict:
+    """The carry's B message for the next round: this round's input gradient g_x with the
+    tables' recv_b (and V-shaped recv_b2) valid and slot, or, with no B slot traced (g_x
+    None), the idle message, stored nowhere."""
+    channels = ("_", "2_") if v_shape else ("_",)
+    if g_x is None:
+        return {"x": idle, **{c + "valid": jnp.zeros_like(pending[c + "valid"])
+                              for c in channels},
+                **{c + "slot": pending[c + "slot"] for c in channels}}
+    return {"x": g_x, **{c + n: row[f"recv_b{c}{n}"] for c in channels
+                         for n in ("valid", "slot")}}
+
+
 def _round(program, seg: Segment):
     """The scan body of a segment: the slots of `program` in order, then the arrivals."""
     p, v, tensor = program.p, program.v, program.tensor
-    wait = v > 1  # _stored_after: the interleaved kinds
+    v_shape = program.rounds.v_shape  # messages both ways (buffers.send, _store)
+    wait = v > 1  # _stored_after: the interleaved kinds (and zb-v)
     by_layer = getattr(program, "by_layer", False)
     # the slots wait for the message in flight beside them: the kept backward a layer at
     # a time, or a recomputed stage; elsewhere nothing reads it (a conditional slot would
@@ -191,29 +223,26 @@ def _round(program, seg: Segment):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
         carry = dict(carry)
         pending = carry.pop(PENDING, None)  # the previous round's B output, sent now
-        sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor)
+        sent_b = None if pending is None else buffers.send(pending["x"], p, v, -1, tensor,
+                                                           v_shape)
         y, carry = _run_beside(sent_b if held else None, seg.modes[0], program.forward,
                                carry, row, "f_valid", seg, idle)
-        sent_f = None if y is None else buffers.send(y, p, v, 1, tensor)
+        sent_f = None if y is None else buffers.send(y, p, v, 1, tensor, v_shape)
         carry = dict(carry)
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
-            slot = _stored_after(pending["slot"], y if wait else None, sent_b)
-            message = waiting(sent_b, y) if late else sent_b
-            carry["gbuf"] = buffers.arrive(carry["gbuf"], message, pending["valid"], slot,
-                                           tensor)
+            carry["gbuf"] = _store(carry["gbuf"], sent_b, pending, y if wait else None,
+                                   y if late else None, tensor)
         g_x, carry = _run_beside(sent_f if held else None, seg.modes[1], program.backward,
                                  carry, row, "b_valid", seg, idle)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
         carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
         if sent_f is not None:
-            slot = _stored_after(row["recv_f_slot"], g_x if wait else None, sent_f)
-            message = waiting(sent_f, g_x) if late else sent_f
-            carry["stash"] = buffers.arrive(carry["stash"], message, row["recv_f_valid"], slot,
-                                            tensor)
+            arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
+                        if k.startswith("recv_f")}  # {'_valid': .., '_slot': .., '2_valid': ..}
+            carry["stash"] = _store(carry["stash"], sent_f, arrivals, g_x if wait else None,
+                                    g_x if late else None, tensor)
         if pending is not None:
-            carry[PENDING] = {"x": idle, "valid": jnp.zeros_like(pending["valid"]),
-                              "slot": pending["slot"]} if g_x is None else {
-                "x": g_x, "valid": row["recv_b_valid"], "slot": row["recv_b_slot"]}
+            carry[PENDING] = _pending(pending, g_x, idle, row, v_shape)
         return carry, None
     return one_round
 
@@ -224,7 +253,9 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     carry = program.initial_carry()
     if "gbuf" in carry:  # nothing pending before the first round
         nothing = mark_varying(jnp.zeros((), jnp.int32), (PIPE,))
-        carry[PENDING] = {"x": program.stage.buffer(1)[0], "valid": nothing, "slot": nothing}
+        channels = ("_", "2_") if rounds.v_shape else ("_",)
+        carry[PENDING] = {"x": program.stage.buffer(1)[0],
+                          **{c + n: nothing for c in channels for n in ("valid", "slot")}}
     for seg in segments(rounds, form):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):

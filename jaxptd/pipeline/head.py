@@ -7,6 +7,9 @@ work of 1.8 layers more than the other stages' slots). The steady and masked for
 on every rank anyway (inline: computed, then selected), so instead each rank computes it
 for 1/p of the last stage's rows:
 
+The head's rank (Context.head_rank, "the last rank" below) is p - 1, or 0 for a V-shaped
+schedule, whose last stage is on rank 0.
+
 - the rows: the last rank's stage output y [b, s, h] goes out by an all-to-all over pipe
   (rank r gets rows r b/p .. (r + 1) b/p, or with fewer rows than ranks pieces of rows; with sequence parallelism y, a block of the
   b s tokens on each tensor rank, is first gathered over tensor into rows and the rows'
@@ -62,7 +65,7 @@ class SpreadHead:
 
     def _broadcast(self, ends):
         whole = traverse_util.flatten_dict(self.stage.gather_ends(ends))
-        on_last = self.stage.rank == self.p - 1
+        on_last = self.stage.rank == self.stage.context.head_rank
         return traverse_util.unflatten_dict({
             path: mark_varying(lax.psum(jnp.where(on_last, x, 0), PIPE), (PIPE,))
             if path in self.paths else x for path, x in whole.items()})
@@ -90,10 +93,10 @@ class SpreadHead:
         y, tokens = _pieces(enter_tensor(y, layout), self.stage.tokens(mb),
                             self.stage.context.head_pieces)
         rows = y.shape[0] // self.p
-        # [p, b k/p, s/k, h]: from rank j, j's pieces for this rank; the last rank's are
-        # the ones
+        # [p, b k/p, s/k, h]: from rank j, j's pieces for this rank; the head rank's are
+        # the ones (p - 1, or 0 V-shaped)
         mine = token_block(lax.all_to_all(y.reshape(self.p, rows, *y.shape[1:]), PIPE, 0,
-                                          0)[-1], layout)
+                                          0)[self.stage.context.head_rank], layout)
         tokens = lax.dynamic_slice_in_dim(tokens, self.stage.rank * rows, rows)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
                                                  layout)

@@ -14,6 +14,7 @@ from jax import lax
 from jaxptd import model as models
 from jaxptd.parallel.mesh import PIPE, TENSOR, TOKENS
 from jaxptd.pipeline.context import Context
+from jaxptd.pipeline.schedules import virtual_stage
 from jaxptd.parallel.sharding import regather
 from jaxptd.parallel.varying import mark_varying
 
@@ -23,7 +24,8 @@ class Stage:
 
     `ends` holds the parameters of the pieces at the two ends (model.ends), each leaf
     [1, ...] this rank's slot (jaxptd/train/step.py's Setup); `layers` one chunk's stack
-    [Lc, ...]. Virtual stage c p + r runs chunk c on rank r.
+    [Lc, ...]. Chunk c on rank r runs virtual stage c p + r, or V-shaped r and
+    2p - 1 - r (schedules.virtual_stage).
     """
 
     def __init__(self, context: Context, batch, key, deterministic: bool, norm):
@@ -43,7 +45,7 @@ class Stage:
         self.keep = gather_layer and regather
 
     def vstage(self, chunk):
-        return chunk * self.context.pipe + self.rank
+        return virtual_stage(self.context.v_shape, self.context.pipe, chunk, self.rank)
 
     def buffer(self, slots):
         """Zeros [slots, b, s/c, h] for stage inputs or their gradients (c: context ranks):

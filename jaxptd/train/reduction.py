@@ -19,6 +19,7 @@ from jaxptd.parallel.mesh import DATA, FSDP, PIPE, TOKENS
 from jaxptd.model.tensor import Layout
 from jaxptd.parallel.sharding import GATHERED, fsdp_dims, is_spec
 from jaxptd.parallel.varying import mark_varying, reduce_to
+from jaxptd.pipeline.schedules import V_SHAPED, head_rank
 from jaxptd.train.state import StateLayout
 
 REDUCED = (*TOKENS, PIPE)  # the axes gradients are reduced over
@@ -148,13 +149,14 @@ class Reduction:
         """Local gradient sums -> reduced (and ZeRO-1 scattered), at the end of the step;
         `part`: which subtree of the gradients `grads` is (e.g. models.ends). An ends
         leaf, pipelined, is held over pipe (jaxptd/train/state.py): not reduced over it, but a tied
-        one summed over the first and last stage (the others hold zeros)."""
+        one summed over the first and last stage's ranks (the others hold zeros)."""
         state = self.state
-        pipe = state.config.parallel.pipe
-        pair = [(0, pipe - 1), (pipe - 1, 0)]
+        par = state.config.parallel
+        last = head_rank(par.schedule in V_SHAPED, par.pipe, par.chunks)
+        pair = [(0, last), (last, 0)]
 
         def tied_sum(path, g):  # [1, ...] this stage's slot
-            if state.kind(path) != "both":
+            if state.kind(path) != "both" or last == 0:  # V-shaped: one slot holds both
                 return g
             return g + lax.ppermute(g.astype(self.dtype), PIPE, pair).astype(g.dtype)
         grads = jax.tree_util.tree_map_with_path(tied_sum, grads)

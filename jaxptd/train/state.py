@@ -5,8 +5,9 @@ The state is a dict {params, opt_state, step, rng, loss_scale}. Logical layout
 (checkpoints, initialisation): each layer leaf has a leading [num_layers] axis in model
 order (model.units: a unit of model.moe_every layers an element). In memory with pipe > 1: [v, p, L/(p v), ...] (chunks, stages, layers of a chunk), a
 free reshape of the logical order in which rank r's dimension-1 slice holds virtual stages
-r, r + p, ...; each ends leaf [p, ...] over pipe, held in the slot of the stage that reads
-it (the embedding's stage 0, the head's stage p - 1, a tied embedding in both, equal) and
+r, r + p, ... (V-shaped schedules: chunk 1's ranks reversed, `_v_flip`); each ends leaf
+[p, ...] over pipe, held in the slot of the rank that reads it (the embedding's rank 0,
+the head's, schedules.head_rank: p - 1, or 0 V-shaped; a tied embedding in both, equal) and
 zeros in the others, which stay zero (no gradient, no decay of a zero). So a tied
 embedding's gradient is summed over the two stages that read it, not all p, and every
 replica's update is the same. With pipe = 1 the two layouts are the same. FSDP shards both
@@ -32,6 +33,7 @@ from jaxptd import model as models
 from jaxptd.train import optim
 from jaxptd.config import Config
 from jaxptd.model.tensor import DENSE
+from jaxptd.pipeline.schedules import V_SHAPED, head_rank
 from jaxptd.parallel.sharding import fsdp_dims, fsdp_spec, is_spec, named, specs_from_logical, zero1_spec
 
 
@@ -178,8 +180,8 @@ class StateLayout:
         """For each leaf of `tree`, the function that changes its layout (_converter)."""
         par = self.config.parallel
         return jax.tree_util.tree_map_with_path(lambda path, _: _converter(
-            self.kind(path) if self.pipelined else None, to_memory, par.chunks, par.pipe),
-            tree)
+            self.kind(path) if self.pipelined else None, to_memory, par.chunks, par.pipe,
+            par.schedule in V_SHAPED), tree)
 
     def to_stacked(self, tree):
         """Logical -> in memory: [L, ...] layer leaves -> [v, p, L/(p v), ...], ends leaves
@@ -273,20 +275,28 @@ def _same(x):
 
 
 @lru_cache(maxsize=None)
-def _converter(kind: str | None, to_memory: bool, chunks: int, pipe: int):
+def _converter(kind: str | None, to_memory: bool, chunks: int, pipe: int, v_shape: bool):
     """One leaf's change of layout, logical -> in memory or back (the module docstring)."""
     if kind is None:
         return _same
     if kind == "layer":
         if to_memory:
-            return lambda x: x.reshape(chunks, pipe, -1, *x.shape[1:])
-        return lambda x: x.reshape(-1, *x.shape[3:])
-    held = [(i == 0 and kind != "last") or (i == pipe - 1 and kind != "first")
+            return lambda x: _v_flip(x.reshape(chunks, pipe, -1, *x.shape[1:]), v_shape)
+        return lambda x: _v_flip(x, v_shape).reshape(-1, *x.shape[3:])
+    last = head_rank(v_shape, pipe, chunks)
+    held = [(i == 0 and kind != "last") or (i == last and kind != "first")
             for i in range(pipe)]
     if to_memory:
         return lambda x: jnp.stack([x if h else jnp.zeros_like(x) for h in held])
-    at = 0 if kind != "last" else pipe - 1
+    at = 0 if kind != "last" else last
     return lambda x: x[at]
+
+
+def _v_flip(x, v_shape: bool):
+    """A [v, p, ...] layer stack with its chunk 1 in the other rank order, V-shaped (its
+    own inverse): rank r's chunk 1 is virtual stage 2p - 1 - r (schedules.virtual_stage),
+    so that the logical layers, in order, run down chunk 0's ranks and back up chunk 1's."""
+    return jnp.concatenate([x[:1], x[1:, ::-1]]) if v_shape else x
 
 
 @lru_cache(maxsize=None)
