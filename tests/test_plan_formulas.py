@@ -92,7 +92,7 @@ def _lowered(kind, p, m, v, masked):
 @pytest.mark.parametrize("kind", schedules.KINDS)
 def test_buffer_slots_formula_is_the_lowering(kind, masked):
     """The formula the planner uses for long schedules against the executor's buffers."""
-    chunks = (2, 3) if "interleaved" in kind else (1,)
+    chunks = (2, 3) if "interleaved" in kind else (2,) if kind == "zb-v" else (1,)
     for p in (2, 3, 4, 8):
         for m in (p, 2 * p, 3 * p):
             for v in chunks:
@@ -124,6 +124,18 @@ def test_zero_bubble_formula_is_the_simulated_bubble(masked):
                 got = simulate(schedules.make_schedule("zb-interleaved", p, m, 2, costs), costs)
                 assert plan_time.bubble_formula(p, 2, m, True, masked) == pytest.approx(
                     got.bubble_fraction), (p, m)
+
+
+@pytest.mark.parametrize("masked", MASKED, ids=["cond", "masked"])
+def test_zb_v_bubble_formula_is_the_simulated_bubble_within_a_forward(masked):
+    """zb-v's formula (ZB-H1's) against the lockstep simulator from m = p: the simulated
+    time within one t_f of it (m t_f = the ideal time's third), half of it masked."""
+    costs = schedules.Costs(masked=masked)
+    for p in (2, 3, 4, 8):
+        for m in range(p, 3 * p + 1):
+            got = simulate(schedules.make_schedule("zb-v", p, m, 2, costs), costs)
+            formula = plan_time.bubble_formula(p, 2, m, True, masked, v_shape=True)
+            assert abs(got.bubble_fraction - formula) * 3 * m <= 1 - masked / 2 + 1e-9, (p, m)
 
 
 def test_the_plan_times_the_round_form_its_platform_runs():

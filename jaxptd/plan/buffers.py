@@ -38,3 +38,17 @@ def stash_bytes(slots: dict, stage_input: float, chunk_layers: int, kept: float,
             + slots.get("w", 0) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
                                    + (0.0 if keep_activations else inputs))
             + (slots.get("tape", 0) * inputs if keep_activations else 0.0))
+
+
+def v_slots(p: int, m: int, masked: bool) -> dict:
+    """zb-v's buffer slots a rank (model.slots_formula's; chunk-stages, half a stage each),
+    fitted to the lowering of schedules/vshape.py's order, exact at m = p, 2p, 3p (as
+    tested): min(2m, 5p/2 + 1) stash slots (rounded down); W slots m + 1 at m = p and
+    3p/2 + 2 from m = 2p (masked: min(m, p/2), rounded up); tape slots as stash slots
+    (masked: one fewer from m = 2p); one grad slot."""
+    stash = min(2 * m, 5 * p // 2 + 1)
+    if masked:
+        return {"stash": stash, "grad": 1, "w": min(m, (p + 1) // 2),
+                "tape": stash - (m >= 2 * p)}
+    return {"stash": stash, "grad": 1, "w": 3 * p // 2 + 2 if m >= 2 * p else m + 1,
+            "tape": stash}

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from jaxptd.plan.buffers import dense_tap_bytes, stash_bytes
+from jaxptd.plan.buffers import dense_tap_bytes, stash_bytes, v_slots
 from jaxptd.plan.experts import Moe, moe_rows
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -376,14 +376,15 @@ def _pipeline_buffers(x: StepActivations, kept: float, twice: float) -> float:
 def slots_formula(kind: str, p: int, m: int, v: int, masked: bool = False) -> dict:
     """The executor's buffer slots per rank when lowering the schedule would take too long:
     GPipe m stash slots; 1F1B and ZB-H1 min(m, 2p - 1); the interleaved kinds min(vm,
-    (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at
-    m < 2p - 2 (one action a round: min(m, p)), and as many tape slots as stash slots;
-    one grad slot. Packed for masked rounds (a GPU's round forms: every rank runs its W's
-    in the same rounds, schedules/packing.py) zero-bubble kinds need min(m, p) W slots, and
-    zb-interleaved one tape slot fewer than stash slots from m = 2p on. Exact for m a
-    multiple of p, which Megatron's interleaved schedule requires, and for ZB-H1 at every m
-    (tests/test_plan_formulas.py checks both against the lowering); other m can need a
-    few more (the planner lowers those)."""
+    (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at m < 2p - 2
+    (one action a round: min(m, p)), and as many tape slots as stash slots; one grad slot;
+    zb-v buffers.v_slots. Packed for masked rounds (a GPU's round forms: every rank runs its
+    W's in the same rounds, schedules/packing.py) zero-bubble kinds need min(m, p) W slots,
+    and zb-interleaved one tape slot fewer than stash slots from m = 2p on. Exact for m a
+    multiple of p (Megatron's interleaved rule) and for ZB-H1 at every m (tests/
+    test_plan_formulas.py checks both against the lowering); other m can need more."""
+    if kind == "zb-v":
+        return v_slots(p, m, masked)
     if kind == "gpipe":
         stash = m
     elif kind in ("1f1b", "zb-h1"):

@@ -74,8 +74,8 @@ def schedule_stats(config: Config, platform: str, simulate: bool = True):
     slots = _lowered_slots(kind, p, m, v, form) if (simulate and p * m * v <= LOWER_LIMIT) \
         or irregular else pm.slots_formula(kind, p, m, v, costs.masked)
     if not simulate or p * p * m * v * 3 > SIMULATE_LIMIT:
-        zero_bubble = kind in schedules.ZERO_BUBBLE
-        return pt.bubble_formula(p, v, m, zero_bubble, costs.masked), slots, None
+        zb, v_shape = kind in schedules.ZERO_BUBBLE, kind in schedules.V_SHAPED
+        return pt.bubble_formula(p, v, m, zb, costs.masked, v_shape), slots, None
     sched = schedules.make_schedule(kind, p, m, v, costs)
     stats = simulate_schedule(sched, costs)
     return stats.bubble_fraction, slots, (stats, sched)
@@ -374,7 +374,7 @@ def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,
                            h=h, e=e, ep=par.expert, layers_per_stage=layers // moe.every,
                            forward_again=again) if moe else None,
         stage_params=counts["stage_params"], gather_bytes=gather,
-        tied_grad_bytes=counts["tied_params"] * gather,
+        tied_grad_bytes=counts["tied_params"] * gather * (par.schedule not in schedules.V_SHAPED),
         host_per_step=_host_traffic(config, host),
         host_per_microbatch=2 * host["activations"], c=c,
         context=pt.context_volumes(b=b, s=s, h=h, a=m_cfg.num_heads, t=par.tensor, e=e, c=c,

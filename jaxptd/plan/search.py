@@ -8,9 +8,9 @@ parallelism c in CONTEXTS where 2c divides the sequence and leaves each rank at 
 MIN_CONTEXT_TOKENS (and the family has it), with
 both attention methods (ring, allgather) for c > 1; the schedules are
 1F1B and ZB-H1 (v = 1) or interleaved and zero-bubble interleaved (v in 2, 4; m a multiple
-of p, as Megatron requires). Each base layout is planned with each memory option set of
-OPTION_SETS (sequence parallelism, ZeRO-1, FSDP over a node's data ranks (HSDP) or all of
-them, offloading the optimizer state and, with p = 1, the layer inputs) and keeps the
+of p, as Megatron requires) and ZB-V (v = 2). Each base layout is planned with each memory
+option set of OPTION_SETS (sequence parallelism, ZeRO-1, FSDP over a node's data ranks
+(HSDP) or all of them, offloading the optimizer state and, with p = 1, the layer inputs) and keeps the
 fastest set that fits device and host memory: the first in the list when times tie (SP and
 ZeRO-1 move the same bytes as the collectives they replace, so they cost nothing here).
 model.remat and parallel.stash stay as the config says. Plans use the formulas only (no
@@ -92,7 +92,9 @@ def _experts(model, d: int) -> list:
 def _schedules(p: int, v: int) -> tuple:
     if p == 1:
         return ("1f1b",)
-    return ("1f1b", "zb-h1") if v == 1 else ("interleaved", "zb-interleaved")
+    if v == 1:
+        return ("1f1b", "zb-h1")
+    return ("interleaved", "zb-interleaved") + (("zb-v",) if v == 2 else ())
 
 
 def _best_options(config, inputs, cache, layout, kind, method):

@@ -22,14 +22,18 @@ DAY = 86400.0
 
 
 def bubble_formula(p: int, v: int, m: int, zero_bubble: bool = False,
-                   masked: bool = False) -> float:
+                   masked: bool = False, v_shape: bool = False) -> float:
     """§2.2: (p - 1) / (v m) for 1F1B and interleaved; GPipe has the same bubble. Zero-bubble
     kinds (uniform t_f = t_b = t_w, lockstep; jaxptd/pipeline/schedules/make.py): the ZB-H1
     paper's (p - 1) / (3 m) for v = 1 from m >= p, (p - 1 + p - m) / (3 m) below;
     (p - 1 + max(0, 2p - 2 - m)) / (3 v m) for v > 1 and m >= p. Masked rounds (a GPU's
     round forms, schedules.Costs.masked), where a slot kind some rank uses runs on every
     rank: the F and B slots keep 1F1B's bubble and the W's only stop adding to it,
-    2 (p - 1) / (3 v m) (v = 1 at every m, v > 1 from m >= p)."""
+    2 (p - 1) / (3 v m) (v = 1 at every m, v > 1 from m >= p). zb-v (v_shape, v = 2): in
+    lockstep rounds no better than ZB-H1, whose formulas it takes from m >= p (the
+    simulator's time within one t_f, masked half of it: vshape.py's order)."""
+    if v_shape:
+        v = 1
     if zero_bubble and masked:
         return 2 * (p - 1) / (3 * v * m)
     if zero_bubble and v == 1:
