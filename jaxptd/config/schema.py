@@ -175,8 +175,8 @@ class ParallelConfig:
     pipe: int = 1  # pipeline stages (p), across hosts
     tensor: int = 1  # tensor-parallel ranks (t), inside one host
     microbatches: int = 1  # m, per data-parallel rank and step
-    # pipe > 1: gpipe | 1f1b | interleaved | zb-h1 | zb-interleaved | zb-v (chunks=2; docs/
-    # schedules.md)
+    # pipe > 1: gpipe | 1f1b | interleaved | zb-h1 | zb-interleaved | zb-v (chunks=2)
+    # (docs/schedules.md)
     schedule: str = "1f1b"
     chunks: int = 1  # model chunks per pipe rank (v of the interleaved schedules; zb-v: 2)
     stash: str = "activations"  # pipe > 1 keeps: activations | inputs (recompute the stage)
