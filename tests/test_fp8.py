@@ -311,3 +311,158 @@ def test_the_planner_times_fp8_gemms_at_the_fp8_peak():
                       ["step_time_s"]["compute"] for c in configs)
         assert bf16 - fp8_ == pytest.approx(
             saved * fp8_flops(configs[1], 0) / (0.5 * hw.peak_bf16), rel=1e-9)
+
+
+# ------------------------------------------------------------- model.fp8=delayed
+
+
+def test_delayed_gemm_scales_by_its_history_and_returns_this_steps_amaxes():
+    """Delayed scaling: x, w and the output gradient divided by max(history row) x 2^margin
+    / the format's largest value (a row of zeros: by 1), clipped to it, the products those
+    of the numpy-rounded operands; the history's gradient holds max |x|, max |w|, max |g| in
+    column 0 and zeros elsewhere."""
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(kx, (2, 8, 16))
+    w = jax.random.normal(kw, (16, 24)) * 0.1
+    g = jax.random.normal(kg, (2, 8, 24)) * 1e-2
+    history = jnp.asarray([[1.0, 3.0, 2.0], [0.2, 0.0, 0.1], [0.0, 0.0, 0.0]])
+    for margin in (0, 1):
+        y, vjp = jax.vjp(fp8.delayed_einsum("bsh,hf->bsf", (), margin), x, w, history)
+        dx, dw, dh = vjp(g)
+        sx, sw = (2.0 ** margin * a / E4M3_MAX for a in (3.0, 0.2))
+
+        def rounded(v, s, dtype):  # (a stale scale clips: x here reaches past 3)
+            largest = float(ml_dtypes.finfo(dtype).max)
+            v = np.clip(np.asarray(v, np.float32) / np.float32(s), -largest, largest)
+            return v.astype(dtype).astype(np.float32) * np.float32(s)
+        xq, wq = rounded(x, sx, ml_dtypes.float8_e4m3fn), rounded(w, sw, ml_dtypes.float8_e4m3fn)
+        gq = rounded(g, 1.0, ml_dtypes.float8_e5m2)
+        np.testing.assert_allclose(y, np.einsum("bsh,hf->bsf", xq, wq), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dx, np.einsum("bsf,hf->bsh", gq, wq), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(dw, np.einsum("bsh,bsf->hf", xq, gq), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(dh[:, 0], [np.abs(x).max(), np.abs(w).max(),
+                                              np.abs(g).max()], rtol=1e-6)
+        assert not np.any(np.asarray(dh[:, 1:]))
+
+
+def test_advance_rolls_each_history_and_keeps_it_after_an_overflow():
+    old = {"w_fc1": jnp.ones((2, 2)), "w_fc1_amax": jnp.arange(12.0).reshape(2, 3, 2)}
+    seen = {"w_fc1": jnp.zeros((2, 2)), "w_fc1_amax": jnp.zeros((2, 3, 2)).at[:, :, 0].set(
+        jnp.asarray([[7.0, 8.0, 9.0], [1.0, jnp.inf, 2.0]]))}
+    updated = {"w_fc1": old["w_fc1"] - 1, "w_fc1_amax": old["w_fc1_amax"] * 0}
+    grads, amaxes = fp8.observed(seen)
+    assert not np.any(np.asarray(grads["w_fc1_amax"])) and amaxes is seen
+    new = fp8.advance(updated, old, amaxes)
+    np.testing.assert_array_equal(new["w_fc1"], updated["w_fc1"])
+    np.testing.assert_array_equal(new["w_fc1_amax"][0], [[7.0, 0.0], [8.0, 2.0], [9.0, 4.0]])
+    np.testing.assert_array_equal(new["w_fc1_amax"][1], old["w_fc1_amax"][1])  # (inf: kept)
+    acc = fp8.accumulate({"a": jnp.float32(2), "w_o_amax": jnp.float32(2)},
+                         {"a": jnp.float32(3), "w_o_amax": jnp.float32(3)})
+    assert float(acc["a"]) == 5.0 and float(acc["w_o_amax"]) == 3.0
+
+
+def _delayed_steps(data, pipe, tensor, extra, steps=2):
+    """(losses, logical params) after `steps` train steps with model.fp8=delayed."""
+    from jaxptd.train.step import build_train_step
+    setup = make_setup(data, pipe, tensor, ["model.fp8=delayed", "model.vocab_size=512",
+                                            *extra])
+    state, step, losses = placed_state(setup), build_train_step(setup), []
+    for batch in fixed_batches(setup.config, steps):
+        state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+        losses.append(float(metrics["loss"]))
+    return losses, jax.device_get(setup.state_layout.to_logical(state["params"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _single_device_delayed():
+    return _delayed_steps(1, 1, 1, ["parallel.microbatches=4"])
+
+
+def _histories(params) -> dict:
+    return {jax.tree_util.keystr(p): np.asarray(v)
+            for p, v in jax.tree_util.tree_leaves_with_path(params) if fp8.is_history(p)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data, pipe, tensor, extra", [
+    (2, 2, 2, ["parallel.microbatches=2"]),
+    (2, 1, 2, ["parallel.microbatches=2", "optimizer.zero1=true",
+               "optimizer.overlap_grad_reduce=true", "parallel.sequence_parallel=true"]),
+    (2, 1, 2, ["parallel.microbatches=2", "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
+               "model.remat=full"]),
+    (1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"])],
+    ids=["pipeline", "zero1-overlap-sp", "fsdp-matmul", "context"])
+def test_delayed_histories_and_losses_match_the_single_device(data, pipe, tensor, extra):
+    """Two steps of delayed scaling (the second scaled by the first's amaxes): every layout
+    records the single device's histories (each amax the largest over the microbatches and
+    ranks: a sum would be 2-4x) and computes its losses. Independently of the program, the
+    weight row's older entry is max |w| of the initial weights."""
+    ref_losses, ref = _single_device_delayed()
+    losses, params = _delayed_steps(data, pipe, tensor, extra)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    got, want = _histories(params), _histories(ref)
+    assert got.keys() == want.keys() and len(want) == 4
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)
+        assert np.all(want[name][:, :, :2] > 0) and not np.any(want[name][:, :, 2:])
+    setup = make_setup(extra=["model.fp8=delayed", "model.vocab_size=512"])
+    initial = jax.device_get(setup.state_layout.to_logical(placed_state(setup)["params"]))
+    for path, w in jax.tree_util.tree_leaves_with_path(initial["layers"]):
+        name = f"['layers']{jax.tree_util.keystr(path)[:-2]}{fp8.HISTORY}']"
+        if name in want:  # [L, 3, H]: the weight's row, step 1's entry (now the older)
+            np.testing.assert_allclose(want[name][:, 1, 1], np.abs(np.asarray(w)).reshape(
+                len(w), -1).max(axis=1), rtol=1e-6, err_msg=name)
+
+
+@pytest.mark.slow
+def test_delayed_histories_restore_across_layouts_and_precisions(tmp_path):
+    """A delayed-scaling state saved at (2, 2, 2) restores at (1, 1, 4) with its histories
+    bitwise, into a run without delayed scaling without them (the rest bitwise), and a state
+    saved without them restores into a delayed run with zero histories."""
+    from jaxptd.checkpoint.files import layout_metadata
+    from jaxptd.checkpoint.precision import restore_switching_fp8
+    from jaxptd.checkpoint.store import Checkpointer
+
+    def saved_at(setup, directory, state):
+        ckpt = Checkpointer(str(directory), 1, 10, metadata=layout_metadata(setup.config, 1))
+        ckpt.save(1, setup.state_layout.state_to_logical(state))
+        ckpt.close()
+
+    def restored(setup, directory, written_by):
+        ckpt = Checkpointer(str(directory), 0, 10)
+        try:
+            return jax.device_get(restore_switching_fp8(lambda target: ckpt.restore_latest(
+                target, setup.config.model.vocab_size), setup, written_by.config.to_dict())[0])
+        finally:
+            ckpt.close()
+
+    base = ["model.vocab_size=512", "parallel.microbatches=2"]
+    source = make_setup(2, 2, 2, ["model.fp8=delayed", *base])
+    state = jax.tree_util.tree_map_with_path(  # histories of distinct values
+        lambda p, x: x + jnp.arange(x.size, dtype=x.dtype).reshape(x.shape)
+        if fp8.is_history(p) else x, placed_state(source))
+    saved_at(source, tmp_path / "delayed", state)
+    logical = jax.device_get(source.state_layout.state_to_logical(state))
+    same = restored(make_setup(1, 1, 4, ["model.fp8=delayed", *base]), tmp_path / "delayed",
+                    source)
+    assert _histories(same["params"]) and all(np.array_equal(same_h, _histories(
+        logical["params"])[k]) for k, same_h in _histories(same["params"]).items())
+    plain = make_setup(1, 1, 4, base)
+    off = restored(plain, tmp_path / "delayed", source)
+    assert not _histories(off["params"]) and not _histories(off["opt_state"])
+    kept = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(logical)}
+    for path, v in jax.tree_util.tree_leaves_with_path(off):
+        np.testing.assert_array_equal(v, kept[jax.tree_util.keystr(path)])
+    saved_at(plain, tmp_path / "plain", placed_state(plain))
+    on = restored(source, tmp_path / "plain", plain)
+    assert _histories(on["params"]) and not any(map(np.any, _histories(on["params"]).values()))
+
+
+@pytest.mark.parametrize("extra, names", [
+    (["parallel.pipe=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1"),
+    (["model.moe_experts=4"], "a mixture of experts"),
+    (["offload.optimizer=true"], "offload.optimizer=true")])
+def test_delayed_scaling_says_what_it_is_not_built_with(extra, names):
+    from jaxptd.config import ConfigError, load_config
+    with pytest.raises(ConfigError, match=f"model.fp8=delayed: not built with {names}"):
+        load_config(None, ["model.fp8=delayed", *extra])

@@ -38,8 +38,12 @@ class ModelConfig:
     dtype: str = "float32"
     # FP8 GEMMs for the layers' linears (jaxptd/model/fp8.py): none | tensorwise (e4m3
     # weights and activations, e5m2 output gradients, each tensor scaled by its own amax
-    # this step, f32 accumulation); embedding, head, norms, attention core stay in dtype
+    # this step, f32 accumulation) | delayed (scaled by the largest amax of the last
+    # fp8_history steps, x 2^fp8_margin: Transformer Engine's recipe, the histories part of
+    # the parameters); embedding, head, norms, attention core stay in dtype
     fp8: str = "none"
+    fp8_history: int = 16  # delayed: the steps of amax each linear remembers
+    fp8_margin: int = 0  # delayed: scales this power of 2 larger (headroom for growth)
     # fused softmax / bias-GeLU and the context ring's attention blocks: xla | pallas
     # (pallas_kernels/: Pallas kernels, interpret mode on CPU)
     kernels: str = "xla"

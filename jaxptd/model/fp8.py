@@ -3,9 +3,20 @@ input x and a weight w with both in float8_e4m3fn forward and the output gradien
 float8_e5m2 backward (the "hybrid" format of Micikevicius et al. 2022, "FP8 Formats for
 Deep Learning", and of Transformer Engine), float32 accumulation, the output in x's dtype.
 
-Scaling is tensorwise and current (`model.fp8=tensorwise`): each operand is divided by
-amax / the format's largest value, its amax taken over this step's whole tensor, so no
-state. A tensor split over mesh axes (a rank's weight shard, its heads of a row-parallel
+Scaling (model.fp8):
+- `tensorwise`, current: each operand is divided by amax / the format's largest value,
+  its amax taken over this step's whole tensor, so no state; each operand is read twice
+  (its amax, then its cast).
+- `delayed`, Transformer Engine's recipe: each linear keeps a parameter `<weight>_amax`
+  [3, model.fp8_history] float32 (`history`): the amaxes of its input, weight and output
+  gradient over the last steps, newest first. An operand is divided by max(its history) x
+  2^model.fp8_margin / the format's largest value, known before the operand exists, so its
+  cast and its amax are one pass; this step's amaxes leave through the history's
+  "gradient" (a cotangent [3, H] with the amaxes in column 0), which the step combines over
+  microbatches and ranks by maximum (`accumulate`, `reduced`) and rolls into the history
+  (`advance`) in place of an optimizer update. A history of zeros (a fresh run, or FP8
+  switched on at resume) scales by 1 for one step, as Transformer Engine starts.
+A tensor split over mesh axes (a rank's weight shard, its heads of a row-parallel
 input, its tokens under context parallelism, its experts) takes the maximum over the ranks
 that share it (`lax.pmax` over the manual axes it varies over among `axes`): every rank
 scales by the same number, the single device's, so a layout computes what one device does
@@ -36,6 +47,8 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # BERT's heads stay in the compute dtype, as the embedding does, and so do the dropless
 # mixture's grouped GEMMs (pallas_kernels/grouped.py takes 16-bit operands)
 EXPERTS = "experts"
+HISTORY = "_amax"  # a linear's amax history: the parameter f"{weight name}{HISTORY}"
+OPERANDS = 3  # a history's rows: the input, the weight, the output gradient
 LINEARS = ("w_qkv", "w_out", "w_fc1", "w_fc2", "w_q", "w_kv", "w_o", "w_gate", "w_up",
            "w_down", EXPERTS)
 
@@ -50,14 +63,71 @@ def transposed(spec: str) -> tuple[str, str]:
 def quantize(x, dtype, axes: tuple[str, ...]):
     """x -> (x / scale in `dtype`, scale float32 []): scale = amax(|x|) / dtype's largest
     value, amax over the ranks sharing x among `axes`; 1 where x is all zeros."""
+    amax = _amax(x, axes)
+    scale = jnp.where(amax > 0, amax / _largest(dtype), jnp.float32(1))
+    return _cast(x, scale, dtype), scale
+
+
+def _largest(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def _amax(x, axes: tuple[str, ...]):
+    """max |x| (float32 []) over the ranks sharing x among `axes` (`quantize`)."""
     amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
     shared = tuple(sorted(varying_axes(amax) & set(axes)))
-    if shared:
-        amax = lax.pmax(amax, shared)
-    largest = float(jnp.finfo(dtype).max)
-    scale = jnp.where(amax > 0, amax / largest, jnp.float32(1))
-    q = jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
-    return q, scale
+    return lax.pmax(amax, shared) if shared else amax
+
+
+def _cast(x, scale, dtype):
+    """x / scale in the 8-bit `dtype`, clipped to its largest value."""
+    largest = _largest(dtype)
+    return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
+
+
+def delayed_scales(history, margin: int):
+    """A linear's amax history [3, H] -> the scales [3] of its input, weight (e4m3) and
+    output gradient (e5m2): max over the history x 2^margin / the format's largest value;
+    1 where the history holds no amax yet."""
+    amax = jnp.max(history, axis=1)
+    largest = jnp.asarray([_largest(E4M3), _largest(E4M3), _largest(E5M2)], jnp.float32)
+    return jnp.where(amax > 0, amax * 2.0 ** margin / largest, jnp.float32(1))
+
+
+def is_history(path) -> bool:
+    """Whether a parameter (or gradient) leaf, by its tree path, is an amax history."""
+    last = path[-1] if path else None
+    return str(getattr(last, "key", last)).endswith(HISTORY)
+
+
+def _by_path(fn, *trees):
+    """fn(is_history(path), *leaves) over trees of flax's or JAX's paths."""
+    return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(is_history(p), *xs), *trees)
+
+
+def accumulate(a, b):
+    """Two gradient trees' sum, their amax histories' "gradients" combined by maximum (the
+    largest amax of the microbatches, of the uses)."""
+    return _by_path(lambda h, x, y: jnp.maximum(x, y) if h else x + y, a, b)
+
+
+def observed(grads):
+    """(grads with the histories' entries zero: what the optimizer sees, grads: whose
+    histories' entries hold this step's amaxes in column 0, for `advance`)."""
+    return _by_path(lambda h, g: jnp.zeros_like(g) if h else g, grads), grads
+
+
+def advance(params, old, grads):
+    """The updated params with each amax history [..., 3, H] the one in `old` rolled one
+    step, this step's amaxes (column 0 of its gradient entry, `observed`) first; kept as it
+    was where an amax is not finite (an overflowed step, which dynamic loss scaling
+    skips)."""
+    def one(h, p, o, g):
+        if not h:
+            return p
+        rolled = jnp.concatenate([g[..., :1], o[..., :-1]], axis=-1)
+        return jnp.where(jnp.all(jnp.isfinite(g[..., :1]), axis=-2, keepdims=True), rolled, o)
+    return _by_path(one, params, old, grads)
 
 
 def _product(spec: str, a, b, scale, dtype):
@@ -109,3 +179,45 @@ def einsum(spec: str, axes: tuple[str, ...] = ()):
 
     product.defvjp(forward, backward)
     return lambda x, w: product(x, w, (x.dtype, w.dtype), (varying_axes(x), varying_axes(w)))
+
+
+def _maxed_to(value, axes: frozenset):
+    """An amax cotangent typed as its primal (varying over `axes`): the maximum over the
+    manual axes it varies over and the primal does not, cast to varying over the others."""
+    extra = tuple(sorted(varying_axes(value) - axes))
+    value = lax.pmax(value, extra) if extra else value
+    missing = tuple(sorted(axes - varying_axes(value)))
+    return lax.pcast(value, missing, to="varying") if missing else value
+
+
+@functools.lru_cache(maxsize=None)
+def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0):
+    """(x, w, history [3, H]) -> einsum(spec, x, w) as an FP8 GEMM scaled from the history
+    (model.fp8=delayed, the module docstring), in x's dtype; the gradients in x's and w's
+    dtypes, the history's: [3, H] with this use's amaxes of x, w and the output gradient in
+    column 0 (over the ranks sharing each among `axes`), zeros elsewhere."""
+    to_x, to_w = transposed(spec)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+    def product(x, w, history, dtypes, vma):
+        return forward(x, w, history, dtypes, vma)[0]
+
+    def forward(x, w, history, dtypes, vma):
+        scales = delayed_scales(history, margin)  # [3]: x, w, the output gradient
+        qx, qw = _cast(x, scales[0], E4M3), _cast(w, scales[1], E4M3)
+        y = _product(spec, qx, qw, scales[0] * scales[1], dtypes[0])
+        return y, (_bits(qx), _bits(qw), scales, _amax(x, axes), _amax(w, axes), history)
+
+    def backward(dtypes, vma, kept, g):
+        qx, qw, scales, amax_x, amax_w, history = kept
+        qx, qw = lax.bitcast_convert_type(qx, E4M3), lax.bitcast_convert_type(qw, E4M3)
+        qg = _cast(g, scales[2], E5M2)
+        dx = _product(to_x, qg, qw, scales[2] * scales[1], dtypes[0])
+        dw = _product(to_w, qx, qg, scales[0] * scales[2], dtypes[1])
+        amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, _amax(g, axes))])
+        dh = jnp.zeros_like(history).at[:, 0].set(amaxes)
+        return _reduced_to(dx, vma[0]), _reduced_to(dw, vma[1]), dh
+
+    product.defvjp(forward, backward)
+    return lambda x, w, history: product(x, w, history, (x.dtype, w.dtype), tuple(
+        varying_axes(v) for v in (x, w, history)))

@@ -117,7 +117,7 @@ def boxed_init(cfg: ModelConfig, vocab: int, key, block, keyed: dict, norms: dic
     {name: module} (ones and zeros: no key). The factories get the global layout of the
     real vocabulary. Example inputs are [1, s] tokens or [1, s, h] activations.
     """
-    drawn = Layout(cfg.vocab_size)
+    drawn = Layout(cfg.vocab_size, fp8=cfg.fp8)  # (delayed: each linear's amax history)
     tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
     x = jnp.zeros((1, cfg.seq_len, cfg.hidden_size), cfg.dtype)
     *keys, k_layers = jax.random.split(key, len(keyed) + 1)

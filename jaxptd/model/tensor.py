@@ -84,6 +84,7 @@ class Layout:
     # against XLA merging it with the forward (jax.checkpoint's prevent_cse)
     apart: bool = False
     fp8: str = "none"  # model.fp8: the layers' linears as FP8 GEMMs (model/fp8.py)
+    fp8_margin: int = 0  # model.fp8_margin: delayed scaling's headroom, a power of 2
 
     @property
     def split_sequence(self) -> bool:
@@ -163,7 +164,7 @@ def dense(module: nn.Module, name: str, x, w):
     """
     assert name not in ENTERED, f"{name}: its input enters the tensor region (entered())"
     _record(module, name, x)
-    return _output(module, name, matmul(name, module.layout)(x, w))
+    return _output(module, name, matmul(name, module.layout)(x, w, _history(module, name)))
 
 
 def entered(module: nn.Module, x, *weights):
@@ -188,10 +189,11 @@ def entered(module: nn.Module, x, *weights):
     assert all(ENTERED[n] == names[0] for n in names), f"{names}: ENTERED's inputs"
     _record(module, names[0], x)
     layout = module.layout
+    histories = [_history(module, name) for name in names]
 
     def products(x, ws):
         x = enter_tensor(x, layout)
-        return [matmul(name, layout)(x, w) for name, w in zip(names, ws)]
+        return [matmul(name, layout)(x, w, h) for name, w, h in zip(names, ws, histories)]
     if layout.split_sequence and module.cfg.remat in ("none", "selective"):
         products = jax.checkpoint(products, policy=jax.checkpoint_policies.nothing_saveable,
                                   prevent_cse=not layout.apart)
@@ -215,26 +217,51 @@ def _output(module: nn.Module, name: str, y):
 def weight(module: nn.Module, name: str, init, shape: tuple[int, ...]):
     """The dense() weight `name` of a layer, float32 [shape] (one tensor rank's). Under FSDP
     (layout.fsdp names it) the layer holds its shard, which `dense` gathers where it
-    multiplies: read as it is, past Flax's check that a parameter has `shape`."""
+    multiplies: read as it is, past Flax's check that a parameter has `shape`. With
+    model.fp8=delayed a layer linear also has its amax history (fp8.HISTORY), made here."""
+    if module.layout.fp8 == "delayed" and name in fp8.LINEARS:  # (draws no key: the
+        # weights drawn after it are those of every precision)
+        history = (fp8.OPERANDS, module.cfg.fp8_history)
+        module.variable("params", name + fp8.HISTORY, lambda: nn.Partitioned(
+            jnp.zeros(history, jnp.float32), ("fp8_operands", "fp8_history")))
     if module.layout.fsdp_dim(name) is None or module.is_initializing():
         return module.param(name, init, shape, jnp.float32)
     return module.get_variable("params", name)
 
 
+def _history(module: nn.Module, name: str):
+    """The amax history of the dense() weight `name` (model.fp8=delayed), else None."""
+    if module.layout.fp8 != "delayed" or name not in fp8.LINEARS:
+        return None
+    return nn.meta.unbox(module.get_variable("params", name + fp8.HISTORY))
+
+
 def matmul(name: str, layout: Layout):
-    """(x, w) -> x times the weight `name` as dense() multiplies it: einsum DENSE[name] with
-    w cast to x's dtype, or with model.fp8 an FP8 GEMM of the layer linears (fp8.einsum),
-    and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul)."""
+    """(x, w, history=None) -> x times the weight `name` as dense() multiplies it: einsum
+    DENSE[name] with w cast to x's dtype, or with model.fp8 an FP8 GEMM of the layer
+    linears (`product`), and an FSDP shard (layout.fsdp) gathered for it (_fsdp_matmul).
+    history: the linear's amax history under model.fp8=delayed."""
     dim, axes = layout.fsdp_dim(name), layout.fp8_axes(name)
+    margin = layout.fp8_margin if layout.fp8 == "delayed" else None
     if dim is not None:
-        return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes)
+        return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes,
+                            margin)
     if axes is not None:
-        return fp8.einsum(DENSE[name], axes)  # w quantized from the dtype it comes in
-    return lambda x, w: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+        return product(DENSE[name], axes, margin)  # w quantized from the dtype it comes in
+    return lambda x, w, history=None: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+
+
+def product(spec: str, axes: tuple[str, ...], margin: int | None):
+    """(x, w, history) -> the FP8 GEMM: fp8.einsum (tensorwise: margin None, no history)
+    or fp8.delayed_einsum."""
+    if margin is None:
+        return lambda x, w, history=None: fp8.einsum(spec, axes)(x, w)
+    return fp8.delayed_einsum(spec, axes, margin)
 
 
 @functools.lru_cache(maxsize=None)
-def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | None):
+def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | None,
+                 margin: int | None):
     """einsum(spec, x, w) for w this rank's FSDP shard, split on `dim` over `axis`: the
     weight is all-gathered in `dtype`, cast to x's, for this one matmul, and gathered again
     for its backward, whose weight gradient the gather's transpose reduce-scatters into the
@@ -242,28 +269,29 @@ def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | N
     at most, in its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization
     barriers tie the forward's gather to x and the backward's to the output gradient, so XLA
     cannot gather ahead (no prefetch: the gather is not overlapped with the matmul before
-    it). With FP8 (`fp8_axes` not None) the gathered weight is quantized for the matmul."""
-    def gathered(w, like):
+    it). With FP8 (`fp8_axes` not None) the gathered weight is quantized for the matmul
+    (`product`; delayed: `margin` not None, with the linear's amax history)."""
+    def gathered(w, like, history):
         whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
         if fp8_axes is not None:
-            return fp8.einsum(spec, fp8_axes)(like, whole)
+            return product(spec, fp8_axes, margin)(like, whole, history)
         return jnp.einsum(spec, like, whole.astype(like.dtype))
 
     @jax.custom_vjp
-    def fsdp_matmul(x, w):
+    def fsdp_matmul(x, w, history):
         x, w = lax.optimization_barrier((x, w))
-        return gathered(w, x)
+        return gathered(w, x, history)
 
-    def forward(x, w):
-        return fsdp_matmul(x, w), (x, w)  # the shard, not the gathered weight, is kept
+    def forward(x, w, history):  # the shard, not the gathered weight, is kept
+        return fsdp_matmul(x, w, history), (x, w, history)
 
     def backward(kept, g):
-        x, w = kept
+        x, w, history = kept
         g, w = lax.optimization_barrier((g, w))
-        return jax.vjp(lambda x, w: gathered(w, x), x, w)[1](g)  # (its forward: unused)
+        return jax.vjp(lambda x, w, h: gathered(w, x, h), x, w, history)[1](g)
 
     fsdp_matmul.defvjp(forward, backward)
-    return fsdp_matmul
+    return lambda x, w, history=None: fsdp_matmul(x, w, history)
 
 
 def enter_tensor(x, layout: "Layout"):

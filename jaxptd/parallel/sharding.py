@@ -52,6 +52,8 @@ RULES: dict[str, str | None] = {
     "kv_heads_replicated": None,  # ... else every rank holds them all
     "embed_out": None,  # BERT's replicated h x h head layers
     "types": None,  # BERT's token types and SOP classes
+    "fp8_operands": None,  # a linear's amax history (model.fp8=delayed): its operands,
+    "fp8_history": None,  # ... and the steps it remembers
 }
 
 

@@ -117,17 +117,27 @@ def _axes_of(spec: P) -> dict:
             for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
-def reduce_to(tree, have, want, axes: tuple[str, ...], dtype=None):
+def reduce_to(tree, have, want, axes: tuple[str, ...], dtype=None, largest=None):
     """Reduces each leaf, sharded as `have` (a spec tree), over `axes` into `want`: summed
     (all-reduce) over the axes neither shards, reduce-scattered over those only `want`
     shards (ZeRO-1's gradients), left alone over those `have` shards (already reduced,
-    e.g. by FSDP's reduce-scatter). dtype: the reductions' dtype (None: the leaf's)."""
-    def reduce(x, have_spec, want_spec):
+    e.g. by FSDP's reduce-scatter). dtype: the reductions' dtype (None: the leaf's).
+    largest(path): the leaves whose maximum is taken instead of the sum (and not
+    scattered: model/fp8.py's amax histories)."""
+    def reduce(path, x, have_spec, want_spec):
         old, new = _axes_of(have_spec), _axes_of(want_spec)
+        if largest is not None and largest(path):
+            return largest_over(x, tuple(a for a in axes if a not in old))
         out_dtype = x.dtype
         x = x.astype(dtype or x.dtype)
         for axis in (a for a in axes if a in new and a not in old):
             x = lax.psum_scatter(x, axis, scatter_dimension=new[axis], tiled=True)
         over = tuple(a for a in axes if a not in new and a not in old)
         return (lax.psum(x, over) if over else x).astype(out_dtype)
-    return jax.tree.map(reduce, tree, have, want, is_leaf=is_spec)
+    return jax.tree_util.tree_map_with_path(reduce, tree, have, want, is_leaf=is_spec)
+
+
+def largest_over(x, axes: tuple[str, ...]):
+    """x's maximum over those of the manual `axes` it varies over (invariant over them)."""
+    over = tuple(a for a in axes if a in varying_axes(x))
+    return lax.pmax(x, over) if over else x

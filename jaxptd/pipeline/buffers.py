@@ -14,6 +14,7 @@ from flax import traverse_util
 from jax import lax
 from jax.experimental.layout import Layout, with_layout_constraint
 
+from jaxptd.model import fp8
 from jaxptd.parallel.mesh import PIPE, TENSOR
 from jaxptd.parallel.varying import after, gather_invariant, mark_varying, varying_axes
 
@@ -106,12 +107,13 @@ def add_chunk(grads_layers, c, chunk_grads, layer: int | None = None):
     start = (c, 0) if layer is None else (c, 0, layer)
     flat = traverse_util.flatten_dict(grads_layers)
 
-    def add(total, g):
+    def add(total, g, largest: bool):  # (an amax history's entries: their maximum)
         g = g.astype(total.dtype).reshape((1,) * len(start) + g.shape)
         at = (*start, *(0,) * (total.ndim - len(start)))
-        return lax.dynamic_update_slice(total, lax.dynamic_slice(total, at, g.shape) + g, at)
+        old = lax.dynamic_slice(total, at, g.shape)
+        return lax.dynamic_update_slice(total, jnp.maximum(old, g) if largest else old + g, at)
     for path, g in traverse_util.flatten_dict(chunk_grads).items():
-        flat[path] = add(flat[path], g)
+        flat[path] = add(flat[path], g, fp8.is_history(path))
     return traverse_util.unflatten_dict(flat)
 
 

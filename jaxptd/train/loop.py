@@ -145,6 +145,7 @@ def restore(jax, setup, given: Config, notes: tuple[str, ...] = ()):
     run's history (rundir.unrestored_history). `given`: the config as the user gave it,
     whose changes against the restored step's are named."""
     from jaxptd.checkpoint.local import LocalTier, restore_newest  # JAX: on use (--help)
+    from jaxptd.checkpoint.precision import restore_switching_fp8
     from jaxptd.checkpoint.store import Checkpointer  # Orbax: on use (--help)
     config, ck = setup.config, setup.config.checkpoint
     ckpt = Checkpointer(config.checkpoint_dir, ck.every, ck.keep, ck.async_save,
@@ -152,11 +153,10 @@ def restore(jax, setup, given: Config, notes: tuple[str, ...] = ()):
                         ) if ck.every or os.path.isdir(config.checkpoint_dir) else None
     local = LocalTier(ck.local_dir, ck.local_every, ck.local_keep, os.path.abspath(
         config.checkpoint_dir)) if ck.local_dir else None
-    try:
-        restored = restore_newest(local, ckpt, setup.state_layout.abstract_state(logical=True),
-                                  config.model.vocab_size)
+    try:  # (into the state the checkpoint holds: model.fp8=delayed's histories or not)
+        restored = restore_switching_fp8(lambda target: restore_newest(local, ckpt, target, (
+            config.model.vocab_size)), setup, saved := newest_complete(config.checkpoint_dir)[1])
     except ModelMismatch as e:  # name the keys that changed, not the leaf that shows it
-        saved = newest_complete(config.checkpoint_dir)[1]
         detail = model_mismatch(saved, given) if saved else None
         raise CheckpointError(f"checkpoint.dir={config.checkpoint_dir}: {detail or e}") from None
     if restored is None:

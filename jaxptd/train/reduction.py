@@ -15,10 +15,11 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd import model as models
+from jaxptd.model import fp8
 from jaxptd.parallel.mesh import DATA, FSDP, PIPE, TOKENS
 from jaxptd.model.tensor import Layout
 from jaxptd.parallel.sharding import GATHERED, fsdp_dims, is_spec
-from jaxptd.parallel.varying import mark_varying, reduce_to
+from jaxptd.parallel.varying import largest_over, mark_varying, reduce_to
 from jaxptd.pipeline.schedules import V_SHAPED, head_rank
 from jaxptd.train.state import StateLayout
 
@@ -100,15 +101,16 @@ def compose(gather, hook, fetch: bool = False):
     return prepare
 
 
-@jax.custom_vjp
-def _add_to_gradient(p, acc):
-    """p; its gradient gets acc added (the microbatches before the last)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _add_to_gradient(p, acc, largest: bool = False):
+    """p; its gradient gets acc added (the microbatches before the last), or with `largest`
+    (an amax history's, model/fp8.py) their maximum taken."""
     return p
 
 
-_add_to_gradient.defvjp(lambda p, acc: (p, acc),
-                        lambda acc, g: (jax.tree.map(jnp.add, g, acc),
-                                        jax.tree.map(jnp.zeros_like, acc)))
+_add_to_gradient.defvjp(lambda p, acc, largest: (p, acc),
+                        lambda largest, acc, g: (jnp.maximum(g, acc) if largest else g + acc,
+                                                 jnp.zeros_like(acc)))
 
 
 def _reduce_scatter_gradient(axis: str, dim: int, dtype):
@@ -161,7 +163,7 @@ class Reduction:
             return g + lax.ppermute(g.astype(self.dtype), PIPE, pair).astype(g.dtype)
         grads = jax.tree_util.tree_map_with_path(tied_sum, grads)
         return reduce_to(grads, part(state.param_specs), part(state.grads_specs), REDUCED,
-                         self.dtype)
+                         self.dtype, largest=fp8.is_history)
 
     def scattered_varying(self, params):
         """The last microbatch's parameters: the ZeRO-1 leaves varying over data already
@@ -174,13 +176,16 @@ class Reduction:
         """params as the model uses them in the last microbatch; acc the local gradient
         sums of the microbatches before (None: it is the only one); dims: each leaf's
         ZeRO-1 dimension there."""
-        def one(p, dim, a=None):
+        def one(path, p, dim, a=None):
+            if fp8.is_history(path):  # left invariant: its backward takes the ranks' maximum
+                return p if a is None else _add_to_gradient(p, largest_over(a, REDUCED), True)
             if dim is not None:  # scattered over data once fsdp and pipe have summed it
                 p = _reduce_scatter_gradient(DATA, dim, self.dtype)(p)
             # summed over the axes p is cast over (the transpose of the cast), acc first
             p = mark_varying(p, REDUCED)
             return p if a is None else _add_to_gradient(p, a)
-        return jax.tree.map(one, params, dims, *(() if acc is None else (acc,)))
+        return jax.tree_util.tree_map_with_path(one, params, dims,
+                                                *(() if acc is None else (acc,)))
 
     def hooks(self, acc):
         """(the ends' hook, a layer's hook, the layers' values it takes: acc's) of the last

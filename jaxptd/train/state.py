@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxptd import model as models
 from jaxptd.train import optim
 from jaxptd.config import Config
+from jaxptd.model import fp8
 from jaxptd.model.tensor import DENSE
 from jaxptd.pipeline.schedules import V_SHAPED, head_rank
 from jaxptd.parallel.sharding import fsdp_dims, fsdp_spec, is_spec, named, specs_from_logical, zero1_spec
@@ -55,8 +56,8 @@ def _fsdp(config: Config, specs, shapes, stacked: int):
     if group == 1:
         return specs
     return jax.tree_util.tree_map_with_path(
-        lambda path, spec, x: fsdp_spec(spec, x.shape, group,
-                                        stacked if _is_layer_leaf(path) else 0),
+        lambda path, spec, x: spec if fp8.is_history(path) else fsdp_spec(
+            spec, x.shape, group, stacked if _is_layer_leaf(path) else 0),
         specs, shapes, is_leaf=is_spec)
 
 
@@ -69,8 +70,8 @@ def _zero1(config: Config, specs, shapes, stacked: int):
     if not config.optimizer.zero1 or replicas == 1:
         return specs
     return jax.tree_util.tree_map_with_path(
-        lambda path, spec, x: zero1_spec(spec, x.shape, replicas,
-                                         stacked if _is_layer_leaf(path) else 0),
+        lambda path, spec, x: spec if fp8.is_history(path) else zero1_spec(
+            spec, x.shape, replicas, stacked if _is_layer_leaf(path) else 0),
         specs, shapes, is_leaf=is_spec)
 
 
@@ -195,6 +196,8 @@ class StateLayout:
     def square_sum(self, path, g):
         """One gradient leaf's sum of squares, a tied embedding's two slots (the same
         gradient) counted once."""
+        if fp8.is_history(path):  # (its entries are amaxes, no gradient: model/fp8.py)
+            return jnp.float32(0)
         if self.kind(path) == "both":  # summed per slot first: a [p] vector crosses pipe
             return jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))[0]
         return jnp.sum(jnp.square(g))

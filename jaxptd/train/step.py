@@ -59,7 +59,7 @@ from jaxptd.train import offload, optim
 from jaxptd.runtime import target
 from jaxptd.config import Config, ConfigError
 from jaxptd.parallel.mesh import BATCH, CONTEXT, EXPERT, FSDP, PIPE, TENSOR, TOKENS
-from jaxptd.model import moe, sequence
+from jaxptd.model import fp8, moe, sequence
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
@@ -124,7 +124,8 @@ class Setup:
                                    fsdp_dtype=config.optimizer.grad_reduce_dtype,
                                    context=par.context, context_axis=CONTEXT,
                                    context_attention=par.context_attention,
-                                   expert=par.expert, expert_axis=EXPERT, fp8=model.fp8)
+                                   expert=par.expert, expert_axis=EXPERT, fp8=model.fp8,
+                                   fp8_margin=model.fp8_margin)
         self.policy = Policy.of(config)
         self.lr_schedule = optim.lr_schedule(config)
         self.batch_sharding = NamedSharding(mesh, P(BATCH))
@@ -201,8 +202,8 @@ def microbatch_grads(params, batch, key, loss_scale, norm, *, setup: Setup,
         return jax.grad(loss_fn, has_aux=True)(varying, micro[index],
                                                jax.random.fold_in(key, index))
 
-    def one(carry, index):
-        return jax.tree.map(jnp.add, carry, grads_of(index)), None
+    def one(carry, index):  # (amax histories' entries: their maximum, fp8.accumulate)
+        return fp8.accumulate(carry, grads_of(index)), None
 
     def sums(count):
         """(local gradient sums, (loss sum, statistics' sums)) of the first `count`
@@ -307,6 +308,8 @@ def build_train_step(setup: Setup):
             state["params"], on_device["params"])
         grads, loss, stats = grads_fn(params, batch, state["rng"], state["step"],
                                       scale.scale)
+        # model.fp8=delayed: the amax histories' entries are this step's amaxes, no update
+        grads, amaxes = fp8.observed(grads)
         if policy.offload_optimizer:  # one layer's state on the device at a time
             new_params, opt_state, grad_norm, finite = offload.streamed_update(
                 layout, state["params"], state["opt_state"], grads, scale.scale, dynamic)
@@ -315,6 +318,7 @@ def build_train_step(setup: Setup):
                 layout, params, state["opt_state"], grads, scale.scale, dynamic)
         if model.moe_bias_rate:
             new_params = moe.update_bias(new_params, stats["load"], finite, model)
+        new_params = fp8.advance(new_params, params, amaxes)
         loss_scale = scale.update(finite) if dynamic else scale
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                      "rng": state["rng"], "loss_scale": loss_scale}
