@@ -386,12 +386,15 @@ def _histories(params) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("data, pipe, tensor, extra", [
     (2, 2, 2, ["parallel.microbatches=2"]),
+    (2, 2, 2, ["parallel.microbatches=2", "parallel.schedule=zb-h1",
+               "parallel.sequence_parallel=true"]),
+    (1, 2, 1, ["parallel.microbatches=4", "parallel.schedule=zb-v", "parallel.chunks=2"]),
     (2, 1, 2, ["parallel.microbatches=2", "optimizer.zero1=true",
                "optimizer.overlap_grad_reduce=true", "parallel.sequence_parallel=true"]),
     (2, 1, 2, ["parallel.microbatches=2", "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
                "model.remat=full"]),
     (1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"])],
-    ids=["pipeline", "zero1-overlap-sp", "fsdp-matmul", "context"])
+    ids=["pipeline", "zb-h1-sp", "zb-v", "zero1-overlap-sp", "fsdp-matmul", "context"])
 def test_delayed_histories_and_losses_match_the_single_device(data, pipe, tensor, extra):
     """Two steps of delayed scaling (the second scaled by the first's amaxes): every layout
     records the single device's histories (each amax the largest over the microbatches and
@@ -459,7 +462,6 @@ def test_delayed_histories_restore_across_layouts_and_precisions(tmp_path):
 
 
 @pytest.mark.parametrize("extra, names", [
-    (["parallel.pipe=2", "parallel.schedule=zb-h1"], "parallel.schedule=zb-h1"),
     (["model.moe_experts=4"], "a mixture of experts"),
     (["offload.optimizer=true"], "offload.optimizer=true")])
 def test_delayed_scaling_says_what_it_is_not_built_with(extra, names):

@@ -12,6 +12,7 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.registry import get
+from jaxptd.model.fp8 import HISTORY
 from jaxptd.model.tensor import DENSE, ENTERED, PERTURBATIONS, Layout, enter_tensor, matmul
 from jaxptd.parallel.varying import zeros_as
 
@@ -44,15 +45,17 @@ def merge_dense(dense: dict, rest: dict) -> dict:
                                          **traverse_util.flatten_dict(rest)})
 
 
-def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None):
+def dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None,
+                       rest=None):
     """Gradients of a stack's dense() weights [n, ...] from the input and the output gradient
     of each of their matmuls ([n, ...] trees with the weights' paths): a zero-bubble W, no
-    forward; `layer_dense_weight_grads` of each layer."""
-    return jax.vmap(lambda w, x, g: layer_dense_weight_grads(w, x, g, layout, prepare))(
-        dense, inputs, output_grads)
+    forward; `layer_dense_weight_grads` of each layer (rest: the stack's other leaves)."""
+    return jax.vmap(lambda w, x, g, r: layer_dense_weight_grads(w, x, g, layout, prepare, r))(
+        dense, inputs, output_grads, rest)
 
 
-def layer_dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None):
+def layer_dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepare=None,
+                             rest=None):
     """Gradients of one layer's dense() weights from the input and the output gradient of
     each of their matmuls (trees with the weights' paths). Each is the transpose of its
     matmul in the weight as the layer uses it: `prepare`d as apply_layers prepares it
@@ -60,9 +63,12 @@ def layer_dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepar
     shard gathered for it alone); the gathers' transposes reduce-scatter the gradient into
     the shard. XLA drops the matmul's unused forward. The inputs of tensor.ENTERED matmuls
     are recorded before f (under the name ENTERED gives) and enter the tensor region again
-    here (sequence parallelism: all-gathered)."""
+    here (sequence parallelism: all-gathered). With model.fp8=delayed each takes its amax
+    history from `rest` (the layer's other leaves): the scales B used; B's backward, which
+    differentiates the histories, returned their amaxes."""
     flat_inputs = traverse_util.flatten_dict(inputs)
     flat_grads = traverse_util.flatten_dict(output_grads)
+    flat_rest = traverse_util.flatten_dict(rest) if rest else {}
 
     def one(path, w):  # w: float32 master weight (or shard) of one dense name
         product = matmul(path[-1], layout)
@@ -71,11 +77,13 @@ def layer_dense_weight_grads(dense, inputs, output_grads, layout: Layout, prepar
         else:
             x = flat_inputs[path]
 
+        history = flat_rest.get((*path[:-1], path[-1] + HISTORY))
+
         def use(v):
             if prepare is not None:
                 v = traverse_util.flatten_dict(
                     prepare(traverse_util.unflatten_dict({path: v}), None))[path]
-            return product(x, v)
+            return product(x, v, history)
         return jax.vjp(use, w)[1](flat_grads[path])[0]
 
     flat = traverse_util.flatten_dict(dense)

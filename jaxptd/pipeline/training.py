@@ -333,32 +333,34 @@ class Training:
             (inputs, g_taps), islot = carry["wsaved"], row["w_slot"]
             gslot = islot
         chunk = buffers.chunk_of(row, "w", self.v)
-        dense, _ = models.split_dense(buffers.chunk(self.params["layers"], chunk))
+        dense, rest = models.split_dense(buffers.chunk(self.params["layers"], chunk))
         if models.scans_layers(self.model, self.layout.platform):
             g_dense = models.dense_weight_grads(
                 dense, buffers.read_tree(inputs, islot), buffers.read_tree(g_taps, gslot),
-                self.layout, self.stage.prepare)
+                self.layout, self.stage.prepare, rest)
             sums = buffers.add_chunk(carry["grads"]["layers"], chunk,
                                      buffers.masked(g_dense, valid))
         else:
-            sums = self._layer_weights(carry["grads"]["layers"], chunk, dense, (inputs, islot),
-                                       (g_taps, gslot), valid)
+            sums = self._layer_weights(carry["grads"]["layers"], chunk, (dense, rest),
+                                       (inputs, islot), (g_taps, gslot), valid)
         return None, {**carry, "grads": {**carry["grads"], "layers": sums}}
 
-    def _layer_weights(self, sums, chunk, dense, inputs, g_taps, valid):
+    def _layer_weights(self, sums, chunk, weights, inputs, g_taps, valid):
         """W a layer at a time: layer i's dense inputs and output gradients ((buffers, slot)
         each) read out of their slots, with sequence parallelism its inputs gathered, and
-        its gradients added to the sums [v, 1, Lc, ...]. The stacked W
+        its gradients added to the sums [v, 1, Lc, ...]; weights: the chunk's (dense()
+        weights, the other leaves: model.fp8=delayed's histories). The stacked W
         (`models.dense_weight_grads`) copied a slot's values for all the chunk's layers out
         at once and gathered them at once: in the H100 compile of (2,2,2) zb-h1 SP with
         model.remat=minimal a layer at a time takes less memory and a little less time.
         (Reading layer i only once layer i - 2's gradients were made took a little less
         memory still but far more time: XLA fused those reads with other work into kernels
         that were far slower. Figures: BENCHMARKS.md and the git log.)"""
-        for i in range(jax.tree.leaves(dense)[0].shape[0]):
+        for i in range(jax.tree.leaves(weights[0])[0].shape[0]):
             x, g = (jax.tree.map(lambda b: buffers.read(b, slot)[i], tree)
                     for tree, slot in (inputs, g_taps))
-            grads = models.layer_dense_weight_grads(jax.tree.map(lambda w: w[i], dense), x, g,
-                                                    self.layout, self.stage.prepare)
+            dense, rest = jax.tree.map(lambda w: w[i], weights)  # (dense(), the others)
+            grads = models.layer_dense_weight_grads(dense, x, g, self.layout,
+                                                    self.stage.prepare, rest)
             sums = buffers.add_chunk(sums, chunk, buffers.masked(grads, valid), layer=i)
         return sums
