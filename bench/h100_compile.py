@@ -66,12 +66,20 @@ ROWS = {
     "llama (2,1,4)": layout(2, 1, 4, 1, *LLAMA),
     "bert (2,1,4)": layout(2, 1, 4, 1, *BERT),
     "(1,8,1) 1f1b m32 b2 L32": DEEP,
+    "(1,8,1) zb-h1 m32 b2 L32": [*DEEP, "parallel.schedule=zb-h1"],
+    "(1,8,1) zb-v m32 b2 L32": [*DEEP, "parallel.schedule=zb-v", "parallel.chunks=2"],
     # model.fp8 (issue 49): beside their bf16 rows above
     "1 device fp8": layout(1, 1, 1, 1, "model.fp8=tensorwise"),
     "(2,1,4) SP fp8": layout(2, 1, 4, 1, "parallel.sequence_parallel=true",
                              "model.fp8=tensorwise"),
     "(2,2,2) 1f1b m8 fp8": layout(2, 2, 2, 8, "model.fp8=tensorwise"),
     "llama (2,1,4) fp8": layout(2, 1, 4, 1, *LLAMA, "model.fp8=tensorwise"),
+    # delayed scaling: each operand's cast and amax in one pass
+    "1 device fp8 delayed": layout(1, 1, 1, 1, "model.fp8=delayed"),
+    "(2,1,4) SP fp8 delayed": layout(2, 1, 4, 1, "parallel.sequence_parallel=true",
+                                     "model.fp8=delayed"),
+    "(2,2,2) 1f1b m8 fp8 delayed": layout(2, 2, 2, 8, "model.fp8=delayed"),
+    "llama (2,1,4) fp8 delayed": layout(2, 1, 4, 1, *LLAMA, "model.fp8=delayed"),
 }
 
 

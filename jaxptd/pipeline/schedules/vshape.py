@@ -20,6 +20,15 @@ whole stages on rank 0) in chunk-sized pieces on every rank, half of it in bytes
 the simulator (masked, p = 8, m = 32) the cap 2p costs half a unit more than 3p and
 holds 20 chunk-stages a rank at most against 24; below 2p it loses more (p: 152 units
 against 110.5).
+
+No order does much better in lockstep rounds, where each hop takes a round: rank p - 1
+runs its 2m forwards from round p - 1 on, one a round, so its last (microbatch m - 1's
+chunk 1, stage p) runs at round 2m + p - 2 or later, and the last stage's, p - 1 hops
+further on rank 0, at 2m + 2p - 3 or later; backwards likewise. Masked, the rounds that
+hold a forward (half a stage's) number at least 2m + 2(p - 1), as do those that hold a B,
+and the step costs at least 3m + 2(p - 1) units: zb-h1's masked time, 110 at p = 8,
+m = 32 (the cap 3p reaches it). The paper's zero bubble comes from a chunk starting as
+soon as its input exists, half a stage after its sender's, not a whole round later.
 """
 from __future__ import annotations
 
