@@ -14,19 +14,23 @@ import tempfile
 
 import pytest
 
+from jaxptd import hlo
 from jaxptd.plan import compile_check
 from jaxptd.config import load_config
 from test_h100 import H100, ROOT, layout, needs_compiler
 
 
-def temp_per_layer(base) -> float:
+def temp_per_layer(base, steps=None) -> float:
     """The temporary bytes one more layer adds to the step compiled for 8 H100s: 8 layers
-    against 4, over 4."""
+    against 4, over 4. steps: a dict that receives {layers: (config, compiled step,
+    seconds)}, for a test that checks more of the same compiles."""
     temps = {}
     for layers in (4, 8):
         config = load_config(None, [*base, f"model.num_layers={layers}"])
-        step, _ = compile_check.compile_step(config, H100, 8)
+        step, seconds = compile_check.compile_step(config, H100, 8)
         temps[layers] = compile_check.memory(step)["temp"]
+        if steps is not None:
+            steps[layers] = config, step, seconds
     return (temps[8] - temps[4]) / 4
 
 
@@ -167,19 +171,34 @@ def test_zero_bubble_keeps_what_the_planner_says():
 @needs_compiler
 @pytest.mark.slow
 def test_offloaded_layers_backward_one_at_a_time():
-    """offload.activations on one H100: each layer more adds its float32 weight gradients
-    and its offloaded input, not its recomputed activations (8 layers against 4, within
-    25%). A layer's input gradient waits for its weight gradients
-    (model.weight_gradients_first); left free, XLA deferred every layer's weight-gradient
-    GEMMs behind the input-gradient chain, each keeping its recomputed inputs (268 MB a
-    layer more at this shape, against 52)."""
+    """offload.activations (full recomputation, each layer's input in host memory) on 8
+    H100s, data 8: each layer more adds its float32 weight gradients and its offloaded
+    input, not its recomputed activations (8 layers against 4, within 25%). A layer's
+    input gradient waits for its weight gradients (model.weight_gradients_first); left
+    free, XLA deferred every layer's weight-gradient GEMMs behind the input-gradient
+    chain, each keeping its recomputed inputs (268 MB a layer more at this shape, against
+    52).
+    And the 8-layer step's reductions overlap the backward: every data-parallel
+    all-reduce of the layers' gradients has a GEMM or attention in flight, but the last,
+    of the bottom layers' (nothing waits for those but the embedding's gradient): each
+    layer's input gradient waits for the reduced gradients of the layer model.AHEAD above
+    it (model.reduced_ahead). Without, 0 of 4: XLA queued them all, one at a time, behind
+    the last layers' backward. (This step was compiled again for that check in
+    tests/test_h100.py; one compile now serves both.)"""
     b, s, h = 4, 2048, 1024
     base = [f"model.hidden_size={h}", "model.num_heads=8", f"model.seq_len={s}",
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
             "runtime.target=h100", "parallel.data=8", f"train.global_batch={8 * b}",
             "offload.optimizer=true", "offload.activations=true"]
-    per_layer = temp_per_layer(base)
+    steps = {}
+    per_layer = temp_per_layer(base, steps)
     assert per_layer <= 1.25 * (4 * 12 * h * h + 2 * s * b * h), per_layer
+    config, step, seconds = steps[8]
+    assert compile_check.analyse(config, step, H100, seconds)["fits"]
+    reductions = [c for c in hlo.collectives(hlo.parse(step.as_text()))
+                  if c.kind == "all-reduce"]
+    overlapped = [bool(set(c.overlap) & {"gemm", "attention"}) for c in reductions]
+    assert len(overlapped) > 2 and all(overlapped[:-1]), overlapped
 
 
 @needs_compiler
