@@ -120,7 +120,7 @@ def test_json_schema(capsys):
         assert isinstance(report[key], (int, float)), key
     memory = report["memory_bytes_per_device"]
     assert memory["backward_phase"] == pytest.approx(sum(memory[k] for k in (
-        "activations", "stash", "fsdp_gathered", "gradient_workspace")))
+        "activations", "stash", "fsdp_gathered", "gradient_workspace", "weight_copies")))
     assert memory["total"] == pytest.approx(sum(memory[k] for k in (
         "weights", "gradients", "optimizer")) + max(memory["backward_phase"],
                                                     memory["update_phase"]))

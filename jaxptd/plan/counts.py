@@ -54,9 +54,10 @@ def real_counts(config: Config) -> dict:
     updates at a time); shared_ends_params (the ends both the embedding and the head
     read, a tied embedding); head_params (the ends the head reads, tensor-local: what a
     head spread over pipe broadcasts, jaxptd/pipeline/head.py); layer_grad_params (the
-    stage's reduced layer gradients, split like a moment), tied_params (pipelined: the
-    ends both the first and the last stage read, a tied embedding, whose gradients those
-    two exchange). Layers are split over pipe whether or not a leaf's layout names
+    stage's reduced layer gradients, split like a moment), layer_leaf_params (the largest
+    layer leaf's part of weight_params, all the stage's layers of it), tied_params
+    (pipelined: the ends both the first and the last stage read, a tied embedding, whose
+    gradients those two exchange). Layers are split over pipe whether or not a leaf's layout names
     'stages' (pipe is not in `split`); FSDP and ZeRO-1 pick a dimension past the layer
     one (sharding.py's rule). "One layer"
     is one element of the layer stack: with model.moe_every = k a unit of k layers, which
@@ -85,6 +86,9 @@ def real_counts(config: Config) -> dict:
             "params_active": active, "vocab_padded": vocab}
 
 
+LARGEST = ("dense_unit_params", "layer_leaf_params")  # real_counts takes the largest leaf's
+
+
 def _totals(config: Config, leaves: tuple, sizes: dict, expert_axis: str) -> tuple:
     """(real_counts' per-device totals, the routed experts' parameters in the whole
     model) of the leaves (_leaves), split over the mesh's axes as `sizes` says ({axis
@@ -93,7 +97,7 @@ def _totals(config: Config, leaves: tuple, sizes: dict, expert_axis: str) -> tup
                             "stage_params", "layer_params", "ends_params", "dense_unit_params",
                             "layer_gathered_params", "layer_weight_params",
                             "ends_weight_params", "shared_ends_params", "head_params",
-                            "layer_grad_params",
+                            "layer_grad_params", "layer_leaf_params",
                             "tied_params", "expert_weight_params", "expert_moment_params"), 0.0)
 
     def axes(spec) -> tuple:
@@ -110,15 +114,15 @@ def _totals(config: Config, leaves: tuple, sizes: dict, expert_axis: str) -> tup
             counts.update(expert_weight_params=counts["weight_params"],
                           expert_moment_params=counts["moment_params"])
         for key, count in counts.items():
-            totals[key] = max(totals[key], count) if key == "dense_unit_params" \
-                else totals[key] + count
+            totals[key] = max(totals[key], count) if key in LARGEST else totals[key] + count
     return totals, experts
 
 
 def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, split) -> dict:
-    """One parameter leaf's part of real_counts' totals (dense_unit_params: its own size,
-    which real_counts takes the largest of). specs: its (tensor, weight, moment) specs
-    (_leaves); split(spec): the devices a spec splits it over."""
+    """One parameter leaf's part of real_counts' totals (dense_unit_params and
+    layer_leaf_params: its own size, which real_counts takes the largest of). specs: its
+    (tensor, weight, moment) specs (_leaves); split(spec): the devices a spec splits it
+    over."""
     from jaxptd.model.tensor import DENSE  # JAX on use (the module docstring)
 
     par, model = config.parallel, config.model
@@ -140,6 +144,7 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, spli
     gathered = sharded != spec  # FSDP splits it: a gather brings it whole
     by_matmul = par.fsdp_unit == "matmul"  # else the layer is gathered whole
     return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
+            "layer_leaf_params": weights,
             "layer_params": one, "layer_weight_params": weights * par.pipe / model.units,
             "dense_unit_params": one if name in DENSE and gathered and by_matmul else 0.0,
             "layer_gathered_params": one if gathered and not (name in DENSE and by_matmul)

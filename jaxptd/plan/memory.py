@@ -11,6 +11,13 @@ data replicas; FSDP (ZeRO-3) splits all of them over g and adds the one matmul w
 gathers at a time; offload.optimizer keeps the masters and moments, and unpipelined the
 gradients too, in host memory for the whole step, the device holding one layer's at a time
 (see device_memory).
+
+Two programs differ in what the backward holds beside the accumulator. A scanned layer
+stack (CPU: model.scan_layers auto) makes a microbatch's gradient a whole stacked buffer
+before it is added (the gradient workspace), and the reduction writes its result beside
+the sum. Unrolled layers on a GPU add each layer's gradient into the accumulator as the
+backward makes it, and hold the layers' weights cast to the compute dtype instead
+(unrolled_gpu_extras): the A100 compiles of PTD-P's Table 1 rows (bench/table1.py).
 """
 from __future__ import annotations
 
@@ -57,11 +64,34 @@ def offloaded_state_bytes(counts: dict, streams: bool) -> dict:
     return {"device": held, "update": 2 * unit * (8.0 * W + 4.0 * M)}
 
 
+def unrolled_gpu_extras(counts: dict, dtype_bytes: float, pipe: int, chunk_layers: int,
+                        microbatches: int, casts: bool) -> dict:
+    """What a GPU program with unrolled layers holds through the backward in place of the
+    scanned program's gradient workspace and reduced copy (module docstring), bytes:
+
+    weight_copies: the weights cast to the compute dtype (`casts`: the step casts its
+    stored weights, not FSDP's gathered units nor offload's fetched ones; none in
+    float32). Unpipelined, each layer's are buffers of their own, read by its forward and
+    again by its recomputation and backward: the stage's weights once. Pipelined, the
+    executor casts the stage's stacked weights once before the rounds, and a round's F and
+    B slots each slice their chunk's layers out of that stack into buffers of their own:
+    the stage's weights plus two chunks' layers.
+    gradient_workspace: unpipelined with m > 2, XLA double-buffers the microbatch loop
+    (GPU_XLA_FLAGS' while-loop double buffering) and gives the largest stacked layer
+    gradient of its carry a second buffer (the MLP's [L, 4h/t, h] in float32).
+    Measured in XLA's buffer assignment of the 1.7B and 18.4B rows (at their peak, the
+    last microbatch's backward) and a 39.1B stage, compiled for A100s: bench/table1.py."""
+    sliced = 2 * chunk_layers * counts["layer_params"] if pipe > 1 else 0.0
+    cast = dtype_bytes * (counts["stage_params"] + sliced) if casts and dtype_bytes < 4 else 0.0
+    second = 4.0 * counts["layer_leaf_params"] if pipe == 1 and microbatches > 2 else 0.0
+    return {"weight_copies": cast, "gradient_workspace": second}
+
+
 def device_memory(*, counts: dict, activations: dict, microbatches: int,
                   gathered: dict | None = None, offload_optimizer: bool = False,
                   streams: bool = False, peeled: int = 0, zero1_hook: bool = False,
-                  early_reduced: float = 0.0, reduced_copy: float = 0.0
-                  ) -> tuple[dict, dict]:
+                  early_reduced: float = 0.0, reduced_copy: float = 0.0,
+                  unrolled_gpu: dict | None = None) -> tuple[dict, dict]:
     """(device bytes, host bytes) per device, by category. The device total is its peak:
     what stays for the whole step plus the larger of two phases.
 
@@ -71,6 +101,10 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     For the whole step: weights (float32 masters), gradients (the float32 accumulator) and
     optimizer (the moments). Forward and backward phase: `_backward_phase` (its arguments
     are the rest of this function's). Update phase: the reduced gradient the update reads.
+    unrolled_gpu (the GPU program, model.scan_layers resolved to unrolled: its
+    unrolled_gpu_extras): no whole gradient workspace and no reduced copy beside the
+    backward, its extras instead; the reduction and the update write in place of the sum
+    and the state (at the A100 rows' end only the sum is live), so no update phase.
     offload.optimizer (jaxptd/train/offload.py): masters and moments live in host memory, and
     with `streams` (unpipelined) the gradients too: the device holds one layer's masters
     and gradients in the backward (and the ends'), and in the update one unit's state
@@ -80,15 +114,22 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     grads, moments = 4.0 * W, 4.0 * M
     on_host = offload_optimizer and streams  # the gradients' sums, too
     offloaded = offloaded_state_bytes(counts, streams) if offload_optimizer else None
+    if unrolled_gpu:  # each layer's gradient goes into the sum as it is made (docstring)
+        reduced_copy = 0.0
+    extras = unrolled_gpu or {"weight_copies": 0.0, "gradient_workspace": 0.0}
     device = {"weights": offloaded["device"] if on_host else 4.0 * W,
               "gradients": offloaded["device"] if on_host else grads,
               "optimizer": 0.0 if offload_optimizer else moments,
-              **_backward_phase(activations, grads, microbatches=microbatches,
+              **_backward_phase(activations, grads,
+                                microbatches=1 if unrolled_gpu else microbatches,
                                 gathered=gathered, on_host=on_host, peeled=peeled,
                                 zero1_hook=zero1_hook, early_reduced=early_reduced,
-                                reduced_copy=reduced_copy)}
+                                reduced_copy=reduced_copy),
+              "weight_copies": extras["weight_copies"]}
+    device["gradient_workspace"] += extras["gradient_workspace"]
     device["backward_phase"] = sum(device[k] for k in BACKWARD_PHASE)
-    device["update_phase"] = offloaded["update"] if offload_optimizer else grads
+    device["update_phase"] = offloaded["update"] if offload_optimizer else \
+        0.0 if unrolled_gpu else grads
     device["peak_phase"] = "backward" if device["backward_phase"] >= device["update_phase"] \
         else "update"
     device["total"] = device["weights"] + device["gradients"] + device["optimizer"] \
@@ -136,4 +177,5 @@ def _backward_phase(activations: dict, grads: float, *, microbatches: int,
             + (0.0 if early_reduced else reduced_copy * grads)}
 
 
-BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace")
+BACKWARD_PHASE = ("activations", "stash", "fsdp_gathered", "gradient_workspace",
+                  "weight_copies")

@@ -125,6 +125,10 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         if par.fsdp_size > 1 else None
     device, host = pmem.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
+        unrolled_gpu=pmem.unrolled_gpu_extras(  # (FSDP's gathered, offload's fetched: cast)
+            counts, e, par.pipe, m_cfg.units // par.pipe // par.chunks, par.microbatches,
+            par.fsdp_size == 1 and not streams) if platform == "gpu" and not scans_layers(
+                m_cfg, platform) else None,
         offload_optimizer=config.offload.optimizer,
         streams=streams,
         peeled=par.microbatches if config.peels_last_microbatch else 0,

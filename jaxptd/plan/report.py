@@ -15,7 +15,7 @@ from jaxptd.runtime.target import Target
 from jaxptd.units import GB, MB
 
 DEVICE_KEYS = ("weights", "gradients", "optimizer", "activations", "stash", "fsdp_gathered",
-               "gradient_workspace")
+               "gradient_workspace", "weight_copies")
 NOTES = {
     "weights": "float32 masters (offload: on the host, a layer's at a time on the device)",
     "gradients": "float32 sums (offload, pipe 1: on the host, a layer's on the device)",
@@ -24,6 +24,7 @@ NOTES = {
     "stash": "the pipeline's buffers: stage inputs, gradients, W taps, a spread head",
     "fsdp_gathered": "FSDP: one matmul's weight gathered, cast, its gradient (or the ends)",
     "gradient_workspace": "m > 1: a microbatch's gradient before it is added",
+    "weight_copies": "GPU, layers unrolled: the weights cast to the compute dtype",
 }
 
 
@@ -155,7 +156,7 @@ def _memory_lines(r: dict, hw: Target) -> list:
     lines.append(f"  {'total':<19} {dev['total'] / GB:10.3f} {host['total'] / GB:10.3f}   "
                  "peak: weights + gradients + optimizer (unless offloaded) + the larger phase")
     lines.append(f"  phases: forward/backward {dev['backward_phase'] / GB:.3f} GB (activations, "
-                 f"stash, FSDP, workspace), update {dev['update_phase'] / GB:.3f} GB (the "
+                 f"stash, FSDP, workspace, weight copies), update {dev['update_phase'] / GB:.3f} GB (the "
                  "reduced gradient; offload: one layer's state at a time)")
     lines.append("  where the bytes go: " + where_the_bytes_go(
         dev, r["options"]["offload_optimizer"]))
