@@ -39,7 +39,7 @@ from jax import lax
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import residual_std
 from jaxptd.model.moe_dispatch import Dispatch
-from jaxptd.model.tensor import Layout, enter_tensor, exit_tensor, normal, zeros
+from jaxptd.model.tensor import Layout, enter_tensor, exit_tensor, fp8_history, normal, zeros
 from jaxptd.parallel.varying import varying_axes
 
 STATS = "moe_stats"  # the Flax collection a MoE layer sows its statistics into
@@ -123,6 +123,8 @@ class MoE(nn.Module):
         if cfg.moe_bias_rate:
             bias = self.param("router_bias", zeros(("router",)), (n,), jnp.float32)
         experts = self._expert_weights()
+        histories = {name: fp8_history(self, f"w_experts_{name}", make=True)
+                     for name in experts if cfg.moe_capacity and not name.startswith("b_")}
 
         x_in = enter_tensor(x, layout)  # [b, s, h]: f (sequence parallelism: all tokens)
         b, s = x_in.shape[:2]
@@ -136,7 +138,7 @@ class MoE(nn.Module):
             weights = weights / jnp.sum(weights, -1, keepdims=True)
 
         tokens = x_in.reshape(b * s, h)
-        run = Dispatch(cfg, layout, experts, self.gated)
+        run = Dispatch(cfg, layout, experts, self.gated, histories)
         if cfg.moe_capacity:
             out, dropped = run.with_capacity(tokens, choice.reshape(b * s, k))
         else:

@@ -34,7 +34,7 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model import fp8, fused
-from jaxptd.model.tensor import Layout
+from jaxptd.model.tensor import Layout, product
 from jaxptd.parallel.varying import mark_varying, varying_axes
 
 
@@ -43,8 +43,10 @@ class Dispatch:
     one rank's tokens [T, h] and choices [T, k]; returns ([T, k, h] expert outputs, partial
     sums over tensor ranks; the number of rows dropped)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, experts: dict, gated: bool):
+    def __init__(self, cfg: ModelConfig, layout: Layout, experts: dict, gated: bool,
+                 histories: dict | None = None):
         self.cfg, self.layout, self.experts, self.gated = cfg, layout, experts, gated
+        self.histories = histories or {}  # model.fp8=delayed: an expert weight's amaxes
         self.n, self.e = cfg.moe_experts, layout.expert
         self.local = self.n // self.e  # experts on this rank
         self.exchanges = self.e > 1 and layout.expert_axis is not None
@@ -52,18 +54,22 @@ class Dispatch:
     # ----------------------------------------------------------------- the experts' math
 
     def _mlp(self, rows, matmul, bias_of):
-        """The experts' MLP on rows: matmul(rows, w) multiplies each row by its expert's w;
-        bias_of(b) gives each row its expert's bias (GeLU experts)."""
+        """The experts' MLP on rows: matmul(rows, w, history) multiplies each row by its
+        expert's w (history: the weight's amax history, or None); bias_of(b) gives each row
+        its expert's bias (GeLU experts)."""
         w = {name: v.astype(rows.dtype) for name, v in self.experts.items()}
+        h = self.histories.get
         if self.gated:
-            hidden = fused.swiglu(matmul(rows, w["gate"]), matmul(rows, w["up"]))
-            return matmul(hidden, w["down"])
-        u = matmul(rows, w["fc1"]).astype(jnp.float32) + bias_of(self.experts["b_fc1"])
+            hidden = fused.swiglu(matmul(rows, w["gate"], h("gate")),
+                                  matmul(rows, w["up"], h("up")))
+            return matmul(hidden, w["down"], h("down"))
+        u = matmul(rows, w["fc1"], h("fc1")).astype(jnp.float32) + bias_of(
+            self.experts["b_fc1"])
         hidden = jax.nn.gelu(u, approximate=self.cfg.gelu == "tanh").astype(rows.dtype)
         # the second bias once over the tensor ranks, whose partial sums g adds up
         first = 1.0 if self.layout.tensor_axis is None else \
             (lax.axis_index(self.layout.tensor_axis) == 0).astype(jnp.float32)
-        out = matmul(hidden, w["fc2"]).astype(jnp.float32) + first * bias_of(
+        out = matmul(hidden, w["fc2"], h("fc2")).astype(jnp.float32) + first * bias_of(
             self.experts["b_fc2"])
         return out.astype(rows.dtype)
 
@@ -78,7 +84,7 @@ class Dispatch:
         from pallas_kernels.grouped import grouped_matmul  # (Mosaic GPU: on use)
 
         gpu = self.layout.platform == "gpu"
-        return self._mlp(rows, lambda x, w: grouped_matmul(x, w, sizes, gpu=gpu), bias_of)
+        return self._mlp(rows, lambda x, w, _: grouped_matmul(x, w, sizes, gpu=gpu), bias_of)
 
     # ----------------------------------------------------------------------- dropless
 
@@ -155,9 +161,11 @@ class Dispatch:
                                    self.layout.expert_axis, 0, 0, tiled=True)
             slots = slots.reshape(self.e, self.local, cap, -1).transpose(1, 0, 2, 3)
             slots = slots.reshape(self.local, self.e * cap, -1)
-        axes = self.layout.fp8_axes(fp8.EXPERTS)  # None: 16-bit
-        out = self._mlp(slots, fp8.einsum("ech,ehf->ecf", axes) if axes is not None else
-                        lambda x, w: jnp.einsum("ech,ehf->ecf", x, w), lambda b: b[:, None, :])
+        axes, layout = self.layout.fp8_axes(fp8.EXPERTS), self.layout  # axes None: 16-bit
+        margin = layout.fp8_margin if layout.fp8 == "delayed" else None
+        out = self._mlp(slots, product("ech,ehf->ecf", axes, margin) if axes is not None else
+                        lambda x, w, _: jnp.einsum("ech,ehf->ecf", x, w),
+                        lambda b: b[:, None, :])
         if self.exchanges:
             out = out.reshape(self.local, self.e, cap, -1).transpose(1, 0, 2, 3)
             out = lax.all_to_all(out.reshape(self.e, -1, out.shape[-1]),

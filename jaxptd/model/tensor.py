@@ -164,7 +164,7 @@ def dense(module: nn.Module, name: str, x, w):
     """
     assert name not in ENTERED, f"{name}: its input enters the tensor region (entered())"
     _record(module, name, x)
-    return _output(module, name, matmul(name, module.layout)(x, w, _history(module, name)))
+    return _output(module, name, matmul(name, module.layout)(x, w, fp8_history(module, name)))
 
 
 def entered(module: nn.Module, x, *weights):
@@ -189,7 +189,7 @@ def entered(module: nn.Module, x, *weights):
     assert all(ENTERED[n] == names[0] for n in names), f"{names}: ENTERED's inputs"
     _record(module, names[0], x)
     layout = module.layout
-    histories = [_history(module, name) for name in names]
+    histories = [fp8_history(module, name) for name in names]
 
     def products(x, ws):
         x = enter_tensor(x, layout)
@@ -219,20 +219,24 @@ def weight(module: nn.Module, name: str, init, shape: tuple[int, ...]):
     (layout.fsdp names it) the layer holds its shard, which `dense` gathers where it
     multiplies: read as it is, past Flax's check that a parameter has `shape`. With
     model.fp8=delayed a layer linear also has its amax history (fp8.HISTORY), made here."""
-    if module.layout.fp8 == "delayed" and name in fp8.LINEARS:  # (draws no key: the
-        # weights drawn after it are those of every precision)
-        history = (fp8.OPERANDS, module.cfg.fp8_history)
-        module.variable("params", name + fp8.HISTORY, lambda: nn.Partitioned(
-            jnp.zeros(history, jnp.float32), ("fp8_operands", "fp8_history")))
+    fp8_history(module, name, make=True)
     if module.layout.fsdp_dim(name) is None or module.is_initializing():
         return module.param(name, init, shape, jnp.float32)
     return module.get_variable("params", name)
 
 
-def _history(module: nn.Module, name: str):
-    """The amax history of the dense() weight `name` (model.fp8=delayed), else None."""
-    if module.layout.fp8 != "delayed" or name not in fp8.LINEARS:
+def fp8_history(module: nn.Module, name: str, make: bool = False):
+    """The amax history of the layer linear `name` (model.fp8=delayed: a dense() weight of
+    fp8.LINEARS, or a mixture's expert weight, w_experts_*), else None; `make`: declare it
+    (where its weight is made; it draws no key, so the weights drawn after it are those of
+    every precision)."""
+    if module.layout.fp8 != "delayed" or not (name in fp8.LINEARS or
+                                              name.startswith("w_experts_")):
         return None
+    if make:
+        history = (fp8.OPERANDS, module.cfg.fp8_history)
+        module.variable("params", name + fp8.HISTORY, lambda: nn.Partitioned(
+            jnp.zeros(history, jnp.float32), ("fp8_operands", "fp8_history")))
     return nn.meta.unbox(module.get_variable("params", name + fp8.HISTORY))
 
 
