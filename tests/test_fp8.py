@@ -394,9 +394,11 @@ def _histories(params) -> dict:
     (2, 1, 2, ["parallel.microbatches=2", "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
                "model.remat=full"]),
     (1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"]),
-    (2, 2, 2, ["parallel.microbatches=2", *MOE])],
+    (2, 2, 2, ["parallel.microbatches=2", *MOE]),
+    (2, 1, 1, ["parallel.microbatches=2", "offload.activations=true",
+               "offload.optimizer=true"])],
     ids=["pipeline", "zb-h1-sp", "zb-v", "zero1-overlap-sp", "fsdp-matmul", "context",
-         "experts"])
+         "experts", "offload"])
 def test_delayed_histories_and_losses_match_the_single_device(data, pipe, tensor, extra):
     """Two steps of delayed scaling (the second scaled by the first's amaxes): every layout
     records the single device's histories (each amax the largest over the microbatches and
@@ -462,9 +464,3 @@ def test_delayed_histories_restore_across_layouts_and_precisions(tmp_path):
     saved_at(plain, tmp_path / "plain", placed_state(plain))
     on = restored(source, tmp_path / "plain", plain)
     assert _histories(on["params"]) and not any(map(np.any, _histories(on["params"]).values()))
-
-
-def test_delayed_scaling_says_what_it_is_not_built_with():
-    from jaxptd.config import ConfigError, load_config
-    with pytest.raises(ConfigError, match="model.fp8=delayed: not built with offload.optimizer"):
-        load_config(None, ["model.fp8=delayed", "offload.optimizer=true"])

@@ -85,7 +85,6 @@ def validate(config: Config) -> None:
     for message in FAMILIES[config.model.arch].config_errors(config.model):
         raise ConfigError(message)
     _validate_parallel(config)
-    _validate_fp8(config)
     _validate_training(config)
     _validate_data(config)
     _validate_checkpoint(config)
@@ -231,15 +230,6 @@ def _validate_parallel(config: Config) -> None:
             make_schedule(par.schedule, par.pipe, par.microbatches, par.chunks)
         except ScheduleError as e:
             raise ConfigError(f"parallel.schedule={par.schedule}: {e}") from None
-
-
-def _validate_fp8(config: Config) -> None:
-    """What model.fp8=delayed does not compose with yet: its amax histories leave through
-    the gradients and are rolled on the device, which the host-memory optimizer step does
-    not do (model/fp8.py)."""
-    _require(config.model.fp8 != "delayed" or not config.offload.optimizer,
-             "model.fp8=delayed: not built with offload.optimizer=true; use "
-             "model.fp8=tensorwise")
 
 
 def _validate_training(config: Config) -> None:

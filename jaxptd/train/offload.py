@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from jaxptd.model import fp8
 from jaxptd.train import optim
 
 DEVICE, HOST = jax.memory.Space.Device, jax.memory.Space.Host
@@ -133,9 +134,10 @@ def streamed_update(layout: StateLayout, params, opt_state, grads, scale, dynami
     norm, finite = norm_and_finite(layout, units, grads, scale)
     tx = optim.make_optimizer(layout.config, lambda _: norm)
 
-    def update(p, g, s):  # one unit, on the device
+    def update(p, g, s):  # one unit, on the device (fp8: as step._update)
+        g, amaxes = fp8.observed(g)
         updates, new_s = tx.update(jax.tree.map(lambda x: x / scale, g), s, p)
-        new_p = optax.apply_updates(p, updates)
+        new_p = fp8.advance(optax.apply_updates(p, updates), p, amaxes)
         if dynamic:  # a step that overflowed leaves the state as it was
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
             new_p, new_s = keep(new_p, p), keep(new_s, s)

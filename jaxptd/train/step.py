@@ -308,8 +308,6 @@ def build_train_step(setup: Setup):
             state["params"], on_device["params"])
         grads, loss, stats = grads_fn(params, batch, state["rng"], state["step"],
                                       scale.scale)
-        # model.fp8=delayed: the amax histories' entries are this step's amaxes, no update
-        grads, amaxes = fp8.observed(grads)
         if policy.offload_optimizer:  # one layer's state on the device at a time
             new_params, opt_state, grad_norm, finite = offload.streamed_update(
                 layout, state["params"], state["opt_state"], grads, scale.scale, dynamic)
@@ -318,7 +316,6 @@ def build_train_step(setup: Setup):
                 layout, params, state["opt_state"], grads, scale.scale, dynamic)
         if model.moe_bias_rate:
             new_params = moe.update_bias(new_params, stats["load"], finite, model)
-        new_params = fp8.advance(new_params, params, amaxes)
         loss_scale = scale.update(finite) if dynamic else scale
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1,
                      "rng": state["rng"], "loss_scale": loss_scale}
@@ -335,10 +332,12 @@ def build_train_step(setup: Setup):
 def _update(layout: StateLayout, params, opt_state, grads, scale, dynamic: bool):
     """The optimizer step on the device: (new params, new opt_state, gradient norm, all
     gradients finite) from grads scaled by `scale`; with dynamic loss scaling a step whose
-    gradients overflowed leaves params and opt_state as they were."""
+    gradients overflowed leaves params and opt_state as they were. model.fp8=delayed's
+    amax histories take this step's amaxes (their gradients' entries), not an update."""
+    grads, amaxes = fp8.observed(grads)
     grads = jax.tree.map(lambda g: g / scale, grads)
     updates, new_opt = layout.tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+    new_params = fp8.advance(optax.apply_updates(params, updates), params, amaxes)
     finite = optim.all_finite(grads) if dynamic else jnp.bool_(True)
     if dynamic:
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
