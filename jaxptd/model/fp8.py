@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxptd.parallel.varying import varying_axes
+from jaxptd.parallel.varying import mark_varying, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # the layers' linears that model.fp8 makes FP8 GEMMs (tensor.DENSE names, and EXPERTS: a
@@ -103,6 +103,13 @@ def is_history(path) -> bool:
 def _by_path(fn, *trees):
     """fn(is_history(path), *leaves) over trees of flax's or JAX's paths."""
     return jax.tree_util.tree_map_with_path(lambda p, *xs: fn(is_history(p), *xs), *trees)
+
+
+def spread(params, axes: tuple[str, ...]):
+    """params with the amax histories cast to varying over `axes` too (inside the step's
+    shard_map, before its gradient): each rank's amaxes then stay its own until the step
+    takes their maximum (varying.reduce_to's `largest`, Reduction)."""
+    return _by_path(lambda h, p: mark_varying(p, axes) if h else p, params)
 
 
 def accumulate(a, b):
@@ -195,7 +202,10 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0):
     """(x, w, history [3, H]) -> einsum(spec, x, w) as an FP8 GEMM scaled from the history
     (model.fp8=delayed, the module docstring), in x's dtype; the gradients in x's and w's
     dtypes, the history's: [3, H] with this use's amaxes of x, w and the output gradient in
-    column 0 (over the ranks sharing each among `axes`), zeros elsewhere."""
+    column 0, zeros elsewhere. Each amax is this rank's, the maximum over ranks taken only
+    where the history does not vary as the amax does: the step passes the histories in
+    varying over every axis (`spread`) and takes the maximum once, after the backward, not
+    an all-reduce of a scalar a GEMM. (`axes`: for tensorwise's signature; unused.)"""
     to_x, to_w = transposed(spec)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -206,7 +216,7 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0):
         scales = delayed_scales(history, margin)  # [3]: x, w, the output gradient
         qx, qw = _cast(x, scales[0], E4M3), _cast(w, scales[1], E4M3)
         y = _product(spec, qx, qw, scales[0] * scales[1], dtypes[0])
-        return y, (_bits(qx), _bits(qw), scales, _amax(x, axes), _amax(w, axes), history)
+        return y, (_bits(qx), _bits(qw), scales, _amax(x, ()), _amax(w, ()), history)
 
     def backward(dtypes, vma, kept, g):
         qx, qw, scales, amax_x, amax_w, history = kept
@@ -214,7 +224,7 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0):
         qg = _cast(g, scales[2], E5M2)
         dx = _product(to_x, qg, qw, scales[2] * scales[1], dtypes[0])
         dw = _product(to_w, qx, qg, scales[0] * scales[2], dtypes[1])
-        amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, _amax(g, axes))])
+        amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, _amax(g, ()))])
         dh = jnp.zeros_like(history).at[:, 0].set(amaxes)
         return _reduced_to(dx, vma[0]), _reduced_to(dw, vma[1]), dh
 

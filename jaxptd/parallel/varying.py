@@ -122,12 +122,13 @@ def reduce_to(tree, have, want, axes: tuple[str, ...], dtype=None, largest=None)
     (all-reduce) over the axes neither shards, reduce-scattered over those only `want`
     shards (ZeRO-1's gradients), left alone over those `have` shards (already reduced,
     e.g. by FSDP's reduce-scatter). dtype: the reductions' dtype (None: the leaf's).
-    largest(path): the leaves whose maximum is taken instead of the sum (and not
-    scattered: model/fp8.py's amax histories)."""
+    largest(path): the leaves whose maximum is taken instead of the sum, over every axis
+    they vary over that `have` does not shard (not scattered: model/fp8.py's amax
+    histories)."""
     def reduce(path, x, have_spec, want_spec):
         old, new = _axes_of(have_spec), _axes_of(want_spec)
         if largest is not None and largest(path):
-            return largest_over(x, tuple(a for a in axes if a not in old))
+            return largest_over(x, tuple(sorted(varying_axes(x) - set(old))))
         out_dtype = x.dtype
         x = x.astype(dtype or x.dtype)
         for axis in (a for a in axes if a in new and a not in old):

@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd import model as models
 from jaxptd.model import fp8
-from jaxptd.parallel.mesh import DATA, FSDP, PIPE, TOKENS
+from jaxptd.parallel.mesh import DATA, FSDP, PIPE, TENSOR, TOKENS
 from jaxptd.model.tensor import Layout
 from jaxptd.parallel.sharding import GATHERED, fsdp_dims, is_spec
 from jaxptd.parallel.varying import largest_over, mark_varying, reduce_to
@@ -167,18 +167,20 @@ class Reduction:
 
     def scattered_varying(self, params):
         """The last microbatch's parameters: the ZeRO-1 leaves varying over data already
-        (their hook scatters the gradient; a cast inside would sum it), the rest invariant
-        (their gradient is summed by the transpose of the cast to varying in `hook`)."""
-        return jax.tree.map(lambda p, dim: p if dim is None else mark_varying(p, (DATA,)),
-                            params, self.scatter_dims)
+        (their hook scatters the gradient; a cast inside would sum it), model.fp8=delayed's
+        amax histories varying over every axis (fp8.spread: their maximum in keep_parts),
+        the rest invariant (their gradient is summed by the transpose of the cast to varying
+        in `hook`)."""
+        return fp8.spread(jax.tree.map(lambda p, dim: p if dim is None else mark_varying(
+            p, (DATA,)), params, self.scatter_dims), (*REDUCED, TENSOR))
 
     def hook(self, params, acc, dims):
         """params as the model uses them in the last microbatch; acc the local gradient
         sums of the microbatches before (None: it is the only one); dims: each leaf's
         ZeRO-1 dimension there."""
         def one(path, p, dim, a=None):
-            if fp8.is_history(path):  # left invariant: its backward takes the ranks' maximum
-                return p if a is None else _add_to_gradient(p, largest_over(a, REDUCED), True)
+            if fp8.is_history(path):  # varying (fp8.spread): its maximum in keep_parts
+                return p if a is None else _add_to_gradient(p, a, True)
             if dim is not None:  # scattered over data once fsdp and pipe have summed it
                 p = _reduce_scatter_gradient(DATA, dim, self.dtype)(p)
             # summed over the axes p is cast over (the transpose of the cast), acc first
@@ -201,10 +203,13 @@ class Reduction:
                 acc and acc["layers"])
 
     def keep_parts(self, grads):
-        """After the hooks: each ZeRO-1 leaf's own part of its full-size gradient."""
-        def part(g, dim):
+        """After the hooks: each ZeRO-1 leaf's own part of its full-size gradient (and the
+        amax histories' entries their maximum over the ranks)."""
+        def part(path, g, dim):
+            if fp8.is_history(path):  # this rank's amaxes -> every rank's maximum
+                return largest_over(g, (*REDUCED, TENSOR))
             if dim is None:
                 return g
             size = g.shape[dim] // self.state.mesh.shape[DATA]
             return lax.dynamic_slice_in_dim(g, lax.axis_index(DATA) * size, size, dim)
-        return jax.tree.map(part, grads, self.scatter_dims)
+        return jax.tree_util.tree_map_with_path(part, grads, self.scatter_dims)

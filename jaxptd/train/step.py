@@ -195,7 +195,7 @@ def microbatch_grads(params, batch, key, loss_scale, norm, *, setup: Setup,
     micro = batch.reshape(setup.policy.microbatches, -1, batch.shape[-1])  # [m, b, s+1]
     reduction = Reduction(setup.state_layout, setup.policy.streams)
     loss_fn = _microbatch_loss(setup, deterministic, loss_scale, norm)
-    varying = mark_varying(params, REDUCED)
+    varying = fp8.spread(mark_varying(params, REDUCED), (TENSOR,))
     loss0 = mark_varying(jnp.float32(0), REDUCED)  # like the model's loss
 
     def grads_of(index):
@@ -268,7 +268,8 @@ def build_grads(setup: Setup, deterministic: bool):
 
         def local_fn(params, batch, key, scale, norm):
             grads, loss, stats = pipeline_grads(
-                mark_varying(params, REDUCED), batch, key, scale, norm, context=context,
+                fp8.spread(mark_varying(params, REDUCED), (TENSOR,)), batch, key, scale,
+                norm, context=context,
                 deterministic=deterministic, reduce_chunk=by_chunk if early else None)
             if not early:
                 return reduction.after(grads), loss, stats
