@@ -108,8 +108,10 @@ def reference_losses(config, vocab, params, batches):
     return losses
 
 
-def assert_grads_match_single_device(setup, batch=None):
-    """build_grads at the setup's layout gives the single-device loss and gradients."""
+def assert_grads_match_single_device(setup, batch=None, stats_out=None):
+    """build_grads at the setup's layout gives the single-device loss and gradients.
+    stats_out: a dict that receives the step's mixture-of-experts statistics as "stats" (a
+    test that checks them too need not compile the same program again)."""
     from jaxptd.train.step import build_grads
 
     state = placed_state(setup)
@@ -117,6 +119,8 @@ def assert_grads_match_single_device(setup, batch=None):
     grads, loss, stats = jax.jit(build_grads(setup, deterministic=True))(
         state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
         state["step"], jnp.float32(1))
+    if stats_out is not None:
+        stats_out["stats"] = stats
     params = jax.device_get(setup.state_layout.to_logical(state["params"]))
     ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
     assert np.isfinite(float(ref_loss))
