@@ -179,17 +179,21 @@ def test_packed_row_gives_each_document_its_own_logits_and_loss(arch):
                       vocab_size=64, init_std=0.2, document_end=END,
                       num_kv_heads=2 if arch == "llama" else 0)
     vocab = cfg.padded_vocab(1)
-    params = models.get(cfg).init_params(cfg, vocab, jax.random.key(0))
+    # jitted: one compile each (eagerly, one per op of every call)
+    params = jax.jit(functools.partial(models.get(cfg).init_params, cfg, vocab))(
+        jax.random.key(0))
     docs = _documents(np.random.default_rng(0), (7, 9, 8), cfg.vocab_size)
     row = np.concatenate(docs)[None]  # [1, 24]
     layout = Layout(vocab)
+    forward = jax.jit(models.forward_logits, static_argnums=(2, 3))
+    loss_sum = jax.jit(lambda batch: models.loss_sum(params, batch, jax.random.key(0), cfg,
+                                                     layout, True))
 
     def logits(tokens, c=cfg):
-        return np.asarray(models.forward_logits(params, jnp.asarray(tokens), c, layout))
+        return np.asarray(forward(params, jnp.asarray(tokens), c, layout))
 
     def loss(tokens, next_token):
-        batch = jnp.asarray(np.concatenate([tokens, [[next_token]]], axis=1))
-        return float(models.loss_sum(params, batch, jax.random.key(0), cfg, layout, True))
+        return float(loss_sum(jnp.asarray(np.concatenate([tokens, [[next_token]]], axis=1))))
 
     packed, start = logits(row), 0
     for doc in docs:  # alone: the document, then ends (causal: unseen; their targets: none)
