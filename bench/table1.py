@@ -4,7 +4,7 @@ post's two runs (configs/pytorch_fsdp/, A100 40 GB) compiled for their devices w
 GPU, each against the paper's achieved TFLOP/s a GPU.
 
     python -m bench.table1 [--out-dir DIR] [--only NAME ...] [--target h100] [--force]
-                           [--timeout-s S]
+                           [--timeout-s S] [--replan]
 
 Each row is `python -m jaxptd.plan --config CONFIG --verify --target TARGET --json` in
 its own process; its report goes to DIR/<name>_<target>.json as soon as it is done, and a
@@ -14,7 +14,13 @@ memory a device against the usable memory, the planner's bytes over it, the stat
 roofline time of a step (jaxptd/hlo/), the MFU ceiling it implies by the paper's own count
 (equation 3, recomputation included, over the peak), the paper's achieved fraction and
 the ratio of the two (the issue asks >= 1.25), the collectives' bytes a step, and the
-compile's seconds and peak host memory.
+compile's seconds and peak host memory. --replan: the stored rows' plan (and the planner
+over the compiled bytes) from the planner as it is now, the compile kept.
+
+A row that offloads (the FSDP runs) is compiled as one memory: XLA's topology devices have
+no host memory, so what a run keeps in host memory (masters, moments, gradients, layer
+inputs) is in the compiled bytes, and the planner's device + host is held against them
+(jaxptd/plan/cli.py); its fits column says "pool", not whether the device part fits.
 """
 from __future__ import annotations
 
@@ -66,6 +72,20 @@ def compile_row(name: str, target: str, timeout_s: float) -> dict:
     return {**row, **json.loads(lines[-1])}
 
 
+def replan(row: dict) -> dict:
+    """The row with the planner's report and bytes as the planner computes them now."""
+    from jaxptd.plan.cli import _one_pool_bytes  # (what --verify holds against the compile)
+    cmd = [sys.executable, "-m", "jaxptd.plan", "--config", row["config"], "--target",
+           row["target"], "--json"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu")).stdout
+    plan = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+    planned = _one_pool_bytes(plan) if row.get("offloaded_state_on_device") else \
+        plan["memory_bytes_per_device"]["total"]
+    return {**row, "plan": plan, "planned_bytes": planned,
+            "planned_ratio": planned / row["memory"]["total"]}
+
+
 def ceiling(row: dict) -> float:
     """The MFU ceiling by equation 3 (recomputation included): its FLOPs a device over the
     static step time at the A100's peak."""
@@ -78,8 +98,9 @@ def row_text(row: dict) -> str:
         return f"{row['name']:<11} {row['error'][:110]}"
     gib, kinds = 2 ** 30, row["collectives"]["by_kind"]
     paper = row["paper_tflops"] * 1e12 / PEAK
+    fits = "pool" if row.get("offloaded_state_on_device") else "yes" if row["fits"] else "NO"
     return (f"{row['name']:<11} {row['devices']:5d} {row['memory']['total'] / gib:7.1f} "
-            f"{row['usable_bytes'] / gib:6.1f} {'yes' if row['fits'] else 'NO':>4} "
+            f"{row['usable_bytes'] / gib:6.1f} {fits:>4} "
             f"{row['planned_ratio'] or 0:6.2f} {row['cost']['seconds']:8.2f} "
             f"{ceiling(row):6.3f} {paper:6.3f} {ceiling(row) / paper:6.2f} "
             f"{sum(k.get('bytes', 0) for k in kinds.values()) / 1e9:8.1f} "
@@ -93,6 +114,7 @@ def main() -> int:
     parser.add_argument("--target", help="compile every row for this target instead")
     parser.add_argument("--force", action="store_true", help="compile rows already done")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="a row's limit")
+    parser.add_argument("--replan", action="store_true", help="stored rows: plan again")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"{'row':<11} {'GPUs':>5} {'GiB':>7} {'usable':>6} {'fits':>4} {'plan/x':>6} "
@@ -104,6 +126,10 @@ def main() -> int:
         if os.path.exists(path) and not args.force:
             with open(path) as f:
                 row = json.load(f)
+            if args.replan and "error" not in row:
+                row = replan(row)
+                with open(path, "w") as f:
+                    json.dump(row, f)
         else:
             row = compile_row(name, target, args.timeout_s)
             with open(path, "w") as f:
@@ -112,7 +138,7 @@ def main() -> int:
     print("\nstep s: the static roofline time of a step; MFU<=: equation 3's FLOPs over it at "
           "312 TFLOP/s; paper: the paper's achieved fraction of 312; x: MFU<= / paper (issue "
           "50 asks >= 1.25); coll GB: collective bytes a device a step; host GB: the compile's "
-          "peak resident memory.")
+          "peak resident memory; pool: an offloading row compiled as one memory (docstring).")
     print("reproduce: python -m bench.table1" + (f" --target {args.target}" if args.target
                                                  else ""))
     return 0
