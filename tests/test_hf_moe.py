@@ -7,6 +7,7 @@ transformers 5 keeps in memory; the exported config.json builds the same model i
 transformers; imported, a model gives transformers' logits and greedy ids; exported, it
 loads in transformers with every tensor as it came; a jaxptd mixture of experts exports
 to the class that holds it; what neither side can hold is one error line."""
+import functools
 import json
 
 import jax
@@ -98,7 +99,8 @@ def test_import_gives_transformers_logits_and_greedy_ids(imported):
     config, params, _ = hf.load_params(out)
     m = config.model
     vocab = params["embed"]["wte"].shape[0]
-    ours = models.forward_logits(params, jnp.asarray(TOKENS), m, Layout(vocab))
+    ours = jax.jit(models.forward_logits, static_argnums=(2, 3))(
+        params, jnp.asarray(TOKENS), m, Layout(vocab))
     expected = torch_logits(model, TOKENS)
     np.testing.assert_allclose(np.asarray(ours)[..., :HF_VOCAB], expected, rtol=1e-5,
                                atol=1e-5 * np.abs(expected).max())
@@ -140,7 +142,8 @@ def test_a_jaxptd_mixture_of_experts_exports(name, tmp_path):
         f"train.run_dir={tmp_path / 'run'}", *JAXPTD_MOES[name]])
     m = config.model
     vocab = m.padded_vocab(1)
-    params = jax.device_get(models.get(m).init_params(m, vocab, jax.random.key(7)))
+    params = jax.device_get(jax.jit(  # (one compile; eagerly, one per op)
+        functools.partial(models.get(m).init_params, m, vocab))(jax.random.key(7)))
     keys = iter(jax.random.split(jax.random.key(8), 8))
     for layer in stack.layer_trees(params["layers"], m):
         attn = layer["attn"]
@@ -155,7 +158,8 @@ def test_a_jaxptd_mixture_of_experts_exports(name, tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [name]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(model).__name__ == name
-    ours = models.forward_logits(params, jnp.asarray(TOKENS), m, Layout(vocab))
+    ours = jax.jit(models.forward_logits, static_argnums=(2, 3))(
+        params, jnp.asarray(TOKENS), m, Layout(vocab))
     expected = torch_logits(model, TOKENS)
     np.testing.assert_allclose(np.asarray(ours)[..., :HF_VOCAB], expected, rtol=1e-5,
                                atol=1e-5 * np.abs(expected).max())
