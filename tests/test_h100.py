@@ -4,10 +4,10 @@ analysis). Small shapes; the 1.3B table is bench/h100_compile.py.
 
 What it holds the program to: the Pallas kernels compile for sm_90a without register
 spills; the step compiles and fits for GPT, Llama and BERT under every schedule,
-sequence parallelism, FSDP and offload; cuDNN attention runs once a layer forward and
-once backward (grouped-query heads included, nothing re-run by recomputation); no
-conditional in any pipeline round loop; the bias-GeLU's backward writes no float32 [b,
-s, ffn]; in steady rounds the stage-to-stage sends have a GEMM or attention scheduled
+sequence parallelism, FSDP and offload (tests/test_h100_memory.py's step); cuDNN
+attention runs once a layer forward and once backward (grouped-query heads included,
+nothing re-run by recomputation); no conditional in any pipeline round loop; the
+bias-GeLU's backward writes no float32 [b, s, ffn]; in steady rounds the stage-to-stage sends have a GEMM or attention scheduled
 while they are in flight (all of them with a W slot after the B slot; otherwise the
 forward's); the static cost report counts a known program exactly; context
 parallelism's ring sends overlap and cover its blocks (recomputation too), its all-gather
@@ -123,11 +123,11 @@ def steady(module, loop) -> bool:
 
 
 # (2, 2, 2) 1F1B's H100 compile: test_gpt_1_3b_steady_sends_overlap's, at the real width;
-# its round loops without a conditional: tests/test_pipeline_program.py's CUDA lowering
+# its round loops without a conditional: tests/test_pipeline_program.py's CUDA lowering;
+# offload's (its cuDNN counts and MLP gradients): tests/test_h100_memory.py's offload step
 LAYOUTS = {
     "zb-interleaved": layout(2, 2, 2, 8, "parallel.schedule=zb-interleaved",
                              "parallel.chunks=2"),
-    "offload": layout(8, 1, 1, 1, "offload.optimizer=true", "offload.activations=true"),
     "llama gqa": layout(2, 1, 4, 1, "model.arch=llama", "model.num_kv_heads=2",
                         "parallel.sequence_parallel=true"),
     "bert": layout(2, 1, 4, 1, "model.arch=bert", "model.vocab_size=1004"),

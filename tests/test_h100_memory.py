@@ -17,7 +17,8 @@ import pytest
 from jaxptd import hlo
 from jaxptd.plan import compile_check
 from jaxptd.config import load_config
-from test_h100 import H100, ROOT, layout, needs_compiler
+from test_h100 import (H100, ROOT, cudnn_launches, float32_mlp_gradients, layout,
+                       needs_compiler)
 
 
 def temp_per_layer(base, steps=None) -> float:
@@ -183,8 +184,12 @@ def test_offloaded_layers_backward_one_at_a_time():
     of the bottom layers' (nothing waits for those but the embedding's gradient): each
     layer's input gradient waits for the reduced gradients of the layer model.AHEAD above
     it (model.reduced_ahead). Without, 0 of 4: XLA queued them all, one at a time, behind
-    the last layers' backward. (This step was compiled again for that check in
-    tests/test_h100.py; one compile now serves both.)"""
+    the last layers' backward. Its attention and MLP as test_h100.py's
+    test_step_compiles_for_h100 holds every layout's: cuDNN attention once a layer
+    backward and twice forward (the layer whose input waits in host memory is run again),
+    and the bias-GeLU's backward writes no float32 [b, s, ffn]. (test_h100.py compiled
+    this step again for the reductions, and a small offload step for the rest; this one
+    compile now serves all three.)"""
     b, s, h = 4, 2048, 1024
     base = [f"model.hidden_size={h}", "model.num_heads=8", f"model.seq_len={s}",
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
@@ -195,10 +200,14 @@ def test_offloaded_layers_backward_one_at_a_time():
     assert per_layer <= 1.25 * (4 * 12 * h * h + 2 * s * b * h), per_layer
     config, step, seconds = steps[8]
     assert compile_check.analyse(config, step, H100, seconds)["fits"]
-    reductions = [c for c in hlo.collectives(hlo.parse(step.as_text()))
-                  if c.kind == "all-reduce"]
+    module = hlo.parse(step.as_text())
+    reductions = [c for c in hlo.collectives(module) if c.kind == "all-reduce"]
     overlapped = [bool(set(c.overlap) & {"gemm", "attention"}) for c in reductions]
     assert len(overlapped) > 2 and all(overlapped[:-1]), overlapped
+    backward = cudnn_launches(module, "fmhaSoftmaxBackward")
+    assert backward == config.model.num_layers * config.parallel.microbatches
+    assert cudnn_launches(module, "fmhaSoftmax") == 2 * backward
+    assert not float32_mlp_gradients(module, config.model.ffn // config.parallel.tensor)
 
 
 @needs_compiler
