@@ -13,8 +13,8 @@ over several commands. A row that fails writes its error line instead. Columns: 
 memory a device against the usable memory, the planner's bytes over it, the static
 roofline time of a step (jaxptd/hlo/), the MFU ceiling it implies by the paper's own count
 (equation 3, recomputation included, over the peak), the paper's achieved fraction and
-the ratio of the two (the issue asks >= 1.25), the collectives' bytes a step, and the
-compile's seconds and peak host memory. --replan: the stored rows' plan (and the planner
+the ratio of the two (the issue asks >= 1.25), the collectives' bytes a step, the
+compile's seconds and peak host memory, and the planner's step time beside the paper's. --replan: the stored rows' plan (and the planner
 over the compiled bytes) from the planner as it is now, the compile kept.
 
 A row that offloads (the FSDP runs) is compiled as one memory: XLA's topology devices have
@@ -93,6 +93,12 @@ def ceiling(row: dict) -> float:
     return plan["flops_recompute"] / plan["num_devices"] / (row["cost"]["seconds"] * PEAK)
 
 
+def paper_seconds(row: dict) -> float:
+    """The paper's step time: equation 3's FLOPs a device at its achieved FLOP/s."""
+    plan = row["plan"]
+    return plan["flops_recompute"] / plan["num_devices"] / (row["paper_tflops"] * 1e12)
+
+
 def row_text(row: dict) -> str:
     if "error" in row:
         return f"{row['name']:<11} {row['error'][:110]}"
@@ -104,7 +110,8 @@ def row_text(row: dict) -> str:
             f"{row['planned_ratio'] or 0:6.2f} {row['cost']['seconds']:8.2f} "
             f"{ceiling(row):6.3f} {paper:6.3f} {ceiling(row) / paper:6.2f} "
             f"{sum(k.get('bytes', 0) for k in kinds.values()) / 1e9:8.1f} "
-            f"{row['compile_s']:7.0f} {(row['host_peak_bytes'] or 0) / 1e9:6.1f}")
+            f"{row['compile_s']:7.0f} {(row['host_peak_bytes'] or 0) / 1e9:6.1f} "
+            f"{row['plan']['step_time_s']['total']:7.2f} {paper_seconds(row):7.2f}")
 
 
 def main() -> int:
@@ -119,7 +126,7 @@ def main() -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     print(f"{'row':<11} {'GPUs':>5} {'GiB':>7} {'usable':>6} {'fits':>4} {'plan/x':>6} "
           f"{'step s':>8} {'MFU<=':>6} {'paper':>6} {'x':>6} {'coll GB':>8} {'comp s':>7} "
-          f"{'host GB':>6}")
+          f"{'host GB':>6} {'plan s':>7} {'paper s':>7}")
     for name in args.only or list(ROWS):
         target = args.target or ROWS[name][1]
         path = os.path.join(args.out_dir, f"{name}_{target}.json")
@@ -138,7 +145,8 @@ def main() -> int:
     print("\nstep s: the static roofline time of a step; MFU<=: equation 3's FLOPs over it at "
           "312 TFLOP/s; paper: the paper's achieved fraction of 312; x: MFU<= / paper (issue "
           "50 asks >= 1.25); coll GB: collective bytes a device a step; host GB: the compile's "
-          "peak resident memory; pool: an offloading row compiled as one memory (docstring).")
+          "peak resident memory; pool: an offloading row compiled as one memory (docstring); "
+          "plan s: the planner's step time; paper s: equation 3's FLOPs at the paper's rate.")
     print("reproduce: python -m bench.table1" + (f" --target {args.target}" if args.target
                                                  else ""))
     return 0
