@@ -80,6 +80,12 @@ ROWS = {
                                      "model.fp8=delayed"),
     "(2,2,2) 1f1b m8 fp8 delayed": layout(2, 2, 2, 8, "model.fp8=delayed"),
     "llama (2,1,4) fp8 delayed": layout(2, 1, 4, 1, *LLAMA, "model.fp8=delayed"),
+    # FSDP a matmul at a time: delayed scaling gathers the shards in FP8
+    "FSDP 8 matmul": layout(8, 1, 1, 1, "parallel.fsdp=true", "parallel.fsdp_unit=matmul"),
+    "FSDP 8 matmul fp8": layout(8, 1, 1, 1, "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
+                                "model.fp8=tensorwise"),
+    "FSDP 8 matmul fp8 delayed": layout(8, 1, 1, 1, "parallel.fsdp=true",
+                                        "parallel.fsdp_unit=matmul", "model.fp8=delayed"),
 }
 
 

@@ -463,3 +463,31 @@ def test_delayed_histories_restore_across_layouts_and_precisions(tmp_path):
     saved_at(plain, tmp_path / "plain", placed_state(plain))
     on = restored(source, tmp_path / "plain", plain)
     assert _histories(on["params"]) and not any(map(np.any, _histories(on["params"]).values()))
+
+
+def test_the_planner_counts_delayed_fsdp_gathers_at_a_byte():
+    """FSDP a matmul at a time with delayed scaling gathers the layer linears' shards in
+    FP8 (forward and backward) and reduce-scatters their gradients as before: the planner's
+    FSDP bytes are those of tensorwise's less 2 (g - 1) / g x (bytes - 1) a linear weight."""
+    from jaxptd.config import load_config
+    from jaxptd.plan.counts import real_counts
+    from jaxptd.plan.inputs import PlanInputs
+    from jaxptd.plan.planner import plan
+    from jaxptd.runtime.target import TARGETS
+
+    hw = TARGETS["h100"]
+    base = ["parallel.fsdp=true", "parallel.tensor=1", "parallel.data=8"]
+    volumes = {}
+    for unit, kind in (("matmul", "tensorwise"), ("matmul", "delayed"), ("layer", "delayed")):
+        config = load_config(str(REPO / "configs/gpt_tiny.yaml"),
+                             [*base, f"parallel.fsdp_unit={unit}", f"model.fp8={kind}"])
+        volumes[unit, kind] = plan(config, PlanInputs(hw, 0.5 * hw.peak_bf16, "gpu"),
+                                   simulate=False)["comm_bytes"]["fsdp_per_microbatch"]
+        m = config.model
+    linears = 12 * m.hidden_size ** 2 * m.num_layers / 8  # a GPT layer's 4 linears, a shard
+    assert real_counts(config)["fp8_gathered_params"] == 0  # (layer unit: 16-bit gathers)
+    assert volumes["layer", "delayed"] - volumes["matmul", "delayed"] == pytest.approx(
+        2 * 7 / 8 * 8 * linears * (4 - 1))  # (grad_reduce_dtype float32: 4 bytes)
+    # tensorwise gathers at 4 bytes too (delayed's own histories: a few bytes more)
+    assert volumes["matmul", "tensorwise"] == pytest.approx(volumes["layer", "delayed"],
+                                                            rel=2e-3)

@@ -198,35 +198,53 @@ def _maxed_to(value, axes: frozenset):
 
 
 @functools.lru_cache(maxsize=None)
-def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0):
+def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
+                   gather: tuple | None = None):
     """(x, w, history [3, H]) -> einsum(spec, x, w) as an FP8 GEMM scaled from the history
     (model.fp8=delayed, the module docstring), in x's dtype; the gradients in x's and w's
     dtypes, the history's: [3, H] with this use's amaxes of x, w and the output gradient in
     column 0, zeros elsewhere. Each amax is this rank's, the maximum over ranks taken only
     where the history does not vary as the amax does: the step passes the histories in
     varying over every axis (`spread`) and takes the maximum once, after the backward, not
-    an all-reduce of a scalar a GEMM. (`axes`: for tensorwise's signature; unused.)"""
+    an all-reduce of a scalar a GEMM. (`axes`: for tensorwise's signature; unused.)
+
+    gather (FSDP per matmul, model/tensor.py): (axis, dim, dtype) for w a shard split on
+    `dim` over `axis`: the shard is cast to e4m3 with the history's scale and gathered as
+    its bytes, half of a 16-bit gather, forward and again in the backward (only the shard's
+    bytes are kept); w's gradient is reduce-scattered into the shard in `dtype`. Optimization
+    barriers tie the forward's gather to x and the backward's to the output gradient, as
+    the 16-bit FSDP matmul's do."""
     to_x, to_w = transposed(spec)
+
+    def whole(q):  # a shard's bytes -> the whole weight in e4m3
+        if gather:
+            q = lax.all_gather(q, gather[0], axis=gather[1], tiled=True)
+        return lax.bitcast_convert_type(q, E4M3)
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
     def product(x, w, history, dtypes, vma):
         return forward(x, w, history, dtypes, vma)[0]
 
     def forward(x, w, history, dtypes, vma):
+        if gather:
+            x, w = lax.optimization_barrier((x, w))
         scales = delayed_scales(history, margin)  # [3]: x, w, the output gradient
-        qx, qw = _cast(x, scales[0], E4M3), _cast(w, scales[1], E4M3)
-        y = _product(spec, qx, qw, scales[0] * scales[1], dtypes[0])
-        return y, (_bits(qx), _bits(qw), scales, _amax(x, ()), _amax(w, ()), history)
+        qx, qw = _cast(x, scales[0], E4M3), _bits(_cast(w, scales[1], E4M3))
+        y = _product(spec, qx, whole(qw), scales[0] * scales[1], dtypes[0])
+        return y, (_bits(qx), qw, scales, _amax(x, ()), _amax(w, ()), history)
 
     def backward(dtypes, vma, kept, g):
         qx, qw, scales, amax_x, amax_w, history = kept
-        qx, qw = lax.bitcast_convert_type(qx, E4M3), lax.bitcast_convert_type(qw, E4M3)
-        qg = _cast(g, scales[2], E5M2)
-        dx = _product(to_x, qg, qw, scales[2] * scales[1], dtypes[0])
-        dw = _product(to_w, qx, qg, scales[0] * scales[2], dtypes[1])
+        if gather:
+            g, qw = lax.optimization_barrier((g, qw))
+        qx, qg = lax.bitcast_convert_type(qx, E4M3), _cast(g, scales[2], E5M2)
+        dx = _product(to_x, qg, whole(qw), scales[2] * scales[1], dtypes[0])
+        dw = _product(to_w, qx, qg, scales[0] * scales[2], gather[2] if gather else dtypes[1])
+        if gather:
+            dw = lax.psum_scatter(dw, gather[0], scatter_dimension=gather[1], tiled=True)
         amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, _amax(g, ()))])
         dh = jnp.zeros_like(history).at[:, 0].set(amaxes)
-        return _reduced_to(dx, vma[0]), _reduced_to(dw, vma[1]), dh
+        return _reduced_to(dx, vma[0]), _reduced_to(dw.astype(dtypes[1]), vma[1]), dh
 
     product.defvjp(forward, backward)
     return lambda x, w, history: product(x, w, history, (x.dtype, w.dtype), tuple(

@@ -247,9 +247,11 @@ def matmul(name: str, layout: Layout):
     history: the linear's amax history under model.fp8=delayed."""
     dim, axes = layout.fsdp_dim(name), layout.fp8_axes(name)
     margin = layout.fp8_margin if layout.fp8 == "delayed" else None
+    if dim is not None and margin is not None:  # delayed: the shard gathered in FP8
+        return fp8.delayed_einsum(DENSE[name], axes, margin, (layout.fsdp_axis, dim,
+                                                              jnp.dtype(layout.fsdp_dtype)))
     if dim is not None:
-        return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes,
-                            margin)
+        return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes)
     if axes is not None:
         return product(DENSE[name], axes, margin)  # w quantized from the dtype it comes in
     return lambda x, w, history=None: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
@@ -264,8 +266,7 @@ def product(spec: str, axes: tuple[str, ...], margin: int | None):
 
 
 @functools.lru_cache(maxsize=None)
-def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | None,
-                 margin: int | None):
+def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | None):
     """einsum(spec, x, w) for w this rank's FSDP shard, split on `dim` over `axis`: the
     weight is all-gathered in `dtype`, cast to x's, for this one matmul, and gathered again
     for its backward, whose weight gradient the gather's transpose reduce-scatters into the
@@ -273,12 +274,12 @@ def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | N
     at most, in its own FSDP unit) is whole at a time, not a layer's 12 h^2: optimization
     barriers tie the forward's gather to x and the backward's to the output gradient, so XLA
     cannot gather ahead (no prefetch: the gather is not overlapped with the matmul before
-    it). With FP8 (`fp8_axes` not None) the gathered weight is quantized for the matmul
-    (`product`; delayed: `margin` not None, with the linear's amax history)."""
+    it). With tensorwise FP8 (`fp8_axes` not None) the gathered weight is quantized for the
+    matmul (delayed scaling gathers the shard already in FP8: fp8.delayed_einsum)."""
     def gathered(w, like, history):
         whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
         if fp8_axes is not None:
-            return product(spec, fp8_axes, margin)(like, whole, history)
+            return fp8.einsum(spec, fp8_axes)(like, whole)
         return jnp.einsum(spec, like, whole.astype(like.dtype))
 
     @jax.custom_vjp

@@ -98,7 +98,8 @@ def _totals(config: Config, leaves: tuple, sizes: dict, expert_axis: str) -> tup
                             "layer_gathered_params", "layer_weight_params",
                             "ends_weight_params", "shared_ends_params", "head_params",
                             "layer_grad_params", "layer_leaf_params",
-                            "tied_params", "expert_weight_params", "expert_moment_params"), 0.0)
+                            "tied_params", "expert_weight_params", "expert_moment_params",
+                            "fp8_gathered_params"), 0.0)
 
     def axes(spec) -> tuple:
         return tuple(a for e in spec if e for a in (e if isinstance(e, tuple) else (e,)))
@@ -123,7 +124,8 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, spli
     layer_leaf_params: its own size, which real_counts takes the largest of). specs: its
     (tensor, weight, moment) specs (_leaves); split(spec): the devices a spec splits it
     over."""
-    from jaxptd.model.tensor import DENSE  # JAX on use (the module docstring)
+    from jaxptd.model import fp8  # JAX on use (the module docstring)
+    from jaxptd.model.tensor import DENSE
 
     par, model = config.parallel, config.model
     spec, sharded, moments = specs
@@ -143,7 +145,10 @@ def _leaf_counts(config: Config, kind: str, name: str, shape: tuple, specs, spli
     one = tensor_local / model.units  # one element of the layer stack (gathered, streamed)
     gathered = sharded != spec  # FSDP splits it: a gather brings it whole
     by_matmul = par.fsdp_unit == "matmul"  # else the layer is gathered whole
+    fp8_gathered = gathered and by_matmul and name in DENSE and model.fp8 == "delayed" \
+        and name in fp8.LINEARS  # delayed scaling gathers these shards in FP8
     return {**counts, "layer_grad_params": moment, "stage_params": tensor_local / par.pipe,
+            "fp8_gathered_params": tensor_local / par.pipe if fp8_gathered else 0.0,
             "layer_leaf_params": weights,
             "layer_params": one, "layer_weight_params": weights * par.pipe / model.units,
             "dense_unit_params": one if name in DENSE and gathered and by_matmul else 0.0,

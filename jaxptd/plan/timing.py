@@ -111,7 +111,8 @@ def moe_volumes(*, rows: float, h, e, ep: int, layers_per_stage, forward_again=F
 
 
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
-                 stage_params=0.0, gather_bytes=4, tied_grad_bytes=0.0, host_per_step=0.0,
+                 stage_params=0.0, gather_bytes=4, fp8_gathered=0.0, tied_grad_bytes=0.0,
+                 host_per_step=0.0,
                  host_per_microbatch=0.0, c=1, context=None, expert_grad_bytes=0.0,
                  expert_replicas=1, moe=None, head=None) -> dict:
     """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
@@ -124,7 +125,8 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
     step (§3.3.1; ZeRO-1's reduce-scatter and all-gather move the same; r counts the
     context ranks too, which hold the same parameters). FSDP over g ranks:
     per microbatch each layer is gathered for the forward and again for the backward and
-    its gradient reduce-scattered, 3 (g - 1) / g of the stage's parameters. Embedding
+    its gradient reduce-scattered, 3 (g - 1) / g of the stage's parameters (the
+    `fp8_gathered` of them gathered at a byte each: model.fp8=delayed). Embedding
     (pipelined, tied): the first and last stage send each other their gradient of it
     once per step (§3.3.1's embedding group of two; jaxptd/train/step.py). Host: what
     offloading moves over PCIe (the optimizer state per step, layer inputs per microbatch).
@@ -145,7 +147,8 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
         "context_per_microbatch": context["per_microbatch"],
         "context_block": context["block"],
         "context_gradient_block": context["gradient_block"],
-        "fsdp_per_microbatch": 3 * (fsdp_group - 1) / fsdp_group * stage_params * gather_bytes,
+        "fsdp_per_microbatch": (fsdp_group - 1) / fsdp_group * (
+            3 * stage_params * gather_bytes - 2 * fp8_gathered * (gather_bytes - 1)),
         "expert_per_microbatch": moe["per_microbatch"], "expert_message": moe["message"],
         "data_per_step": ring(replicas, grad_bytes - expert_grad_bytes)
         + ring(expert_replicas, expert_grad_bytes),
