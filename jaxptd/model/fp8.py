@@ -7,18 +7,21 @@ Scaling (model.fp8):
 - `tensorwise`, current: each operand is divided by amax / the format's largest value,
   its amax taken over this step's whole tensor, so no state; each operand is read twice
   (its amax, then its cast).
-- `delayed`, Transformer Engine's recipe: each linear keeps a parameter `<weight>_amax`
-  [3, model.fp8_history] float32 (`history`): the amaxes of its input, weight and output
-  gradient over the last steps, newest first. An operand is divided by max(its history) x
-  2^model.fp8_margin / the format's largest value, known before the operand exists, so its
-  cast and its amax are one pass; this step's amaxes leave through the history's
-  "gradient" (a cotangent [3, H] with the amaxes in column 0), which the step combines over
-  microbatches and ranks by maximum (`accumulate`, `reduced`) and rolls into the history
+- `delayed`, Transformer Engine's recipe (`delayed_einsum`): each linear keeps a parameter
+  `<weight>_amax` [3, model.fp8_history] float32 (`history`): the amaxes of its input,
+  weight and output gradient over the last steps, newest first. An operand is divided by
+  max(its history) x 2^model.fp8_margin / the format's largest value, known before the
+  operand exists, so its cast and its amax may be one pass and an FSDP shard can be cast
+  before its gather; this step's amaxes leave through the history's "gradient" (a
+  cotangent [3, H] with the amaxes in column 0), which the step combines over
+  microbatches and ranks by maximum (`accumulate`; `spread` and varying.reduce_to's
+  `largest`: once a step, not a scalar all-reduce a GEMM) and rolls into the history
   (`advance`) in place of an optimizer update. A history of zeros (a fresh run, or FP8
   switched on at resume) scales by 1 for one step, as Transformer Engine starts.
-A tensor split over mesh axes (a rank's weight shard, its heads of a row-parallel
-input, its tokens under context parallelism, its experts) takes the maximum over the ranks
-that share it (`lax.pmax` over the manual axes it varies over among `axes`): every rank
+Under tensorwise scaling a tensor split over mesh axes (a rank's weight shard, its heads of
+a row-parallel input, its tokens under context parallelism, its experts) takes the maximum
+over the ranks that share it (`lax.pmax` over the manual axes it varies over among `axes`);
+under delayed scaling the histories are the same on every rank. Either way every rank
 scales by the same number, the single device's, so a layout computes what one device does
 for the same microbatch. Data and pipe ranks hold other microbatches and layers: theirs
 are other tensors.
