@@ -276,27 +276,27 @@ def _fsdp_matmul(spec: str, dim: int, axis: str, dtype: str, fp8_axes: tuple | N
     cannot gather ahead (no prefetch: the gather is not overlapped with the matmul before
     it). With tensorwise FP8 (`fp8_axes` not None) the gathered weight is quantized for the
     matmul (delayed scaling gathers the shard already in FP8: fp8.delayed_einsum)."""
-    def gathered(w, like, history):
+    def gathered(w, like):
         whole = lax.all_gather(w.astype(dtype), axis, axis=dim, tiled=True)
         if fp8_axes is not None:
             return fp8.einsum(spec, fp8_axes)(like, whole)
         return jnp.einsum(spec, like, whole.astype(like.dtype))
 
     @jax.custom_vjp
-    def fsdp_matmul(x, w, history):
+    def fsdp_matmul(x, w):
         x, w = lax.optimization_barrier((x, w))
-        return gathered(w, x, history)
+        return gathered(w, x)
 
-    def forward(x, w, history):  # the shard, not the gathered weight, is kept
-        return fsdp_matmul(x, w, history), (x, w, history)
+    def forward(x, w):
+        return fsdp_matmul(x, w), (x, w)  # the shard, not the gathered weight, is kept
 
     def backward(kept, g):
-        x, w, history = kept
+        x, w = kept
         g, w = lax.optimization_barrier((g, w))
-        return jax.vjp(lambda x, w, h: gathered(w, x, h), x, w, history)[1](g)
+        return jax.vjp(lambda x, w: gathered(w, x), x, w)[1](g)  # (its forward: unused)
 
     fsdp_matmul.defvjp(forward, backward)
-    return lambda x, w, history=None: fsdp_matmul(x, w, history)
+    return lambda x, w, history=None: fsdp_matmul(x, w)  # (no history: 16-bit, tensorwise)
 
 
 def enter_tensor(x, layout: "Layout"):
