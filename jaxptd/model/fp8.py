@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxptd.parallel.varying import mark_varying, varying_axes
+from jaxptd.parallel.varying import largest_over, mark_varying, varying_axes
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # the layers' linears that model.fp8 makes FP8 GEMMs (tensor.DENSE names, and EXPERTS: a
@@ -77,9 +77,7 @@ def _largest(dtype) -> float:
 
 def _amax(x, axes: tuple[str, ...]):
     """max |x| (float32 []) over the ranks sharing x among `axes` (`quantize`)."""
-    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
-    shared = tuple(sorted(varying_axes(amax) & set(axes)))
-    return lax.pmax(amax, shared) if shared else amax
+    return largest_over(jnp.max(jnp.abs(x)).astype(jnp.float32), axes)
 
 
 def _cast(x, scale, dtype):
@@ -194,10 +192,8 @@ def einsum(spec: str, axes: tuple[str, ...] = ()):
 def _maxed_to(value, axes: frozenset):
     """An amax cotangent typed as its primal (varying over `axes`): the maximum over the
     manual axes it varies over and the primal does not, cast to varying over the others."""
-    extra = tuple(sorted(varying_axes(value) - axes))
-    value = lax.pmax(value, extra) if extra else value
-    missing = tuple(sorted(axes - varying_axes(value)))
-    return lax.pcast(value, missing, to="varying") if missing else value
+    value = largest_over(value, tuple(sorted(varying_axes(value) - axes)))
+    return mark_varying(value, tuple(sorted(axes)))
 
 
 @functools.lru_cache(maxsize=None)
