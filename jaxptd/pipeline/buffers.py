@@ -46,20 +46,31 @@ def _row_major(buffer):
     return with_layout_constraint(buffer, Layout(tuple(range(buffer.ndim))))
 
 
-def read_after(buffer, slot, deps):
-    """buffer[slot], read only once every leaf of `deps` is computed that varies over no
-    mesh axis the read's value does not (varying.after: a dependence on a leaf varying
-    over more axes would need a reduction over them; such a leaf is left out, and so is
-    an empty one)."""
-    return read(buffer, _waiting(buffer, slot, deps))
+def read_after(buffers, slot, deps):
+    """Each leaf of `buffers` at [slot], read only once every leaf of `deps` is computed
+    that varies over no mesh axis the read's value does not (varying.after: a dependence
+    on a leaf varying over more axes would need a reduction over them; such a leaf is
+    left out, and so is an empty one)."""
+    index = _waiting(slot, deps)
+    return jax.tree.map(lambda b: read(b, index(b)), buffers)
 
 
-def _waiting(buffer, slot, deps):
-    """slot, made to depend on the leaves of `deps` that `read_after` keeps (the index
-    then varies over no axis the buffer and slot do not: the buffer keeps its type)."""
-    axes = varying_axes(buffer) | varying_axes(slot)
-    ready = [d for d in jax.tree.leaves(deps) if d.size and varying_axes(d) <= axes]
-    return after(slot, ready, like=buffer) if ready else slot
+def _waiting(slot, deps):
+    """buffer -> slot, made to depend on the leaves of `deps` that `read_after` keeps for
+    that buffer (the index then varies over no axis the buffer and slot do not: the
+    buffer keeps its type). One dependence a set of axes, shared by the buffers that vary
+    alike: one a buffer made the program grow with buffers x leaves (a layer's stash
+    read after the whole F slot's values: most of a pipelined MoE step's lowered text)."""
+    leaves = [d for d in jax.tree.leaves(deps) if d.size]
+    made = {}
+
+    def index(buffer):
+        axes = varying_axes(buffer) | varying_axes(slot)
+        if axes not in made:
+            ready = [d for d in leaves if varying_axes(d) <= axes]
+            made[axes] = after(slot, ready, like=buffer) if ready else slot
+        return made[axes]
+    return index
 
 
 def read_tree(buffers, slot):
@@ -69,8 +80,8 @@ def read_tree(buffers, slot):
 def write_tree(buffers, slot, values, valid, deps=()):
     """write() of each leaf; given `deps`, each written only once they are computed (as
     read_after reads)."""
-    return jax.tree.map(lambda b, x: write(b, _waiting(b, slot, deps), x, valid), buffers,
-                        values)
+    index = _waiting(slot, deps)
+    return jax.tree.map(lambda b, x: write(b, index(b), x, valid), buffers, values)
 
 
 def slots(template, count: int):

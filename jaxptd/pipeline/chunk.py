@@ -79,7 +79,7 @@ class Chunks:
         at (2,2,2), 1F1B, SP, ZeRO-1 this saves memory for a slightly lower MFU ceiling;
         with remat none or minimal it costs time and saves next to nothing, so not there
         (figures: BENCHMARKS.md and the git log)."""
-        return jax.tree.map(lambda w: buffers.read_after(w, i, deps), self.weights(chunk))
+        return buffers.read_after(self.weights(chunk), i, deps)
 
     def vjp_weights(self, chunk):
         """(the leaves of the chunk's weights as its backward reads them, their treedef).
@@ -207,7 +207,7 @@ class Chunks:
         for i in reversed(range(len(saved))):
             if waits is not None and i == len(saved) // 2:
                 deps = (*deps, waits)
-            stored = [buffers.read_after(b, slot, deps) for b in saved[i]]
+            stored = buffers.read_after(list(saved[i]), slot, deps)
             given, tree = jax.tree.flatten(layers[i] if layers else
                                            self.late_layer(chunk, i, deps))
             seed_i = None if seed is None else jax.tree.map(lambda s: s[i], seed)
