@@ -12,8 +12,9 @@ needs it; --verify configures JAX first):
     timing.py   the time model: bubble, communication volumes, step time, training days,
                 context parallelism's traffic, overlap, balance and attention work,
                 expert parallelism's all-to-all
-    planner.py  one plan: the schedule's bubble and buffers from the simulator and the
-                lowering, memory and time for a config -> the report
+    program.py  what the step does: its recomputation, the schedule's bubble and buffers
+                from the simulator and the lowering, flash attention, the head's spread
+    planner.py  one plan: memory and time for a config -> the report
     search.py   --search N: the layouts and memory options that fit, ranked
     verify.py   --verify: the real step compiled (never run) on simulated CPU devices,
                 XLA's memory and cost analyses beside the plan

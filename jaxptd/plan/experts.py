@@ -1,5 +1,5 @@
 """A mixture of experts as the planner's formulas read it: its shape (`Moe`, from the
-config: jaxptd/plan/planner.py's moe_shape) and the rows one MoE layer routes, takes and
+config: jaxptd/plan/program.py's moe_shape) and the rows one MoE layer routes, takes and
 allocates on a rank (`moe_rows`), which its activations (jaxptd/plan/model.py's
 moe_mlp_bytes) and its all-to-all (jaxptd/plan/timing.py's moe_volumes) are counted in.
 Shapes being static, a dropless layer with expert parallelism sizes its rows for the worst

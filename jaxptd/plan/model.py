@@ -40,7 +40,7 @@ the method: allgather keeps the gathered keys and values [b, s, k/t, d] twice an
 the layer's q, k, v and context (its output O) only its float32 log-sum-exp [b, n, a/t],
 and holds one block part's float32 scores [b, a/t, n/2, n] at a time (with their
 probabilities and gradients) where XLA computes its blocks, none where Pallas's flash
-kernels do (model.kernels=pallas on a decoder's unpacked rows: planner.flash_attention).
+kernels do (model.kernels=pallas on a decoder's unpacked rows: program.flash_attention).
 
 A mixture of experts (jaxptd/plan/experts.py's Moe) replaces the MLP's term by
 moe_mlp_bytes: the router's, the experts' input rows (moe_rows) and intermediates, their

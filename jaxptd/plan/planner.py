@@ -1,10 +1,9 @@
 """One plan: a config and its PlanInputs -> the JSON-ready report (bytes, seconds).
 
 Owns `plan` and what it needs of the real model beyond the parameter counts
-(jaxptd/plan/counts.py): what a step recomputes, the schedule's bubble and buffer slots
-from the simulator and the lowering (or the formulas above SIMULATE_LIMIT /
-LOWER_LIMIT), and the memory and time models (jaxptd/plan/model.py, timing.py) fed with
-them. `device_memory_bytes` is the one place a run's pre-flight check gets the
+(jaxptd/plan/counts.py) and the step's program (jaxptd/plan/program.py: what a step
+recomputes, the schedule's bubble and buffer slots, flash attention, the head's spread):
+the memory and time models (jaxptd/plan/model.py, timing.py) fed with them. `device_memory_bytes` is the one place a run's pre-flight check gets the
 per-device total from.
 
 Device memory is the hardware's `usable` bytes per device, host memory `host_memory`
@@ -16,81 +15,18 @@ which --verify must configure first (jaxptd/plan/verify.py).
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 from jaxptd.arch import family
 from jaxptd.config import Config
 from jaxptd.pipeline import schedules
-from jaxptd.pipeline.lowering import head_pieces, lower, round_costs, round_form
-from jaxptd.pipeline.simulate import simulate as simulate_schedule
 from jaxptd.plan import memory as pmem
 from jaxptd.plan import model as pm
 from jaxptd.plan import timing as pt
 from jaxptd.plan.counts import real_counts
-from jaxptd.plan.experts import Moe, moe_rows
+from jaxptd.plan.experts import moe_rows
 from jaxptd.plan.inputs import PlanInputs
+from jaxptd.plan.program import (MINIMAL, causal, flash_attention, moe_shape,  # noqa: F401
+                                 recomputation, schedule_stats, spreads_head)
 from jaxptd.train.metrics import flops_per_iteration
-
-MINIMAL = ("minimal", "minimal_mlp")  # model.remat's: keep matmul outputs, run the rest again
-SIMULATE_LIMIT = 200_000  # ranks x actions above which the bubble comes from the formula
-LOWER_LIMIT = 4096  # p m v above which the buffer slots come from the formula
-
-
-def recomputation(config: Config) -> str:
-    """What a step recomputes in its backward pass: "full" with model.remat=full, with
-    offload.activations (a layer keeps only its input, in host memory) or when a pipelined
-    stage is recomputed from its stashed input (parallel.stash=inputs; a selective
-    recomputation inside that one is not counted again), else model.remat."""
-    if config.offload.activations or (config.parallel.pipe > 1
-                                      and config.parallel.stash == "inputs"):
-        return "full"
-    return config.model.remat
-
-
-@lru_cache(maxsize=64)
-def _lowered_slots(kind: str, p: int, m: int, v: int, form: str) -> dict:
-    costs = round_costs(form)
-    rounds = lower(schedules.make_schedule(kind, p, m, v, costs), costs)
-    return {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
-            "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
-
-
-def schedule_stats(config: Config, platform: str, simulate: bool = True):
-    """(bubble fraction, buffer slots {stash, grad, w, tape}, (Stats, Schedule) or None) of
-    the schedule as the round form the step runs on `platform` packs and times it
-    (lowering.round_costs: a GPU's steady form runs a slot kind some rank uses on every
-    rank).
-
-    The bubble comes from the simulator when asked and small enough, else from the
-    formula. The slots are the executor's (the schedule lowered) when it is small, or
-    when an interleaved m is not a multiple of p; else model.slots_formula."""
-    par = config.parallel
-    if par.pipe == 1:
-        return 0.0, {"stash": 0, "grad": 0, "w": 0, "tape": 0}, None
-    p, v, m, kind = par.pipe, par.chunks, par.microbatches, par.schedule
-    form = round_form(config, platform)
-    costs = round_costs(form)
-    irregular = v > 1 and m % p != 0
-    slots = _lowered_slots(kind, p, m, v, form) if (simulate and p * m * v <= LOWER_LIMIT) \
-        or irregular else pm.slots_formula(kind, p, m, v, costs.masked)
-    if not simulate or p * p * m * v * 3 > SIMULATE_LIMIT:
-        zb, v_shape = kind in schedules.ZERO_BUBBLE, kind in schedules.V_SHAPED
-        return pt.bubble_formula(p, v, m, zb, costs.masked, v_shape), slots, None
-    sched = schedules.make_schedule(kind, p, m, v, costs)
-    stats = simulate_schedule(sched, costs)
-    return stats.bubble_fraction, slots, (stats, sched)
-
-
-def moe_shape(config: Config, balanced: bool = False) -> Moe | None:
-    """The config's mixture of experts as the formulas read it (None: dense MLPs);
-    balanced: its rows as balanced routing needs them, not as the layer allocates them
-    (model.moe_rows)."""
-    m_cfg = config.model
-    if not m_cfg.moe:
-        return None
-    return Moe(experts=m_cfg.moe_experts, top_k=m_cfg.moe_top_k, ffn=m_cfg.expert_ffn,
-                  shared_ffn=m_cfg.moe_shared_ffn, ep=config.parallel.expert,
-                  capacity=m_cfg.moe_capacity, balanced=balanced, every=m_cfg.unit)
 
 
 def _memory(config: Config, counts: dict, slots: dict, platform: str,
@@ -117,7 +53,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         regathered=par.fsdp_size > 1 or streams,
         unrolled=not scans_layers(m_cfg, platform),
         layer_weights=e * counts["layer_params"] if e < 4 else 0.0)  # (cast: a copy)
-    if _spreads_head(config, platform):  # the broadcast weights (compute dtype: their
+    if spreads_head(config, platform):  # the broadcast weights (compute dtype: their
         acts["stash"] += (e + 4.0) * counts["head_params"]  # matrices), float32 sums
     gathered = pmem.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
                                       m_cfg.dtype, par.fsdp_unit == "layer",
@@ -140,28 +76,6 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         or (par.pipe == 1 and par.microbatches == 1) else  # ZeRO-1: this replica's part
         1.0 / par.data if config.optimizer.zero1 else 1.0)
     return device, host, acts
-
-
-def _spreads_head(config: Config, platform: str) -> bool:
-    """Whether the step spreads the head over the pipe ranks (jaxptd/pipeline/head.py)."""
-    return head_pieces(config, round_form(config, platform)) > 0
-
-
-def flash_attention(config: Config, platform: str) -> bool:
-    """Whether a layer's attention core keeps no score tensor on `platform`: the ring's
-    blocks (parallel.context > 1, context_attention=ring) are Pallas's flash kernels with
-    model.kernels=pallas where no segment or padding masks the rows (a decoder's unpacked
-    rows; interpret mode on CPU), else XLA's (jaxptd/model/context.py); any other
-    attention is cuDNN's flash attention with model.attention=cudnn on a GPU."""
-    m_cfg, par = config.model, config.parallel
-    if par.context > 1 and par.context_attention == "ring":
-        return m_cfg.kernels == "pallas" and m_cfg.document_end < 0 and _causal(config)
-    return m_cfg.attention == "cudnn" and platform == "gpu"
-
-
-def _causal(config: Config) -> bool:
-    """A decoder's causal attention, else an encoder's (BERT: padding, whole blocks)."""
-    return not family(config.model).encoder
 
 
 def device_memory_bytes(config: Config, platform: str) -> float:
@@ -278,7 +192,7 @@ def executed_flops(config: Config, vocab: int) -> float:
     counted = 3 + (remat in ("selective", "full")
                    or (remat in MINIMAL and m_cfg.attention != "cudnn"))
     ring = 3.5 + (remat in ("full", *MINIMAL))
-    fraction = pt.context_core_fraction(par.context, "ring", _causal(config))
+    fraction = pt.context_core_fraction(par.context, "ring", causal(config))
     return executed + core * (ring * fraction - counted)
 
 
@@ -331,11 +245,11 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         layers_per_stage=m_cfg.num_layers // par.pipe,
         block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
         device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
-    # the head, unless spread over pipe (_spreads_head), is the last stage's work: a
+    # the head, unless spread over pipe (spreads_head), is the last stage's work: a
     # lockstep round lasts as long as the last stage's, as if every rank ran it
     head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
         m_cfg, counts["vocab_padded"])["head"]
-    unspread = 0 if _spreads_head(config, inputs.platform) else par.pipe - 1
+    unspread = 0 if spreads_head(config, inputs.platform) else par.pipe - 1
     # FP8 GEMMs run at the target's FP8 peak: their FLOPs count at peak_bf16 / peak_fp8
     speedup = hw.peak_fp8 / hw.peak_bf16 if hw.peak_fp8 and hw.peak_bf16 else 1.0
     fp8_saved = fp8_flops(config, counts["vocab_padded"]) * (1 - 1 / speedup)
@@ -349,7 +263,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         context_exposed_s=overlap["exposed_s"], ep=par.expert)
     context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
                "core_fraction": pt.context_core_fraction(c, par.context_attention,
-                                                         _causal(config)),
+                                                         causal(config)),
                "imbalance": pt.context_imbalance(c),
                "imbalance_contiguous": pt.context_imbalance(c, pairs=False)}
     return comm, time, context
@@ -387,7 +301,7 @@ def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,
         head=pt.head_volumes(b=b, s=s / c, h=h, e=e, p=par.pipe, t=par.tensor,
                              sp=par.sequence_parallel and par.tensor > 1,
                              head_params=counts["head_params"])
-        if _spreads_head(config, inputs.platform) else None)
+        if spreads_head(config, inputs.platform) else None)
 
 
 def _host_traffic(config: Config, host: dict) -> float:
