@@ -26,6 +26,7 @@ TINY = ["model.arch=llama", f"model.num_layers={L}", f"model.hidden_size={H}",
 MOE = [f"model.moe_experts={E}", f"model.moe_top_k={K}", f"model.moe_ffn={FE}",
        f"model.moe_shared_ffn={FS}"]
 T, A = B_ROWS * S, B_ROWS * S * K
+FLAT = ["--device-tflops", "494.5"]  # the flat time model: the links at their given rates
 
 
 def moe(**kw):
@@ -34,7 +35,7 @@ def moe(**kw):
 
 def report(capsys, *overrides):
     return json.loads(run_main(capsys, TINY + MOE + list(overrides)
-                               + ["--intra-gbs", "100", "--json"], status=None))
+                               + ["--intra-gbs", "100", "--json", *FLAT], status=None))
 
 
 def test_parameters_total_active_and_shards_from_the_real_shapes():
@@ -164,7 +165,7 @@ def test_all_to_all_bytes_and_time_by_hand(capsys):
     # 16 expert ranks x 1 context x 1 tensor do not fit an 8-GPU node (a) over inter links
     wide = json.loads(run_main(capsys, TINY[:-1] + MOE[1:] + [
         "model.moe_experts=16", "parallel.data=16", "train.global_batch=32",
-        "parallel.expert=16", "--intra-gbs", "100", "--inter-gbs", "10", "--json"],
+        "parallel.expert=16", "--intra-gbs", "100", "--inter-gbs", "10", "--json", *FLAT],
         status=None))
     assert wide["moe"]["link"] == "inter"
     assert wide["step_time_s"]["expert"] == pytest.approx(

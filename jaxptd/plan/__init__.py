@@ -4,14 +4,18 @@ The planner, a package of one owner per module (none imports JAX until a functio
 needs it; --verify configures JAX first):
 
     inputs.py   PlanInputs: the hardware (jaxptd/runtime/target.py's record, the flags' numbers
-                in it), the time model's sustained FLOP/s, the platform planned for
+                in it), the time model's sustained FLOP/s (None: the kernel model), the
+                platform planned for
     counts.py   the real model's parameter count and per-device shards, from
                 `jax.eval_shape` of the initialiser and the logical sharding rules (no
                 mesh, no memory, so a 3072-GPU config plans on a laptop)
     model.py    the memory model: parameters, activations, device and host bytes
-    timing.py   the time model: bubble, communication volumes, step time, training days,
-                context parallelism's traffic, overlap, balance and attention work,
+    timing.py   the time model: bubble, communication volumes, links, step time, training
+                days, context parallelism's traffic, overlap, balance and attention work,
                 expert parallelism's all-to-all
+    kernels.py  the compute model on a GPU target: GEMMs at the measured ceiling and
+                their wave quantization, other kernels at the HBM rate, launches; or
+                from a compiled step's static kernel costs
     program.py  what the step does: its recomputation, the schedule's bubble and buffers
                 from the simulator and the lowering, flash attention, the head's spread
     planner.py  one plan: memory and time for a config -> the report

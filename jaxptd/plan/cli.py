@@ -20,6 +20,7 @@ from jaxptd.config import Config, ConfigError, load_config
 from jaxptd.plan import compile_check
 from jaxptd.plan import report as plan_report
 from jaxptd.plan.inputs import PlanInputs
+from jaxptd.plan.kernels import compiled_step_time
 from jaxptd.plan.planner import plan, schedule_stats
 from jaxptd.plan.search import search
 from jaxptd.plan.verify import cpu_backend, dump_dir, start_cpu_compiler, verify
@@ -56,8 +57,9 @@ def _parse_args(argv):
                         help="host memory per node, shared by its --gpus-per-node devices "
                              "(default: the target's node; DGX A100: 1024)")
     parser.add_argument("--device-tflops", type=float,
-                        help="sustained matmul TFLOP/s per device for the time model "
-                             "(default: half the target's dense bf16 peak)")
+                        help="sustained matmul TFLOP/s per device: a flat time model "
+                             "(default: the kernel model, jaxptd/plan/kernels.py, on a "
+                             "target with a measured GEMM ceiling; else half the peak)")
     parser.add_argument("--hbm-gbs", type=float, help="device memory GB/s")
     parser.add_argument("--intra-gbs", type=float,
                         help="intra-node GB/s per direction (NVLink)")
@@ -103,7 +105,8 @@ def _target(args, config: Config) -> Target:
 
 def _plan_inputs(args, target: Target, platform: str) -> PlanInputs:
     """The plan's typed input: target's record with the numbers the flags set in it (GB ->
-    bytes), the time model's sustained FLOP/s (default: half the dense bf16 peak), and
+    bytes), the time model's sustained FLOP/s (default: None, the calibrated kernel model,
+    where the target has one; else half the dense bf16 peak), and
     `platform`, the program the plan is for."""
     given = {"usable_memory": args.memory_gb, "host_memory": args.host_memory_gb,
              "hbm": args.hbm_gbs, "intra": args.intra_gbs, "inter": args.inter_gbs,
@@ -111,8 +114,8 @@ def _plan_inputs(args, target: Target, platform: str) -> PlanInputs:
     hardware = dataclasses.replace(
         target, gpus_per_node=args.gpus_per_node or target.gpus_per_node,
         **{key: value * GB for key, value in given.items() if value is not None})
-    flops = (0.5 * target.peak_bf16 if args.device_tflops is None
-             else args.device_tflops * 1e12)
+    flops = args.device_tflops * 1e12 if args.device_tflops is not None else \
+        None if target.gemm_fraction and target.chip else 0.5 * target.peak_bf16
     return PlanInputs(hardware, flops, platform, args.tokens, args.tflops)
 
 
@@ -209,5 +212,7 @@ def _verify_gpu(config: Config, args, given: PlanInputs, target: Target) -> int:
     report = compile_check.analyse(config, compiled, target, seconds, expected, dump)
     report["offloaded_state_on_device"] = offloads
     report["plan"] = planned
+    if planned["kernels"]:  # the calibrated time model, fed the compiled kernels
+        report["kernel_time_s"] = compiled_step_time(planned, report, given.hardware)
     print(json.dumps(report) if args.json else compile_check.format_report(report))
     return 0 if report["fits"] else 1

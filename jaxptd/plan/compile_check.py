@@ -332,4 +332,9 @@ def format_report(report: dict) -> str:
     lines.append(f"  a layer's GEMMs (each pass): {gemms['fp8']:g} FP8 (8-bit operands, at "
                  f"the FP8 peak), {gemms['other']:g} other" + "".join(
                      f"\n    other: {n:g} x {op}" for op, n in gemms["other_by_op"].items()))
+    if report.get("kernel_time_s"):
+        timed = report["kernel_time_s"]
+        lines.append(f"planner's step from these kernels (jaxptd/plan/kernels.py): "
+                     f"{timed['total']:.3f} s = " + " + ".join(
+                         f"{k} {v:.3f}" for k, v in timed.items() if k != "total" and v))
     return "\n".join(lines)

@@ -15,7 +15,8 @@ from jaxptd.runtime.target import Target
 @dataclass(frozen=True)
 class PlanInputs:
     hardware: Target  # a device, its node and links; `usable` is the memory a plan may fill
-    device_flops: float  # sustained matmul FLOP/s per device the time model assumes
+    device_flops: float | None  # sustained matmul FLOP/s per device the time model
+    # assumes; None: the calibrated kernel model of jaxptd/plan/kernels.py
     platform: str  # "gpu" | "cpu": the program a plan counts activations for (--verify on
     # simulated CPU devices plans the CPU program: XLA attention, not flash)
     tokens: float | None = None  # tokens to train on and the achieved TFLOP/s per device:

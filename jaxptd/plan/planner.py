@@ -3,8 +3,9 @@
 Owns `plan` and what it needs of the real model beyond the parameter counts
 (jaxptd/plan/counts.py) and the step's program (jaxptd/plan/program.py: what a step
 recomputes, the schedule's bubble and buffer slots, flash attention, the head's spread):
-the memory and time models (jaxptd/plan/model.py, timing.py) fed with them. `device_memory_bytes` is the one place a run's pre-flight check gets the
-per-device total from.
+the memory and time models (jaxptd/plan/model.py, timing.py, kernels.py) fed with them.
+`device_memory_bytes` is the one place a run's pre-flight check gets the per-device total
+from.
 
 Device memory is the hardware's `usable` bytes per device, host memory `host_memory`
 per node shared by `gpus_per_node` devices (offloading puts optimizer state and layer
@@ -20,6 +21,7 @@ from jaxptd.config import Config
 from jaxptd.pipeline import schedules
 from jaxptd.plan import memory as pmem
 from jaxptd.plan import model as pm
+from jaxptd.plan import kernels as pk
 from jaxptd.plan import timing as pt
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.experts import moe_rows
@@ -100,7 +102,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
     executed = executed_flops(config, V)
-    comm, time, context = _time(config, inputs, counts, host, executed, bubble)
+    comm, time, context, kernels = _time(config, inputs, counts, host, executed, bubble)
     moe = _moe(config, inputs, counts, slots, device, comm, time)
     per_node = min(n, hw.gpus_per_node)
     sp = par.sequence_parallel and par.tensor > 1
@@ -125,6 +127,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
         "bubble_fraction": bubble, "pipeline_slots": slots,
         "peak_stash": max(stats[0].peak_stash) if stats else slots["stash"],
         "comm_bytes": comm, "step_time_s": time, "context": context, "moe": moe,
+        "time_model": "kernels" if kernels else "flat", "kernels": kernels,
         "tflops_per_device_estimate": executed / n / time["total"] / 1e12,
     }
     report["fits"] = report["memory_fits"] and report["host_memory_fits"]
@@ -227,11 +230,13 @@ def options(config: Config) -> dict:
 
 
 def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed: float,
-          bubble: float) -> tuple[dict, dict, dict]:
-    """(communication volumes, step time, context parallelism's terms) of timing.py's
-    model for one configuration (the volumes: _comm). The context ranks sit next to
-    tensor's in the mesh: a context group's c t devices use the node's links when they
-    fit in one; the expert ranks next to context's."""
+          bubble: float) -> tuple[dict, dict, dict, dict | None]:
+    """(communication volumes, step time, context parallelism's terms, the kernel model's
+    seconds or None) of timing.py's model for one configuration (the volumes: _comm). The
+    context ranks sit next to tensor's in the mesh: a context group's c t devices use the
+    node's links when they fit in one; the expert ranks next to context's. Without a
+    sustained rate (inputs.device_flops None) on a target with a measured GEMM ceiling the
+    kernels and links are calibrated (jaxptd/plan/kernels.py, timing.link_bandwidths)."""
     from jaxptd.model import get  # JAX on use: --verify configures it first
     hw = inputs.hardware
     m_cfg, par = config.model, config.parallel
@@ -239,17 +244,23 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     again = recomputation(config) in ("full", *MINIMAL)
     comm = _comm(config, inputs, counts, host, again)
-    link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
-    overlap = pt.context_overlap(
-        comm=comm, c=c, method=par.context_attention,
-        layers_per_stage=m_cfg.num_layers // par.pipe,
-        block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
-        device_flops=inputs.device_flops, bandwidth=getattr(hw, link), forward_again=again)
     # the head, unless spread over pipe (spreads_head), is the last stage's work: a
     # lockstep round lasts as long as the last stage's, as if every rank ran it
     head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
         m_cfg, counts["vocab_padded"])["head"]
     unspread = 0 if spreads_head(config, inputs.platform) else par.pipe - 1
+    kernels = _kernels(config, inputs, counts, executed, head * (1 + unspread)) \
+        if calibrated(inputs) else None
+    links = pt.link_bandwidths(hw, t=par.tensor, c=c, ep=par.expert, p=par.pipe,
+                               fsdp=par.fsdp_size, d=par.data // par.fsdp_size) \
+        if kernels else None
+    link = "intra" if c * par.tensor <= hw.gpus_per_node else "inter"
+    overlap = pt.context_overlap(
+        comm=comm, c=c, method=par.context_attention,
+        layers_per_stage=m_cfg.num_layers // par.pipe,
+        block_flops=pt.ring_block_flops(b, s, h, par.tensor, c),
+        device_flops=kernels["gemm_rate"] if kernels else inputs.device_flops,
+        bandwidth=links["context"] if links else getattr(hw, link), forward_again=again)
     # FP8 GEMMs run at the target's FP8 peak: their FLOPs count at peak_bf16 / peak_fp8
     speedup = hw.peak_fp8 / hw.peak_bf16 if hw.peak_fp8 and hw.peak_bf16 else 1.0
     fp8_saved = fp8_flops(config, counts["vocab_padded"]) * (1 - 1 / speedup)
@@ -260,13 +271,54 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         device_flops=inputs.device_flops, hbm_bytes_per_s=hw.hbm,
         weight_bytes_per_microbatch=3 * counts["compute_params"] * e,  # fwd, 2x bwd reads
         intra_bw=hw.intra, inter_bw=hw.inter, host_bw=hw.host_link, c=c,
-        context_exposed_s=overlap["exposed_s"], ep=par.expert)
+        context_exposed_s=overlap["exposed_s"], ep=par.expert, links=links, kernels=kernels)
     context = {"ranks": c, "method": par.context_attention, "link": link, **overlap,
                "core_fraction": pt.context_core_fraction(c, par.context_attention,
                                                          causal(config)),
                "imbalance": pt.context_imbalance(c),
                "imbalance_contiguous": pt.context_imbalance(c, pairs=False)}
-    return comm, time, context
+    return comm, time, context, kernels
+
+
+def calibrated(inputs: PlanInputs) -> bool:
+    """Whether the plan's time is the calibrated model's (kernels.py): no sustained rate
+    given, a target with a measured GEMM ceiling and a device description."""
+    hw = inputs.hardware
+    return inputs.device_flops is None and bool(hw.gemm_fraction) and hw.chip is not None
+
+
+def _kernels(config: Config, inputs: PlanInputs, counts: dict, executed: float,
+             head: float) -> dict:
+    """kernels.compute for one configuration: the executed FLOPs a device split into the
+    layers' linears, their attention cores (equation 3's 4 s h a token, every score, as
+    often as a layer runs forward: 3 passes' worth, 4 with full recomputation) and the
+    head (`head`: the whole batch's, as often as the busiest rank runs it). A pipelined
+    stage recomputed from its stashed input whose layers are checkpointed (model.remat
+    full) runs each layer forward a third time: the stage's forward again in the B slot,
+    then each layer's from its checkpoint (the compiled pipelined Table 1 rows: 29-30
+    GEMMs a layer and microbatch, the unpipelined 23)."""
+    from jaxptd.model import get  # JAX on use: --verify configures it first
+    m_cfg, par, n = config.model, config.parallel, config.num_devices
+    per_token = get(m_cfg).forward_flops(m_cfg, counts["vocab_padded"])
+    full = recomputation(config) == "full"
+    nested = full and m_cfg.remat == "full" and par.pipe > 1 and par.stash == "inputs"
+    tokens = config.train.global_batch * m_cfg.seq_len
+    core = tokens * m_cfg.num_layers * per_token["core"] * (3 + full + nested)
+    head_once = 3 * tokens * per_token["head"]
+    linear = executed - tokens * m_cfg.num_layers * per_token["core"] * (3 + full) - head_once \
+        + nested * tokens * m_cfg.num_layers * (per_token["layer"] - per_token["core"])
+    zero1 = config.optimizer.zero1 and par.fsdp_size == 1
+    return pk.compute(
+        hw=inputs.hardware, b=config.microbatch_size, n=m_cfg.seq_len // par.context,
+        s=m_cfg.seq_len, h=m_cfg.hidden_size, heads=m_cfg.num_heads, kv_heads=m_cfg.kv_heads,
+        ffn=m_cfg.ffn, t=par.tensor, sp=par.sequence_parallel and par.tensor > 1,
+        gated=family(m_cfg).gated_mlp, flash=flash_attention(config, inputs.platform),
+        forwards=1 + full + nested, e=pm.DTYPE_BYTES[m_cfg.dtype],
+        flops={"linear": linear / n, "core": core / n, "head": head / n},
+        layer_microbatches=m_cfg.num_layers // par.pipe * par.microbatches,
+        vocab_local=counts["vocab_padded"] / par.tensor,
+        params=counts["weight_params"] / (par.data if zero1 else 1),
+        fp8_flops=fp8_flops(config, counts["vocab_padded"]) / n)
 
 
 def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,
@@ -301,7 +353,8 @@ def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,
         head=pt.head_volumes(b=b, s=s / c, h=h, e=e, p=par.pipe, t=par.tensor,
                              sp=par.sequence_parallel and par.tensor > 1,
                              head_params=counts["head_params"])
-        if spreads_head(config, inputs.platform) else None)
+        if spreads_head(config, inputs.platform) else None,
+        forward_again=recomputation(config) == "full")
 
 
 def _host_traffic(config: Config, host: dict) -> float:

@@ -63,6 +63,7 @@ def format_report(r: dict, hw: Target) -> str:
         f"{t['fsdp']:.3f} + data "
         f"{t['data']:.3f} + host {t['host']:.3f}   ~ "
         f"{r['tflops_per_device_estimate']:.1f} TFLOP/s per device",
+        _kernels_line(r),
     ]
     if "days_to_train" in r:
         lines.append(f"train time  {r['days_to_train']:.1f} days (eq. 3)   "
@@ -70,6 +71,19 @@ def format_report(r: dict, hw: Target) -> str:
     if "verify" in r:
         lines += _format_verify(r["verify"])
     return "\n".join(lines)
+
+
+def _kernels_line(r: dict) -> str:
+    """The time model: the calibrated kernels' parts (jaxptd/plan/kernels.py), or the flat
+    rate's."""
+    k = r.get("kernels")
+    if not k:
+        return "compute     flat: the executed FLOPs at --device-tflops (or half the peak)"
+    return (f"compute     kernels (bubble excl.): GEMMs {k['gemm']:.3f} s at "
+            f"{k['gemm_rate'] / 1e12:.0f} TFLOP/s (the measured ceiling x wave efficiency "
+            f"{k['gemm_efficiency']:.3f}), attention {k['attention']:.3f}, other activations "
+            f"{k['memory']:.3f} (HBM), launches {k['launches']:.3f}, update {k['update']:.3f}"
+            "; links at NCCL's measured fractions, a node's NICs in parallel")
 
 
 def _context_line(r: dict) -> str:

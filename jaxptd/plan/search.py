@@ -12,7 +12,9 @@ of p, as Megatron requires) and ZB-V (v = 2). Each base layout is planned with e
 option set of OPTION_SETS (sequence parallelism, ZeRO-1, FSDP over a node's data ranks
 (HSDP) or all of them, offloading the optimizer state and, with p = 1, the layer inputs) and keeps the
 fastest set that fits device and host memory: the first in the list when times tie (SP and
-ZeRO-1 move the same bytes as the collectives they replace, so they cost nothing here).
+ZeRO-1 move the same bytes as the collectives they replace; under the kernel model,
+jaxptd/plan/kernels.py, SP is faster where t > 1: its LayerNorms and residual adds stream
+h / t a token, not h).
 model.remat and parallel.stash stay as the config says. Plans use the formulas only (no
 schedule simulation) and reuse the parameter counts, so the search stays fast.
 """

@@ -112,13 +112,15 @@ def moe_volumes(*, rows: float, h, e, ep: int, layers_per_stage, forward_again=F
 
 def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_group=1,
                  stage_params=0.0, gather_bytes=4, fp8_gathered=0.0, tied_grad_bytes=0.0,
-                 host_per_step=0.0,
-                 host_per_microbatch=0.0, c=1, context=None, expert_grad_bytes=0.0,
-                 expert_replicas=1, moe=None, head=None) -> dict:
+                 host_per_step=0.0, host_per_microbatch=0.0, c=1, context=None,
+                 expert_grad_bytes=0.0, expert_replicas=1, moe=None, head=None,
+                 forward_again=False) -> dict:
     """Bytes per device. §3.2: point-to-point b s h per microbatch between consecutive
     stages (b s h / t with scatter/gather, §4.1, or sequence parallelism); tensor
     8 b s h (t - 1) / t per layer per microbatch (forward + backward; sequence parallelism's
-    all-gathers and reduce-scatters move the same, Korthikanti et al. §4.2.2); with c
+    all-gathers and reduce-scatters move the same, Korthikanti et al. §4.2.2), 11 with
+    `forward_again` (full recomputation runs 3 of the forward's 4 again: the last one's
+    output, the layer's, is the next layer's checkpointed input); with c
     context ranks each of these carries s/c tokens, and `context` (context_volumes) is
     the attention's traffic; data: ring
     all-reduce 2 (r - 1) / r of the float32 gradients over the r data replicas once per
@@ -143,7 +145,8 @@ def comm_volumes(*, b, s, h, t, e, layers_per_stage, grad_bytes, replicas, fsdp_
         return 2 * (r - 1) / r * grads if r > 1 else 0.0
     return {
         "p2p_per_microbatch": b * n * h * e / t,
-        "tensor_per_microbatch": layers_per_stage * 8 * b * n * h * (t - 1) / t * e,
+        "tensor_per_microbatch": layers_per_stage * (8 + 3 * forward_again) * b * n * h
+        * (t - 1) / t * e,
         "context_per_microbatch": context["per_microbatch"],
         "context_block": context["block"],
         "context_gradient_block": context["gradient_block"],
@@ -201,9 +204,29 @@ def context_overlap(*, comm, c, method, layers_per_stage, block_flops, device_fl
             "exposed_s": layers_per_stage * per_layer}
 
 
+def link_bandwidths(hw, *, t, c=1, ep=1, p=1, fsdp=1, d=1) -> dict:
+    """Bytes/s a device moves over each axis's collectives, the mesh [data, fsdp, pipe,
+    expert, context, tensor] laid over nodes tensor innermost: a group whose devices fit
+    in a node rings over NVLink at the target's intra_fraction of `intra`; one spread over
+    nodes crosses InfiniBand through each node's NICs, one a GPU: a node holding k of the
+    group's devices (k = gpus_per_node / the axes inside it, at least 1) runs k rings at
+    once, k x `inter` x inter_fraction, at most the NVLink ring's rate."""
+    gpn = hw.gpus_per_node
+    intra, inter = hw.intra * hw.intra_fraction, hw.inter * hw.inter_fraction
+
+    def axis(inner: int, size: int) -> float:
+        if inner * size <= gpn:
+            return intra
+        return min(max(1, gpn // inner) * inter, intra)
+    return {"tensor": axis(1, t), "context": axis(t, c), "expert": axis(c * t, ep),
+            "p2p": axis(ep * c * t, p), "fsdp": axis(p * ep * c * t, fsdp),
+            "data": axis(fsdp * p * ep * c * t, d)}
+
+
 def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_per_node,
               device_flops, hbm_bytes_per_s, weight_bytes_per_microbatch, intra_bw, inter_bw,
-              host_bw=25e9, c=1, context_exposed_s=0.0, ep=1) -> dict:
+              host_bw=25e9, c=1, context_exposed_s=0.0, ep=1, links=None,
+              kernels=None) -> dict:
     """Seconds per iteration: compute (roofline per microbatch: its FLOPs at device_flops
     or its weight reads from memory, whichever is slower) stretched by the bubble, plus
     communication that is not overlapped: tensor (intra-node when t <= gpus_per_node),
@@ -217,16 +240,23 @@ def step_time(*, flops_device, bubble, comm, m, v, p, t, d, fsdp_group=1, gpus_p
     FSDP's gathers (intra-node when a group's g p ep c t devices fit in a node), the data-
     parallel reduction (inter-node unless the whole job fits in one node) and host
     transfers at host_bw. The mesh is [data, fsdp, pipe, expert, context, tensor], tensor
-    innermost: a group of an axis spans the axes inside it.
+    innermost: a group of an axis spans the axes inside it. The calibrated model
+    (jaxptd/plan/kernels.py): `kernels`, its seconds of kernels a step (the update outside
+    the bubble), and `links`, link_bandwidths.
     """
-    per_microbatch = max(flops_device / m / device_flops,
-                         weight_bytes_per_microbatch / hbm_bytes_per_s)
-    compute = m * per_microbatch * (1 + bubble)
+    if kernels:
+        compute = (kernels["total"] - kernels["update"]) * (1 + bubble) + kernels["update"]
+    else:
+        compute = m * (1 + bubble) * max(flops_device / m / device_flops,
+                                         weight_bytes_per_microbatch / hbm_bytes_per_s)
     tensor_bw = intra_bw if t <= gpus_per_node else inter_bw
     expert_bw = intra_bw if ep * c * t <= gpus_per_node else inter_bw
     p2p_bw = intra_bw if t * c * ep * p <= gpus_per_node else inter_bw
     fsdp_bw = intra_bw if fsdp_group * p * ep * c * t <= gpus_per_node else inter_bw
     data_bw = intra_bw if t * c * p * d <= gpus_per_node else inter_bw
+    if links:
+        tensor_bw, expert_bw, p2p_bw, fsdp_bw, data_bw = (
+            links[k] for k in ("tensor", "expert", "p2p", "fsdp", "data"))
     parts = {
         "compute": compute,
         "tensor": m * (comm["tensor_per_microbatch"] + comm["head_tensor_per_microbatch"])

@@ -97,6 +97,12 @@ class Target:
     chip: Chip | None = None  # None: no deviceless compile
     usable_memory: float | None = None  # bytes a run may allocate, where not MEM_FRACTION
     # of `memory` (the planner's --memory-gb)
+    # What the planner's time model (jaxptd/plan/kernels.py) takes as reachable: the
+    # fraction of peak_bf16 a large GEMM sustains (None: no kernel model, the planner's
+    # flat rate), and the fractions of `intra` and `inter` NCCL's rings sustain.
+    gemm_fraction: float | None = None
+    intra_fraction: float = 1.0
+    inter_fraction: float = 1.0
 
     @property
     def usable(self) -> float | None:
@@ -109,24 +115,34 @@ class Target:
         return self.memory * (MEM_FRACTION if self.platform == "gpu" else 1.0)
 
 
+# Measured ceilings (the planner's kernel model): the maximum achievable matmul FLOP/s
+# over a search of bf16 GEMM shapes (Bekman's ml-engineering MAMF table, CUDA 12.1): A100
+# SXM 267.9 of 312 TFLOP/s, H100 SXM 792.1 of 989; NCCL's ring all-reduce bus bandwidth
+# inside a DGX node, about 230 GB/s of the A100's 300 GB/s NVLink a direction (0.77;
+# H100's NVLink taken alike), and across nodes about 0.92 of a NIC's line rate (HDR
+# InfiniBand's 25 GB/s, NDR's 50).
+_A100_MEASURED = {"gemm_fraction": 267.9 / 312, "intra_fraction": 0.77,
+                  "inter_fraction": 0.92}
+_H100_MEASURED = {**_A100_MEASURED, "gemm_fraction": 792.1 / 989}
 _H100_CHIP = Chip(132, 1.98, 50 * MiB, 233472, 232448, (9, 0), "NVIDIA H100 80GB HBM3")
 TARGETS = {
     "cpu": Target("cpu", "cpu"),
     "gpu": Target("gpu", "gpu"),  # a GPU of no known kind: code paths only
     "h100": Target("h100", "gpu", memory=84_929_347_584, peak_bf16=989e12, peak_fp8=1979e12,
                    hbm=3.35e12, intra=450e9, inter=50e9, host_link=64e9,
-                   host_memory=2048e9, chip=_H100_CHIP),
+                   host_memory=2048e9, chip=_H100_CHIP, **_H100_MEASURED),
     "h200": Target("h200", "gpu", memory=150_754_820_096, peak_bf16=989e12, peak_fp8=1979e12,
                    hbm=4.8e12, intra=450e9, inter=50e9, host_link=64e9, host_memory=2048e9,
-                   chip=Chip(132, 1.98, 60 * MiB, 233472, 232448, (9, 0), "NVIDIA H200")),
+                   chip=Chip(132, 1.98, 60 * MiB, 233472, 232448, (9, 0), "NVIDIA H200"),
+                   **_H100_MEASURED),
     "a100": Target("a100", "gpu", memory=85_198_045_184, peak_bf16=312e12, hbm=2.039e12,
                    intra=300e9, inter=25e9, host_link=25e9, host_memory=1024e9,
                    chip=Chip(108, 1.41, 40 * MiB, 167936, 166912, (8, 0),
-                             "NVIDIA A100-SXM4-80GB")),
+                             "NVIDIA A100-SXM4-80GB"), **_A100_MEASURED),
     "a100-40": Target("a100-40", "gpu", memory=42_505_273_344, peak_bf16=312e12, hbm=1.555e12,
                       intra=300e9, inter=25e9, host_link=25e9, host_memory=1024e9,
                       chip=Chip(108, 1.41, 40 * MiB, 167936, 166912, (8, 0),
-                                "NVIDIA A100-SXM4-40GB")),
+                                "NVIDIA A100-SXM4-40GB"), **_A100_MEASURED),
 }
 NAMES = ("auto", *TARGETS)
 # device-kind substrings -> record, most specific first
