@@ -80,6 +80,20 @@ def _amax(x, axes: tuple[str, ...]):
     return largest_over(jnp.max(jnp.abs(x)).astype(jnp.float32), axes)
 
 
+def _column_amax(g, axes: tuple[int, ...]):
+    """max |g| (float32 []) of an output gradient, first over its token `axes` in g's dtype
+    (exact): the reduction a bias gradient makes of g, so that XLA makes the two and g's
+    cast one kernel reading g once (a whole-array maximum was a kernel of its own)."""
+    return jnp.max(jnp.max(jnp.abs(g), axis=axes).astype(jnp.float32))
+
+
+def _token_axes(spec: str) -> tuple[int, ...]:
+    """The axes of an einsum 'X,W->Y''s output that come from X alone (its tokens)."""
+    operands, out = spec.split("->")
+    x, w = operands.split(",")
+    return tuple(i for i, c in enumerate(out) if c in x and c not in w)
+
+
 def _cast(x, scale, dtype):
     """x / scale in the 8-bit `dtype`, clipped to its largest value."""
     largest = _largest(dtype)
@@ -214,6 +228,7 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
     barriers tie the forward's gather to x and the backward's to the output gradient, as
     the 16-bit FSDP matmul's do."""
     to_x, to_w = transposed(spec)
+    tokens = _token_axes(spec)
 
     def whole(q):  # a shard's bytes -> the whole weight in e4m3
         if gather:
@@ -241,7 +256,8 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
         dw = _product(to_w, qx, qg, scales[0] * scales[2], gather[2] if gather else dtypes[1])
         if gather:
             dw = lax.psum_scatter(dw, gather[0], scatter_dimension=gather[1], tiled=True)
-        amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, _amax(g, ()))])
+        amax_g = _column_amax(g, tokens)
+        amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, amax_g)])
         dh = jnp.zeros_like(history).at[:, 0].set(amaxes)
         return _reduced_to(dx, vma[0]), _reduced_to(dw.astype(dtypes[1]), vma[1]), dh
 
