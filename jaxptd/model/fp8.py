@@ -221,6 +221,12 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
     varying over every axis (`spread`) and takes the maximum once, after the backward, not
     an all-reduce of a scalar a GEMM. (`axes`: for tensorwise's signature; unused.)
 
+    twin (optional, not differentiated): x computed again from its inputs (a barrier
+    between, so XLA does not merge the two), whose amax is taken in x's place: an input
+    that an expensive elementwise kernel makes (the MLP's GeLU) has then a single user, the
+    cast, which XLA fuses into that kernel, and the twin's amax is a second kernel reading
+    those inputs; with two users XLA wrote x in float32 and read it again for both.
+
     gather (FSDP per matmul, model/tensor.py): (axis, dim, dtype) for w a shard split on
     `dim` over `axis`: the shard is cast to e4m3 with the history's scale and gathered as
     its bytes, half of a 16-bit gather, forward and again in the backward (only the shard's
@@ -235,17 +241,17 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
             q = lax.all_gather(q, gather[0], axis=gather[1], tiled=True)
         return lax.bitcast_convert_type(q, E4M3)
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-    def product(x, w, history, dtypes, vma):
-        return forward(x, w, history, dtypes, vma)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+    def product(x, w, history, twin, dtypes, vma):
+        return forward(x, w, history, twin, dtypes, vma)[0]
 
-    def forward(x, w, history, dtypes, vma):
+    def forward(x, w, history, twin, dtypes, vma):
         if gather:
             x, w = lax.optimization_barrier((x, w))
         scales = delayed_scales(history, margin)  # [3]: x, w, the output gradient
         qx, qw = _cast(x, scales[0], E4M3), _bits(_cast(w, scales[1], E4M3))
         y = _product(spec, qx, whole(qw), scales[0] * scales[1], dtypes[0])
-        return y, (_bits(qx), qw, scales, _amax(x, ()), _amax(w, ()), history)
+        return y, (_bits(qx), qw, scales, _amax(twin, ()), _amax(w, ()), history)
 
     def backward(dtypes, vma, kept, g):
         qx, qw, scales, amax_x, amax_w, history = kept
@@ -259,8 +265,9 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
         amax_g = _column_amax(g, tokens)
         amaxes = jnp.stack([_maxed_to(a, vma[2]) for a in (amax_x, amax_w, amax_g)])
         dh = jnp.zeros_like(history).at[:, 0].set(amaxes)
-        return _reduced_to(dx, vma[0]), _reduced_to(dw.astype(dtypes[1]), vma[1]), dh
+        return _reduced_to(dx, vma[0]), _reduced_to(dw.astype(dtypes[1]), vma[1]), dh, None
 
     product.defvjp(forward, backward)
-    return lambda x, w, history: product(x, w, history, (x.dtype, w.dtype), tuple(
-        varying_axes(v) for v in (x, w, history)))
+    return lambda x, w, history, twin=None: product(
+        x, w, history, x if twin is None else twin, (x.dtype, w.dtype),
+        tuple(varying_axes(v) for v in (x, w, history)))

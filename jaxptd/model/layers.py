@@ -23,7 +23,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxptd.config import ModelConfig
 from jaxptd.model import context as context_attention, fused
 from jaxptd.model.sequence import Rows
-from jaxptd.model.tensor import Layout, dense, entered, exit_tensor, normal, weight, zeros
+from jaxptd.model.tensor import (Layout, dense, entered, exit_tensor, fp8_twin, normal, weight,
+                                 zeros)
 
 # checkpoint name of the residual stream between a layer's attention and MLP blocks, which
 # model.remat=minimal keeps (with every other dense() output: tensor.DENSE_OUTPUT)
@@ -228,9 +229,11 @@ class MLP(nn.Module):
             from pallas_kernels import bias_gelu
 
             hidden = bias_gelu(hidden, b_fc1.astype(dt), interpret=layout.platform != "gpu")
+            twin = None
         else:
-            hidden = fused.bias_gelu(hidden, b_fc1, exact=cfg.gelu == "erf")
-        out = dense(self, "w_fc2", hidden, w_fc2)  # partial sum over this rank's ffn/t
+            gelu = functools.partial(fused.bias_gelu, exact=cfg.gelu == "erf")
+            hidden, twin = gelu(hidden, b_fc1), fp8_twin(layout, gelu, hidden, b_fc1)
+        out = dense(self, "w_fc2", hidden, w_fc2, twin)  # partial sum over this rank's ffn/t
         return exit_tensor(out, layout) + b_fc2.astype(dt)  # g: all-reduce #2
 
 

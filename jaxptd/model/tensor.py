@@ -156,15 +156,29 @@ ENTERED = {"w_qkv": "w_qkv", "w_fc1": "w_fc1", "w_q": "w_q", "w_kv": "w_q",
            "w_gate": "w_gate", "w_up": "w_gate"}
 
 
-def dense(module: nn.Module, name: str, x, w):
+def dense(module: nn.Module, name: str, x, w, twin=None):
     """x times the weight `name` (its einsum is DENSE[name]) in x's dtype; the weight is cast
     (an FSDP shard is gathered for this matmul alone: `matmul`). Records x and perturbs the
     output when the caller asks (see the module docstring); otherwise exactly the einsum.
     The column-parallel matmuls of the residual stream (`ENTERED`) go through `entered`.
-    """
+    twin: x computed again for its amax under model.fp8=delayed (`fp8_twin`)."""
     assert name not in ENTERED, f"{name}: its input enters the tensor region (entered())"
     _record(module, name, x)
-    return _output(module, name, matmul(name, module.layout)(x, w, fp8_history(module, name)))
+    history = fp8_history(module, name)
+    twins = () if twin is None or history is None else (twin,)
+    return _output(module, name, matmul(name, module.layout)(x, w, history, *twins))
+
+
+def fp8_twin(layout: Layout, fn, *args):
+    """fn(*args) computed again for a dense() input's amax under model.fp8=delayed (else
+    None): from its arguments behind an optimization barrier, not differentiated
+    (fp8.delayed_einsum's twin). The barrier takes them in reverse order: in fn's own
+    order it was the very barrier of fn's backward (fused._recompute), and XLA shared
+    the two computations (a float32 [b, s, ffn] tanh written for both)."""
+    if layout.fp8 != "delayed":
+        return None
+    kept = lax.optimization_barrier(jax.tree.map(lax.stop_gradient, args[::-1]))
+    return fn(*kept[::-1])
 
 
 def entered(module: nn.Module, x, *weights):
