@@ -100,13 +100,16 @@ def _cast(x, scale, dtype):
     return jnp.clip(x.astype(jnp.float32) / scale, -largest, largest).astype(dtype)
 
 
-def delayed_scales(history, margin: int):
-    """A linear's amax history [3, H] -> the scales [3] of its input, weight (e4m3) and
-    output gradient (e5m2): max over the history x 2^margin / the format's largest value;
-    1 where the history holds no amax yet."""
-    amax = jnp.max(history, axis=1)
-    largest = jnp.asarray([_largest(E4M3), _largest(E4M3), _largest(E5M2)], jnp.float32)
-    return jnp.where(amax > 0, amax * 2.0 ** margin / largest, jnp.float32(1))
+def delayed_scales(history, margin: int) -> tuple:
+    """A linear's amax history [3, H] -> the scales (float32 [] each) of its input, weight
+    (e4m3) and output gradient (e5m2): max over the history x 2^margin / the format's
+    largest value; 1 where the history holds no amax yet. Three values, each from its own
+    row: sliced from one [3] array, the casts of x and of w shared it as an operand, and
+    XLA fused those two casts with each other instead of x's cast with x's amax."""
+    largest = (_largest(E4M3), _largest(E4M3), _largest(E5M2))
+    amax = [jnp.max(history[row]) for row in range(OPERANDS)]
+    return tuple(jnp.where(a > 0, a * 2.0 ** margin / top, jnp.float32(1))
+                 for a, top in zip(amax, largest))
 
 
 def is_history(path) -> bool:
@@ -248,7 +251,7 @@ def delayed_einsum(spec: str, axes: tuple[str, ...] = (), margin: int = 0,
     def forward(x, w, history, twin, dtypes, vma):
         if gather:
             x, w = lax.optimization_barrier((x, w))
-        scales = delayed_scales(history, margin)  # [3]: x, w, the output gradient
+        scales = delayed_scales(history, margin)  # x, w, the output gradient
         qx, qw = _cast(x, scales[0], E4M3), _bits(_cast(w, scales[1], E4M3))
         y = _product(spec, qx, whole(qw), scales[0] * scales[1], dtypes[0])
         return y, (_bits(qx), qw, scales, _amax(twin, ()), _amax(w, ()), history)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd.parallel.varying import mark_varying, varying_axes
-from pallas_kernels.bias_gelu import gelu_and_grad  # the GeLU's math, kernels' and ours
+from pallas_kernels.bias_gelu import _CUBIC, _SQRT_2_OVER_PI, gelu_and_grad  # the GeLU's math
 
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -175,6 +175,43 @@ def _bias_gelu_bwd(exact, residuals, dy):
 
 
 _bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+
+
+def bias_add(y, bias):
+    """y + bias (float32 [n], cast to y's dtype), its backward reading the output gradient
+    g behind an optimization barrier: the bias gradient's sum and the FP8 linear's amax
+    and cast of g (model.fp8) then read the same value, and XLA makes them one kernel;
+    reading g from the norm backward's kernel that makes it, they stayed three."""
+    return _bias_add(y, *_varying_like(y, bias))
+
+
+@jax.custom_vjp
+def _bias_add(y, bias):
+    return y + bias.astype(y.dtype)
+
+
+def _bias_add_fwd(y, bias):
+    return _bias_add(y, bias), bias
+
+
+def _bias_add_bwd(bias, g):
+    g = jax.lax.optimization_barrier(g)
+    return g, _row_sum(g.astype(jnp.float32), bias)
+
+
+_bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
+
+
+def bias_gelu_again(x, bias):
+    """GeLU(x + bias) -> x's dtype, bias_gelu's tanh GeLU written in another form,
+    u / (1 + exp(-2 c (u + 0.044715 u^3))), equal to it but for rounding (a last bit of
+    x's dtype, rarely): model.fp8=delayed takes fc2's input amax from it
+    (tensor.fp8_twin), and XLA makes it a reduction in bias_gelu's backward kernel,
+    which reads x and bias anyway. In bias_gelu's form XLA shared the tanh between the
+    two and wrote it in float32 for both."""
+    u = x.astype(jnp.float32) + bias.astype(jnp.float32)
+    z = 2.0 * _SQRT_2_OVER_PI * (u + _CUBIC * u * u * u)
+    return (u / (1.0 + jnp.exp(-z))).astype(x.dtype)
 
 
 @jax.custom_vjp

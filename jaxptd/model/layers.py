@@ -169,7 +169,13 @@ class Attention(nn.Module):
         context, cache = attend(self, q, k, v, deterministic, causal=self.causal, mask=mask,
                                 cache=cache)
         out = dense(self, "w_out", context, w_out)  # partial sum over this rank's heads
-        return exit_tensor(out, layout) + b_out.astype(dt), cache  # g: all-reduce #1
+        return add_bias(layout, exit_tensor(out, layout), b_out), cache  # g: all-reduce #1
+
+
+def add_bias(layout: Layout, y, bias):
+    """y + bias in y's dtype; with model.fp8 by fused.bias_add, whose backward makes the bias
+    gradient in one kernel with the output gradient's FP8 cast and amax."""
+    return fused.bias_add(y, bias) if layout.fp8 != "none" else y + bias.astype(y.dtype)
 
 
 def residual_std(cfg: ModelConfig) -> float:
@@ -231,10 +237,11 @@ class MLP(nn.Module):
             hidden = bias_gelu(hidden, b_fc1.astype(dt), interpret=layout.platform != "gpu")
             twin = None
         else:
-            gelu = functools.partial(fused.bias_gelu, exact=cfg.gelu == "erf")
-            hidden, twin = gelu(hidden, b_fc1), fp8_twin(layout, gelu, hidden, b_fc1)
+            twin = None if cfg.gelu == "erf" else fp8_twin(  # fc2's input again, for its amax
+                layout, fused.bias_gelu_again, hidden, b_fc1)
+            hidden = fused.bias_gelu(hidden, b_fc1, exact=cfg.gelu == "erf")
         out = dense(self, "w_fc2", hidden, w_fc2, twin)  # partial sum over this rank's ffn/t
-        return exit_tensor(out, layout) + b_fc2.astype(dt)  # g: all-reduce #2
+        return add_bias(layout, exit_tensor(out, layout), b_fc2)  # g: all-reduce #2
 
 
 class Block(nn.Module):
@@ -291,4 +298,3 @@ def dropout(x, rate: float, key):
     zero (x's dtype)."""
     keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
     return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
-

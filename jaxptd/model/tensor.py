@@ -171,14 +171,12 @@ def dense(module: nn.Module, name: str, x, w, twin=None):
 
 def fp8_twin(layout: Layout, fn, *args):
     """fn(*args) computed again for a dense() input's amax under model.fp8=delayed (else
-    None): from its arguments behind an optimization barrier, not differentiated
-    (fp8.delayed_einsum's twin). The barrier takes them in reverse order: in fn's own
-    order it was the very barrier of fn's backward (fused._recompute), and XLA shared
-    the two computations (a float32 [b, s, ffn] tanh written for both)."""
+    None; fp8.delayed_einsum's twin): not differentiated, its arguments behind an
+    optimization barrier, the one fn's backward reads them through (fused._recompute),
+    so that XLA can make the amax a reduction in that backward's kernel."""
     if layout.fp8 != "delayed":
         return None
-    kept = lax.optimization_barrier(jax.tree.map(lax.stop_gradient, args[::-1]))
-    return fn(*kept[::-1])
+    return fn(*lax.optimization_barrier(jax.tree.map(lax.stop_gradient, args)))
 
 
 def entered(module: nn.Module, x, *weights):
