@@ -199,11 +199,13 @@ TABLE1_ROWS = sorted(TABLE1.values()) + ["gpt3_175b"]
 @pytest.mark.parametrize("name", TABLE1_ROWS)
 def test_table1_fits_in_80gb_at_the_papers_layout(capsys, name):
     """The paper trained every row on 80 GB A100s at its (p, t, d, v, m) with full
-    recomputation; with sequence parallelism's [b, s/t, h] stage boundary and a stash of
-    stage inputs in the compute dtype each fits, with room for XLA's 15%. Its microbatches
-    of 1 row are fewer rows than pipe ranks: the GPU's head is spread over the ranks in
-    pieces of the row where they divide it, its weights broadcast to every rank (6 bytes a
-    head parameter)."""
+    recomputation (§3.5: every layer checkpointed, the forward run a second time); with
+    sequence parallelism's [b, s/t, h] stage boundary each fits, with room for XLA's 15%.
+    A stash slot keeps what a checkpointed layer keeps, its input, for each layer of the
+    chunk (parallel.stash=activations; GPT-3 175B's stash=inputs keeps the stage input
+    only), beside the chunk's input and output. Its microbatches of 1 row are fewer rows
+    than pipe ranks: the GPU's head is spread over the ranks in pieces of the row where
+    they divide it, its weights broadcast to every rank (6 bytes a head parameter)."""
     report = json.loads(run_main(capsys, ["--config", os.path.join(MEGATRON, name + ".yaml"),
                                           "--json"]))
     lay, memory = report["layout"], report["memory_bytes_per_device"]
@@ -215,13 +217,20 @@ def test_table1_fits_in_80gb_at_the_papers_layout(capsys, name):
         m = config.model
         stage_input = lay["microbatch_size"] * m.seq_len * m.hidden_size * 2 / lay["tensor"]
         slots = report["pipeline_slots"]
+        kept = plan_model.layer_activation_bytes(  # what a checkpointed layer keeps
+            lay["microbatch_size"], m.seq_len, m.hidden_size, m.num_heads, lay["tensor"], 2,
+            sp=True, remat="full")
+        assert kept == stage_input  # its input
+        chunk_layers = m.num_layers // lay["pipe"] // lay["chunks"]
+        per_slot = {"activations": chunk_layers * kept + 2 * stage_input,
+                    "inputs": stage_input}[report["options"]["stash"]]
         # the head spread in pieces of the row where p / gcd(b, p) divides s (not at p 35)
         spread = (m.seq_len % (lay["pipe"] // math.gcd(lay["microbatch_size"], lay["pipe"]))
                   == 0)
         assert (report["comm_bytes"]["head_per_step"] > 0) == spread
         head = 6 * plan.real_counts(config)["head_params"] if spread else 0
         assert memory["stash"] == pytest.approx(  # + the input gradient carried a round
-            (slots["stash"] + slots["grad"] + 1) * stage_input + head)
+            slots["stash"] * per_slot + (slots["grad"] + 1) * stage_input + head)
 
 
 def test_1t_row_without_sequence_parallelism_does_not_fit(capsys):
