@@ -27,6 +27,9 @@ update UPDATE_BYTES a parameter (Adam: float32 master, gradient and two moments 
 master and moments written, the 16-bit copy written). KERNELS_PER_LAYER kernels a layer
 a forward pass's worth (the compiled unpipelined Table 1 rows launch 71-73 a layer and
 microbatch at 4 passes' worth).
+
+A pipelined rank also runs the executor's rounds (`executor_bytes`, at the HBM rate, each
+round that runs an F and a B, the bubble's idle rounds with the rest of compute).
 """
 from __future__ import annotations
 
@@ -71,15 +74,41 @@ def layer_matrices(h: int, heads: int, kv_heads: int, ffn: int, t: int, gated: b
     return [(h, qkv // t), (h // t, h), (h, (2 if gated else 1) * ffn // t), (ffn // t, h)]
 
 
+GRAD_SUM_BYTES = 8  # a float32 gradient sum read and written in place, a parameter
+CHUNK_COPY_BYTES = 8  # a chunk's float32 weights read out of the [v, ...] stack and written
+HEAD_ENDS_BYTES = 20  # an unspread head's parameter a round: the tied embedding cast to
+# the compute dtype for the F's and the B's head (4 read + 2 written each), the embedding
+# gradient's float32 scatter-add (read and written)
+
+
+def executor_bytes(*, chunk_params: float, chunks: int, stash_slot: float,
+                   head_params: float) -> float:
+    """Bytes a pipelined rank moves outside GEMMs in a round that runs an F and a B (one
+    microbatch through one chunk each way; jaxptd/pipeline/training.py): the B adds the
+    chunk's gradients into their float32 sums (buffers.add_chunk: GRAD_SUM_BYTES a
+    parameter, the gradient itself fused from the GEMM that makes it); with chunks > 1 a
+    slot's chunk is a dynamic index into the stacked layers, which XLA copies out once a
+    round (CHUNK_COPY_BYTES a parameter; one chunk, static, is read in place); the F
+    writes its stash slot (`stash_slot` bytes) and the B reads it; and head_params: the
+    head and embedding a lockstep round runs on every rank where the head is not spread
+    over pipe (HEAD_ENDS_BYTES a parameter; 0: spread, or pipe 1). From the rounds phase of
+    the A100 compiles of Table 1's 76.1B-529.6B rows (kernels by op: the chunk's weights
+    sliced, the sums' adds and in-place writes, the ends' casts and scatter-add)."""
+    per_param = GRAD_SUM_BYTES + (CHUNK_COPY_BYTES if chunks > 1 else 0)
+    return per_param * chunk_params + 2 * stash_slot + HEAD_ENDS_BYTES * head_params
+
+
 def compute(*, hw, flops: dict, b: int, n: int, s: int, h: int, heads: int, kv_heads: int,
             ffn: int, t: int, sp: bool, gated: bool, flash: bool, forwards: int, e: int,
             layer_microbatches: float, vocab_local: float, params: float,
-            fp8_flops: float = 0.0) -> dict:
+            fp8_flops: float = 0.0, rounds_bytes: float = 0.0) -> dict:
     """Seconds a device spends in kernels a step, before the bubble (module docstring):
     flops = {"linear", "core", "head"}, the executed FLOPs a device of each kind;
     layer_microbatches: layers a device runs times microbatches; params: the parameters
-    it updates. Keys: gemm (linears and head), attention (core matmuls and score
-    traffic), memory (other activations), launches, update, total; gemm_efficiency and
+    it updates; rounds_bytes: what a pipelined rank's rounds move a step (executor_bytes
+    times its F and B rounds). Keys: gemm (linears and head), attention (core matmuls and
+    score traffic), memory (other activations), rounds (the executor's), launches, update,
+    total; gemm_efficiency and
     head_efficiency (wave quantization) and gemm_rate (FLOP/s of the linears)."""
     peak, cores = hw.peak_bf16 * hw.gemm_fraction, hw.chip.cores
     bandwidth = hw.hbm * HBM_FRACTION
@@ -99,9 +128,10 @@ def compute(*, hw, flops: dict, b: int, n: int, s: int, h: int, heads: int, kv_h
     memory = (forwards + 2) * per_token * e * rows * layer_microbatches / bandwidth
     launches = (forwards + 2) * KERNELS_PER_LAYER * layer_microbatches * KERNEL_S
     update = UPDATE_BYTES * params / bandwidth
-    total = gemm + attention + memory + launches + update
-    return {"gemm": gemm, "attention": attention, "memory": memory, "launches": launches,
-            "update": update, "total": total, "gemm_efficiency": layer,
+    rounds = rounds_bytes / bandwidth
+    total = gemm + attention + memory + rounds + launches + update
+    return {"gemm": gemm, "attention": attention, "memory": memory, "rounds": rounds,
+            "launches": launches, "update": update, "total": total, "gemm_efficiency": layer,
             "head_efficiency": head, "gemm_rate": peak * layer}
 
 

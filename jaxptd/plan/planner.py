@@ -318,7 +318,34 @@ def _kernels(config: Config, inputs: PlanInputs, counts: dict, executed: float,
         layer_microbatches=m_cfg.num_layers // par.pipe * par.microbatches,
         vocab_local=counts["vocab_padded"] / par.tensor,
         params=counts["weight_params"] / (par.data if zero1 else 1),
-        fp8_flops=fp8_flops(config, counts["vocab_padded"]) / n)
+        fp8_flops=fp8_flops(config, counts["vocab_padded"]) / n,
+        rounds_bytes=_rounds_bytes(config, inputs.platform, counts))
+
+
+def _rounds_bytes(config: Config, platform: str, counts: dict) -> float:
+    """What a pipelined rank's executor moves outside GEMMs a step (kernels.executor_bytes
+    a round, m v rounds that run an F and a B; 0 unpipelined): a stash slot holds the
+    chunk's input and, with parallel.stash=activations, each layer's kept values and the
+    chunk's output (buffers.stash_bytes' per slot)."""
+    m_cfg, par = config.model, config.parallel
+    if par.pipe == 1:
+        return 0.0
+    e, sp = pm.DTYPE_BYTES[m_cfg.dtype], par.sequence_parallel and par.tensor > 1
+    b, n, h, t = config.microbatch_size, m_cfg.seq_len // par.context, m_cfg.hidden_size, \
+        par.tensor
+    stage_input = b * n * h * e / (t if sp else 1)
+    chunk_layers = m_cfg.num_layers // par.pipe // par.chunks
+    kept = pm.layer_activation_bytes(
+        b, m_cfg.seq_len, h, m_cfg.num_heads, t, e, sp, flash_attention(config, platform),
+        recomputation(config), ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
+        gated=family(m_cfg).gated_mlp, c=par.context, method=par.context_attention,
+        moe=moe_shape(config))
+    slot = stage_input + (chunk_layers * kept + stage_input if par.stash == "activations"
+                          else 0.0)
+    head = 0.0 if spreads_head(config, platform) else counts["head_params"]
+    return par.microbatches * par.chunks * pk.executor_bytes(
+        chunk_params=counts["stage_params"] / par.chunks, chunks=par.chunks,
+        stash_slot=slot, head_params=head)
 
 
 def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,

@@ -82,7 +82,7 @@ def _kernels_line(r: dict) -> str:
     return (f"compute     kernels (bubble excl.): GEMMs {k['gemm']:.3f} s at "
             f"{k['gemm_rate'] / 1e12:.0f} TFLOP/s (the measured ceiling x wave efficiency "
             f"{k['gemm_efficiency']:.3f}), attention {k['attention']:.3f}, other activations "
-            f"{k['memory']:.3f} (HBM), launches {k['launches']:.3f}, update {k['update']:.3f}"
+            f"{k['memory']:.3f} (HBM), pipeline rounds {k.get('rounds', 0.0):.3f}, launches {k['launches']:.3f}, update {k['update']:.3f}"
             "; links at NCCL's measured fractions, a node's NICs in parallel")
 
 
