@@ -25,7 +25,7 @@ CHOICES = {
     "optimizer.overlap_grad_reduce": ("auto", "true", "false"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.kernels": ("xla", "pallas"),
-    "model.attention": ("xla", "cudnn"),
+    "model.attention": ("xla", "cudnn", "flash"),
     "model.fp8": ("none", "tensorwise", "delayed"),
     "model.remat": ("none", "minimal", "minimal_mlp", "selective", "full"),
     "model.scan_layers": ("auto", "true", "false"),
@@ -123,9 +123,12 @@ def _validate_model(m: ModelConfig, par: ParallelConfig) -> None:
     replicated, which needs t to be a multiple of them (each rank's query heads then share
     one key/value head)."""
     tensor = par.tensor
-    _require(not (m.attention == "cudnn" and m.dropout > 0),
-             f"model.dropout={m.dropout}: model.attention=cudnn has no attention dropout; "
-             "set model.dropout=0 or model.attention=xla")
+    _require(not (m.attention in ("cudnn", "flash") and m.dropout > 0),
+             f"model.dropout={m.dropout}: model.attention={m.attention} has no attention "
+             "dropout; set model.dropout=0 or model.attention=xla")
+    _require(m.attention != "flash" or m.hidden_size // m.num_heads <= 256,
+             f"model.attention=flash: head width {m.hidden_size // m.num_heads} (hidden_size"
+             " / num_heads) must be at most 256 (Pallas flash attention's tiles)")
     _require(not (m.attention == "cudnn" and m.dtype == "float32"),
              "model.attention=cudnn: needs model.dtype bfloat16 or float16 (cuDNN flash "
              "attention has no float32 kernel)")

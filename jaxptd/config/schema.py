@@ -48,7 +48,9 @@ class ModelConfig:
     # (pallas_kernels/: Pallas kernels, interpret mode on CPU)
     kernels: str = "xla"
     # xla | cudnn (cuDNN flash attention on a GPU: 16-bit dtypes, no attention dropout; the
-    # XLA path elsewhere)
+    # XLA path elsewhere) | flash (Pallas flash attention: head width <= 256, any GPU, no
+    # attention dropout, no mask beyond causal: BERT's padding and decoding take XLA's;
+    # interpret mode off a GPU)
     attention: str = "xla"
     # activation recomputation: none | minimal (keep matmul outputs and flash attention's
     # own residuals, recompute norms and activations) | minimal_mlp (the same but q, k, v:

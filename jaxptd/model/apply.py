@@ -40,7 +40,8 @@ OFFLOAD_LAYER_INPUTS = jax.checkpoint_policies.save_and_offload_only_these_names
 # keeps the same but the attention's q, k, v projection, which it recomputes from the
 # layer's input (its norm, the sequence-parallel gather and the GEMM again): 2/3 of a
 # layer's matmul outputs of GPT's [b, s, 4h/t] and [b, s, 3h/t], for a sixth of its
-# forward GEMMs again.
+# forward GEMMs again. Pallas flash attention (model.attention=flash) is not kept: the
+# backward re-runs its forward (jaxptd/train/metrics.py counts it).
 def _kept_names(*names):
     return jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.save_only_these_names(*names, RESIDUAL),

@@ -85,7 +85,8 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
     """Attention of q [b, s, n/t, d] over k, v [b, s, nk/t, d] (nk <= n: grouped-query) ->
     (context [b, s, n/t, d], cache).
 
-    Picks cuDNN flash attention when asked and possible, else `attention_core` with its
+    Picks cuDNN or Pallas flash attention when asked and possible (Pallas: no mask beyond
+    causal, interpret mode off a GPU), else `attention_core` with its
     dropout key and selective recomputation. mask: True = masked, broadcastable to
     [b, n/t, s, sk] (BERT's padding), or a sequence.Rows of the tokens' positions and
     segments (context parallelism, packed rows: model/context.py attends).
@@ -118,6 +119,13 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                             key_value_seq_lengths=lengths,
                                             implementation="cudnn"), cache
+    if cfg.attention == "flash" and cache is None and mask is None:
+        # Pallas flash attention (config refuses dropout): any head width to 256, so the
+        # heads cuDNN takes only on Hopper (d > 128) on an A100 too
+        from pallas_kernels.flash import attention
+
+        return attention(q, k, v, scale, causal,
+                         None if layout.platform == "gpu" else True), cache
     return _xla_core(module, deterministic, scale, causal)(q, k, v, mask), cache
 
 

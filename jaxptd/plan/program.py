@@ -90,11 +90,12 @@ def flash_attention(config: Config, platform: str) -> bool:
     blocks (parallel.context > 1, context_attention=ring) are Pallas's flash kernels with
     model.kernels=pallas where no segment or padding masks the rows (a decoder's unpacked
     rows; interpret mode on CPU), else XLA's (jaxptd/model/context.py); any other
-    attention is cuDNN's flash attention with model.attention=cudnn on a GPU."""
+    attention is cuDNN's flash attention with model.attention=cudnn on a GPU, or Pallas's with
+    model.attention=flash."""
     m_cfg, par = config.model, config.parallel
     if par.context > 1 and par.context_attention == "ring":
         return m_cfg.kernels == "pallas" and m_cfg.document_end < 0 and causal(config)
-    return m_cfg.attention == "cudnn" and platform == "gpu"
+    return m_cfg.attention == "flash" or (m_cfg.attention == "cudnn" and platform == "gpu")
 
 
 def causal(config: Config) -> bool:

@@ -41,9 +41,9 @@ def flops_per_iteration(model: ModelConfig, batch: int, vocab: int,
 def recomputed_flops(model: ModelConfig, per_token: dict, recompute: str) -> float:
     """Matmul FLOPs per token that a layer's backward runs again, of the architecture's
     `forward_flops` (per_token): "none" nothing, "selective" the attention core, "full" the
-    layer's forward; "minimal" keeps the matmul outputs, so with flash attention nothing
-    and with XLA's attention its core's two matmuls; "minimal_mlp" also the q, k, v
-    projection."""
+    layer's forward; "minimal" keeps the matmul outputs, so with cuDNN's attention nothing
+    and with XLA's or Pallas's attention its core's two matmuls; "minimal_mlp" also the
+    q, k, v projection."""
     core = 0 if model.attention == "cudnn" else per_token["core"]
     return {"none": 0, "selective": per_token["core"], "full": per_token["layer"],
             "minimal": core, "minimal_mlp": core + per_token["qkv"]}[recompute]
