@@ -52,6 +52,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxptd.model import fp8
+from jaxptd.parallel.varying import mark_varying, varying_axes
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,9 @@ class Layout:
     expert_axis: str | None = None
     # a layer's backward runs in another program slot than its forward (a pipeline's kept
     # backward, models.layer_function's `apart`): what it recomputes needs no barrier
-    # against XLA merging it with the forward (jax.checkpoint's prevent_cse)
+    # against XLA merging it with the forward (jax.checkpoint's prevent_cse); and its
+    # weight gradients, summed over a pipeline's rounds, come out in float32 (apart_einsum;
+    # so does the spread head's, pipeline/head.py)
     apart: bool = False
     fp8: str = "none"  # model.fp8: the layers' linears as FP8 GEMMs (model/fp8.py)
     fp8_margin: int = 0  # model.fp8_margin: delayed scaling's headroom, a power of 2
@@ -266,7 +269,43 @@ def matmul(name: str, layout: Layout):
         return _fsdp_matmul(DENSE[name], dim, layout.fsdp_axis, layout.fsdp_dtype, axes)
     if axes is not None:
         return product(DENSE[name], axes, margin)  # w quantized from the dtype it comes in
+    if layout.apart:
+        return apart_einsum(DENSE[name])
     return lambda x, w, history=None: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def apart_einsum(spec: str):
+    """(x, w, history=None) -> einsum(spec, x, w) in x's dtype, as `matmul`'s, for a layer
+    whose backward runs apart from its forward (Layout.apart: a pipeline's kept backward,
+    one layer at a time): its weight gradient comes out of the GEMM in float32, whatever
+    w's dtype (JAX takes a float32 cotangent of a 16-bit primal), so that adding it to the
+    pipeline's float32 sums is the GEMM's own epilogue. Through autodiff of the einsum it
+    came out in w's dtype and the add was a kernel of its own that read and wrote the sums
+    again, every slot (the H100 compile of GPT-1.3B at (1,8,1)). x and w are first cast to
+    vary over the same mesh axes (what the einsum did implicitly), so that the transpose
+    of that cast (the all-reduce of f) stays outside."""
+    operands, out = spec.split("->")
+    xs, ws = operands.split(",")
+
+    @jax.custom_vjp
+    def product(x, w):
+        return jnp.einsum(spec, x, w.astype(x.dtype))
+
+    def forward(x, w):
+        return product(x, w), (x, w)
+
+    def backward(kept, g):
+        x, w = kept
+        return (jnp.einsum(f"{out},{ws}->{xs}", g, w.astype(x.dtype)),
+                jnp.einsum(f"{xs},{out}->{ws}", x, g, preferred_element_type=jnp.float32))
+
+    product.defvjp(forward, backward)
+
+    def call(x, w, history=None):
+        axes = tuple(sorted(varying_axes(x) | varying_axes(w)))
+        return product(*mark_varying((x, w), axes))
+    return call
 
 
 def product(spec: str, axes: tuple[str, ...], margin: int | None):

@@ -13,7 +13,8 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import dropout
-from jaxptd.model.tensor import Layout, exit_tensor, normal, psum, token_block, token_positions
+from jaxptd.model.tensor import (Layout, apart_einsum, exit_tensor, normal, psum, token_block,
+                                 token_positions)
 
 
 class Embed(nn.Module):
@@ -49,6 +50,9 @@ class Embed(nn.Module):
         return x.astype(self.cfg.dtype)
 
     def logits(self, x):  # x: [b, s, h] -> [b, s, vocab/t] float32, never gathered
+        if self.layout.apart:  # the table's gradient in float32 (Layout.apart)
+            return apart_einsum("bsh,vh->bsv")(x.astype(self.cfg.dtype), self.wte).astype(
+                jnp.float32)
         return jnp.einsum("bsh,vh->bsv", x, self.wte.astype(self.cfg.dtype)).astype(jnp.float32)
 
 

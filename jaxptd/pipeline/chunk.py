@@ -51,6 +51,7 @@ class Chunks:
         self.keep_activations = context.stash == "activations"
         self.split, self.by_layer = split, by_layer
         self.late_weights = by_layer and self.model.remat == "minimal_mlp"
+        self._layer_list = self._cast_layers() if self.v == 1 else None
         self.layer_sums = by_layer and self.v == 1  # (training's _zero_grads)
         self.probe = self._probe() if self.keep_activations or split else None
 
@@ -60,11 +61,18 @@ class Chunks:
 
     def per_layer(self, chunk) -> list:
         """Chunk c's layers as a list of each layer's tree, as `weights`. With one
-        chunk each layer is sliced from the float32 masters and cast on its own: slices of
-        the cast [Lc, ...] stack were copies of it, kept for the whole step (the H100
-        compile of GPT-1.3B at (2,2,2))."""
+        chunk, each layer's own arrays, sliced from the float32 masters and cast once a
+        step, before the rounds (`_layer_list`): slices of the cast [Lc, ...] stack were
+        copies of it, kept for the whole step (the H100 compile of GPT-1.3B at (2,2,2)),
+        and sliced and cast in the slots, every round cast every layer again, in kernels
+        that wrote several copies of each weight (the same compile at (1,8,1))."""
         if self.v > 1:
             return models.per_layer(self.weights(chunk))
+        return self._layer_list
+
+    def _cast_layers(self) -> list:
+        """The one chunk's layers, each sliced from the float32 masters and cast on its
+        own (`per_layer`)."""
         dense, rest = models.split_dense(buffers.chunk(self.params["layers"], 0))
         dtype = jnp.dtype(self.model.dtype)
         return [models.merge_dense(_cast(d, dtype), r)
@@ -91,9 +99,11 @@ class Chunks:
         unrolled = not models.scans_layers(self.model, self.layout.platform)
         if unrolled and not self.split:
             return jax.tree.flatten(self.per_layer(chunk))
+        if unrolled:  # ([each layer's dense() weights], [each layer's other leaves])
+            return jax.tree.flatten(tuple(map(list, zip(*map(models.split_dense,
+                                                             self.per_layer(chunk))))))
         weights = self.weights(chunk)
-        parts = models.split_dense(weights) if self.split else weights
-        return jax.tree.flatten(tuple(map(models.per_layer, parts)) if unrolled else parts)
+        return jax.tree.flatten(models.split_dense(weights) if self.split else weights)
 
     def vjp(self, x, mb, chunk):
         """jax.vjp of the chunk's layers at x -> ((y, statistics), backward, dense inputs,
@@ -200,8 +210,18 @@ class Chunks:
         made, and the layer below reads its residuals only once they are: left free, XLA
         deferred them behind the input gradients' chain, keeping their inputs
         (models.weight_gradients_first's finding). The middle layer's reads wait for `waits`
-        too (training.IN_FLIGHT)."""
+        too (training.IN_FLIGHT). Where `valid` is not set the cotangent is masked to zeros
+        (the backward is linear in it; every residual a slot can read is finite), not the
+        gradients it makes (with a mixture of experts' seed, those too); and with
+        `layer_sums` the layer below waits for the sums, not the gradients: either way a
+        gradient's one reader is its add to the sums, which XLA then fuses into the GEMM
+        that makes it (tensor.matmul's float32 weight gradients; a select between them, or
+        a second reader, kept the add a kernel of its own that read and wrote the sums
+        again: the H100 compile of GPT-1.3B at (1,8,1))."""
         sums = list(sums) if self.layer_sums else sums
+        # an idle slot's gradients are zeros: its cotangent masked, not what it makes (the
+        # statistics' seed, typed as the statistics are, is not: with one, they are too)
+        g = buffers.masked(g, valid)
         deps = (g, saved)
         layers = None if self.late_weights else self.per_layer(chunk)
         for i in reversed(range(len(saved))):
@@ -213,10 +233,12 @@ class Chunks:
             seed_i = None if seed is None else jax.tree.map(lambda s: s[i], seed)
             with fused.backward_apart():  # its recomputation needs no barrier
                 g_given, g = self.probe[0][i].run((g, seed_i), stored, given)
-            g_layer = buffers.masked(jax.tree.unflatten(tree, g_given), valid)
+            g_layer = jax.tree.unflatten(tree, g_given)
+            if seed is not None:
+                g_layer = buffers.masked(g_layer, valid)
             if self.layer_sums:
                 sums[i] = jax.tree.map(lambda s, g: s + g.astype(s.dtype), sums[i], g_layer)
             else:
                 sums = buffers.add_chunk(sums, chunk, g_layer, layer=i)
-            deps = (g, g_given)
+            deps = (g, sums[i] if self.layer_sums else g_given)
         return sums, g

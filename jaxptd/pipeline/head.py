@@ -32,6 +32,8 @@ p, or (a token-wise head) each row cut into k pieces of s/k tokens, b k divisibl
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
@@ -98,8 +100,10 @@ class SpreadHead:
         mine = token_block(lax.all_to_all(y.reshape(self.p, rows, *y.shape[1:]), PIPE, 0,
                                           0)[self.stage.context.head_rank], layout)
         tokens = lax.dynamic_slice_in_dim(tokens, self.stage.rank * rows, rows)
+        # Layout.apart: the weights' gradients come out of their GEMMs in float32, for
+        # `add`'s sums (in the weights' bf16, the add was a kernel of its own, every round)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
-                                                 layout)
+                                                 dataclasses.replace(layout, apart=True))
         return jnp.where(on > 0, loss * self.stage.norm, 0.0)
 
     def grads(self, sums):
