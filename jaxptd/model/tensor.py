@@ -42,6 +42,8 @@ Master weights are float32; each op casts them to the compute dtype at use.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 
@@ -82,9 +84,8 @@ class Layout:
     expert_axis: str | None = None
     # a layer's backward runs in another program slot than its forward (a pipeline's kept
     # backward, models.layer_function's `apart`): what it recomputes needs no barrier
-    # against XLA merging it with the forward (jax.checkpoint's prevent_cse); and its
-    # weight gradients, summed over a pipeline's rounds, come out in float32 (apart_einsum;
-    # so does the spread head's, pipeline/head.py)
+    # against XLA merging it with the forward (jax.checkpoint's prevent_cse); its weight
+    # gradients come out in float32 (apart_einsum; the spread head's too, head.py)
     apart: bool = False
     fp8: str = "none"  # model.fp8: the layers' linears as FP8 GEMMs (model/fp8.py)
     fp8_margin: int = 0  # model.fp8_margin: delayed scaling's headroom, a power of 2
@@ -274,17 +275,29 @@ def matmul(name: str, layout: Layout):
     return lambda x, w, history=None: jnp.einsum(DENSE[name], x, w.astype(x.dtype))
 
 
+_IN_WEIGHT_DTYPE = contextvars.ContextVar("jaxptd_weight_dtype_grads", default=False)
+
+
+@contextlib.contextmanager
+def weight_dtype_grads():
+    """Within it, backwards traced give `apart_einsum`'s weight gradients in w's dtype
+    (a pipeline's chunks: the H100 compile of GPT-1.3B at (1,8,1) interleaved)."""
+    token = _IN_WEIGHT_DTYPE.set(True)
+    try:
+        yield
+    finally:
+        _IN_WEIGHT_DTYPE.reset(token)
+
+
 @functools.lru_cache(maxsize=None)
 def apart_einsum(spec: str):
     """(x, w, history=None) -> einsum(spec, x, w) in x's dtype, as `matmul`'s, for a layer
-    whose backward runs apart from its forward (Layout.apart: a pipeline's kept backward,
-    one layer at a time): its weight gradient comes out of the GEMM in float32, whatever
-    w's dtype (JAX takes a float32 cotangent of a 16-bit primal), so that adding it to the
-    pipeline's float32 sums is the GEMM's own epilogue. Through autodiff of the einsum it
-    came out in w's dtype and the add was a kernel of its own that read and wrote the sums
-    again, every slot (the H100 compile of GPT-1.3B at (1,8,1)). x and w are first cast to
-    vary over the same mesh axes (what the einsum did implicitly), so that the transpose
-    of that cast (the all-reduce of f) stays outside."""
+    whose backward runs apart from its forward (Layout.apart: a pipeline's kept backward a
+    layer at a time): its weight gradient comes out of the GEMM in float32 whatever w's
+    dtype (JAX takes a float32 cotangent of a 16-bit primal), so that the add to the
+    pipeline's float32 sums is the GEMM's epilogue (in w's dtype, a kernel of its own every
+    slot: the H100 compile of GPT-1.3B at (1,8,1)). x and w first vary over the same mesh
+    axes (as the einsum made them): the transpose of that (f's all-reduce) stays outside."""
     operands, out = spec.split("->")
     xs, ws = operands.split(",")
 
@@ -297,8 +310,9 @@ def apart_einsum(spec: str):
 
     def backward(kept, g):
         x, w = kept
+        g_w = jnp.einsum(f"{xs},{out}->{ws}", x, g, preferred_element_type=jnp.float32)
         return (jnp.einsum(f"{out},{ws}->{xs}", g, w.astype(x.dtype)),
-                jnp.einsum(f"{xs},{out}->{ws}", x, g, preferred_element_type=jnp.float32))
+                g_w.astype(w.dtype) if _IN_WEIGHT_DTYPE.get() else g_w)
 
     product.defvjp(forward, backward)
 

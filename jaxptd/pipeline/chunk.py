@@ -13,11 +13,13 @@ the ends are training.py's.
 """
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 
 from jaxptd import model as models
-from jaxptd.model import fused
+from jaxptd.model import fused, tensor
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.kept import Kept
@@ -231,7 +233,9 @@ class Chunks:
             given, tree = jax.tree.flatten(layers[i] if layers else
                                            self.late_layer(chunk, i, deps))
             seed_i = None if seed is None else jax.tree.map(lambda s: s[i], seed)
-            with fused.backward_apart():  # its recomputation needs no barrier
+            with fused.backward_apart(), \
+                    tensor.weight_dtype_grads() if self.v > 1 else contextlib.nullcontext():
+                # (its recomputation needs no barrier)
                 g_given, g = self.probe[0][i].run((g, seed_i), stored, given)
             g_layer = jax.tree.unflatten(tree, g_given)
             if seed is not None:

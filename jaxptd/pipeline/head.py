@@ -100,10 +100,15 @@ class SpreadHead:
         mine = token_block(lax.all_to_all(y.reshape(self.p, rows, *y.shape[1:]), PIPE, 0,
                                           0)[self.stage.context.head_rank], layout)
         tokens = lax.dynamic_slice_in_dim(tokens, self.stage.rank * rows, rows)
-        # Layout.apart: the weights' gradients come out of their GEMMs in float32, for
-        # `add`'s sums (in the weights' bf16, the add was a kernel of its own, every round)
+        # one chunk a rank, Layout.apart: the weights' gradients come out of their GEMMs in
+        # float32 and `add`'s sums are the GEMMs' epilogue (in bf16, the add was a kernel of
+        # its own every round: the H100 compile of GPT-1.3B at (1,8,1) 1F1B, m = 32); not
+        # with chunks, where it left a steady send with no GEMM in flight (the same at
+        # (1,4,2) interleaved, 24 layers: tests/test_h100.py)
+        if self.stage.context.chunks == 1:
+            layout = dataclasses.replace(layout, apart=True)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
-                                                 dataclasses.replace(layout, apart=True))
+                                                 layout)
         return jnp.where(on > 0, loss * self.stage.norm, 0.0)
 
     def grads(self, sums):
