@@ -1,5 +1,6 @@
 """The models: the shared pieces (tensor.py: a tensor rank's view of parameters, matmuls
-and collectives; layers.py: the layer's Flax modules; vocab.py: the vocabulary-parallel
+and collectives; products.py: the products those matmuls hand a weight to (float32 weight
+gradients, FP8, FSDP gathered); layers.py: the layer's Flax modules; vocab.py: the vocabulary-parallel
 embedding and loss; stack.py: the layer stack's element, its initialisation and decoding;
 moe.py and moe_dispatch.py: the mixture of experts), one module per architecture (gpt.py,
 llama.py, bert.py, each with its `ARCH` record: the interface of jaxptd/arch/interface.py),

@@ -34,7 +34,8 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model import fp8, fused
-from jaxptd.model.tensor import Layout, product
+from jaxptd.model.products import fp8_product
+from jaxptd.model.tensor import Layout
 from jaxptd.parallel.varying import mark_varying, varying_axes
 
 
@@ -163,7 +164,7 @@ class Dispatch:
             slots = slots.reshape(self.local, self.e * cap, -1)
         axes, layout = self.layout.fp8_axes(fp8.EXPERTS), self.layout  # axes None: 16-bit
         margin = layout.fp8_margin if layout.fp8 == "delayed" else None
-        out = self._mlp(slots, product("ech,ehf->ecf", axes, margin) if axes is not None else
+        out = self._mlp(slots, fp8_product("ech,ehf->ecf", axes, margin) if axes is not None else
                         lambda x, w, _: jnp.einsum("ech,ehf->ecf", x, w),
                         lambda b: b[:, None, :])
         if self.exchanges:

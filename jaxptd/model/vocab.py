@@ -13,7 +13,8 @@ from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model.layers import dropout
-from jaxptd.model.tensor import (Layout, apart_einsum, exit_tensor, normal, psum, token_block,
+from jaxptd.model.products import apart_einsum
+from jaxptd.model.tensor import (Layout, exit_tensor, normal, psum, token_block,
                                  token_positions)
 
 

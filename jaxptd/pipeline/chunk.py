@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd import model as models
-from jaxptd.model import fused, tensor
+from jaxptd.model import fused, products
 from jaxptd.pipeline import buffers
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.kept import Kept
@@ -234,7 +234,7 @@ class Chunks:
                                            self.late_layer(chunk, i, deps))
             seed_i = None if seed is None else jax.tree.map(lambda s: s[i], seed)
             with fused.backward_apart(), \
-                    tensor.weight_dtype_grads() if self.v > 1 else contextlib.nullcontext():
+                    products.weight_dtype_grads() if self.v > 1 else contextlib.nullcontext():
                 # (its recomputation needs no barrier)
                 g_given, g = self.probe[0][i].run((g, seed_i), stored, given)
             g_layer = jax.tree.unflatten(tree, g_given)
