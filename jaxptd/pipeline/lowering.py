@@ -167,7 +167,7 @@ class _Lowering:
 
     def lower_round(self, t: int, row) -> None:
         """Round t's slots, row: each rank's (F, B, W) actions or None."""
-        p, freed_w = self.p, []
+        freed_w = []
         for r, (fa, _, _) in enumerate(row):  # F slot, then activation arrivals
             if fa:
                 self._forward(t, r, fa)
