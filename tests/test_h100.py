@@ -321,6 +321,25 @@ def test_context_allgather_and_packed_rows_run_cudnn():
 
 
 @needs_compiler
+@pytest.mark.slow
+def test_flash_attention_compiles_to_triton_kernels():
+    """model.attention=flash at a head width cuDNN takes only on Hopper (160): JAX's Triton
+    flash kernels, forward and backward, compiled (not their interpret-mode loops), and
+    the static cost counts them as attention."""
+    config, _, report, module = compiled(*layout(2, 1, 1, 1), "model.attention=flash",
+                                         "model.hidden_size=640")
+    assert report["fits"] and config.model.hidden_size // config.model.num_heads == 160
+    calls = [i.op_name for c in module.computations.values() for i in c.instrs
+             if i.attr("custom_call_target") == "__gpu$xla.gpu.triton"]
+    layers = config.model.num_layers
+    assert sum("/mha_forward/" in n for n in calls) == layers
+    assert sum("/mha_backward/" in n for n in calls) >= layers
+    assert not [i for c in module.computations.values() for i in c.instrs
+                if "flash_causal" in i.op_name and i.opcode == "while"]
+    assert report["cost"]["category"]["attention"]["flops"] > 0
+
+
+@needs_compiler
 @pytest.mark.slow  # (the fast subset's cuDNN check: the "llama gqa" step above)
 def test_cudnn_attention_only_where_asked():
     """The model's loss gradient compiled for one H100 (the GPU layout): model.attention=

@@ -124,8 +124,7 @@ def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mas
         # heads cuDNN takes only on Hopper (d > 128) on an A100 too
         from pallas_kernels.flash import attention
 
-        return attention(q, k, v, scale, causal,
-                         None if layout.platform == "gpu" else True), cache
+        return attention(q, k, v, scale, causal, layout.platform != "gpu"), cache
     return _xla_core(module, deterministic, scale, causal)(q, k, v, mask), cache
 
 
