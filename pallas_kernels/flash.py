@@ -19,8 +19,8 @@ Contract (both functions): q [b, n, heads, d], k, v [b, m, kv_heads, d] (heads a
 of kv_heads: each key/value head repeated for its query group, its gradients summed back),
 n and m multiples of 32 with n / 32 == m / 32 blocks for the fused backward (the ring's
 blocks are square); d up to 256 (the kernels pad it to a power of two; above 128 they
-take smaller tiles, `_tiles`: with the default ones a 160-wide head, padded to 256, asked
-an A100 for 224 KiB of shared memory, of its 163); `causal`: query i sees keys j <= i (top-left aligned; the ring's
+take smaller tiles, `_tiles`: the default ones of a head padded to 256 need more shared
+memory than an A100 has); `causal`: query i sees keys j <= i (top-left aligned; the ring's
 diagonal block in its local order); log-sum-exps in natural log, [b, n, heads] float32
 (the kernels keep base 2, [b, heads, n]). No mask beyond causal: packed documents and
 padding take the ring's XLA blocks.

@@ -23,7 +23,9 @@ _IN_WEIGHT_DTYPE = contextvars.ContextVar("jaxptd_weight_dtype_grads", default=F
 @contextlib.contextmanager
 def weight_dtype_grads():
     """Within it, backwards traced give `apart_einsum`'s weight gradients in w's dtype
-    (a pipeline's chunks: the H100 compile of GPT-1.3B at (1,8,1) interleaved)."""
+    (a pipeline's chunks: a chunk index that varies by rank makes every slot read and
+    write the sums whole, where float32 gradients double the bytes; figures: the git
+    log)."""
     token = _IN_WEIGHT_DTYPE.set(True)
     try:
         yield
@@ -37,9 +39,10 @@ def apart_einsum(spec: str):
     whose backward runs apart from its forward (Layout.apart: a pipeline's kept backward a
     layer at a time): its weight gradient comes out of the GEMM in float32 whatever w's
     dtype (JAX takes a float32 cotangent of a 16-bit primal), so that the add to the
-    pipeline's float32 sums is the GEMM's epilogue (in w's dtype, a kernel of its own every
-    slot: the H100 compile of GPT-1.3B at (1,8,1)). x and w first vary over the same mesh
-    axes (as the einsum made them): the transpose of that (f's all-reduce) stays outside."""
+    pipeline's float32 sums is the GEMM's epilogue (in w's dtype XLA makes the add a
+    kernel of its own every slot; figures: BENCHMARKS.md). x and w first vary over the
+    same mesh axes (as the einsum made them): the transpose of that (f's all-reduce) stays
+    outside."""
     operands, out = spec.split("->")
     xs, ws = operands.split(",")
 

@@ -65,9 +65,9 @@ class Chunks:
         """Chunk c's layers as a list of each layer's tree, as `weights`. With one
         chunk, each layer's own arrays, sliced from the float32 masters and cast once a
         step, before the rounds (`_layer_list`): slices of the cast [Lc, ...] stack were
-        copies of it, kept for the whole step (the H100 compile of GPT-1.3B at (2,2,2)),
-        and sliced and cast in the slots, every round cast every layer again, in kernels
-        that wrote several copies of each weight (the same compile at (1,8,1))."""
+        copies of it, kept for the whole step, and sliced and cast in the slots, every
+        round cast every layer again, in kernels that wrote several copies of each weight
+        (figures: BENCHMARKS.md and the git log)."""
         if self.v > 1:
             return models.per_layer(self.weights(chunk))
         return self._layer_list
@@ -219,7 +219,7 @@ class Chunks:
         gradient's one reader is its add to the sums, which XLA then fuses into the GEMM
         that makes it (tensor.matmul's float32 weight gradients; a select between them, or
         a second reader, kept the add a kernel of its own that read and wrote the sums
-        again: the H100 compile of GPT-1.3B at (1,8,1))."""
+        again)."""
         sums = list(sums) if self.layer_sums else sums
         # an idle slot's gradients are zeros: its cotangent masked, not what it makes (the
         # statistics' seed, typed as the statistics are, is not: with one, they are too)

@@ -102,9 +102,8 @@ class SpreadHead:
         tokens = lax.dynamic_slice_in_dim(tokens, self.stage.rank * rows, rows)
         # one chunk a rank, Layout.apart: the weights' gradients come out of their GEMMs in
         # float32 and `add`'s sums are the GEMMs' epilogue (in bf16, the add was a kernel of
-        # its own every round: the H100 compile of GPT-1.3B at (1,8,1) 1F1B, m = 32); not
-        # with chunks, where it left a steady send with no GEMM in flight (the same at
-        # (1,4,2) interleaved, 24 layers: tests/test_h100.py)
+        # its own every round); not with chunks, where it left a steady send with no GEMM
+        # in flight (tests/test_h100.py's interleaved steady-send case)
         if self.stage.context.chunks == 1:
             layout = dataclasses.replace(layout, apart=True)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,

@@ -16,17 +16,16 @@ What `compute` counts besides GEMMs, a layer and microbatch (n = s / c tokens a 
 bytes an element; `forwards`, the times the layer runs forward: 1, 2 under full
 recomputation, 3 when a pipelined stage is also recomputed from its stashed input):
 without flash attention, XLA's attention moves the score tensor [b, a/t, n, s]
-SCORE_PASSES times a forward and a backward outside its GEMMs (a float32 softmax: about
-20 passes in all with full recomputation, measured from the 1.7B row's shapes compiled
-for an A100 with 1 and 3 layers), and 2 a forward, 4 a backward in its GEMMs (q k^T writes
+SCORE_PASSES times a forward and a backward outside its GEMMs (a float32 softmax; from a
+layer's difference between compiles of one and three layers, the commit that set it),
+and 2 a forward, 4 a backward in its GEMMs (q k^T writes
 it, p v reads it; dP written, P read for dV, dS read for dQ and dK), those at max(FLOPs,
 bytes) with the core's matmuls; activations outside GEMMs (LayerNorms, residual adds, the
 MLP's activation) 10 h / t_sp + 2 ffn / t elements a token a forward (3 ffn / t gated;
 t_sp = t with sequence parallelism, else 1), twice that a backward; the optimizer's
 update UPDATE_BYTES a parameter (Adam: float32 master, gradient and two moments read,
 master and moments written, the 16-bit copy written). KERNELS_PER_LAYER kernels a layer
-a forward pass's worth (the compiled unpipelined Table 1 rows launch 71-73 a layer and
-microbatch at 4 passes' worth).
+a forward pass's worth (counted in the compiled unpipelined Table 1 rows).
 
 A pipelined rank also runs the executor's rounds (`executor_bytes`, at the HBM rate, each
 round that runs an F and a B, the bubble's idle rounds with the rest of compute).
@@ -91,9 +90,9 @@ def executor_bytes(*, chunk_params: float, chunks: int, stash_slot: float,
     round (CHUNK_COPY_BYTES a parameter; one chunk, static, is read in place); the F
     writes its stash slot (`stash_slot` bytes) and the B reads it; and head_params: the
     head and embedding a lockstep round runs on every rank where the head is not spread
-    over pipe (HEAD_ENDS_BYTES a parameter; 0: spread, or pipe 1). From the rounds phase of
-    the A100 compiles of Table 1's 76.1B-529.6B rows (kernels by op: the chunk's weights
-    sliced, the sums' adds and in-place writes, the ends' casts and scatter-add)."""
+    over pipe (HEAD_ENDS_BYTES a parameter; 0: spread, or pipe 1). What the rounds phase of
+    a compiled pipelined step moves, kernel by op: the chunk's weights sliced, the sums'
+    adds and in-place writes, the ends' casts and scatter-add (bench/table1.py's rows)."""
     per_param = GRAD_SUM_BYTES + (CHUNK_COPY_BYTES if chunks > 1 else 0)
     return per_param * chunk_params + 2 * stash_slot + HEAD_ENDS_BYTES * head_params
 
