@@ -64,6 +64,9 @@ def test_gradients_match_single_device(data, pipe, tensor, extra):
           "optimizer.overlap_grad_reduce=true"),
     _case(2, 2, 2, "offload.optimizer=true", *PIPE, "parallel.schedule=interleaved",
           "parallel.chunks=2", "model.num_layers=8"),
+    # layers unrolled (a GPU's default): tree.host_layers' transpose writes the gradients
+    _case(4, 1, 2, "offload.optimizer=true", "offload.activations=true", FSDP, MATMUL,
+          "model.scan_layers=false", "parallel.microbatches=2", slow=False),
 ])
 def test_offloaded_steps_match_single_device(data, pipe, tensor, extra):
     """Three AdamW steps with the masters, moments (and layer inputs) in host memory, the
@@ -100,8 +103,9 @@ def _device_values_of_layer_shape(setup, eval_step=False) -> list:
 
 
 @pytest.mark.parametrize("extra", [[FSDP], [], ["optimizer.zero1=true", "parallel.microbatches=2",
-                                               "optimizer.overlap_grad_reduce=true"]],
-                         ids=["fsdp", "plain", "zero1-m2"])
+                                               "optimizer.overlap_grad_reduce=true"],
+                                   [FSDP, "model.scan_layers=false"]],
+                         ids=["fsdp", "plain", "zero1-m2", "fsdp-unrolled"])
 def test_offloaded_layers_are_never_whole_on_the_device(extra):
     """offload.optimizer: the stacked layers' masters, moments and gradients stay in host
     memory for the whole step (the PyTorch FSDP post's 1T run cannot hold 4 bytes a parameter on a

@@ -20,7 +20,7 @@ from jaxptd.model.ordering import (AHEAD, reduced_ahead, waiting_attention_out,
                                    weight_gradients_first, weights_first)
 from jaxptd.model.registry import get
 from jaxptd.model.tensor import DENSE_INPUTS, DENSE_OUTPUT, PERTURBATIONS, QKV_OUTPUT, Layout
-from jaxptd.model.tree import ends, layer_at, stacked
+from jaxptd.model.tree import ends, host_layers, in_host_memory, layer_at, stacked
 
 
 LAYER_INPUT = "layer_input"
@@ -80,14 +80,17 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     layer's gradients (the step's hooks, no FSDP); unrolled and with `weights_first`, each
     layer's input gradient then waits for those of a layer above it (`reduced_ahead`).
     """
+    scans = scans_layers(cfg, layout.platform)
     one_layer = layer_function(batch, key, cfg, layout, deterministic,
-                               taped=perturbations is not None, prepare=prepare, keep=keep)
+                               taped=perturbations is not None, prepare=prepare, keep=keep,
+                               unrolled=not scans)
     n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
-    if scans_layers(cfg, layout.platform):
+    if scans:
         xs = (stacked(layers), jnp.arange(n), perturbations, extra)
         x, (stats, inputs) = lax.scan(one_layer, x, xs)
     else:  # unrolled: what each layer keeps is its own buffer, no [n, ...] stack to fill
-        outs, stored = [], [layer_at(layers, i) for i in range(n)]
+        outs, stored = [], host_layers(layers) if not isinstance(layers, list) and \
+            in_host_memory(layers) else [layer_at(layers, i) for i in range(n)]
         pins = reduced and weights_first(cfg, layout, perturbations is not None)
         for i in range(n):
             if pins and i + AHEAD < n:
@@ -113,7 +116,8 @@ def apply_layer(params, x, index: int, batch, key, cfg: ModelConfig, layout: Lay
 
 
 def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: bool,
-                   taped: bool = False, prepare=None, keep=None, apart: bool = False):
+                   taped: bool = False, prepare=None, keep=None, apart: bool = False,
+                   unrolled: bool = False):
     """What a layer of a stack computes, (x, (params, index, perturbations, extra)) -> (y,
     (statistics, dense() inputs)), under the recomputation policy of model.remat (see
     apply_layers). apart: the backward runs in another program slot than the forward (a
@@ -145,6 +149,8 @@ def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: 
             if cfg.moe else None
         return y, (stats, state[DENSE_INPUTS] if taped else None)
 
+    if layout.offload_activations and unrolled:
+        return input_in_host_memory(one_layer)
     policy = OFFLOAD_LAYER_INPUTS if layout.offload_activations else {
         "full": None, "minimal": MINIMAL, "minimal_mlp": MINIMAL_MLP}.get(cfg.remat, keep)
     if layout.offload_activations or cfg.remat in ("full", "minimal", "minimal_mlp") or \
@@ -152,6 +158,30 @@ def layer_function(batch, key, cfg: ModelConfig, layout: Layout, deterministic: 
         # (minimal: FSDP's gathered weights are no matmul output, so they are regathered)
         return jax.checkpoint(one_layer, policy=policy, prevent_cse=not apart)
     return one_layer
+
+
+def input_in_host_memory(one_layer):
+    """one_layer (x, xs) -> y under full recomputation from its input x, which waits in host
+    memory from the forward to the backward, for an unrolled stack (offload.activations).
+    Its forward ends only once x's copy to host memory is done (an optimization barrier
+    on the copy and the output), so the device's x is free when the next layer runs; with
+    jax.checkpoint's offloading policy, unrolled, XLA's GPU compiler started each copy only
+    when the backward neared the layer, keeping every input on the device meanwhile (a
+    scan's iteration ends with its copy done, so a scanned stack keeps the policy)."""
+    @jax.custom_vjp
+    def layer(x, xs):
+        return one_layer(x, xs)
+
+    def forward(x, xs):
+        y = one_layer(x, xs)
+        y, kept = lax.optimization_barrier((y, jax.device_put(x, jax.memory.Space.Host)))
+        return y, (kept, xs)
+
+    def backward(saved, g):
+        kept, xs = saved
+        return jax.vjp(one_layer, jax.device_put(kept, jax.memory.Space.Device), xs)[1](g)
+    layer.defvjp(forward, backward)
+    return layer
 
 
 def scans_layers(cfg: ModelConfig, platform: str) -> bool:

@@ -52,6 +52,37 @@ def per_layer(tree) -> list:
     return [layer_at(tree, i) for i in range(jax.tree.leaves(tree)[0].shape[0])]
 
 
+def in_host_memory(tree) -> bool:
+    """Whether tree's leaves live in host memory (offload.optimizer's stored masters)."""
+    return any(jax.typeof(x).memory_space == jax.memory.Space.Host
+               for x in jax.tree.leaves(tree))
+
+
+@jax.custom_vjp
+def host_layers(tree) -> list:
+    """per_layer(tree) of a stack in host memory, whose transpose writes each layer's
+    cotangent into its place of a stack in host memory (an update of a slice: XLA's
+    offloading pattern). The slices' own transpose pads every layer's cotangent to the
+    whole stack and sums the pads, arithmetic XLA keeps in host memory and so runs on the
+    host, over the whole stack once a layer."""
+    return per_layer(tree)
+
+
+def _host_layers_fwd(tree):
+    return per_layer(tree), tree
+
+
+def _host_layers_bwd(tree, cotangents: list):
+    def stack(stored, *layers):  # every [n, ...] slice of stored overwritten, in place
+        for i, layer in enumerate(layers):
+            stored = jax.lax.dynamic_update_slice_in_dim(stored, layer[None], i, 0)
+        return stored
+    return (jax.tree.map(stack, tree, *cotangents),)
+
+
+host_layers.defvjp(_host_layers_fwd, _host_layers_bwd)
+
+
 def stacked(layers):
     """A list of layers' trees -> one tree [n, ...] (a tree already stacked: itself)."""
     return jax.tree.map(lambda *t: jnp.stack(t), *layers) if isinstance(layers, list) \

@@ -49,10 +49,19 @@ def after(index, values, like):
     the mesh axes the leaves vary over and `like` does not (a scalar all-reduce; tensor
     for the weight gradients), so that what index reads keeps its type."""
     signs = sum(lax.shift_right_arithmetic(lax.bitcast_convert_type(
-        jnp.ravel(leaf)[0].astype(jnp.float32), jnp.int32), 31)
-        for leaf in jax.tree.leaves(values))
+        _first(leaf), jnp.int32), 31) for leaf in jax.tree.leaves(values))
     extra = tuple(sorted(varying_axes(signs) - varying_axes(like) - varying_axes(index)))
     return jnp.maximum(index, (lax.psum(signs, extra) if extra else signs) - 1)
+
+
+def _first(leaf):
+    """leaf's first element, float32, on the device: a leaf in host memory (offload.optimizer's
+    gradients) is sliced there and the element moved, since XLA's GPU compiler runs
+    arithmetic on host memory on the host, and could not lay out a reshape of it."""
+    corner = lax.slice(leaf, (0,) * leaf.ndim, (1,) * leaf.ndim)
+    if jax.typeof(leaf).memory_space == jax.memory.Space.Host:
+        corner = jax.device_put(corner, jax.memory.Space.Device)
+    return corner.reshape(()).astype(jnp.float32)
 
 
 def tied(values, x):

@@ -74,9 +74,11 @@ class _Units:
     @staticmethod
     def view(tree, mask, layer, ends):
         """tree (params-shaped, or optimizer-state-shaped with the mask self.state) with
-        layer(x) at its layer leaves, ends(x) at the others and counters left as they are."""
-        return jax.tree.map(lambda x, m: x if m is None else layer(x) if m else ends(x),
-                            tree, mask)
+        layer(x) at its layer leaves, ends(x) at the others and counters on the device (a
+        host counter would make XLA run the arithmetic it reaches, the whole update, on
+        the host)."""
+        return jax.tree.map(lambda x, m: _to_device(x) if m is None else layer(x) if m
+                            else ends(x), tree, mask)
 
     @staticmethod
     def merge(stored, new, mask, place_layer=None):
@@ -146,19 +148,16 @@ def streamed_update(layout: StateLayout, params, opt_state, grads, scale, dynami
     ends_p, ends_s = update(units.ends(params, units.params), units.ends(grads, units.params),
                             units.ends(opt_state, units.state))
 
-    def read(stored, i):  # layer i's unit, on the device
-        p, s = stored
-        return (units.layer(p, units.params, i), units.layer(grads, units.params, i),
-                units.layer(s, units.state, i))
-
-    def one_layer(i, carry):  # writes layer i's new state, then reads layer i + 1's
-        stored, unit = carry
-        new_p, new_s = update(*unit)
+    def one_layer(i, stored):  # layer i's unit read, updated on the device, written back
+        # (read here, not carried from the iteration before: a carried unit's copy from
+        # the host is one XLA's GPU compiler keeps in host memory, the update then run on
+        # the host, or with offloaded layer inputs too, fails to lay out)
+        new_p, new_s = update(units.layer(stored[0], units.params, i),
+                              units.layer(grads, units.params, i),
+                              units.layer(stored[1], units.state, i))
         write = lambda x, n: lax.dynamic_update_slice_in_dim(x, _put_like(n, x), i, units.axis)
-        stored = (units.merge(stored[0], new_p, units.params, write),
-                  units.merge(stored[1], new_s, units.state, write))
-        return stored, read(stored, jnp.minimum(i + 1, units.layers - 1))
-    stored = (params, opt_state)
-    params, opt_state = lax.fori_loop(0, units.layers, one_layer, (stored, read(stored, 0)))[0]
+        return (units.merge(stored[0], new_p, units.params, write),
+                units.merge(stored[1], new_s, units.state, write))
+    params, opt_state = lax.fori_loop(0, units.layers, one_layer, (params, opt_state))
     return (units.merge(params, ends_p, units.params),
             units.merge(opt_state, ends_s, units.state), norm, finite)
