@@ -19,10 +19,11 @@ from the config alone, and from the compiled step's kernels (the row says why wh
 misses the paper's by more than 10%). --replan: the stored rows' plan (and the planner
 over the compiled bytes) from the planner as it is now, the compile kept.
 
-A row that offloads (the FSDP runs) is compiled as one memory: XLA's topology devices have
-no host memory, so what a run keeps in host memory (masters, moments, gradients, layer
-inputs) is in the compiled bytes, and the planner's device + host is held against them
-(jaxptd/plan/cli.py); its fits column says "pool", not whether the device part fits.
+A row that offloads (the FSDP runs) is compiled with its host memory apart
+(jaxptd/plan/stand_in.py): GiB is the device's, on host what the step keeps in host
+memory (masters, moments, gradients, layer inputs), and the planner's device bytes are
+held against the device's. A row compiled where there were too few CPU devices to stand
+in is one memory (its fits column "pool": the planner's device + host against it).
 """
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ def row_text(row: dict) -> str:
     timed = kernel_time(row)
     kernel_s = timed["total"] if timed else float("nan")
     return (f"{row['name']:<11} {row['devices']:5d} {row['memory']['total'] / gib:7.1f} "
-            f"{row['usable_bytes'] / gib:6.1f} {fits:>4} "
+            f"{row['usable_bytes'] / gib:6.1f} "
+            f"{row['memory'].get('host_total', 0) / gib:7.1f} {fits:>4} "
             f"{row['planned_ratio'] or 0:6.2f} {row['cost']['seconds']:8.2f} "
             f"{ceiling(row):6.3f} {paper:6.3f} {ceiling(row) / paper:6.2f} "
             f"{sum(k.get('bytes', 0) for k in kinds.values()) / 1e9:8.1f} "
@@ -160,8 +162,8 @@ def main() -> int:
     parser.add_argument("--replan", action="store_true", help="stored rows: plan again")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
-    print(f"{'row':<11} {'GPUs':>5} {'GiB':>7} {'usable':>6} {'fits':>4} {'plan/x':>6} "
-          f"{'step s':>8} {'MFU<=':>6} {'paper':>6} {'x':>6} {'coll GB':>8} {'comp s':>7} "
+    print(f"{'row':<11} {'GPUs':>5} {'GiB':>7} {'usable':>6} {'on host':>7} {'fits':>4} "
+          f"{'plan/x':>6} {'step s':>8} {'MFU<=':>6} {'paper':>6} {'x':>6} {'coll GB':>8} {'comp s':>7} "
           f"{'host GB':>6} {'plan s':>7} {'kern s':>7} {'paper s':>7} {'k/p':>5}")
     for name in args.only or list(ROWS):
         target = args.target or ROWS[name][1]
@@ -178,8 +180,9 @@ def main() -> int:
             with open(path, "w") as f:
                 json.dump(row, f)
         print(row_text(row), flush=True)
-    print("\nstep s: the static roofline time of a step; MFU<=: equation 3's FLOPs over it at "
-          "312 TFLOP/s; paper: the paper's achieved fraction of 312; x: MFU<= / paper (issue "
+    print("\nGiB: compiled memory a device; on host: what the step keeps in host memory "
+          "(GiB a device); step s: the static roofline time of a step; MFU<=: equation 3's "
+          "FLOPs over it at 312 TFLOP/s; paper: the paper's achieved fraction of 312; x: MFU<= / paper (issue "
           "50 asks >= 1.25); coll GB: collective bytes a device a step; host GB: the compile's "
           "peak resident memory; pool: an offloading row compiled as one memory (docstring); "
           "plan s: the planner's step time from the config alone; kern s: the planner's "

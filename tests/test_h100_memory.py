@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from jaxptd import hlo
-from jaxptd.plan import compile_check
+from jaxptd.plan import compile_check, stand_in
 from jaxptd.config import load_config
 from test_h100 import (H100, ROOT, cudnn_launches, float32_mlp_gradients, layout,
                        needs_compiler)
@@ -172,42 +172,47 @@ def test_zero_bubble_keeps_what_the_planner_says():
 @needs_compiler
 @pytest.mark.slow
 def test_offloaded_layers_backward_one_at_a_time():
-    """offload.activations (full recomputation, each layer's input in host memory) on 8
-    H100s, data 8: each layer more adds its float32 weight gradients and its offloaded
-    input, not its recomputed activations (8 layers against 4, within 25%). A layer's
-    input gradient waits for its weight gradients (model.weight_gradients_first); left
-    free, XLA deferred every layer's weight-gradient GEMMs behind the input-gradient
-    chain, each keeping its recomputed inputs (268 MB a layer more at this shape, against
-    52).
-    And the 8-layer step's reductions overlap the backward: every data-parallel
-    all-reduce of the layers' gradients has a GEMM or attention in flight, but the last,
-    of the bottom layers' (nothing waits for those but the embedding's gradient): each
-    layer's input gradient waits for the reduced gradients of the layer model.AHEAD above
-    it (model.reduced_ahead). Without, 0 of 4: XLA queued them all, one at a time, behind
-    the last layers' backward. Its attention and MLP as test_h100.py's
+    """offload.activations (full recomputation, each layer's input in host memory) and
+    offload.optimizer on 8 H100s, data 8, compiled with host memory apart (plan/stand_in.py):
+    each layer more adds at most its float32 weight gradients and its input, not its
+    recomputed activations (8 layers against 4, within 25%). A layer's input gradient
+    waits for its weight gradients (model.weight_gradients_first); left free, XLA deferred
+    every layer's weight-gradient GEMMs behind the input-gradient chain, each keeping its
+    recomputed inputs. Its attention and MLP as test_h100.py's
     test_step_compiles_for_h100 holds every layout's: cuDNN attention once a layer
     backward and twice forward (the layer whose input waits in host memory is run again),
-    and the bias-GeLU's backward writes no float32 [b, s, ffn]. (test_h100.py compiled
-    this step again for the reductions, and a small offload step for the rest; this one
-    compile now serves all three.)"""
+    and the bias-GeLU's backward writes no float32 [b, s, ffn].
+    With the layer inputs alone offloaded, the 8-layer step's reductions overlap the
+    backward: every data-parallel all-reduce of the layers' gradients has a GEMM or
+    attention in flight, but the last, of the bottom layers' (nothing waits for those but
+    the embedding's gradient): each layer's input gradient waits for the reduced
+    gradients of the layer model.AHEAD above it (model.reduced_ahead). Without, XLA queued
+    them all behind the last layers' backward. (With offload.optimizer too none overlaps:
+    the gradients go to host memory once reduced, and XLA combines their all-reduces
+    and runs them alone, with or without the pins; seen since the compile has host
+    memory, issue 50's notes.)"""
     b, s, h = 4, 2048, 1024
     base = [f"model.hidden_size={h}", "model.num_heads=8", f"model.seq_len={s}",
             "model.vocab_size=1024", "model.dtype=bfloat16", "model.attention=cudnn",
             "runtime.target=h100", "parallel.data=8", f"train.global_batch={8 * b}",
-            "offload.optimizer=true", "offload.activations=true"]
+            "offload.activations=true"]
     steps = {}
-    per_layer = temp_per_layer(base, steps)
+    per_layer = temp_per_layer([*base, "offload.optimizer=true"], steps)
     assert per_layer <= 1.25 * (4 * 12 * h * h + 2 * s * b * h), per_layer
     config, step, seconds = steps[8]
+    assert isinstance(step, stand_in.Compiled)  # (conftest's 8 CPU devices stand in)
     assert compile_check.analyse(config, step, H100, seconds)["fits"]
     module = hlo.parse(step.as_text())
-    reductions = [c for c in hlo.collectives(module) if c.kind == "all-reduce"]
-    overlapped = [bool(set(c.overlap) & {"gemm", "attention"}) for c in reductions]
-    assert len(overlapped) > 2 and all(overlapped[:-1]), overlapped
     backward = cudnn_launches(module, "fmhaSoftmaxBackward")
     assert backward == config.model.num_layers * config.parallel.microbatches
     assert cudnn_launches(module, "fmhaSoftmax") == 2 * backward
     assert not float32_mlp_gradients(module, config.model.ffn // config.parallel.tensor)
+    step, _ = compile_check.compile_step(load_config(None, [*base, "model.num_layers=8"]),
+                                         H100, 8)
+    reductions = [c for c in hlo.collectives(hlo.parse(step.as_text()))
+                  if c.kind == "all-reduce"]
+    overlapped = [bool(set(c.overlap) & {"gemm", "attention"}) for c in reductions]
+    assert len(overlapped) > 2 and all(overlapped[:-1]), overlapped
 
 
 @needs_compiler
@@ -215,13 +220,19 @@ def test_offloaded_layers_backward_one_at_a_time():
 @pytest.mark.parametrize("config", ["gpt_1t_seq2048"])
 def test_seed003_runs_scaled_are_what_the_planner_says(config):
     """the PyTorch FSDP 1T runs (one matmul's weight gathered at a time, the optimizer state
-    offloaded with a streamed update, SGD) at a width a test compiles, for 8 H100s: the
-    planner's device + host memory (the topology devices have no host memory: what a
-    run offloads is compiled into device memory) within 10% of the compiled step."""
+    and layer inputs offloaded with a streamed update, SGD) at a width a test compiles,
+    for 8 H100s with host memory apart (plan/stand_in.py): the masters and momentum are
+    host arguments of the step, as many bytes as the planner's host weights and optimizer
+    state (within 2%), and the planner's device bytes within 15% of the compiled device's
+    (the gap is issue 50's notes: the compile keeps a little more than the planner's
+    gathered weights and layer)."""
     path = os.path.join(ROOT, "configs", "pytorch_fsdp", f"{config}.yaml")
     overrides = ["parallel.data=8", "model.num_layers=8", "model.hidden_size=2048",
                  "model.num_heads=16", "model.seq_len=1024", "train.global_batch=32",
                  "model.attention=cudnn"]  # (the head width here is 128: cuDNN's)
     report = verify_report("--config", path, *overrides)
-    assert report["offloaded_state_on_device"] and report["fits"]
-    assert report["planned_ratio"] == pytest.approx(1.0, abs=0.1), report["planned_ratio"]
+    assert not report["offloaded_state_on_device"] and report["fits"]
+    host = report["plan"]["host_memory_bytes_per_device"]
+    assert report["memory"]["host_argument"] == pytest.approx(
+        host["weights"] + host["optimizer"], rel=0.02)
+    assert report["planned_ratio"] == pytest.approx(1.0, abs=0.15), report["planned_ratio"]

@@ -10,8 +10,10 @@ The cost report counts as shared/DESIGN.md describes (so its figures compare wit
 H100 issue's): walk the scheduled program from ENTRY; a while body counts times its trip
 count (`known_trip_count`, else the loop condition's constant); a conditional counts its
 costlier branch; calls and non-collective async computations are entered; collectives are
-listed, not timed. Each kernel (fusion, custom call, copy, any other compute op) costs
-max(FLOPs / peak, bytes / bandwidth). FLOPs: 2 x prod(result dims) x prod(contracting
+listed, not timed, and so are the asynchronous copies between host and device memory
+(copy-start, and the async fusions of a slice of a host buffer: `counts_as_kernel`).
+Each kernel (fusion, custom call, copy, any other compute op) costs max(FLOPs / peak,
+bytes / bandwidth). FLOPs: 2 x prod(result dims) x prod(contracting
 dims) of every `dot` inside a fusion or cuBLAS call; cuDNN attention and the Pallas
 flash-attention blocks (pallas_kernels/flash.py) forward 4 b h sq skv d, halved with a
 causal mask, their backward 2.5 times that; nothing else.

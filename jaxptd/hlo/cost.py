@@ -212,10 +212,20 @@ def walk(module: Module, visit, comp: str | None = None, count: float = 1.0,
             walk(module, visit, instr.called()[0], count, branches)
 
 
+# XLA's layout of a buffer in host memory (a pinned_host value: offloaded state or layer
+# inputs), e.g. f16[8,20,512,12288]{3,2,1,0:S(5)}
+HOST_MEMORY = ":S(5)}"
+
+
 def counts_as_kernel(module: Module, instr: Instr) -> bool:
+    """Whether instr is a kernel the device's SMs run: not structure, a loop or call, a
+    collective, or an asynchronous copy between host and device memory (a copy-start, or
+    the async fusion XLA wraps a slice read from a host buffer or an update written into
+    one in), which the copy engines move over the host link beside the kernels."""
+    host_transfer = instr.opcode in ("fusion-start", "fusion-done") and HOST_MEMORY in instr.type
     return not (instr.opcode in STRUCTURAL or instr.opcode in ("while", "conditional", "call",
                                                                "async-start", "copy-start")
-                or instr.base in COLLECTIVES)
+                or instr.base in COLLECTIVES or host_transfer)
 
 
 def cost(module: Module, peak: float, bandwidth: float, fp8_peak: float | None = None) -> list:

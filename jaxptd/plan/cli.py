@@ -17,7 +17,7 @@ import math
 import sys
 
 from jaxptd.config import Config, ConfigError, load_config
-from jaxptd.plan import compile_check
+from jaxptd.plan import compile_check, stand_in
 from jaxptd.plan import report as plan_report
 from jaxptd.plan.inputs import PlanInputs
 from jaxptd.plan.kernels import compiled_step_time
@@ -200,17 +200,18 @@ def _verify_gpu(config: Config, args, given: PlanInputs, target: Target) -> int:
     # XLA dumps the step's memory report where the process tells it, at start (a process
     # whose JAX already runs: nowhere, and no largest buffers)
     dump = dump_dir()
-    start_cpu_compiler(dump)
+    offloads = config.offload.optimizer or config.offload.activations
+    start_cpu_compiler(dump, config.num_devices if offloads else 1)  # (stand_in.py)
     config = dataclasses.replace(config, runtime=dataclasses.replace(config.runtime,
                                                                      target=target.name))
     planned = plan(config, given)
     compiled, seconds = compile_check.compile_step(config, target,
                                                    given.hardware.gpus_per_node)
-    offloads = config.offload.optimizer or config.offload.activations
-    expected = _one_pool_bytes(planned) if offloads else \
+    one_pool = offloads and not isinstance(compiled, stand_in.Compiled)
+    expected = _one_pool_bytes(planned) if one_pool else \
         planned["memory_bytes_per_device"]["total"]
     report = compile_check.analyse(config, compiled, target, seconds, expected, dump)
-    report["offloaded_state_on_device"] = offloads
+    report["offloaded_state_on_device"] = one_pool
     report["plan"] = planned
     if planned["kernels"]:  # the calibrated time model, fed the compiled kernels
         report["kernel_time_s"] = compiled_step_time(planned, report, given.hardware)

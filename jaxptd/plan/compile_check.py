@@ -38,12 +38,16 @@ def dump_flags(directory: str) -> str:
 
 def compile_step(config: Config, target: Target, gpus_per_node: int):
     """(compiled step, seconds) for config.num_devices devices of `target`, hosts of
-    gpus_per_node devices each (the mesh puts tensor inside a host)."""
+    gpus_per_node devices each (the mesh puts tensor inside a host). A step that offloads
+    is lowered on CPU devices standing in for the GPU's where the process has enough
+    (stand_in.py: a stand_in.Compiled, its host memory apart from the device's);
+    elsewhere it compiles as one memory."""
     # JAX on use: after --verify's XLA_FLAGS, never for --help
     import jax
     import jax.numpy as jnp
     from jaxptd.parallel.mesh import make_mesh
     from jaxptd.model import batch_width
+    from jaxptd.plan import stand_in
     from jaxptd.train.step import Setup, build_train_step
 
     n = config.num_devices
@@ -55,13 +59,17 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
         devices = topology_devices(target, n // per_host, per_host)
     except TargetError as e:
         raise ConfigError(str(e)) from None
-    setup = Setup(config, make_mesh(config.parallel, devices))
+    mesh = make_mesh(config.parallel, devices)
+    host = (config.offload.optimizer or config.offload.activations) and stand_in.available(n)
+    setup = Setup(config, stand_in.mesh_for(mesh), target) if host else Setup(config, mesh)
     batch = jax.ShapeDtypeStruct((config.train.global_batch, batch_width(config.model)),
                                  jnp.int32, sharding=setup.batch_sharding)
     began = time.perf_counter()
     try:
-        lowered = build_train_step(setup).lower(setup.state_layout.abstract_state(), batch)
-        compiled = setup.compile(lowered)
+        traced = build_train_step(setup).trace(setup.state_layout.abstract_state(), batch)
+        compiled = stand_in.compile_for(traced.lower(lowering_platforms=("cuda",)), mesh,
+                                        setup.compiler_options()) if host else \
+            setup.compile(traced.lower())
     except Exception as e:  # noqa: BLE001 -- a program that does not trace or compile
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ConfigError(f"--verify --target {target.name}: the step does not compile: "
@@ -71,13 +79,16 @@ def compile_step(config: Config, target: Target, gpus_per_node: int):
 
 def memory(compiled) -> dict:
     """Bytes a device (XLA's memory analysis): arguments, outputs, temporaries, aliased,
-    host-side ones, and the device total (arguments + temporaries + outputs not aliased)."""
+    host-side ones, the device total (arguments + temporaries + outputs not aliased) and
+    the host's likewise (a step compiled with host memory apart: stand_in.py)."""
     analysis = compiled.memory_analysis()
     got = {k: float(getattr(analysis, f"{k}_size_in_bytes", 0) or 0) for k in (
         "argument", "output", "alias", "temp", "generated_code", "host_argument",
         "host_output", "host_alias", "host_temp")}
     got["total"] = got["argument"] + got["output"] - got["alias"] + got["temp"] + \
         got["generated_code"]
+    got["host_total"] = got["host_argument"] + got["host_output"] - got["host_alias"] + \
+        got["host_temp"]
     return got
 
 
@@ -290,7 +301,7 @@ def format_report(report: dict) -> str:
              f"GiB usable: {'fits' if report['fits'] else 'DOES NOT FIT'} (margin "
              f"{report['margin_bytes'] / GiB:+.2f} GiB)   arguments {mem['argument'] / GiB:.2f}"
              f"  temporaries {mem['temp'] / GiB:.2f}  outputs not aliased "
-             f"{(mem['output'] - mem['alias']) / GiB:.2f}  host {mem['host_argument'] / GiB:.2f}"]
+             f"{(mem['output'] - mem['alias']) / GiB:.2f}  host {mem['host_total'] / GiB:.2f}"]
     if report["planned_bytes"]:
         lines.append(f"  planner {report['planned_bytes'] / GiB:.2f} GiB: "
                      f"{report['planned_ratio']:.2f} x the compiled step")

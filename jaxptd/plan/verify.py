@@ -143,14 +143,17 @@ def dump_dir() -> str | None:
     return dump
 
 
-def start_cpu_compiler(dump: str | None) -> None:
-    """Before JAX starts: CPU devices only (the GPU ones are XLA's topology devices), and
-    XLA told where to dump the step's memory report (`dump`, None: nowhere)."""
+def start_cpu_compiler(dump: str | None, cpu_devices: int = 1) -> None:
+    """Before JAX starts: CPU devices only (the GPU ones are XLA's topology devices), as
+    many as cpu_devices (the stand-ins of an offloading step: stand_in.py), and XLA told
+    where to dump the step's memory report (`dump`, None: nowhere)."""
     if "jax" in sys.modules:
         return
     if dump:
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                             compile_check.dump_flags(dump)])
     os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+    jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 

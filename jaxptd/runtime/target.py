@@ -237,8 +237,9 @@ TRITON_TILES = "Couldn't find output tile sizes"
 TRITON_GEMM = "xla_gpu_enable_triton_gemm"
 
 
-def compile_lowered(lowered, options: dict | None):
-    """`lowered.compile(options)`, leaving out the options the running XLA does not know.
+def compile_lowered(lowered, options: dict | None, compile_fn=None):
+    """`lowered.compile(options)` (or compile_fn(lowered, options)), leaving out the options
+    the running XLA does not know.
 
     The flags above are checked against jaxlib 0.10.2; a newer XLA renames or retires some
     (0.11.2 on the H100: no xla_gpu_enable_pipelined_all_reduce/_all_gather). It refuses
@@ -250,6 +251,8 @@ def compile_lowered(lowered, options: dict | None):
     options = dict(options or {})
     while True:
         try:
+            if compile_fn is not None:
+                return compile_fn(lowered, options)
             return lowered.compile(options or None)
         except jax.errors.JaxRuntimeError as e:
             if TRITON_TILES in str(e) and options.get(TRITON_GEMM, True):

@@ -104,11 +104,14 @@ class Setup:
     and shardings (`state_layout`, jaxptd/train/state.py), the model's view of one device
     (`local_layout`), the step's policy (`policy`) and where a batch lives."""
 
-    def __init__(self, config: Config, mesh):
+    def __init__(self, config: Config, mesh, for_target: target.Target | None = None):
+        """for_target: the GPU a step on CPU devices is lowered for, where those devices
+        stand in for it (jaxptd/plan/stand_in.py); None: the mesh's own devices'."""
         self.config, self.mesh = config, mesh
         model, par = config.model, config.parallel
         try:  # the hardware the step is for: its GPU code paths and its numbers
-            self.target = target.resolve(config.runtime.target, mesh.devices.flat)
+            self.target = for_target or target.resolve(config.runtime.target,
+                                                       mesh.devices.flat)
         except target.TargetError as e:
             raise ConfigError(str(e)) from None
         if model.fp8 != "none" and self.target.platform == "gpu" and self.target.chip and \
