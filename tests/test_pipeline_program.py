@@ -39,6 +39,8 @@ from test_pipeline import CASES, LLAMA, ZB_CASES, pipelined_setup
                  marks=pytest.mark.slow),
     pytest.param("activations", CASES[0], "none", ["model.moe_experts=4"],
                  marks=pytest.mark.slow),
+    pytest.param("activations", CASES[1], "none", ["model.moe_experts=4"],
+                 marks=pytest.mark.slow),
     pytest.param("activations", CASES[5], "minimal", [], marks=pytest.mark.slow),
     ("inputs", CASES[1], "none", []),
     pytest.param("inputs", (1, 2, 2, "interleaved", 2, 4, 4), "none",
@@ -55,14 +57,15 @@ def test_unrolled_layers_match_single_device(stash, case, remat, more):
     (training.kept_by_layer: stored as F makes it, read by B as it goes, a mixture of
     experts' statistics seeded a layer at a time; with ZeRO-1 and minimal_mlp (q, k, v
     recomputed) the layers' gradients reduced once their last backward is done, from the
-    per-layer sums the kept backward a layer at a time adds to; with remat none the middle
-    layer's stores, tensor-invariant kept values among them, wait for the message in flight
-    and keep their buffers' types); with stash=inputs the recomputed stage's middle layer
-    waits for the message in flight, and the message is stored after the slot it travelled
-    beside (executor._steady_recomputed); zero-bubble with sequence parallelism: W gathers
-    the column-parallel matmuls' inputs, taped before their all-gather (Llama: q and k, v,
-    gate and up each from the same), a layer at a time, and the kept backward's
-    perturbations are passed in again, not stored."""
+    per-layer sums the kept backward a layer at a time adds to (the kept backward of the
+    whole chunk adds to them too, a mixture of experts' gradients masked); with remat none
+    the middle layer's stores, tensor-invariant kept values among them, wait for the
+    message in flight and keep their buffers' types); with stash=inputs the recomputed
+    stage's middle layer waits for the message in flight, and the message is stored after
+    the slot it travelled beside (executor._steady_recomputed); zero-bubble with sequence
+    parallelism: W gathers the column-parallel matmuls' inputs, taped before their
+    all-gather (Llama: q and k, v, gate and up each from the same), a layer at a time, and
+    the kept backward's perturbations are passed in again, not stored."""
     from jaxptd.pipeline.training import kept_by_layer
     from jaxptd.train.step import pipeline_context
 

@@ -54,7 +54,8 @@ MINIMAL_MLP = _kept_names(DENSE_OUTPUT)
 
 def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
                  deterministic: bool, perturbations=None, prepare=None, extra=None, keep=None,
-                 with_stats: bool = False, wait=None, reduced: bool = False):
+                 with_stats: bool = False, wait=None, reduced: bool = False,
+                 apart: bool = False):
     """Applies a stack of layers (leading axis n, or a list of n layers' trees) to x
     [b, s, h], as a scan or unrolled (`scans_layers`); batch: the microbatch's rows, from
     which an architecture may take an attention mask (BERT).
@@ -79,11 +80,12 @@ def apply_layers(layers, x, batch, key, cfg: ModelConfig, layout: Layout,
     attention (pipeline/executor.py). reduced: prepare's transpose all-reduces each
     layer's gradients (the step's hooks, no FSDP); unrolled and with `weights_first`, each
     layer's input gradient then waits for those of a layer above it (`reduced_ahead`).
+    apart: the backward runs in another program slot than the forward (layer_function).
     """
     scans = scans_layers(cfg, layout.platform)
     one_layer = layer_function(batch, key, cfg, layout, deterministic,
                                taped=perturbations is not None, prepare=prepare, keep=keep,
-                               unrolled=not scans)
+                               unrolled=not scans, apart=apart)
     n = len(layers) if isinstance(layers, list) else jax.tree.leaves(layers)[0].shape[0]
     if scans:
         xs = (stacked(layers), jnp.arange(n), perturbations, extra)

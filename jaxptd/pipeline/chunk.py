@@ -54,7 +54,10 @@ class Chunks:
         self.split, self.by_layer = split, by_layer
         self.late_weights = by_layer and self.model.remat == "minimal_mlp"
         self._layer_list = self._cast_layers() if self.v == 1 else None
-        self.layer_sums = by_layer and self.v == 1  # (training's _zero_grads)
+        # (training's _zero_grads): the kept backward of one chunk of unrolled layers
+        self.layer_sums = self.v == 1 and (by_layer or (
+            self.keep_activations and not split
+            and not models.scans_layers(self.model, self.layout.platform)))
         self.probe = self._probe() if self.keep_activations or split else None
 
     def weights(self, chunk):
@@ -116,7 +119,8 @@ class Chunks:
         given, tree = self.vjp_weights(chunk)
         if not self.split:
             y, backward = jax.vjp(lambda w, x: self.stage.layers(
-                jax.tree.unflatten(tree, w), x, mb, chunk, with_stats=True), tuple(given), x)
+                jax.tree.unflatten(tree, w), x, mb, chunk, with_stats=True, apart=True),
+                tuple(given), x)
             return y, backward, None, given
         zeros, zeros_tree = self.zeros(x)
 

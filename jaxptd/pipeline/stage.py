@@ -76,13 +76,14 @@ class Stage:
             return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
         return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
 
-    def layers(self, layers, x, mb, chunk, perturbations=None, with_stats=False, wait=None):
+    def layers(self, layers, x, mb, chunk, perturbations=None, with_stats=False, wait=None,
+               apart=False):
         """The chunk's layers at x (models.apply_layers; wait: what its middle layer
-        waits for)."""
+        waits for; apart: for a backward that runs apart from them, as `layer`)."""
         return models.apply_layers(layers, x, self.tokens(mb), self.stage_key(mb, chunk),
                                    self.model, self.layout, self.deterministic,
                                    perturbations, self.prepare, keep=self.keep,
-                                   with_stats=with_stats, wait=wait)
+                                   with_stats=with_stats, wait=wait, apart=apart)
 
     def layer(self, params, x, mb, chunk, index: int):
         """Layer `index` of a chunk on its own, as `layers` runs it, for a backward that

@@ -12,7 +12,8 @@ keeps between a stage's F and B slot:
   layer at a time as its gradient reaches the layer, adds each layer's weight gradients
   to the sums as they are made, and runs the recomputation without a barrier
   (model.fused.backward_apart, model.layer_function's apart): the forward is another
-  slot's;
+  slot's. Elsewhere B runs the chunk's kept backward whole, as apart, and one chunk of
+  unrolled layers adds each layer's gradients to per-layer sums too (`_add_layers`);
 - inputs: only the stage input [b, s, h] is kept and the B slot takes `jax.vjp` of the whole
   stage on it, recomputing the forward (per-stage activation recomputation).
 Zero-bubble kinds split the backward: B computes the input gradient and the gradients of
@@ -41,7 +42,7 @@ from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.head import SpreadHead
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
-from jaxptd.model import moe
+from jaxptd.model import fused, moe
 from jaxptd.parallel.varying import after, mark_varying, zeros_as
 
 # the carry's entry for the message in flight beside a slot (put there by the executor for
@@ -155,8 +156,8 @@ class Training:
         return carry
 
     def _zero_grads(self):
-        """Zeros for the gradient sums, like the params; `layer_sums` (the kept backward a
-        layer at a time, one chunk): the layers' as a list of each layer's tree, which B
+        """Zeros for the gradient sums, like the params; `layer_sums` (the kept backward of
+        one chunk of unrolled layers): the layers' as a list of each layer's tree, which B
         adds to in place. Summed into the [v, 1, Lc, ...] stack, each layer's add was a
         dynamic-update-slice of it that XLA fused with other layers' slices and rounds' into
         copies, time lost every step (the H100 compile of GPT-1.3B at (2,2,2), 1F1B). With
@@ -239,16 +240,29 @@ class Training:
             g_ends = buffers.masked(g_ends, valid)
         grads = carry["grads"]
         grads = {**{k: jax.tree.map(_add_slot, grads[k], g) for k, g in g_ends.items()},
-                 "layers": g_layers if self.by_layer else buffers.add_chunk(
-                     grads["layers"], chunk, buffers.masked(g_layers, valid))}
+                 "layers": g_layers if self.by_layer else self._add_layers(
+                     grads["layers"], chunk, g_layers, valid)}
         if self.head is None:
             loss = buffers.masked(loss, valid)
-        else:  # the last rank's part of the work: head_on masked it, not this rank's slot
+        elif g_head is not None:  # the last rank's part: head_on masked it, not this slot
             carry = {**carry, "head_grads": self.head.add(carry["head_grads"], g_head)}
         carry = {**carry, "grads": grads, "loss": carry["loss"] + loss}
         if self.split:
             carry["wsaved"] = buffers.write_tree(carry["wsaved"], row["b_wslot"], taps, valid)
         return g_x.astype(x_in.dtype), carry
+
+    def _add_layers(self, sums, chunk, g_layers, valid):
+        """The sums with a B slot's layer gradients added: `layer_sums` (g_layers a list of
+        each layer's, zeros where the slot is not valid: _backward_kept masked the
+        cotangent) added layer by layer, so that XLA adds each in the epilogue of the GEMM
+        that makes it (as the kept backward a layer at a time); else masked and added to
+        the [v, 1, Lc, ...] stack."""
+        if not self.layer_sums:
+            return buffers.add_chunk(sums, chunk, buffers.masked(g_layers, valid))
+        if self.model.moe:  # the statistics' seed is not masked: the gradients are
+            g_layers = buffers.masked(g_layers, valid)
+        return [jax.tree.map(lambda s, g: s + g.astype(s.dtype), s, g)
+                for s, g in zip(sums, g_layers)]
 
     def _head_loss(self, ends, weights, y, row, chunk, piece):
         """A B slot's loss: the last stage's own (Stage.head, from `ends`) or this rank's
@@ -265,10 +279,17 @@ class Training:
         saved, y = carry["saved"]
         y = buffers.read(y, row["b_slot"])
         piece = seg.piece("head", "B")
-        loss, head_vjp = jax.vjp(lambda e, w, y: self._head_loss(e, w, y, row, chunk, piece),
-                                 self.ends, self.head and self.head.weights, y)
-        g_head, g_weights, g_y = head_vjp(g_loss)
-        g = g_out + g_y.astype(g_out.dtype)
+        if piece == "off":
+            # no rank runs the head in this round: its vjp's table-sized zeros were masked and
+            # added to the embedding's gradient in every such B slot
+            loss, g_head, g_weights, g = self._head_loss(None, None, y, row, chunk, piece), \
+                None, None, g_out
+        else:
+            loss, head_vjp = jax.vjp(lambda e, w, y: self._head_loss(e, w, y, row, chunk,
+                                                                     piece),
+                                     self.ends, self.head and self.head.weights, y)
+            g_head, g_weights, g_y = head_vjp(g_loss)
+            g = g_out + g_y.astype(g_out.dtype)
         if self.by_layer:
             g_layers, g_x = self.chunks.backward_by_layer(
                 saved, row["b_slot"], g, chunk, carry["grads"]["layers"], valid,
@@ -277,18 +298,23 @@ class Training:
         else:
             given, tree = self.chunks.vjp_weights(chunk)
             zeros, zeros_tree = self.chunks.zeros(x_in) if self.split else (None, None)
-            g_given, g_x, *g_taps = self.chunks.probe[0].run(
-                (g, self._stats_seed()), buffers.read_tree(saved, row["b_slot"]), given,
-                None, zeros)
+            if self.layer_sums:  # an idle slot's cotangent masked, not what it makes
+                g = buffers.masked(g, valid)
+            with fused.backward_apart():  # (F ran in another slot: no barrier)
+                g_given, g_x, *g_taps = self.chunks.probe[0].run(
+                    (g, self._stats_seed()), buffers.read_tree(saved, row["b_slot"]), given,
+                    None, zeros)
             g_layers = jax.tree.unflatten(tree, g_given)
-            g_layers = models.stacked(g_layers[1] if self.split else g_layers)  # split: rest
+            g_layers = g_layers[1] if self.split else g_layers  # split: the rest
+            g_layers = g_layers if self.layer_sums else models.stacked(g_layers)
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
         # the embedding's table gradient from a masked input: a scatter-add into zeros that
         # XLA folds into the add to the sums (_add_slot), where a table-sized select after it
         # kept the zero-filled table (two f32 [V/t, h] a B slot in the H100 compile)
         g_embed = embed_vjp(buffers.masked(g_x, valid))[0]
-        g_ends = jax.tree.map(jnp.add, buffers.masked(g_head, valid), g_embed)
+        g_ends = g_embed if g_head is None else \
+            jax.tree.map(jnp.add, buffers.masked(g_head, valid), g_embed)
         return (loss, g_ends, g_weights, g_layers, embed_vjp(g_x)[1],
                 self.chunks.taps(g_taps[0], zeros_tree) if self.split else None)
 
