@@ -566,6 +566,36 @@ def test_static_cost_leaves_host_transfers_out():
     assert [k.name for k in kernels] == ["y"]
 
 
+SCATTER_HLO = """
+HloModule scatter
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+%scat (t: f32[1000,8], i: s32[4,1], u: f32[4,8]) -> f32[1000,8] {
+  %t = f32[1000,8]{1,0} parameter(0)
+  %i = s32[4,1]{1,0} parameter(1)
+  %u = f32[4,8]{1,0} parameter(2)
+  ROOT %r = f32[1000,8]{1,0} scatter(%t, %i, %u), update_window_dims={1}, inserted_window_dims={0}, scatter_dims_to_operand_dims={0}, index_vector_dim=1, to_apply=%add
+}
+ENTRY %main (t: f32[1000,8], i: s32[4,1], u: f32[4,8]) -> f32[1000,8] {
+  %t = f32[1000,8]{1,0} parameter(0)
+  %i = s32[4,1]{1,0} parameter(1)
+  %u = f32[4,8]{1,0} parameter(2)
+  ROOT %k = f32[1000,8]{1,0} fusion(%t, %i, %u), kind=kInput, calls=%scat
+}
+"""
+
+
+def test_static_cost_counts_a_scatter_s_updates():
+    """A scatter-add into a fusion operand (the embedding table's gradient sums, a B slot
+    at a time) reads its indices and updates and writes the updated rows in place, not the
+    table: 4 indices, 4 x 8 float32 read and written."""
+    (kernel,) = hlo.cost(hlo.parse(SCATTER_HLO), peak=1e12, bandwidth=1e9)
+    assert kernel.bytes == 4 * 4 + 2 * 4 * 8 * 4
+
+
 def test_static_cost_phases_by_jax_name():
     """A kernel's phase from its op's jax name: autodiff's transpose is the backward, its
     jvp the forward; outside both, in a pipeline's rounds (slot copies and gradient sums)

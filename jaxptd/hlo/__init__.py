@@ -19,7 +19,7 @@ flash-attention blocks (pallas_kernels/flash.py) forward 4 b h sq skv d, halved 
 causal mask, their backward 2.5 times that; nothing else.
 Bytes: operands and results once each, except that a fusion operand read only through
 (dynamic-)slice or gather (bitcasts between) costs the slices, and a dynamic-update-slice
-costs its update, not the buffer it writes into. It shows structure, not speed: nothing is
+or a scatter costs its update, not the buffer it writes into. It shows structure, not speed: nothing is
 autotuned.
 
 Modules: `text` (the parser), `cost` (the kernels a step launches and their static cost;

@@ -112,7 +112,13 @@ def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
             users.setdefault(o, []).append(i)
     root = body.root
     outputs = [body.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
-    updated = {o.operands[0] for o in outputs if o.opcode == "dynamic-update-slice"}
+    # the buffer an update (dynamic-update-slice: operand 1) writes into in place, and an
+    # operand a scatter (its updates: operand 2) does (a scatter into a buffer made inside
+    # the fusion writes it whole)
+    written = {"dynamic-update-slice": 1, "scatter": 2}
+    in_place = [o for o in outputs if o.opcode == "dynamic-update-slice" or (
+        o.opcode == "scatter" and body.by_name[o.operands[0]].opcode == "parameter")]
+    updated = {o.operands[0] for o in in_place}
     total = 0.0
     def readers_of(name: str) -> list:  # through bitcasts, which move no data
         found = users.get(name, [])
@@ -126,9 +132,8 @@ def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
             total += sum(nbytes(r.type) for r in readers)
         else:
             total += nbytes(comp.by_name[fusion.operands[int(param.args)]].type)
-    return total + sum(nbytes(body.by_name[o.operands[1]].type)
-                       if o.opcode == "dynamic-update-slice" else nbytes(o.type)
-                       for o in outputs)
+    return total + sum(nbytes(body.by_name[o.operands[written[o.opcode]]].type)
+                       if o in in_place else nbytes(o.type) for o in outputs)
 
 
 # The name scope of a pipeline's rounds (pipeline/executor.py), which `phase` reads.
