@@ -425,30 +425,41 @@ def test_zb_peak_stash_keeps_the_base_kinds_and_does_not_grow_with_m():
                                         ("zb-interleaved", 4, 6, 2),
                                         ("zb-interleaved", 2, 5, 3), ("zb-v", 4, 8, 2)])
 def test_zb_w_slot_tables_replay(kind, p, m, v, masked):
-    """Every B fills the W slot its W later empties, every F the tape slot its W empties,
-    one W per B, no live W or tape slot is overwritten, and a W never runs before its B."""
+    """Every B whose W runs in a later round fills the W slot its W empties; a W in its
+    B's round (w_now) takes what the B kept in the round, in no W slot; every F fills the
+    tape slot its W empties; one W per B, no live W or tape slot is overwritten, and a W
+    never runs before its B. The W slots hold only the W's of later rounds: masked, zb-h1's
+    rank r keeps the W's of its first r B's for the rounds after its last B and runs every
+    other W in its B's round."""
     costs = Costs(masked=masked)
     R = lower(make_schedule(kind, p, m, v, costs), costs)
     wbuf = [[None] * R.num_w_slots for _ in range(p)]
     tapes = [[None] * R.num_tape_slots for _ in range(p)]
-    ran = set()
+    ran, now = set(), 0
     for t in range(R.num_rounds):
         for r in range(p):
             if R.f_valid[t][r]:  # (a round's F writes before its W reads)
                 assert tapes[r][R.f_tslot[t][r]] is None
                 tapes[r][R.f_tslot[t][r]] = (R.f_mb[t][r], R.f_chunk[t][r])
-            if R.b_valid[t][r]:
-                key = (R.b_mb[t][r], R.b_chunk[t][r])
+            b_key = (R.b_mb[t][r], R.b_chunk[t][r]) if R.b_valid[t][r] else None
+            if b_key and not (R.w_valid[t][r] and R.w_now[t][r]):
                 assert wbuf[r][R.b_wslot[t][r]] is None
-                wbuf[r][R.b_wslot[t][r]] = key
+                wbuf[r][R.b_wslot[t][r]] = b_key
             if R.w_valid[t][r]:
                 key = (R.w_mb[t][r], R.w_chunk[t][r])
-                assert wbuf[r][R.w_slot[t][r]] == key == tapes[r][R.w_tslot[t][r]]
-                wbuf[r][R.w_slot[t][r]] = tapes[r][R.w_tslot[t][r]] = None
+                if R.w_now[t][r]:
+                    assert key == b_key == tapes[r][R.w_tslot[t][r]]
+                    now += 1
+                else:
+                    assert wbuf[r][R.w_slot[t][r]] == key == tapes[r][R.w_tslot[t][r]]
+                    wbuf[r][R.w_slot[t][r]] = None
+                tapes[r][R.w_tslot[t][r]] = None
                 ran.add((r,) + key)
     assert ran == {(r, j, c) for r in range(p) for j in range(m) for c in range(v)}
     assert all(x is None for rank in wbuf + tapes for x in rank)
     assert max(sum(row) for row in zip(*R.w_valid)) <= R.num_rounds  # one W slot a round
+    if masked and kind == "zb-h1":
+        assert now == p * m - p * (p - 1) // 2, now
 
 
 def test_zb_validator_rules():
@@ -495,13 +506,14 @@ def test_masked_zb_h1_p2_m8_hand_worked():
     one rank runs costs the other a W too. Packed for that, both ranks run their W's in
     the same rounds: F and B present in 9 rounds each, W in 8, 26 units (1F1B's 27 less
     the (p - 1) W's of its bubble); packed for skipped idle slots (25 units there), the
-    rounds cost 27 masked: one W round more, and two of W's alone at the end."""
+    rounds cost 27 masked: one W round more, and two of W's alone at the end. A W slot
+    runs its round's B's W where it can (rank 1 keeps W0 for the end)."""
     packed = lower(make_schedule("zb-h1", 2, 8, 1, MASKED), MASKED)
     assert packed.grid().splitlines()[1:] == [
         "rank 0  F0 . .   F1 . .   F2 B0 W0 F3 B1 W1 F4 B2 W2 F5 B3 W3 F6 B4 W4 F7 B5 W5"
         " . B6 W6  . B7 W7",
-        "rank 1  . . .    F0 B0 .  F1 B1 W0 F2 B2 W1 F3 B3 W2 F4 B4 W3 F5 B5 W4 F6 B6 W5"
-        " F7 B7 W6 . . W7"]
+        "rank 1  . . .    F0 B0 .  F1 B1 W1 F2 B2 W2 F3 B3 W3 F4 B4 W4 F5 B5 W5 F6 B6 W6"
+        " F7 B7 W7 . . W0"]
     assert simulate(make_schedule("zb-h1", 2, 8, 1, MASKED), MASKED).total_time == 26
     skipped = lower(make_schedule("zb-h1", 2, 8)).packed  # packed for skipped idle slots
     assert packed_time(skipped, UNIFORM, True, 1) == 25

@@ -118,14 +118,28 @@ def add_chunk(grads_layers, c, chunk_grads, layer: int | None = None):
     start = (c, 0) if layer is None else (c, 0, layer)
     flat = traverse_util.flatten_dict(grads_layers)
 
-    def add(total, g, largest: bool):  # (an amax history's entries: their maximum)
-        g = g.astype(total.dtype).reshape((1,) * len(start) + g.shape)
+    def add(total, g, path):
+        g = g.reshape((1,) * len(start) + g.shape)
         at = (*start, *(0,) * (total.ndim - len(start)))
         old = lax.dynamic_slice(total, at, g.shape)
-        return lax.dynamic_update_slice(total, jnp.maximum(old, g) if largest else old + g, at)
+        return lax.dynamic_update_slice(total, _combined(old, g, path), at)
     for path, g in traverse_util.flatten_dict(chunk_grads).items():
-        flat[path] = add(flat[path], g, fp8.is_history(path))
+        flat[path] = add(flat[path], g, path)
     return traverse_util.unflatten_dict(flat)
+
+
+def add_layer(sums, grads):
+    """One layer's gradient sums (a layer's tree) with `grads` (a subtree of it) added."""
+    flat = traverse_util.flatten_dict(sums)
+    for path, g in traverse_util.flatten_dict(grads).items():
+        flat[path] = _combined(flat[path], g, path)
+    return traverse_util.unflatten_dict(flat)
+
+
+def _combined(total, g, path):
+    """total + g in total's dtype (an amax history's entries: their maximum)."""
+    g = g.astype(total.dtype)
+    return jnp.maximum(total, g) if fp8.is_history(path) else total + g
 
 
 def _scatter(x, tensor: int):

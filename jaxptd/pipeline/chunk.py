@@ -54,9 +54,12 @@ class Chunks:
         self.split, self.by_layer = split, by_layer
         self.late_weights = by_layer and self.model.remat == "minimal_mlp"
         self._layer_list = self._cast_layers() if self.v == 1 else None
-        # (training's _zero_grads): the kept backward of one chunk of unrolled layers
+        # the layers' gradient sums as a list of each layer's tree (training's _zero_grads):
+        # one chunk, its layers unrolled, kept a layer at a time, kept whole or split (the
+        # split B's and W's adds to a stack were dynamic-update-slices of their own every
+        # slot)
         self.layer_sums = self.v == 1 and (by_layer or (
-            self.keep_activations and not split
+            (split or self.keep_activations)
             and not models.scans_layers(self.model, self.layout.platform)))
         self.probe = self._probe() if self.keep_activations or split else None
 

@@ -76,6 +76,7 @@ from jaxptd.pipeline.evaluation import Evaluation
 from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, lower,
                                      round_costs, segments)
 from jaxptd.pipeline.training import IN_FLIGHT, Training
+from jaxptd.pipeline.weight_slot import HANDED
 from jaxptd.parallel.varying import after, mark_varying, waiting
 
 # the carry's B message of the previous round ({x, valid, slot}: what it is and where it
@@ -86,7 +87,7 @@ SLOT_FIELDS = {
           "recv_f2_valid", "recv_f2_slot"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "recv_b_valid",
           "recv_b_slot", "recv_b2_valid", "recv_b2_slot"),
-    "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_tslot"),
+    "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_now", "w_tslot"),
 }
 
 
@@ -232,10 +233,14 @@ def _round(program, seg: Segment):
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
             carry["gbuf"] = _store(carry["gbuf"], sent_b, pending, y if wait else None,
                                    y if late else None, tensor)
+        handed = seg.modes[2] != "off" and seg.taps[1] != "slot"  # training.HANDED
+        if handed:
+            carry[HANDED] = program.handover()
         g_x, carry = _run_beside(sent_f if held else None, seg.modes[1], program.backward,
                                  carry, row, "b_valid", seg, idle)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
-        carry = dict(carry)  # what arrived, stored last: no slot of the round waits for it
+        carry = {k: x for k, x in carry.items() if k != HANDED}
+        # (what arrived, stored last: no slot of the round waits for it)
         if sent_f is not None:
             arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
                         if k.startswith("recv_f")}  # {'_valid': .., '_slot': .., '2_valid': ..}

@@ -19,7 +19,8 @@ unless said otherwise):
   slot freed by round t's B may receive round t's message (arrivals are stored after the
   round's slots have read their inputs);
 - W (zero-bubble kinds): what a B keeps for its W (each weight matmul's output gradient,
-  and with parallel.stash=inputs its input too) from the B until the W;
+  and with parallel.stash=inputs its input too) from the B until the W; none where the W
+  runs in its B's round (w_now: handed over in the round, packing's `_take`);
 - tape (zero-bubble kinds, used with parallel.stash=activations): each weight matmul's
   input as the F computed it, from the F until the W, so the B neither reads nor copies
   it (a slot taken by a round's F is not one its W frees).
@@ -39,9 +40,9 @@ from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells
                                        validate, virtual_stage)
 
 TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
-          "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "f_tslot",
-          "w_tslot", "recv_f_valid", "recv_f_slot", "recv_f2_valid", "recv_f2_slot",
-          "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot")
+          "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "w_now",
+          "f_tslot", "w_tslot", "recv_f_valid", "recv_f_slot", "recv_f2_valid",
+          "recv_f2_slot", "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class Rounds:
     w_mb: tuple
     w_chunk: tuple
     w_slot: tuple
+    w_now: tuple
     f_tslot: tuple
     w_tslot: tuple
     recv_f_valid: tuple
@@ -176,13 +178,14 @@ class _Lowering:
                 self.pools["stash"][r].give(
                     self.stash_of.pop((r, fa.microbatch, self.schedule.stage(fa.chunk, r))))
         for r, (_, ba, wa) in enumerate(row):  # B slot, then W slot
+            now = bool(ba and wa) and (ba.microbatch, ba.chunk) == (wa.microbatch, wa.chunk)
             if ba:
-                self._backward(t, r, ba)
+                self._backward(t, r, ba, keeps=not now)
             if wa:
                 key = (r, wa.microbatch, self.schedule.stage(wa.chunk, r))
-                slot, tslot = self.w_of.pop(key), self.tape_of.pop(key)
-                _put(self.tab, "w", t, r, wa, w_slot=slot, w_tslot=tslot)
-                freed_w.append((r, slot, tslot))
+                slot, tslot = self.w_of.pop(key, 0), self.tape_of.pop(key)  # (now: none)
+                _put(self.tab, "w", t, r, wa, w_slot=slot, w_now=int(now), w_tslot=tslot)
+                freed_w.append((r, None if now else slot, tslot))
         for r, (_, ba, _) in enumerate(row):  # gradient arrivals
             s = self.schedule.stage(ba.chunk, r) if ba else 0
             if s > 0:
@@ -190,7 +193,8 @@ class _Lowering:
                 self.grad_of[(dst,) + key] = slot = self.pools["grad"][dst].take()
                 self._receive("b", t, r, dst, slot)
         for r, slot, tslot in freed_w:  # a W reads its slots after the round's B and F
-            self.pools["w"][r].give(slot)     # wrote theirs
+            if slot is not None:  # (wrote theirs)
+                self.pools["w"][r].give(slot)
             self.pools["tape"][r].give(tslot)
 
     def _receive(self, kind: str, t: int, src: int, dst: int, slot: int) -> None:
@@ -224,15 +228,15 @@ class _Lowering:
             self.stash_of[(dst, j, s + 1)] = slot = self.pools["stash"][dst].take()
             self._receive("f", t, r, dst, slot)
 
-    def _backward(self, t: int, r: int, ba) -> None:
+    def _backward(self, t: int, r: int, ba, keeps: bool) -> None:
         """Rank r's B in round t: frees its input's stash slot and its output gradient's
-        grad slot, takes a W slot (zero-bubble kinds)."""
+        grad slot, takes a W slot (zero-bubble kinds, keeps: its W is a later round's)."""
         j, s = ba.microbatch, self.schedule.stage(ba.chunk, r)
         slot = self.stash_of.pop((r, j, s))
         self.kept.append((r, slot, self.kept_from.pop((r, j, s)), t))
         grad_slot = self.grad_of.pop((r, j, s)) if s < self.stages - 1 else 0
         wslot = 0
-        if self.schedule.split_backward:
+        if self.schedule.split_backward and keeps:
             self.w_of[(r, j, s)] = wslot = self.pools["w"][r].take()
         _put(self.tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot)
         self.pools["stash"][r].give(slot)
@@ -269,19 +273,21 @@ def _put(tab, prefix, t, r, action, **slots) -> None:
 # --------------------------------------------------------------------------- scans
 
 
-
 @dataclass(frozen=True)
 class Segment:
     """Rounds [start, stop) run by one scan. modes[k] for slot kind k in 'FBW': 'off' (no
     rank uses it: not traced, nothing sent), 'run' (every rank, every round), 'cond' or
     'mask' (some ranks). inline: the embedding and head are computed by every rank and
     selected, where `ends` says a slot needs them: ('embed', 'F') when some rank's F is
-    virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise."""
+    virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise.
+    taps: (whether some B keeps for a later W, in a W slot; whence W's read what their B
+    kept: its 'slot', 'now' (handed over in the round: w_now) or 'either')."""
     start: int
     stop: int
     modes: tuple
     inline: bool
     ends: frozenset = frozenset()
+    taps: tuple = (True, "slot")
 
     def piece(self, name: str, slot: str) -> str:
         """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""
@@ -348,7 +354,7 @@ def segments(rounds: Rounds, form: str) -> list:
         modes = tuple(u or ("cond" if form == "cond" else "mask") for u in used)
         everywhere = frozenset((n, k) for n in ("embed", "head") for k in "FB")
         return [Segment(0, rounds.num_rounds, modes, inline=form == "masked",
-                        ends=everywhere)]
+                        ends=everywhere, taps=_taps(rounds, range(rounds.num_rounds)))]
     p, last = rounds.stages, rounds.stages * rounds.chunks - 1
 
     def signature(t):
@@ -358,7 +364,7 @@ def segments(rounds: Rounds, form: str) -> list:
                              tables[k][t][r] and rounds.stage(
                                  getattr(rounds, f"{k.lower()}_chunk")[t][r], r) == stage
                              for r in range(p)))
-        return states, ends
+        return (*states, _taps(rounds, [t])), ends
 
     runs = []  # [start, stop, slot states, pieces needed] of equal slot states
     for t in range(rounds.num_rounds):
@@ -367,8 +373,18 @@ def segments(rounds: Rounds, form: str) -> list:
             runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
         else:
             runs.append([t, t + 1, states, ends])
-    return [Segment(start, stop, tuple("mask" if s == "some" else s for s in states),
-                    inline=True, ends=ends) for start, stop, states, ends in runs]
+    return [Segment(start, stop, tuple("mask" if s == "some" else s for s in states[:3]),
+                    inline=True, ends=ends, taps=states[3])
+            for start, stop, states, ends in runs]
+
+
+def _taps(rounds: Rounds, ts) -> tuple:
+    """Segment.taps of rounds ts."""
+    def some(table, now: int) -> bool:
+        return any(table[t][r] and rounds.w_now[t][r] == now for t in ts
+                   for r in range(rounds.stages))
+    now, later = some(rounds.w_valid, 1), some(rounds.w_valid, 0)
+    return some(rounds.b_valid, 0), "either" if now and later else "now" if now else "slot"
 
 
 def chunks_done(rounds: Rounds) -> tuple:

@@ -22,7 +22,7 @@ model's taps) in a W slot; W computes those weights' gradients from them and the
 inputs alone (`model.dense_weight_grads`): no second forward. With stash=activations the
 F slot writes those inputs into a tape slot that W reads (lowering.py), so they are stored
 once from F to W; with stash=inputs they are the B slot's recomputation and go into the W
-slot beside the taps.
+slot beside the taps. The W slot, and how B's taps reach it, are weight_slot.py's.
 
 The first virtual stage also runs the embedding, the last the head and the loss (in the B
 slot, from the kept stage output: the loss is the head's primal there), so a microbatch's
@@ -42,6 +42,7 @@ from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.head import SpreadHead
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.stage import Stage
+from jaxptd.pipeline.weight_slot import WeightSlot
 from jaxptd.model import fused, moe
 from jaxptd.parallel.varying import after, mark_varying, zeros_as
 
@@ -53,7 +54,6 @@ from jaxptd.parallel.varying import after, mark_varying, zeros_as
 # at (2,2,2), 1F1B, SP, minimal_mlp, ZeRO-1 no steady send had a GEMM in flight (some with
 # minimal), every one with this, at the same static time.
 IN_FLIGHT = "in_flight"
-
 
 def _add_slot(total, g):
     """total + g for an ends leaf [1, ...] (this rank's slot), added as [...]: XLA folds
@@ -80,7 +80,7 @@ def kept_by_layer(context: Context, split: bool) -> bool:
         (layout.split_sequence or layout.tensor == 1)
 
 
-class Training:
+class Training(WeightSlot):
     """The slots of a training schedule on this pipe rank: forward, backward and weight,
     each (carry, row, valid, seg) -> (message, carry). The carry holds the stage-input
     stash, the received output gradients (gbuf), what F keeps for B (saved: the backward's
@@ -248,7 +248,7 @@ class Training:
             carry = {**carry, "head_grads": self.head.add(carry["head_grads"], g_head)}
         carry = {**carry, "grads": grads, "loss": carry["loss"] + loss}
         if self.split:
-            carry["wsaved"] = buffers.write_tree(carry["wsaved"], row["b_wslot"], taps, valid)
+            carry = self._keep_for_weight(carry, row, taps, valid, seg)
         return g_x.astype(x_in.dtype), carry
 
     def _add_layers(self, sums, chunk, g_layers, valid):
@@ -348,45 +348,3 @@ class Training:
                                                  has_aux=True)
         g_ends, g_head, g_layers, g_x, g_taps = backward(cotangents)
         return loss, g_ends, g_head, g_layers, g_x, (inputs, g_taps)
-
-    def weight(self, carry, row, valid, seg):
-        """W: the dense() weights' gradients from what the microbatch's B kept. With
-        unrolled layers a layer at a time (`_layer_weights`)."""
-        if self.taped:
-            inputs, islot = carry["tapes"], row["w_tslot"]
-            g_taps, gslot = carry["wsaved"], row["w_slot"]
-        else:
-            (inputs, g_taps), islot = carry["wsaved"], row["w_slot"]
-            gslot = islot
-        chunk = buffers.chunk_of(row, "w", self.v)
-        dense, rest = models.split_dense(buffers.chunk(self.params["layers"], chunk))
-        if models.scans_layers(self.model, self.layout.platform):
-            g_dense = models.dense_weight_grads(
-                dense, buffers.read_tree(inputs, islot), buffers.read_tree(g_taps, gslot),
-                self.layout, self.stage.prepare, rest)
-            sums = buffers.add_chunk(carry["grads"]["layers"], chunk,
-                                     buffers.masked(g_dense, valid))
-        else:
-            sums = self._layer_weights(carry["grads"]["layers"], chunk, (dense, rest),
-                                       (inputs, islot), (g_taps, gslot), valid)
-        return None, {**carry, "grads": {**carry["grads"], "layers": sums}}
-
-    def _layer_weights(self, sums, chunk, weights, inputs, g_taps, valid):
-        """W a layer at a time: layer i's dense inputs and output gradients ((buffers, slot)
-        each) read out of their slots, with sequence parallelism its inputs gathered, and
-        its gradients added to the sums [v, 1, Lc, ...]; weights: the chunk's (dense()
-        weights, the other leaves: model.fp8=delayed's histories). The stacked W
-        (`models.dense_weight_grads`) copied a slot's values for all the chunk's layers out
-        at once and gathered them at once: in the H100 compile of (2,2,2) zb-h1 SP with
-        model.remat=minimal a layer at a time takes less memory and a little less time.
-        (Reading layer i only once layer i - 2's gradients were made took a little less
-        memory still but far more time: XLA fused those reads with other work into kernels
-        that were far slower. Figures: BENCHMARKS.md and the git log.)"""
-        for i in range(jax.tree.leaves(weights[0])[0].shape[0]):
-            x, g = (jax.tree.map(lambda b: buffers.read(b, slot)[i], tree)
-                    for tree, slot in (inputs, g_taps))
-            dense, rest = jax.tree.map(lambda w: w[i], weights)  # (dense(), the others)
-            grads = models.layer_dense_weight_grads(dense, x, g, self.layout,
-                                                    self.stage.prepare, rest)
-            sums = buffers.add_chunk(sums, chunk, buffers.masked(grads, valid), layer=i)
-        return sums

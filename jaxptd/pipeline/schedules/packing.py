@@ -11,6 +11,11 @@ cost another rank sets. Masked (Costs.masked: a W slot, once some rank runs one,
 on every rank), the W slot opens where some rank must, or where every rank with the most
 W's left can run one (such a round brings the W slots still needed, at least that most,
 one down), and then every rank with a W ready runs one. Leftover W's run after the last B.
+Which of a rank's ready W's a slot runs: the W of the B in the same round where there is
+one, else the oldest. The slots are the same as in order; only their microbatches move,
+so that a B's W is in its own round wherever it can be, and what the B keeps for it is
+handed over in the round, not stored in a W slot (lowering's `w_now`): with W's in order a
+rank runs each W some rounds after its B, all through the steady rounds.
 make.py compares this with the other making of zero-bubble schedules.
 """
 from __future__ import annotations
@@ -120,7 +125,7 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
         for r in range(p):
             coming = arrivals[t + 1][r] if t + 1 < len(packed) else 0
             if ready[r] and (held[r] + coming > cap or t >= len(packed)):
-                chosen[r] = queues[r].popleft()
+                chosen[r] = _take(queues[r], row[r][1])
                 work[r] += costs.wgt / v
         if costs.masked:
             open_slot = any(chosen) or all(ready[r] for r in range(p) if left[r] == max(left))
@@ -129,12 +134,22 @@ def _place_weight_grads(schedule: Schedule, packed: list, costs: Costs) -> list:
             free = [work[r] + costs.wgt / v <= max(work) + 1e-12 for r in range(p)]
         for r in range(p):
             if chosen[r] is None and ready[r] and free[r]:
-                chosen[r] = queues[r].popleft()
+                chosen[r] = _take(queues[r], row[r][1])
             held[r] -= chosen[r] is not None
         assert t < len(packed) or any(chosen), "a W that no B precedes (validate's rule)"
         out.append([(fa, ba, wa) for (fa, ba, _), wa in zip(row, chosen)])
         t += 1
     return out
+
+
+def _take(queue: deque, backward) -> Action:
+    """From a rank's pending W's (oldest first), the W of `backward` (this round's B, or
+    None) if it is pending, else the oldest."""
+    for a in queue:
+        if backward and (a.microbatch, a.chunk) == (backward.microbatch, backward.chunk):
+            queue.remove(a)
+            return a
+    return queue.popleft()
 
 
 def _arrivals(row: list, schedule: Schedule) -> list:
