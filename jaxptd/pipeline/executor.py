@@ -9,8 +9,9 @@ slot, zero-bubble kinds) with the buffer slots they use. A round, read top to bo
     send the previous round's input gradient to r-1 -> F slot -> send its output to r+1
       -> store the gradient that arrived -> B slot -> W slot -> store the output that arrived
 
-Nothing in a round reads what is sent in it: an output travels beside the round's B and W
-slots and is stored at the end of the round (`buffers.arrive`); an input gradient, made at
+A zero-bubble B whose W runs in the same round hands what it keeps for it to the W
+through the carry (weight_slot.HANDED), not through a W slot. Nothing in a round reads
+what is sent in it: an output travels beside the round's B and W slots and is stored at the end of the round (`buffers.arrive`); an input gradient, made at
 the end of a B slot, is carried into the next round and sent at its start, so it travels
 beside that round's F slot (sent at the end of its own round, it had nothing to overlap:
 a loop iteration ends with its sends done), and stored before the B slot that reads it.
@@ -233,14 +234,13 @@ def _round(program, seg: Segment):
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
             carry["gbuf"] = _store(carry["gbuf"], sent_b, pending, y if wait else None,
                                    y if late else None, tensor)
-        handed = seg.modes[2] != "off" and seg.taps[1] != "slot"  # training.HANDED
-        if handed:
+        if seg.modes[2] != "off" and seg.taps[1] != "slot":  # B hands its taps to W
             carry[HANDED] = program.handover()
         g_x, carry = _run_beside(sent_f if held else None, seg.modes[1], program.backward,
                                  carry, row, "b_valid", seg, idle)
         _, carry = _run_slot(seg.modes[2], program.weight, carry, row, "w_valid", seg, None)
+        # what arrived, stored last: no slot of the round waits for it
         carry = {k: x for k, x in carry.items() if k != HANDED}
-        # (what arrived, stored last: no slot of the round waits for it)
         if sent_f is not None:
             arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
                         if k.startswith("recv_f")}  # {'_valid': .., '_slot': .., '2_valid': ..}
