@@ -140,8 +140,9 @@ def test_zb_v_bubble_formula_is_the_simulated_bubble_within_a_forward(masked):
 
 def test_the_plan_times_the_round_form_its_platform_runs():
     """The planner's bubble and slots are the executor's: a GPU's steady form packs
-    zero-bubble W's for masked rounds (2(p-1)/(3m), min(m, p - 1) W slots), the CPU's cond
-    form for skipped idle slots ((p-1)/(3m)); parallel.round_form overrides the platform's."""
+    zero-bubble W's for masked rounds (2(p-1)/(3m), no W slot, min(m, p - 1) grad slots),
+    the CPU's cond form for skipped idle slots ((p-1)/(3m), 2p - 1 W slots);
+    parallel.round_form overrides the platform's."""
     from jaxptd.config import load_config
     from jaxptd.plan import schedule_stats
 
@@ -150,7 +151,8 @@ def test_the_plan_times_the_round_form_its_platform_runs():
                                 f"parallel.microbatches={m}", "model.num_layers=8",
                                 f"train.global_batch={m}"])
     gpu, cpu = (schedule_stats(config, platform) for platform in ("gpu", "cpu"))
-    assert gpu[0] == pytest.approx(2 * (p - 1) / (3 * m)) and gpu[1]["w"] == p - 1
+    assert gpu[0] == pytest.approx(2 * (p - 1) / (3 * m)) and gpu[1]["w"] == 0 \
+        and gpu[1]["grad"] == p - 1
     assert cpu[0] == pytest.approx((p - 1) / (3 * m)) and cpu[1]["w"] == 2 * p - 1
     forced = load_config(None, [f"parallel.pipe={p}", "parallel.schedule=zb-h1",
                                 f"parallel.microbatches={m}", "model.num_layers=8",

@@ -86,8 +86,8 @@ PENDING = "pending"
 SLOT_FIELDS = {
     "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_valid", "recv_f_slot",
           "recv_f2_valid", "recv_f2_slot"),
-    "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "recv_b_valid",
-          "recv_b_slot", "recv_b2_valid", "recv_b2_slot"),
+    "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "b_keeps",
+          "b_again", "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot"),
     "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_now", "w_tslot"),
 }
 

@@ -2,7 +2,7 @@
 
 Owns the buffers a pipeline needs and which slot of each every action uses. Pure Python.
 `Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0 (but an
-idle F's f_slot: a slot free of kept values, `_idle_f_slots`). Per round and rank: an F
+idle F's f_slot: a slot free of kept values, slot_pool.idle_f_slots). Per round and rank: an F
 slot (microbatch, chunk, the stash slot of its input, and with zero-bubble kinds the tape
 slot it fills), a B slot (its input's stash slot, the grad slot
 of its output gradient, and with zero-bubble kinds the W slot it fills), a W slot (the W
@@ -14,13 +14,16 @@ the rank itself).
 Slot lifetimes (lowest free index first; a slot freed in round t is reusable from t + 1
 unless said otherwise):
 - stash: a stage input from its arrival (virtual stage 0: from its forward) until its B
-  (forward-only: until its F);
-- grad: an incoming output gradient from its arrival until the B that reads it; a grad
-  slot freed by round t's B may receive round t's message (arrivals are stored after the
-  round's slots have read their inputs);
+  (forward-only: until its F), or until that B runs again for its W (b_again,
+  slot_pool.reruns: packed for masked rounds, a W in a later round where the rank's B slot
+  is free and another's is not);
+- grad: an incoming output gradient from its arrival until the B that reads it (the
+  last, where it runs again); a grad slot freed by round t's B may receive round t's
+  message (arrivals are stored after the round's slots have read their inputs);
 - W (zero-bubble kinds): what a B keeps for its W (each weight matmul's output gradient,
   and with parallel.stash=inputs its input too) from the B until the W; none where the W
-  runs in its B's round (w_now: handed over in the round, packing's `_take`);
+  runs in its B's round (w_now: handed over in the round, packing's `_take`) or its B
+  runs again there;
 - tape (zero-bubble kinds, used with parallel.stash=activations): each weight matmul's
   input as the F computed it, from the F until the W, so the B neither reads nor copies
   it (a slot taken by a round's F is not one its W frees).
@@ -36,11 +39,13 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
+from jaxptd.pipeline.slot_pool import SlotPool, idle_f_slots, reruns
 from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells, stage_place,
                                        validate, virtual_stage)
 
 TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
-          "b_grad_slot", "b_wslot", "w_valid", "w_mb", "w_chunk", "w_slot", "w_now",
+          "b_grad_slot", "b_wslot", "b_keeps", "b_again", "w_valid", "w_mb", "w_chunk",
+          "w_slot", "w_now",
           "f_tslot", "w_tslot", "recv_f_valid", "recv_f_slot", "recv_f2_valid",
           "recv_f2_slot", "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot")
 
@@ -62,6 +67,8 @@ class Rounds:
     b_slot: tuple
     b_grad_slot: tuple
     b_wslot: tuple
+    b_keeps: tuple  # the B fills its W slot b_wslot
+    b_again: tuple  # the B runs again for its W (slot_pool.reruns): it adds nothing
     w_valid: tuple
     w_mb: tuple
     w_chunk: tuple
@@ -82,7 +89,7 @@ class Rounds:
     num_w_slots: int
     num_tape_slots: int
     v_shape: bool  # chunks placed in a V (schedules.virtual_stage)
-    idle_f_slots_free: bool  # every idle F's f_slot holds no kept values (`_idle_f_slots`)
+    idle_f_slots_free: bool  # every idle F's f_slot holds no kept values (idle_f_slots)
     forward_only: bool
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
@@ -111,24 +118,6 @@ class Rounds:
         return peaks
 
 
-class _SlotPool:
-    """Lowest-free-index slot allocator for one rank, tracking its size."""
-
-    def __init__(self):
-        self.free, self.size = [], 0
-
-    def take(self) -> int:
-        if self.free:
-            slot = min(self.free)
-            self.free.remove(slot)
-        else:
-            slot, self.size = self.size, self.size + 1
-        return slot
-
-    def give(self, slot: int) -> None:
-        self.free.append(slot)
-
-
 def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     """Validates and packs a schedule (costs place zero-bubble W's), then assigns stash,
     grad and W slots.
@@ -137,12 +126,13 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     """
     packed = validate(schedule, costs)
     p, v, T = schedule.stages, schedule.chunks, len(packed)
-    lowering = _Lowering(schedule, T)
+    split = schedule.split_backward and not schedule.forward_only
+    lowering = _Lowering(schedule, T, reruns(packed) if costs.masked and split else set())
     for t, row in enumerate(packed):
         lowering.lower_round(t, row)
     tab, pools = lowering.tab, lowering.pools
     size = {k: max(pool.size for pool in pools[k]) for k in pools}
-    free = not schedule.forward_only and _idle_f_slots(tab, lowering.kept, size["stash"])
+    free = not schedule.forward_only and idle_f_slots(tab, lowering.kept, size["stash"])
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
@@ -157,11 +147,12 @@ class _Lowering:
     fills, a slot pool per rank and kind, and which slot holds what of (rank, microbatch,
     virtual stage), as the module docstring's lifetimes say."""
 
-    def __init__(self, schedule: Schedule, rounds: int):
+    def __init__(self, schedule: Schedule, rounds: int, again: set):
         p = schedule.stages
         self.schedule, self.p, self.stages = schedule, p, p * schedule.chunks
         self.tab = {k: [[0] * p for _ in range(rounds)] for k in TABLES}
-        self.pools = {k: [_SlotPool() for _ in range(p)] for k in ("stash", "grad", "w", "tape")}
+        self.pools = {k: [SlotPool() for _ in range(p)] for k in ("stash", "grad", "w", "tape")}
+        self.again = again  # (rank, mb, chunk) of the B's that run again for their W
         self.stash_of, self.grad_of, self.w_of, self.tape_of = {}, {}, {}, {}  # -> slot
         # F's round of (rank, mb, virtual stage); (rank, slot, F's round, B's round)
         self.kept_from, self.kept = {}, []
@@ -181,6 +172,9 @@ class _Lowering:
             now = bool(ba and wa) and (ba.microbatch, ba.chunk) == (wa.microbatch, wa.chunk)
             if ba:
                 self._backward(t, r, ba, keeps=not now)
+            if wa and (r, wa.microbatch, wa.chunk) in self.again:
+                self._backward(t, r, wa, keeps=False, again=True)
+                now = True
             if wa:
                 key = (r, wa.microbatch, self.schedule.stage(wa.chunk, r))
                 slot, tslot = self.w_of.pop(key, 0), self.tape_of.pop(key)  # (now: none)
@@ -228,38 +222,29 @@ class _Lowering:
             self.stash_of[(dst, j, s + 1)] = slot = self.pools["stash"][dst].take()
             self._receive("f", t, r, dst, slot)
 
-    def _backward(self, t: int, r: int, ba, keeps: bool) -> None:
+    def _backward(self, t: int, r: int, ba, keeps: bool, again: bool = False) -> None:
         """Rank r's B in round t: frees its input's stash slot and its output gradient's
-        grad slot, takes a W slot (zero-bubble kinds, keeps: its W is a later round's)."""
+        grad slot, takes a W slot (zero-bubble kinds, keeps: its W is a later round's),
+        but for a B that runs again for its W (`again`): the first time it holds both
+        slots until then and takes none."""
         j, s = ba.microbatch, self.schedule.stage(ba.chunk, r)
-        slot = self.stash_of.pop((r, j, s))
-        self.kept.append((r, slot, self.kept_from.pop((r, j, s)), t))
-        grad_slot = self.grad_of.pop((r, j, s)) if s < self.stages - 1 else 0
+        hold = not again and (r, j, ba.chunk) in self.again
+        slot = self.stash_of[(r, j, s)]
+        grad_slot = self.grad_of[(r, j, s)] if s < self.stages - 1 else 0
+        keeps = self.schedule.split_backward and keeps and not hold
         wslot = 0
-        if self.schedule.split_backward and keeps:
+        if keeps:
             self.w_of[(r, j, s)] = wslot = self.pools["w"][r].take()
-        _put(self.tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot)
+        _put(self.tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot,
+             b_keeps=int(keeps), b_again=int(again))
+        if hold:
+            return
+        self.kept.append((r, slot, self.kept_from.pop((r, j, s)), t))
+        del self.stash_of[(r, j, s)]
+        self.grad_of.pop((r, j, s), None)
         self.pools["stash"][r].give(slot)
         if s < self.stages - 1:
             self.pools["grad"][r].give(grad_slot)
-
-
-def _idle_f_slots(tab, kept, slots: int) -> bool:
-    """Points every idle F (f_valid 0) at a stash slot that holds no kept values in its
-    round: none an F wrote in an earlier round for a B in this one or later. Where each
-    finds one (returned True), an F slot that runs masked on every rank may write what it
-    keeps unmasked, garbage where it is idle: the masked write read the slot's old values
-    first (the H100 compile of (2,2,2) 1F1B: enough of them at once to make the step's
-    peak). Fills those f_slots (kept: (rank, slot, F's round, B's round))."""
-    found = True
-    for t, row in enumerate(tab["f_valid"]):
-        for r, valid in enumerate(row):
-            if not valid:
-                live = {slot for rank, slot, f, b in kept if rank == r and f < t <= b}
-                free = [slot for slot in range(slots) if slot not in live]
-                tab["f_slot"][t][r] = free[0] if free else 0
-                found = found and bool(free)
-    return found
 
 
 def _put(tab, prefix, t, r, action, **slots) -> None:
@@ -281,13 +266,14 @@ class Segment:
     selected, where `ends` says a slot needs them: ('embed', 'F') when some rank's F is
     virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise.
     taps: (whether some B keeps for a later W, in a W slot; whence W's read what their B
-    kept: its 'slot', 'now' (handed over in the round: w_now) or 'either')."""
+    kept: its 'slot', 'now' (handed over in the round: w_now) or 'either'; whether some B
+    runs again for its W: b_again)."""
     start: int
     stop: int
     modes: tuple
     inline: bool
     ends: frozenset = frozenset()
-    taps: tuple = (True, "slot")
+    taps: tuple = (True, "slot", False)
 
     def piece(self, name: str, slot: str) -> str:
         """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""
@@ -327,12 +313,14 @@ def head_pieces(config, form: str) -> int:
 
 def head_rows(rounds: Rounds, start: int, stop: int) -> dict:
     """Per round of [start, stop): whether the head's rank's B slot is the last virtual
-    stage's (head_on) and its microbatch (head_mb), which every rank reads when the head
-    is spread (the same on every rank)."""
+    stage's (head_on), its microbatch (head_mb) and whether it runs again (head_again: its
+    loss and gradients count nothing), which every rank reads when the head is spread (the
+    same on every rank)."""
     chunk, last = stage_place(rounds.v_shape, rounds.stages, rounds.stages * rounds.chunks - 1)
     on = [int(rounds.b_valid[t][last] and rounds.b_chunk[t][last] == chunk)
           for t in range(start, stop)]
-    return {"head_on": on, "head_mb": [rounds.b_mb[t][last] for t in range(start, stop)]}
+    return {"head_on": on, "head_mb": [rounds.b_mb[t][last] for t in range(start, stop)],
+            "head_again": [rounds.b_again[t][last] for t in range(start, stop)]}
 
 
 def round_costs(form: str) -> Costs:
@@ -380,11 +368,12 @@ def segments(rounds: Rounds, form: str) -> list:
 
 def _taps(rounds: Rounds, ts) -> tuple:
     """Segment.taps of rounds ts."""
-    def some(table, now: int) -> bool:
-        return any(table[t][r] and rounds.w_now[t][r] == now for t in ts
+    def some(table, now=None) -> bool:
+        return any(table[t][r] and now in (None, rounds.w_now[t][r]) for t in ts
                    for r in range(rounds.stages))
     now, later = some(rounds.w_valid, 1), some(rounds.w_valid, 0)
-    return some(rounds.b_valid, 0), "either" if now and later else "now" if now else "slot"
+    return (some(rounds.b_keeps), "either" if now and later else "now" if now else "slot",
+            some(rounds.b_again))
 
 
 def chunks_done(rounds: Rounds) -> tuple:

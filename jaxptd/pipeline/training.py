@@ -231,20 +231,23 @@ class Training(WeightSlot):
         g_loss = mark_varying(jnp.where(is_last | (self.head is not None), self.loss_scale,
                                         0.0).astype(jnp.float32), (*TOKENS, PIPE))
         g_out = jnp.where(is_last, 0.0, received)
+        counted = self.counted(row, valid, seg)  # (a B that runs again: valid, not counted)
         if self.keep_activations:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_kept(
-                carry, row, x_in, g_out, g_loss, seg, valid)
+                carry, row, x_in, g_out, g_loss, seg, counted)
         else:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
                 x_in, row, g_out, g_loss, seg, carry.get(IN_FLIGHT))
-            g_ends = buffers.masked(g_ends, valid)
+            g_ends = buffers.masked(g_ends, counted)
         grads = carry["grads"]
         grads = {**{k: jax.tree.map(_add_slot, grads[k], g) for k, g in g_ends.items()},
                  "layers": g_layers if self.by_layer else self._add_layers(
-                     grads["layers"], chunk, g_layers, valid)}
+                     grads["layers"], chunk, g_layers, counted)}
         if self.head is None:
-            loss = buffers.masked(loss, valid)
+            loss = buffers.masked(loss, counted)
         elif g_head is not None:  # the last rank's part: head_on masked it, not this slot
+            if seg.taps[2]:
+                loss, g_head = buffers.masked((loss, g_head), row["head_again"] == 0)
             carry = {**carry, "head_grads": self.head.add(carry["head_grads"], g_head)}
         carry = {**carry, "grads": grads, "loss": carry["loss"] + loss}
         if self.split:
@@ -259,10 +262,9 @@ class Training(WeightSlot):
         the [v, 1, Lc, ...] stack."""
         if not self.layer_sums:
             return buffers.add_chunk(sums, chunk, buffers.masked(g_layers, valid))
-        if self.model.moe:  # the statistics' seed is not masked: the gradients are
-            g_layers = buffers.masked(g_layers, valid)
-        return [jax.tree.map(lambda s, g: s + g.astype(s.dtype), s, g)
-                for s, g in zip(sums, g_layers)]
+        if self.model.moe or self.split:  # the statistics' seed is not masked, and a
+            g_layers = buffers.masked(g_layers, valid)  # split B's cotangent is not
+        return [buffers.add_layer(s, g) for s, g in zip(sums, g_layers)]
 
     def _head_loss(self, ends, weights, y, row, chunk, piece):
         """A B slot's loss: the last stage's own (Stage.head, from `ends`) or this rank's
@@ -298,8 +300,8 @@ class Training(WeightSlot):
         else:
             given, tree = self.chunks.vjp_weights(chunk)
             zeros, zeros_tree = self.chunks.zeros(x_in) if self.split else (None, None)
-            if self.layer_sums:  # an idle slot's cotangent masked, not what it makes
-                g = buffers.masked(g, valid)
+            if self.layer_sums and not self.split:  # an idle slot's cotangent masked,
+                g = buffers.masked(g, valid)  # not what it makes (split: W's taps are made)
             with fused.backward_apart():  # (F ran in another slot: no barrier)
                 g_given, g_x, *g_taps = self.chunks.probe[0].run(
                     (g, self._stats_seed()), buffers.read_tree(saved, row["b_slot"]), given,

@@ -4,7 +4,8 @@ Owns `WeightSlot`, which training.Training takes its `weight` slot from: a split
 (each dense() output's gradient; with parallel.stash=inputs also the dense inputs) kept for
 its W, stored in a W slot where the W runs in a later round and handed over in the round
 (the carry's HANDED entry) where it runs in the B's own round (lowering's w_now; the
-greedy packing puts a B's W there wherever it can), and the W itself: the dense() weights'
+greedy packing puts a B's W there wherever it can) or where the B runs again in the W's
+round (slot_pool.reruns: masked rounds, a rank whose B slot is free there), and the W itself: the dense() weights'
 gradients from the taps and the dense inputs (F's tapes), no second forward.
 """
 from __future__ import annotations
@@ -31,13 +32,19 @@ class WeightSlot:
     def _keep_for_weight(self, carry, row, kept, valid, seg):
         """What a split B keeps for its W (`kept`: the taps, with stash=inputs also the
         dense inputs): stored in its W slot where the W is a later round's, handed over in
-        the carry (HANDED) where some W of the segment is its B's round's (w_now)."""
-        keeps, source = seg.taps
+        the carry (HANDED) where some W of the segment is its B's round's (w_now: also a B
+        that runs again for its W)."""
+        keeps, source, _ = seg.taps
         if keeps:
-            later = valid if source == "slot" else (row["w_now"] == 0) & valid
-            carry = {**carry, "wsaved": buffers.write_tree(carry["wsaved"], row["b_wslot"],
-                                                           kept, later)}
+            carry = {**carry, "wsaved": buffers.write_tree(
+                carry["wsaved"], row["b_wslot"], kept, (row["b_keeps"] > 0) & valid)}
         return carry if source == "slot" else {**carry, HANDED: kept}
+
+    @staticmethod
+    def counted(row, valid, seg):
+        """Where a B slot's gradients and loss count: where it is valid, but for a B that
+        runs again for its W (lowering's b_again, slot_pool.reruns): its first run's did."""
+        return (row["b_again"] == 0) & valid if seg.taps[2] else valid
 
     def handover(self):
         """Zeros like the HANDED entry (what the executor puts in the carry before a B slot

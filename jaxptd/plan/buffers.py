@@ -44,11 +44,11 @@ def v_slots(p: int, m: int, masked: bool) -> dict:
     """zb-v's buffer slots a rank (model.slots_formula's; chunk-stages, half a stage each),
     fitted to the lowering of schedules/vshape.py's order, exact at m = p, 2p, 3p (as
     tested): min(2m, 5p/2 + 1) stash slots (rounded down); W slots m + 1 at m = p and
-    3p/2 + 2 from m = 2p (masked: min(m, p/2), rounded down); tape slots as stash slots
-    (masked: one fewer from m = 2p); one grad slot."""
+    3p/2 + 2 from m = 2p (masked: none); tape slots as stash slots (masked: one fewer from
+    m = 2p); one grad slot (masked: min(m, p/2), rounded up)."""
     stash = min(2 * m, 5 * p // 2 + 1)
     if masked:
-        return {"stash": stash, "grad": 1, "w": min(m, p // 2),
+        return {"stash": stash, "grad": max(1, min(m, (p + 1) // 2)), "w": 0,
                 "tape": stash - (m >= 2 * p)}
     return {"stash": stash, "grad": 1, "w": 3 * p // 2 + 2 if m >= 2 * p else m + 1,
             "tape": stash}

@@ -379,8 +379,8 @@ def slots_formula(kind: str, p: int, m: int, v: int, masked: bool = False) -> di
     (v + 1) p); zero-bubble kinds as many W slots as stash slots, but for ZB-H1 at m < 2p - 2
     (one action a round: min(m, p)), and as many tape slots as stash slots; one grad slot;
     zb-v buffers.v_slots. Packed for masked rounds (a GPU's round forms: every rank runs its
-    W's in the same rounds, a B's own W in its round where it can: schedules/packing.py)
-    zero-bubble kinds need min(m, p - 1) W slots, and zb-interleaved one tape slot fewer than
+    W's in the same rounds, a B's own W in its round or that B run again: lowering.py) they
+    need no W slot but min(m, p - 1) grad slots, and zb-interleaved one tape slot fewer than
     stash slots from m = 2p on. Exact for m a multiple of p (Megatron's interleaved rule)
     and for ZB-H1 at every m (test_plan_formulas.py); other m can need more."""
     if kind == "zb-v":
@@ -393,8 +393,8 @@ def slots_formula(kind: str, p: int, m: int, v: int, masked: bool = False) -> di
         stash = min(v * m, (v + 1) * p)
     w = min(m, p) if kind == "zb-h1" and m < 2 * p - 2 else stash
     tape = stash
-    if masked:
-        w = min(m, p - 1)
+    zb, grad = kind.startswith("zb"), 1
+    if masked and zb:
+        w, grad = 0, max(1, min(m, p - 1))
         tape = stash - (kind == "zb-interleaved" and m >= 2 * p)
-    zb = kind.startswith("zb")
-    return {"stash": stash, "grad": 1, "w": w if zb else 0, "tape": tape if zb else 0}
+    return {"stash": stash, "grad": grad, "w": w if zb else 0, "tape": tape if zb else 0}

@@ -1,0 +1,61 @@
+"""The lowering's slot bookkeeping (pipeline/lowering.py): the per-rank slot allocator, the
+free stash slots an idle F may write, and which zero-bubble B's run again for their W.
+Pure Python.
+"""
+from __future__ import annotations
+
+
+class SlotPool:
+    """Lowest-free-index slot allocator for one rank, tracking its size."""
+
+    def __init__(self):
+        self.free, self.size = [], 0
+
+    def take(self) -> int:
+        if self.free:
+            slot = min(self.free)
+            self.free.remove(slot)
+        else:
+            slot, self.size = self.size, self.size + 1
+        return slot
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def idle_f_slots(tab, kept, slots: int) -> bool:
+    """Points every idle F (f_valid 0) at a stash slot that holds no kept values in its
+    round: none an F wrote in an earlier round for a B in this one or later. Where each
+    finds one (returned True), an F slot that runs masked on every rank may write what it
+    keeps unmasked, garbage where it is idle: the masked write read the slot's old values
+    first (the H100 compile of (2,2,2) 1F1B: enough of them at once to make the step's
+    peak). Fills those f_slots (kept: (rank, slot, F's round, B's round))."""
+    found = True
+    for t, row in enumerate(tab["f_valid"]):
+        for r, valid in enumerate(row):
+            if not valid:
+                live = {slot for rank, slot, f, b in kept if rank == r and f < t <= b}
+                free = [slot for slot in range(slots) if slot not in live]
+                tab["f_slot"][t][r] = free[0] if free else 0
+                found = found and bool(free)
+    return found
+
+
+def reruns(packed: list) -> set:
+    """(rank, microbatch, chunk) of each zero-bubble W that runs in a later round than its
+    B, in a round where the rank's B slot is free and another rank's is not: that B runs
+    again there (b_again), from
+    the stash and grad slots its input and output gradient keep until then, and hands what
+    it keeps to the W in the round, so no W slot holds it in between (the first B sends
+    the input gradient, the second adds nothing to the gradients or the loss). Masked
+    rounds run the B slot on every rank where some rank runs it: the second B costs no
+    time there (zb-h1's rank r runs the W's of its first r B's after its last B)."""
+    done, again = {}, set()
+    for t, row in enumerate(packed):
+        some_b = any(ba for _, ba, _ in row)  # (else the second B would cost a round's B)
+        for r, (_, ba, wa) in enumerate(row):
+            if ba:
+                done[(r, ba.microbatch, ba.chunk)] = t
+            if wa and ba is None and some_b and done[(r, wa.microbatch, wa.chunk)] < t:
+                again.add((r, wa.microbatch, wa.chunk))
+    return again
