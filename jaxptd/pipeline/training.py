@@ -256,14 +256,16 @@ class Training(WeightSlot):
 
     def _add_layers(self, sums, chunk, g_layers, valid):
         """The sums with a B slot's layer gradients added: `layer_sums` (g_layers a list of
-        each layer's, zeros where the slot is not valid: _backward_kept masked the
-        cotangent) added layer by layer, so that XLA adds each in the epilogue of the GEMM
-        that makes it (as the kept backward a layer at a time); else masked and added to
-        the [v, 1, Lc, ...] stack."""
+        each layer's or their stack, zeros where the slot is not valid: _backward_kept
+        masked the cotangent; split or with experts masked here) added layer by layer, so
+        that XLA adds each in the epilogue of the GEMM that makes it (as the kept backward
+        a layer at a time); else masked and added to the [v, 1, Lc, ...] stack."""
         if not self.layer_sums:
             return buffers.add_chunk(sums, chunk, buffers.masked(g_layers, valid))
         if self.model.moe or self.split:  # the statistics' seed is not masked, and a
             g_layers = buffers.masked(g_layers, valid)  # split B's cotangent is not
+        if not isinstance(g_layers, list):  # (a recomputed stage's: stacked)
+            g_layers = models.per_layer(g_layers)
         return [buffers.add_layer(s, g) for s, g in zip(sums, g_layers)]
 
     def _head_loss(self, ends, weights, y, row, chunk, piece):
