@@ -34,8 +34,11 @@ def stash_bytes(slots: dict, stage_input: float, chunk_layers: int, kept: float,
     sends it (jaxptd/pipeline/executor.py)."""
     per_slot = stage_input + (chunk_layers * kept + stage_input if keep_activations else 0.0)
     inputs = chunk_layers * dense_input_bytes(b, n, h, t, e, sp)  # in tape or W slots
+    # a zero-bubble B with no W slot hands its taps to the W of its round: one W slot's
+    # worth live from the B to the W (lowering's w_now)
+    handed = slots.get("w", 0) == 0 and slots.get("tape", 0) > 0
     return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 1) * stage_input
-            + slots.get("w", 0) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
+            + (slots.get("w", 0) + handed) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
                                    + (0.0 if keep_activations else inputs))
             + (slots.get("tape", 0) * inputs if keep_activations else 0.0))
 
