@@ -28,8 +28,8 @@ def idle_f_slots(tab, kept, slots: int) -> bool:
     round: none an F wrote in an earlier round for a B in this one or later. Where each
     finds one (returned True), an F slot that runs masked on every rank may write what it
     keeps unmasked, garbage where it is idle: the masked write read the slot's old values
-    first (the H100 compile of (2,2,2) 1F1B: enough of them at once to make the step's
-    peak). Fills those f_slots (kept: (rank, slot, F's round, B's round))."""
+    first (at (2,2,2) 1F1B enough of them at once to make the step's peak:
+    BENCHMARKS.md). Fills those f_slots (kept: (rank, slot, F's round, B's round))."""
     found = True
     for t, row in enumerate(tab["f_valid"]):
         for r, valid in enumerate(row):

@@ -95,7 +95,7 @@ class WeightSlot:
         backward a layer at a time's); else they are added to the [v, 1, Lc, ...] stack,
         masked. The stacked W
         (`models.dense_weight_grads`) copied a slot's values for all the chunk's layers out
-        at once and gathered them at once: in the H100 compile of (2,2,2) zb-h1 SP with
+        at once and gathered them at once: at (2,2,2) zb-h1 with SP and
         model.remat=minimal a layer at a time takes less memory and a little less time.
         (Reading layer i only once layer i - 2's gradients were made took a little less
         memory still but far more time: XLA fused those reads with other work into kernels
