@@ -110,6 +110,65 @@ def test_static_cost_leaves_host_transfers_out():
     assert [k.name for k in kernels] == ["y"]
 
 
+ALLOCATE_HLO = """
+HloModule allocate
+%put (a: f16[4,8], b: f16[1,8], i: s32[]) -> f16[4,8] {
+  %a = f16[4,8]{1,0} parameter(0)
+  %b = f16[1,8]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %u = f16[4,8]{1,0} dynamic-update-slice(%a, %b, %i, %z)
+}
+ENTRY %main (x: f16[1,8], i: s32[]) -> f16[4,8] {
+  %x = f16[1,8]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %e = f16[4,8]{1,0} custom-call(), custom_call_target="AllocateBuffer"
+  ROOT %w = f16[4,8]{1,0} fusion(%e, %x, %i), kind=kLoop, calls=%put
+}
+"""
+
+
+def test_static_cost_leaves_allocations_out():
+    """A buffer `lax.empty` makes (an AllocateBuffer call: nothing written, the pipeline's
+    unzeroed slot buffers) is no kernel; the update written into it in place is."""
+    kernels = hlo.cost(hlo.parse(ALLOCATE_HLO), peak=1e12, bandwidth=1e9)
+    assert [(k.name, k.bytes) for k in kernels] == [("w", 4 + 2 * 2 * 8)]
+
+
+AFTER_HLO = """
+HloModule after
+%read (b: f32[10,64], s: f32[512,512], g: f32[512,512], i: s32[]) -> f32[1,64] {
+  %b = f32[10,64]{1,0} parameter(0)
+  %s = f32[512,512]{1,0} parameter(1)
+  %g = f32[512,512]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  %sum = f32[512,512]{1,0} add(%s, %g)
+  %first = f32[1,1]{1,0} slice(%sum), slice={[0:1], [0:1]}
+  %bits = s32[1,1]{1,0} bitcast-convert(%first)
+  %sign = s32[] bitcast(%bits)
+  %at = s32[] maximum(%i, %sign)
+  %z = s32[] constant(0)
+  ROOT %r = f32[1,64]{1,0} dynamic-slice(%b, %at, %z), dynamic_slice_sizes={1,64}
+}
+ENTRY %main (b: f32[10,64], s: f32[512,512], g: f32[512,512], i: s32[]) -> f32[1,64] {
+  %b = f32[10,64]{1,0} parameter(0)
+  %s = f32[512,512]{1,0} parameter(1)
+  %g = f32[512,512]{1,0} parameter(2)
+  %i = s32[] parameter(3)
+  ROOT %k = f32[1,64]{1,0} fusion(%b, %s, %g, %i), kind=kLoop, calls=%read
+}
+"""
+
+
+def test_static_cost_reads_the_elements_a_slice_needs():
+    """A slot read made to wait for a gradient sum (varying.after: an index that depends on
+    the sign of the sum's first element, an add fused in) reads the slot and one element
+    of each summed operand, not the [512, 512] sums: 64 + 1 + 1 floats, the index and the
+    result."""
+    (kernel,) = hlo.cost(hlo.parse(AFTER_HLO), peak=1e12, bandwidth=1e9)
+    assert kernel.bytes == 4 * 64 + 4 + 4 + 4 + 4 * 64
+
+
 SCATTER_HLO = """
 HloModule scatter
 %add (a: f32[], b: f32[]) -> f32[] {

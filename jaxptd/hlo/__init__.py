@@ -18,7 +18,7 @@ dims) of every `dot` inside a fusion or cuBLAS call; cuDNN attention and the Pal
 flash-attention blocks (pallas_kernels/flash.py) forward 4 b h sq skv d, halved with a
 causal mask, their backward 2.5 times that; nothing else.
 Bytes: operands and results once each, except that a fusion operand read only through
-(dynamic-)slice or gather (bitcasts between) costs the slices, and a dynamic-update-slice
+(dynamic-)slice or gather (bitcasts and elementwise operations between) costs the slices, and a dynamic-update-slice
 or a scatter costs its update, not the buffer it writes into. It shows structure, not speed: nothing is
 autotuned.
 

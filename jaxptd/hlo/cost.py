@@ -103,6 +103,33 @@ def _flash_flops(comp: Computation, call: Instr) -> float:
     return flops * (2.5 if "/mha_backward/" in call.op_name else 1.0)
 
 
+# Elementwise operations: a fused kernel computes an element of one only where an element
+# of its result is needed
+ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs",
+               "convert", "select", "compare", "and", "or", "not", "xor", "clamp",
+               "shift-left", "shift-right-arithmetic", "shift-right-logical"}
+SLICES = ("slice", "dynamic-slice", "gather")
+
+
+def _sliced(users: dict, name: str) -> list | None:
+    """The slices (SLICES) that every use of fused value `name` leads to through bitcasts
+    and elementwise operations (only their elements are read), None if some use reads
+    more. E.g. the sign of a gradient sum's first element, which the pipeline's
+    `varying.after` makes an index depend on: a slice of an add of two whole sums, which
+    reads one element of each."""
+    found = []
+    for r in {u.name: u for u in users.get(name, [])}.values():
+        if r.opcode in SLICES and r.operands[0] == name:
+            found.append(r)
+            continue
+        more = _sliced(users, r.name) if r.opcode == "bitcast" or r.opcode in ELEMENTWISE \
+            else None
+        if not more:
+            return None
+        found += more
+    return found or None
+
+
 def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
     """Operands and results once, but slices read and updates written (module docstring)."""
     body = module[fusion.attr("calls")]
@@ -120,16 +147,12 @@ def _fusion_bytes(module: Module, comp: Computation, fusion: Instr) -> float:
         o.opcode == "scatter" and body.by_name[o.operands[0]].opcode == "parameter")]
     updated = {o.operands[0] for o in in_place}
     total = 0.0
-    def readers_of(name: str) -> list:  # through bitcasts, which move no data
-        found = users.get(name, [])
-        return [r for i in found for r in
-                (readers_of(i.name) if i.opcode == "bitcast" else [i])]
     for param in (i for i in body.instrs if i.opcode == "parameter"):
-        readers = readers_of(param.name)
         if param.name in updated:
             continue  # the buffer written in place: its update counts, below
-        if readers and all(r.opcode in ("slice", "dynamic-slice", "gather") for r in readers):
-            total += sum(nbytes(r.type) for r in readers)
+        slices = _sliced(users, param.name)
+        if slices:
+            total += sum(nbytes(r.type) for r in slices)
         else:
             total += nbytes(comp.by_name[fusion.operands[int(param.args)]].type)
     return total + sum(nbytes(body.by_name[o.operands[written[o.opcode]]].type)
@@ -224,13 +247,15 @@ HOST_MEMORY = ":S(5)}"
 
 def counts_as_kernel(module: Module, instr: Instr) -> bool:
     """Whether instr is a kernel the device's SMs run: not structure, a loop or call, a
-    collective, or an asynchronous copy between host and device memory (a copy-start, or
+    collective, an asynchronous copy between host and device memory (a copy-start, or
     the async fusion XLA wraps a slice read from a host buffer or an update written into
-    one in), which the copy engines move over the host link beside the kernels."""
+    one in), which the copy engines move over the host link beside the kernels, or a
+    buffer allocated and left unwritten (`lax.empty`'s AllocateBuffer call)."""
     host_transfer = instr.opcode in ("fusion-start", "fusion-done") and HOST_MEMORY in instr.type
     return not (instr.opcode in STRUCTURAL or instr.opcode in ("while", "conditional", "call",
                                                                "async-start", "copy-start")
-                or instr.base in COLLECTIVES or host_transfer)
+                or instr.base in COLLECTIVES or host_transfer
+                or instr.attr("custom_call_target") == "AllocateBuffer")
 
 
 def cost(module: Module, peak: float, bandwidth: float, fp8_peak: float | None = None) -> list:
