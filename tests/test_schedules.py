@@ -225,6 +225,31 @@ def test_idle_forwards_write_where_nothing_is_kept(kind, p, m, v, free):
                     kept[r][R.b_slot[t][r]] = None
 
 
+@pytest.mark.parametrize("kind,p,m,v,written", [
+    ("1f1b", 4, 8, 1, True), ("1f1b", 8, 32, 1, True), ("interleaved", 3, 7, 3, True),
+    ("zb-h1", 4, 8, 1, True), ("zb-v", 4, 8, 2, True), ("1f1b", 4, 3, 1, False),
+    ("gpipe", 3, 4, 1, False)])
+def test_every_b_slot_reads_a_slot_an_f_wrote(kind, p, m, v, written):
+    """lowering.b_reads_written, under which training leaves the buffers of what F keeps
+    unzeroed (lax.empty): replayed, in every round each rank's B slot (an idle one too,
+    which the masked round forms run) reads a stash slot that some F on the rank computed
+    into by then: a valid F, or an idle F in a round where some rank's F is valid, where
+    idle F's write unmasked (idle_f_slots_free). Not so with m < p or GPipe (an idle
+    rank's B reads a slot no F has written yet)."""
+    costs = Costs(masked=True)
+    R = lower(make_schedule(kind, p, m, v, costs), costs)
+    assert R.b_reads_written == written
+    computed = [set() for _ in range(p)]
+    unread = []
+    for t in range(R.num_rounds):
+        for r in range(p):
+            if R.f_valid[t][r] or (R.idle_f_slots_free and any(R.f_valid[t])):
+                computed[r].add(R.f_slot[t][r])
+            if R.b_slot[t][r] not in computed[r]:
+                unread.append((t, r))
+    assert (not unread) == written
+
+
 @pytest.mark.parametrize("kind,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 1, 1),
                                       ("interleaved", 4, 2), ("interleaved", 3, 3),
                                       ("interleaved", 2, 4)])

@@ -84,15 +84,21 @@ def write_tree(buffers, slot, values, valid, deps=()):
     return jax.tree.map(lambda b, x: write(b, index(b), x, valid), buffers, values)
 
 
-def slots(template, count: int):
+def slots(template, count: int, unwritten: bool = False):
     """[count, ...] zeros like every leaf of `template`, varying over the axes the leaf
     varies over and over pipe: a slot is written at an index that varies over pipe (the
     rank's table), which makes even an invariant leaf (an empty cuDNN attention residual,
     shape [0]) varying, and a buffer written in one branch of a conditional only must
-    not change type."""
-    return jax.tree.map(lambda t: mark_varying(
-        jnp.broadcast_to(jnp.zeros_like(t), (count, *t.shape)),
-        (*sorted(varying_axes(t)), PIPE)), template)
+    not change type. unwritten: left as allocated (`lax.empty`: zeros on CPU, on a GPU
+    nothing written), for buffers whose every slot is written before it is read. Zeroed,
+    the first write of each slot buffer in the warm-up rounds (a constant slot there)
+    became a pad of the whole buffer: every slot written once more a step."""
+    def make(t):
+        shape = (count, *t.shape)
+        x = lax.empty(shape, t.dtype) if unwritten else \
+            jnp.broadcast_to(jnp.zeros_like(t), shape)
+        return mark_varying(x, (*sorted(varying_axes(t)), PIPE))
+    return jax.tree.map(make, template)
 
 
 def masked(tree, valid):

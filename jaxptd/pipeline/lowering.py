@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
-from jaxptd.pipeline.slot_pool import SlotPool, idle_f_slots, reruns
+from jaxptd.pipeline.slot_pool import SlotPool, b_reads_written, idle_f_slots, reruns
 from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells, stage_place,
                                        validate, virtual_stage)
 
@@ -90,6 +90,7 @@ class Rounds:
     num_tape_slots: int
     v_shape: bool  # chunks placed in a V (schedules.virtual_stage)
     idle_f_slots_free: bool  # every idle F's f_slot holds no kept values (idle_f_slots)
+    b_reads_written: bool  # every B slot reads a stash slot an F wrote (b_reads_written)
     forward_only: bool
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
@@ -138,6 +139,7 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
                   num_tape_slots=size["tape"], v_shape=schedule.v_shape,
                   idle_f_slots_free=free,
+                  b_reads_written=not schedule.forward_only and b_reads_written(tab, free),
                   forward_only=schedule.forward_only,
                   split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
 

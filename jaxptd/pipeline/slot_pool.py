@@ -1,6 +1,6 @@
 """The lowering's slot bookkeeping (pipeline/lowering.py): the per-rank slot allocator, the
-free stash slots an idle F may write, and which zero-bubble B's run again for their W.
-Pure Python.
+free stash slots an idle F may write, whether every B reads a slot some F wrote, and which
+zero-bubble B's run again for their W. Pure Python.
 """
 from __future__ import annotations
 
@@ -39,6 +39,23 @@ def idle_f_slots(tab, kept, slots: int) -> bool:
                 tab["f_slot"][t][r] = free[0] if free else 0
                 found = found and bool(free)
     return found
+
+
+def b_reads_written(tab, free: bool) -> bool:
+    """Whether in every round each rank's B slot, an idle one included (a masked round
+    form runs it on every rank), reads a stash slot that an F on its rank wrote in that
+    round or before: a valid F, or with `free` (idle_f_slots) an idle one in a round where
+    some rank's F is valid (every round form but cond runs it there, unmasked; cond runs
+    no idle B). Where so, what F keeps needs no zeros to start from: an idle B's
+    residuals are some earlier F's, finite, as its masked cotangent needs."""
+    written = [set() for _ in tab["f_valid"][0]]
+    for t, row in enumerate(tab["f_valid"]):
+        for r, valid in enumerate(row):
+            if valid or (free and any(row)):
+                written[r].add(tab["f_slot"][t][r])
+            if tab["b_slot"][t][r] not in written[r]:
+                return False
+    return True
 
 
 def reruns(packed: list) -> set:

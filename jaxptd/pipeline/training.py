@@ -140,7 +140,9 @@ class Training(WeightSlot):
         saved = ()
         if self.keep_activations:
             templates = [k.templates for k in kept] if self.by_layer else kept.templates
-            saved = buffers.slots((templates, y), rounds.num_stash_slots)
+            # every B reads what some F wrote (lowering's b_reads_written): no zeros
+            saved = buffers.slots((templates, y), rounds.num_stash_slots,
+                                  unwritten=rounds.b_reads_written)
         inputs, taps = wkept or (None, None)
         carry = {"stash": stage.buffer(rounds.num_stash_slots),
                  "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
