@@ -78,6 +78,9 @@ ROWS = {
     # without recomputation)
     "(2,2,2) 1f1b m8 min": layout(2, 2, 2, 8, "model.remat=minimal"),
     "(1,4,2) 1f1b m16 min": layout(1, 4, 2, 16, "model.remat=minimal"),
+    # and with sequence parallelism, the config issue 48 recommends where tensor > 1
+    "(1,4,2) 1f1b m16 SP min": layout(1, 4, 2, 16, "parallel.sequence_parallel=true",
+                                      "model.remat=minimal"),
     "(1,4,2) interleaved": layout(1, 4, 2, 8, "parallel.schedule=interleaved",
                                   "parallel.chunks=2"),
     "(2,2,2) zb-h1": layout(2, 2, 2, 4, "parallel.schedule=zb-h1"),
