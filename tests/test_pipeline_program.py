@@ -328,3 +328,25 @@ def test_no_matmul_waits_for_its_rounds_messages(schedule, form):
             for d in uses:
                 tainted[d].update(eqn.outvars)
         assert senders >= 1
+
+
+def test_cond_slots_pass_no_slot_buffer_through():
+    """round_form=cond: no slot conditional of the round loop returns a stash-slot buffer
+    of the carry ([slots, ...]: the stage inputs, what F keeps for B) whole; a conditional
+    that did was copied whole in its branches on XLA:GPU (executor._conditional)."""
+    p, m = 4, 8
+    setup = pipelined_setup(1, p, 1, "1f1b", 1, m, 4, ["parallel.round_form=cond"])
+    config = setup.config
+    rounds = rounds_for("1f1b", p, m, 1, "cond")
+    batch = jax.ShapeDtypeStruct((config.train.global_batch, config.model.seq_len + 1),
+                                 jnp.int32, sharding=setup.batch_sharding)
+    jaxpr = jax.make_jaxpr(build_train_step(setup))(setup.state_layout.abstract_state(),
+                                                    batch).jaxpr
+    (body,) = _round_scans(jaxpr)
+    assert rounds.num_stash_slots > 1
+    slotted = {v.aval.shape for v in body.invars
+               if v.aval.ndim >= 3 and v.aval.shape[0] == rounds.num_stash_slots}
+    assert len(slotted) >= 2, slotted  # the stash and kept values (the test can fail)
+    conds = [e for e in body.eqns if e.primitive.name == "cond"]
+    assert len(conds) == 2  # the F and B slots
+    assert all(v.aval.shape not in slotted for e in conds for v in e.outvars)

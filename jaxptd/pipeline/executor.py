@@ -28,6 +28,7 @@ runs the rounds of each segment.
 Round forms (parallel.round_form; `segments`):
 - cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
   rank's row of the tables, so idle work is skipped (simulated devices share the cores);
+  no slot buffer passes through a slot's conditional whole (`_conditional`);
 - steady (the GPU default): no conditional at all. Rounds in which the same slot kinds
   are used by every rank, by some or by none run as one scan: a kind every rank uses runs
   unconditionally, one some ranks use runs masked on every rank (its results discarded
@@ -36,8 +37,11 @@ Round forms (parallel.round_form; `segments`):
   microbatch's rows split over the ranks each runs it on its part of the last stage's
   rows (training.py, head.py; the tables' head_on and head_mb). On a GPU the ranks run
   in lockstep, so a round lasts as long as its busiest rank's work whatever the idle ones
-  do, while an XLA:GPU conditional copies its predicate to the host and, in the compiled
-  H100 program, copied the whole stash it passed through, every step;
+  do, while an XLA:GPU conditional outside a CUDA graph copies its predicate to the host
+  (XLA records conditionals into graphs only for a driver it knows takes them, which a
+  compile without a GPU never does), and the cond form does not spread the head: read
+  per rank from its compiled branches, it is slower than steady at the papers' depth
+  (bench/cond_rounds.py; figures: the git log);
 - masked: no conditional anywhere; an idle slot computes and its results are discarded.
 
 The backward is driven by the schedule, not by autodiff through the loop: what F keeps for
@@ -78,7 +82,7 @@ from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, l
                                      round_costs, segments)
 from jaxptd.pipeline.training import IN_FLIGHT, Training
 from jaxptd.pipeline.weight_slot import HANDED
-from jaxptd.parallel.varying import after, mark_varying, waiting
+from jaxptd.parallel.varying import after, mark_varying, waiting, zeros_as
 
 # the carry's B message of the previous round ({x, valid, slot}: what it is and where it
 # is stored), sent at the start of the next round (see the module docstring)
@@ -127,8 +131,53 @@ def _run_slot(mode, fn, carry, row, valid_field, seg, idle_message):
         return fn(carry, row, True, seg)
     if mode == "mask":
         return fn(carry, row, row[valid_field] > 0, seg)
-    return lax.cond(row[valid_field] > 0, lambda c, r: fn(c, r, True, seg),
-                    lambda c, r: (idle_message, c), carry, row)
+    return _conditional(fn, carry, row, valid_field, seg, idle_message)
+
+
+# The name scope of a conditional slot: SLOT_SCOPE + 'f', 'b' or 'w'.
+SLOT_SCOPE = "slot_cond_"
+# The carry's slot buffers; those each slot kind (by its valid field) writes, by the
+# table field that indexes its slot there and the fields that must be set too for it to
+# write (a B keeps its taps in its W slot only where its W is a later round's: b_keeps).
+SLOT_BUFFERS = ("stash", "gbuf", "saved", "tapes", "wsaved")
+SLOT_WRITES = {"f_valid": {"saved": ("f_slot",), "tapes": ("f_tslot",)},
+               "b_valid": {"wsaved": ("b_wslot", "b_keeps")}, "w_valid": {}}
+
+
+def _conditional(fn, carry, row, valid_field, seg, idle_message):
+    """A slot as a `lax.cond` on the rank's row -> (message, carry). No slot buffer passes
+    through the conditional: each one the slot writes (SLOT_WRITES) is a one-slot buffer of
+    zeros inside it, which the slot's writes at the table's index land in (a dynamic
+    update's start index is clamped: any index of a one-slot buffer is 0), and which comes
+    out to be stored where the slot wrote; the buffers it reads go in whole and stay out of
+    its results. A buffer that passed through was copied whole in the conditional's
+    branches on XLA:GPU, each buffer of the carry, every time the slot ran (the H100
+    compile; figures: the git log). The rest of the carry (gradient sums, loss) passes
+    through."""
+    writes = {k: fields for k, fields in SLOT_WRITES[valid_field].items() if k in carry}
+    shapes = jax.eval_shape(lambda: {k: jax.tree.map(lambda b: b[:1], carry[k])
+                                     for k in writes})
+    rest = {k: x for k, x in carry.items() if k not in writes}
+
+    def results(out):
+        return {k: x for k, x in out.items() if k not in SLOT_BUFFERS or k in writes}
+
+    def taken(rest, row):
+        message, out = fn({**rest, **zeros_as(shapes)}, row, True, seg)
+        return message, results(out)
+
+    def idle(rest, _):
+        return idle_message, results({**rest, **zeros_as(shapes)})
+    with jax.named_scope(SLOT_SCOPE + valid_field[0]):  # (bench/cond_rounds.py reads it)
+        message, out = lax.cond(row[valid_field] > 0, taken, idle, rest, row)
+    stored = {}
+    for k, (index, *also) in writes.items():
+        wrote = row[valid_field] > 0
+        for field in also:
+            wrote = wrote & (row[field] > 0)
+        stored[k] = jax.tree.map(lambda b, v, i=row[index], w=wrote: buffers.write(
+            b, i, v[0], w), carry[k], out[k])
+    return message, {**carry, **out, **stored}
 
 
 def _stored_after(slot, made, message):

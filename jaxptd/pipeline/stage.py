@@ -19,6 +19,11 @@ from jaxptd.parallel.sharding import regather
 from jaxptd.parallel.varying import mark_varying
 
 
+# The name scopes of the embedding's and the head's conditionals (what a static reading
+# of a conditional round form tells them by: bench/cond_rounds.py).
+EMBED_SCOPE, HEAD_SCOPE = "embed_cond", "head_cond"
+
+
 class Stage:
     """The pieces of a virtual stage, for one step's batch on this pipe rank.
 
@@ -73,7 +78,8 @@ class Stage:
                                            self.stage_key(mb, chunk), self.model,
                                            self.layout, self.deterministic)
         if how == "cond":
-            return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
+            with jax.named_scope(EMBED_SCOPE):
+                return lax.cond(self.vstage(chunk) == 0, embed, lambda: x_in)
         return jnp.where(self.vstage(chunk) == 0, embed(), x_in) if how == "inline" else x_in
 
     def layers(self, layers, x, mb, chunk, perturbations=None, with_stats=False, wait=None,
@@ -103,5 +109,6 @@ class Stage:
             return mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))
         is_last = self.vstage(chunk) == self.last
         if how == "cond":
-            return lax.cond(is_last, loss, zero)
+            with jax.named_scope(HEAD_SCOPE):
+                return lax.cond(is_last, loss, zero)
         return jnp.where(is_last, loss(), 0.0) if how == "inline" else zero()
