@@ -25,8 +25,8 @@
 #               one change at a time from the config
 #   microbatch  GPT-1.3B at b = 1, 2, 8; GPT-350M and 125M at b = 4, 16
 #   profile     bench/profile_step.py: the top XLA ops of one GPT-1.3B step
-#   pipeline    bench/pipeline_rounds.py --json OUT_DIR/pipeline_rounds.json (plus --toy
-#               under --toy), when that script exists
+#   pipeline    bench/pipeline_rounds.py --json OUT_DIR/pipeline_rounds.json
+#               --command-buffers (--toy under --toy), when that script exists
 #
 # Everything goes under OUT_DIR, in at most 8 files (what a device command hands back):
 # gpu_all.log (all output), env.txt, kernels_<device>.json, gpu_train_<device>.json,
@@ -136,7 +136,11 @@ part_pipeline() {
   if [ ! -f bench/pipeline_rounds.py ]; then
     echo "bench/pipeline_rounds.py does not exist yet: nothing to run"; return 0
   fi
-  $PY -m bench.pipeline_rounds --json "$OUT/pipeline_rounds.json" ${TOY:+--toy}
+  # (on a GPU also in a child process recording conditionals into CUDA graphs: what the
+  # cond round form's conditionals cost there, bench/cond_rounds.py)
+  local graphs=--command-buffers
+  [ -n "$TOY" ] && graphs=--toy
+  $PY -m bench.pipeline_rounds --json "$OUT/pipeline_rounds.json" $graphs
 }
 
 if [ -n "${GPU_ALL_PART:-}" ]; then  # one part, in the process the loop below starts

@@ -9,8 +9,11 @@ residuals in a stash slot, B = the backward from them): every slot valid, each w
 half the slots idle (a warm-up or cool-down), skipped by a conditional or computed masked.
 The model's own layers run (jaxptd.model.apply_layers). A profile of one loop counts the
 device-to-host copies (the conditionals' predicates). With --command-buffers the run is
-repeated in a child process with XLA_FLAGS enabling CUDA-graph command buffers for
-conditionals (newer XLA can record them, avoiding the host copy; not on by default).
+repeated in a child process with XLA_FLAGS recording conditionals into CUDA-graph command
+buffers (graph conditional nodes: no host copy). jax 0.10.2's XLA has CONDITIONAL among its
+default command types, but records a conditional only where the driver takes graph
+conditionals and the run of commands around it is at least the minimum graph size, which
+these flags set to 1 (COMMAND_BUFFER_FLAGS).
 
     python -m bench.pipeline_rounds [--json OUT.json] [--toy] [--command-buffers]
 """
@@ -24,8 +27,13 @@ import subprocess
 import sys
 import time
 
+# XLA puts a conditional into a CUDA graph only where the driver takes graph conditionals
+# and where the run of commands around it is at least the minimum graph size: in the H100
+# compile of the cond round form (jax 0.10.2, a 13.0 driver described to it) none of its
+# conditionals went into a graph at the default size, all of them at 1, each between two
+# collective-permutes (the git log)
 COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
-                        "CUDNN,COLLECTIVES,CONDITIONAL,WHILE")
+                        "CUDNN,COLLECTIVES,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1")
 SHAPES = {  # layers of one chunk (GPT-1.3B: 24 layers, p = 4, v = 2), microbatch, sequence
     "gpt-1.3B": dict(layers=3, hidden=2048, heads=16, seq=2048, batch=1, dtype="bfloat16"),
     "toy": dict(layers=2, hidden=32, heads=4, seq=16, batch=1, dtype="float32"),
