@@ -26,7 +26,8 @@ from jaxptd.plan.model import DTYPE_BYTES
 
 def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
                         whole_layer: bool = True, recomputed: bool = False,
-                        gpu: bool = False) -> dict:
+                        gpu: bool = False, unrolled: bool = False,
+                        head_cotangent: float = 0.0) -> dict:
     """What FSDP holds gathered on a device, {"layer": in a layer's backward, "head": in
     the head's} (jaxptd/train/step.py): the unit it gathers, in gather_dtype
     (optimizer.grad_reduce_dtype), cast to the compute dtype when that differs, and the
@@ -41,14 +42,36 @@ def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
     each weight's is reduce-scattered as it is made (measured on the CPU compile,
     tests/test_plan.py). gpu: the head's backward holds the ends gathered in the compute
     dtype alone (XLA's GPU program casts before gathering, and the tied embedding's
-    float32 gradient comes after: the H100 compile of the PyTorch FSDP 1T run's config)."""
+    float32 gradient comes after: the H100 compile of the PyTorch FSDP 1T run's config).
+    gpu with a recomputed layer gathered a matmul at a time (`_combined_layer_bytes`):
+    the layer's weight gradients, and the head's cotangent (`head_cotangent` bytes) in
+    place of the tied embedding's float32 gradient."""
     gather_bytes, e = DTYPE_BYTES[gather_dtype], DTYPE_BYTES[dtype]
+    if gpu and recomputed and not whole_layer:
+        return {"layer": _combined_layer_bytes(counts, gather_bytes, unrolled, head_cotangent),
+                "head": e * counts["ends_params"]}
     unit = gather_bytes + (e if dtype != gather_dtype else 0) + e  # a gathered element
     layer_unit = unit - (e if recomputed else 0)
     rest = counts["layer_gathered_params"] * (layer_unit if whole_layer else gather_bytes)
     return {"layer": unit * counts["dense_unit_params"] + rest
             + 4 * counts["shared_ends_params"],
             "head": (e if gpu else gather_bytes + 4) * counts["ends_params"]}
+
+
+def _combined_layer_bytes(counts: dict, gather_bytes: int, unrolled: bool,
+                         head_cotangent: float) -> float:
+    """What a GPU program holds for FSDP in a recomputed layer's backward, one matmul's
+    weight gathered at a time: XLA's combiner makes one reduce-scatter of the layer's
+    weight gradients, so all of them wait for the last, in the reduce dtype (the gathered
+    weights the data gradients read are freed by then); unrolled, the next matmul's
+    gather is in flight beside them. A tied embedding's gradient waits in its head's
+    pieces instead: XLA runs the head's weight-gradient matmul after the layers', holding
+    the logits' cotangent [b, s, V/t] and the head's input [b, s, h] (which XLA may
+    recompute instead) in the compute dtype (`head_cotangent`). Buffer by buffer at the peak of the A100-40GB compiles of
+    bench/table1.py's fsdp_175b (unrolled) and fsdp_1t (scanned)."""
+    tied = head_cotangent if counts["shared_ends_params"] else 0.0
+    return gather_bytes * (counts["layer_params"]  # (a stack element's, all its weights)
+                           + (counts["dense_unit_params"] if unrolled else 0.0)) + tied
 
 
 def offloaded_state_bytes(counts: dict, streams: bool) -> dict:
@@ -109,7 +132,11 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     with `streams` (unpipelined) the gradients too: the device holds one layer's masters
     and gradients in the backward (and the ends'), and in the update one unit's state
     (offloaded_state_bytes); pipelined, the masters and gradients whole on the device.
-    """
+    Unrolled on a GPU (unrolled_gpu) the masters fetched for a layer's forward stay until
+    its backward (XLA fetches them once), every layer's at the first (the fsdp_175b
+    compile of bench/table1.py grows a layer's masters a layer: 4, 8, 16, 32 layers), and
+    with one microbatch each layer's update reads its gradient on the device as the
+    backward reduces it: no host gradients."""
     W, M = counts["weight_params"], counts["moment_params"]
     grads, moments = 4.0 * W, 4.0 * M
     on_host = offload_optimizer and streams  # the gradients' sums, too
@@ -117,7 +144,7 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
     if unrolled_gpu:  # each layer's gradient goes into the sum as it is made (docstring)
         reduced_copy = 0.0
     extras = unrolled_gpu or {"weight_copies": 0.0, "gradient_workspace": 0.0}
-    device = {"weights": offloaded["device"] if on_host else 4.0 * W,
+    device = {"weights": offloaded["device"] if on_host and not unrolled_gpu else 4.0 * W,
               "gradients": offloaded["device"] if on_host else grads,
               "optimizer": 0.0 if offload_optimizer else moments,
               **_backward_phase(activations, grads,
@@ -134,8 +161,10 @@ def device_memory(*, counts: dict, activations: dict, microbatches: int,
         else "update"
     device["total"] = device["weights"] + device["gradients"] + device["optimizer"] \
         + device[f"{device['peak_phase']}_phase"]
-    host = {"weights": 4.0 * W if offload_optimizer else 0.0,
-            "gradients": grads * (2 if microbatches > 1 else 1) if on_host else 0.0,
+    host = {  # (unrolled, one microbatch: the fsdp_175b compile's host temp is its inputs)
+            "weights": 4.0 * W if offload_optimizer else 0.0,
+            "gradients": 0.0 if not on_host or (unrolled_gpu and microbatches == 1)
+            else grads * (2 if microbatches > 1 else 1),
             "optimizer": moments if offload_optimizer else 0.0,
             "activations": activations["offloaded"]}
     host["total"] = sum(host.values())

@@ -195,41 +195,40 @@ class StepActivations:
     `chunks`, plus the executor's buffers, `slots` = {stash, grad, w, tape} counts
     (jaxptd/pipeline/lowering.py; their bytes: jaxptd/plan/buffers.py), a stage input each
     [b, s, h] ([b, s/t, h] with SP) in the compute dtype; keep_activations: parallel.stash
-    = activations (zero-bubble kinds: a stash slot keeps the backward of everything but
-    the dense() weights, less the dense() inputs a tape slot holds). sp: sequence
-    parallelism.
+    = activations (zero-bubble kinds: a stash slot keeps the backward of everything but the
+    dense() weights, less the dense() inputs a tape slot holds). sp: sequence parallelism.
     ffn, kv_heads, gated: the layer's shape (layer_activation_bytes). c, method: context
     parallelism; every [b, s, ...] above is [b, s/c, ...] (s stays the whole sequence) and
     the attention core's terms are attention_terms'; flash: the ring's blocks are Pallas's
     flash kernels (else XLA's), for c = 1 and allgather cuDNN's flash attention. The ring
     recomputes nothing of its own (selective recomputation leaves it alone); its XLA blocks
-    add RING_UNITS of its unit to a layer's backward.
-    moe: a layer's MLP is this mixture of experts (layer_activation_bytes), in one layer of
-    every moe.every: the layers are then recomputed a unit of moe.every at a time (the
-    stack's element), so full and minimal recomputation's transient is a unit's; the
-    others' is the unit's largest layer's.
+    add RING_UNITS of its unit to a layer's backward. moe: a layer's MLP is this mixture of
+    experts (layer_activation_bytes), in one layer of every moe.every: the layers are then
+    recomputed a unit of moe.every at a time (the stack's element), so full and minimal
+    recomputation's transient is a unit's; the others' is the unit's largest layer's.
     regathered: the layers run under sharding.regather's jax.checkpoint policy (FSDP, or
     offload.optimizer's streamed masters), which keeps what the MLP's fused activation
     returns for the second matmul's weight gradient (without it XLA keeps only its input);
-    the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's
-    for a GPU (head_activation_bytes). layer_weights: a layer's weights cast to the
-    compute dtype (0 for float32), which an unpipelined layer with SP keeps where it keeps
-    what it computes (remat none or selective): tensor.entered's jax.checkpoint takes
-    them cast (the H100 compile, 8 layers against 4 at (2,1,4): a layer's kept values,
-    gradients and these; a pipeline passes its cast weights in again).
-    unrolled: the layers run unrolled (model.scan_layers), so that with
-    parallel.stash=activations, no zero-bubble split and sequence parallelism (or t = 1)
-    the executor keeps and reads a stash slot a layer at a time (pipeline/training.py,
-    kept_by_layer: `by_layer`).
-    xla_gpu: XLA's attention core (not flash) compiled for a GPU, which holds a layer's
-    [b, a/t, s, s] twice where nothing recomputes it: where a layer's forward and backward
-    are one program (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the
-    probabilities in the softmax's backward from the scores, which it keeps beside them;
-    from a stash, the B slot reads a layer's out twice, as stored and transposed for the
-    values' gradient (the H100 compile of GPT-1.3B, buffer by buffer: one device, and
-    1F1B at (2,2,2) with each stash; a layer at a time since the stash buffers are
-    row-major, the chunk's at once before).
-    """
+    the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's for
+    a GPU (head_activation_bytes). layer_weights: a layer's weights cast to the compute
+    dtype (0 for float32), which an unpipelined layer with SP keeps where it keeps what it
+    computes (remat none or selective): tensor.entered's jax.checkpoint takes them cast
+    (the H100 compile, 8 layers against 4 at (2,1,4): a layer's kept values, gradients and
+    these; a pipeline passes its cast weights in again). combined_wgrad: FSDP on a GPU a
+    matmul at a time (memory.py's _combined_layer_bytes): a scanned layer recomputed whole
+    holds one layer's values at its backward's peak, not 1.5 (its weight-gradient matmuls
+    run last: the fsdp_1t compile of bench/table1.py). unrolled: the layers run unrolled
+    (model.scan_layers), so that with parallel.stash=activations, no zero-bubble split and
+    sequence parallelism (or t = 1) the executor keeps and reads a stash slot a layer at a
+    time (pipeline/training.py, kept_by_layer: `by_layer`). xla_gpu: XLA's attention core
+    (not flash) compiled for a GPU, which holds a layer's [b, a/t, s, s] twice where
+    nothing recomputes it: where a layer's forward and backward are one program
+    (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the probabilities in
+    the softmax's backward from the scores, which it keeps beside them; from a stash, the B
+    slot reads a layer's out twice, as stored and transposed for the values' gradient (the
+    H100 compile of GPT-1.3B, buffer by buffer: one device, and 1F1B at (2,2,2) with each
+    stash; a layer at a time since the stash buffers are row-major, the chunk's at once
+    before)."""
     b: int
     s: int
     h: int
@@ -255,6 +254,7 @@ class StepActivations:
     xla_gpu: bool = False
     gpu: bool = False
     regathered: bool = False
+    combined_wgrad: bool = False
     unrolled: bool = False
     layer_weights: float = 0.0
 
@@ -334,10 +334,10 @@ def _layer_transient(x: StepActivations, layer: float, kept: float, scores: floa
     unit = x.moe.every if x.moe else 1  # the largest of a unit's layers, for its own part:
     largest = layer if unit == 1 else max(x.layer(moe=m)
                                           for m in (replace(x.moe, every=1), None))
+    full = 1.0 if x.combined_wgrad and not x.unrolled else 1.5
     transient = {"none": 0.5 * largest, "minimal": (1.5 * layer - kept) * unit,
-                 "minimal_mlp": (1.5 * layer - kept) * unit,
                  "selective": 0.5 * largest + (0.0 if ring else scores),
-                 "full": 1.5 * layer * unit}[x.remat]
+                 "full": full * layer * unit}[x.remat.removesuffix("_mlp")]
     if not x.flash:  # the softmax's backward: the probabilities' and the scores' gradients
         transient += (RING_UNITS if ring else 2) * scores
     return transient

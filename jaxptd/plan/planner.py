@@ -40,6 +40,7 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
     m_cfg, par = config.model, config.parallel
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     streams = config.offload.optimizer and par.pipe == 1  # the masters fetched per layer
+    unrolled = not scans_layers(m_cfg, platform)
     acts = pm.activation_memory(
         b=config.microbatch_size, s=m_cfg.seq_len, h=m_cfg.hidden_size, a=m_cfg.num_heads,
         t=par.tensor, e=e, layers_per_stage=m_cfg.num_layers // par.pipe,
@@ -53,20 +54,22 @@ def _memory(config: Config, counts: dict, slots: dict, platform: str,
         xla_gpu=platform == "gpu" and par.context == 1 and not flash_attention(config, platform),
         gpu=platform == "gpu",
         regathered=par.fsdp_size > 1 or streams,
-        unrolled=not scans_layers(m_cfg, platform),
+        combined_wgrad=par.fsdp_size > 1 and par.fsdp_unit == "matmul" and platform == "gpu",
+        unrolled=unrolled,
         layer_weights=e * counts["layer_params"] if e < 4 else 0.0)  # (cast: a copy)
     if spreads_head(config, platform):  # the broadcast weights (compute dtype: their
         acts["stash"] += (e + 4.0) * counts["head_params"]  # matrices), float32 sums
-    gathered = pmem.fsdp_gathered_bytes(counts, config.optimizer.grad_reduce_dtype,
-                                      m_cfg.dtype, par.fsdp_unit == "layer",
-                                      recomputation(config) == "full", platform == "gpu") \
+    gathered = pmem.fsdp_gathered_bytes(
+        counts, config.optimizer.grad_reduce_dtype, m_cfg.dtype, par.fsdp_unit == "layer",
+        recomputation(config) == "full", platform == "gpu", unrolled,
+        head_cotangent=e * config.microbatch_size * m_cfg.seq_len // par.context
+        * (counts["vocab_padded"] / par.tensor + m_cfg.hidden_size)) \
         if par.fsdp_size > 1 else None
     device, host = pmem.device_memory(
         counts=counts, activations=acts, microbatches=par.microbatches, gathered=gathered,
         unrolled_gpu=pmem.unrolled_gpu_extras(  # (FSDP's gathered, offload's fetched: cast)
             counts, e, par.pipe, m_cfg.units // par.pipe // par.chunks, par.microbatches,
-            par.fsdp_size == 1 and not streams) if platform == "gpu" and not scans_layers(
-                m_cfg, platform) else None,
+            par.fsdp_size == 1 and not streams) if platform == "gpu" and unrolled else None,
         offload_optimizer=config.offload.optimizer,
         streams=streams,
         peeled=par.microbatches if config.peels_last_microbatch else 0,
