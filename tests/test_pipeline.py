@@ -130,6 +130,28 @@ def test_pipelined_gradients_match_single_device(stash, case, form):
     assert_grads_match_single_device(setup)
 
 
+
+def test_unwritten_buffers_hold_garbage_and_gradients_stay_exact(monkeypatch):
+    """The buffers a GPU leaves unwritten (lax.empty: what F keeps for B, under the
+    lowering's b_reads_written) are zeros on CPU, so the parity tests cannot see a slot
+    read before any F wrote it. Filled with NaN (integers with their maximum), the
+    lockstep round form's idle slots, which run on every rank and are masked, must still
+    give the single-device gradients: no NaN reaches a sum."""
+    from jaxptd.pipeline.executor import rounds_for
+    from jaxptd.train.step import pipeline_context
+
+    def garbage(shape, dtype):
+        fill = jnp.nan if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+        return jnp.full(shape, fill, dtype)
+
+    monkeypatch.setattr(jax.lax, "empty", garbage)
+    # zb-h1 with data and tensor inside the stages (B's and W's slots, 1F1B's B)
+    setup = pipelined_setup(2, 2, 2, "zb-h1", 1, 3, 4, extra=["parallel.round_form=steady"])
+    c = pipeline_context(setup)
+    # the buffers are left unwritten
+    assert rounds_for(c.schedule, c.pipe, c.microbatches, c.chunks, c.round_form).b_reads_written
+    assert_grads_match_single_device(setup)
+
 # The head spread over the pipe ranks (round forms without conditionals, b % p == 0:
 # jaxptd/pipeline/head.py; PARITY's steady and masked cases at p = 2 spread it too): p = 4
 # with interleaving (the last rank's B slots of its other chunk run no head), the stage
