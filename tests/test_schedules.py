@@ -611,3 +611,25 @@ def test_zb_v_is_a_v_within_1f1bs_time_and_stash(costs):
             assert max(v_shape.peak_stash) <= 2 * max(one.peak_stash)
             peaks.add(max(v_shape.peak_stash)) if m >= 2 * p else None
         assert len(peaks) == 1
+
+
+@pytest.mark.parametrize("kind,p,m,v,free", [
+    ("zb-h1", 8, 32, 1, True), ("zb-h1", 4, 8, 1, True), ("zb-interleaved", 4, 8, 2, True),
+    ("zb-v", 4, 8, 2, False), ("zb-h1", 4, 3, 1, False)])
+def test_idle_forwards_tape_where_no_weight_reads(kind, p, m, v, free):
+    """Replayed in the masked round forms, every W slot reads the dense inputs its own F
+    taped, though each idle F writes its tape slot unmasked where idle_f_tslots_free; and
+    every W slot, an idle one too, reads a tape slot some valid F wrote
+    (w_reads_written: the tapes start unzeroed)."""
+    costs = Costs(masked=True)
+    R = lower(make_schedule(kind, p, m, v, costs), costs)
+    assert R.idle_f_tslots_free == free and R.w_reads_written
+    tapes = [[None] * R.num_tape_slots for _ in range(p)]
+    for t in range(R.num_rounds):
+        for r in range(p):
+            if R.f_valid[t][r] or R.idle_f_tslots_free:
+                tapes[r][R.f_tslot[t][r]] = (R.f_mb[t][r], R.f_chunk[t][r]) \
+                    if R.f_valid[t][r] else "garbage"
+        for r in range(p):
+            if R.w_valid[t][r]:
+                assert tapes[r][R.w_tslot[t][r]] == (R.w_mb[t][r], R.w_chunk[t][r])

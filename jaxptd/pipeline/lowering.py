@@ -2,9 +2,9 @@
 
 Owns the buffers a pipeline needs and which slot of each every action uses. Pure Python.
 `Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0 (but an
-idle F's f_slot: a slot free of kept values, slot_pool.idle_f_slots). Per round and rank: an F
-slot (microbatch, chunk, the stash slot of its input, and with zero-bubble kinds the tape
-slot it fills), a B slot (its input's stash slot, the grad slot
+idle F's f_slot and f_tslot: slots free of kept values and of tapes, slot_pool.idle_f_slots).
+Per round and rank: an F slot (microbatch, chunk, the stash slot of its input, and with
+zero-bubble kinds the tape slot it fills), a B slot (its input's stash slot, the grad slot
 of its output gradient, and with zero-bubble kinds the W slot it fills), a W slot (the W
 and tape slots it empties), and the messages that arrive at the end of the round
 (activations into a stash slot, gradients into a grad slot, each with the rank it comes
@@ -39,7 +39,8 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
-from jaxptd.pipeline.slot_pool import SlotPool, b_reads_written, idle_f_slots, reruns
+from jaxptd.pipeline.slot_pool import (SlotPool, b_reads_written, idle_f_slots, reruns,
+                                       tape_lifetimes, w_reads_written)
 from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells, stage_place,
                                        validate, virtual_stage)
 
@@ -91,6 +92,8 @@ class Rounds:
     v_shape: bool  # chunks placed in a V (schedules.virtual_stage)
     idle_f_slots_free: bool  # every idle F's f_slot holds no kept values (idle_f_slots)
     b_reads_written: bool  # every B slot reads a stash slot an F wrote (b_reads_written)
+    w_reads_written: bool  # every W slot reads a tape slot an F wrote (w_reads_written)
+    idle_f_tslots_free: bool  # likewise (idle_f_slots) every idle F's f_tslot
     forward_only: bool
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
@@ -134,12 +137,14 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     tab, pools = lowering.tab, lowering.pools
     size = {k: max(pool.size for pool in pools[k]) for k in pools}
     free = not schedule.forward_only and idle_f_slots(tab, lowering.kept, size["stash"])
+    free_tapes = split and idle_f_slots(tab, tape_lifetimes(tab), size["tape"], "f_tslot")
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],
                   num_tape_slots=size["tape"], v_shape=schedule.v_shape,
                   idle_f_slots_free=free,
                   b_reads_written=not schedule.forward_only and b_reads_written(tab, free),
+                  w_reads_written=split and w_reads_written(tab), idle_f_tslots_free=free_tapes,
                   forward_only=schedule.forward_only,
                   split_backward=schedule.split_backward, packed=tuple(map(tuple, packed)))
 

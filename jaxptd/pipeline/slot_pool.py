@@ -23,20 +23,21 @@ class SlotPool:
         self.free.append(slot)
 
 
-def idle_f_slots(tab, kept, slots: int) -> bool:
+def idle_f_slots(tab, kept, slots: int, field: str = "f_slot") -> bool:
     """Points every idle F (f_valid 0) at a stash slot that holds no kept values in its
     round: none an F wrote in an earlier round for a B in this one or later. Where each
     finds one (returned True), an F slot that runs masked on every rank may write what it
     keeps unmasked, garbage where it is idle: the masked write read the slot's old values
     first (at (2,2,2) 1F1B enough of them at once to make the step's peak:
-    BENCHMARKS.md). Fills those f_slots (kept: (rank, slot, F's round, B's round))."""
+    BENCHMARKS.md). Fills those f_slots (kept: (rank, slot, F's round, B's round)); with
+    field "f_tslot" the tape slots (kept: `tape_lifetimes`, a W's round for a B's)."""
     found = True
     for t, row in enumerate(tab["f_valid"]):
         for r, valid in enumerate(row):
             if not valid:
                 live = {slot for rank, slot, f, b in kept if rank == r and f < t <= b}
                 free = [slot for slot in range(slots) if slot not in live]
-                tab["f_slot"][t][r] = free[0] if free else 0
+                tab[field][t][r] = free[0] if free else 0
                 found = found and bool(free)
     return found
 
@@ -76,3 +77,32 @@ def reruns(packed: list) -> set:
             if wa and ba is None and some_b and done[(r, wa.microbatch, wa.chunk)] < t:
                 again.add((r, wa.microbatch, wa.chunk))
     return again
+
+
+def w_reads_written(tab) -> bool:
+    """Whether in every round where some rank's W slot runs, each rank's W slot, an idle
+    one included (the masked round forms run it), reads a tape slot that a valid F on its
+    rank wrote in that round or before. Where so, the tapes need no zeros to start from:
+    an idle W's dense inputs are some earlier F's, finite, as its masked output gradients
+    need (zeroed, the tape buffers were a fill of every slot a step)."""
+    written = [set() for _ in tab["f_valid"][0]]
+    for t, row in enumerate(tab["f_valid"]):
+        for r, valid in enumerate(row):
+            if valid:
+                written[r].add(tab["f_tslot"][t][r])
+        if any(tab["w_valid"][t]) and any(tab["w_tslot"][t][r] not in written[r]
+                                          for r in range(len(row))):
+            return False
+    return True
+
+
+def tape_lifetimes(tab) -> list:
+    """(rank, tape slot, F's round, its W's round) of every valid F (zero-bubble kinds)."""
+    lives = []
+    for t, row in enumerate(tab["f_valid"]):
+        for r in (r for r, valid in enumerate(row) if valid):
+            slot = tab["f_tslot"][t][r]
+            w = next(u for u in range(t, len(tab["w_valid"]))
+                     if tab["w_valid"][u][r] and tab["w_tslot"][u][r] == slot)
+            lives.append((r, slot, t, w))
+    return lives

@@ -146,7 +146,10 @@ class Training(WeightSlot):
         inputs, taps = wkept or (None, None)
         carry = {"stash": stage.buffer(rounds.num_stash_slots),
                  "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
-                 "tapes": buffers.slots(inputs, rounds.num_tape_slots) if self.taped else (),
+                 # (every W reads what some F wrote, lowering's w_reads_written: no zeros)
+                 "tapes": buffers.slots(inputs, rounds.num_tape_slots,
+                                        unwritten=rounds.w_reads_written)
+                 if self.taped else (),
                  "wsaved": buffers.slots(taps if self.taped else wkept, rounds.num_w_slots)
                  if self.split else (),
                  "grads": self._zero_grads(),
@@ -206,7 +209,10 @@ class Training(WeightSlot):
             carry = {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, written)}
         carry = self._add_stats(carry, chunk, stats, valid)
         if self.taped:
-            carry["tapes"] = buffers.write_tree(carry["tapes"], row["f_tslot"], inputs, valid)
+            # (an idle F's tape slot is free, lowering's idle_f_tslots_free: written as is)
+            carry["tapes"] = buffers.write_tree(
+                carry["tapes"], row["f_tslot"], inputs,
+                True if self.rounds.idle_f_tslots_free else valid)
         return y, carry
 
     def backward(self, carry, row, valid, seg):
@@ -240,11 +246,13 @@ class Training(WeightSlot):
         else:
             loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
                 x_in, row, g_out, g_loss, seg, carry.get(IN_FLIGHT))
-            g_ends = buffers.masked(g_ends, counted)
+            g_ends = [buffers.masked(g_ends, counted)]
         grads = carry["grads"]
-        grads = {**{k: jax.tree.map(_add_slot, grads[k], g) for k, g in g_ends.items()},
-                 "layers": g_layers if self.by_layer else self._add_layers(
-                     grads["layers"], chunk, g_layers, counted)}
+        for part in g_ends:  # (each added to the sums on its own: _backward_kept)
+            grads = {**grads, **{k: jax.tree.map(_add_slot, grads[k], g)
+                                 for k, g in part.items()}}
+        grads = {**grads, "layers": g_layers if self.by_layer else self._add_layers(
+            grads["layers"], chunk, g_layers, counted)}
         if self.head is None:
             loss = buffers.masked(loss, counted)
         elif g_head is not None:  # the last rank's part: head_on masked it, not this slot
@@ -279,7 +287,8 @@ class Training(WeightSlot):
 
     def _backward_kept(self, carry, row, x_in, g_out, g_loss, seg, valid):
         """B from what F kept: the head's vjp, the kept chunk backward, the embedding's. The
-        ends' gradients returned are zero where the slot is not valid; `by_layer`: the
+        ends' gradients returned (a list of trees to add to the sums in turn) are zero
+        where the slot is not valid; `by_layer`: the
         layers' gradients returned are the sums with this slot's added."""
         mb, chunk = row["b_mb"], buffers.chunk_of(row, "b", self.v)
         saved, y = carry["saved"]
@@ -319,8 +328,10 @@ class Training(WeightSlot):
         # XLA folds into the add to the sums (_add_slot), where a table-sized select after it
         # kept the zero-filled table (two f32 [V/t, h] a B slot in the H100 compile)
         g_embed = embed_vjp(buffers.masked(g_x, valid))[0]
-        g_ends = g_embed if g_head is None else \
-            jax.tree.map(jnp.add, buffers.masked(g_head, valid), g_embed)
+        # the head's and the embedding's gradients added to the sums one after the other:
+        # added to each other first, the scatter-add into zeros was not folded (a table-
+        # sized fill, scatter and add a B slot where both run, the H100 compile of zb-h1)
+        g_ends = [g_embed] if g_head is None else [buffers.masked(g_head, valid), g_embed]
         return (loss, g_ends, g_weights, g_layers, embed_vjp(g_x)[1],
                 self.chunks.taps(g_taps[0], zeros_tree) if self.split else None)
 
