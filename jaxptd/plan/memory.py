@@ -67,8 +67,9 @@ def _combined_layer_bytes(counts: dict, gather_bytes: int, unrolled: bool,
     gather is in flight beside them. A tied embedding's gradient waits in its head's
     pieces instead: XLA runs the head's weight-gradient matmul after the layers', holding
     the logits' cotangent [b, s, V/t] and the head's input [b, s, h] (which XLA may
-    recompute instead) in the compute dtype (`head_cotangent`). Buffer by buffer at the peak of the A100-40GB compiles of
-    bench/table1.py's fsdp_175b (unrolled) and fsdp_1t (scanned)."""
+    recompute instead) in the compute dtype (`head_cotangent`). Buffer by buffer at the
+    peak of the A100-40GB compiles of bench/table1.py's fsdp_175b (unrolled) and fsdp_1t
+    (scanned)."""
     tied = head_cotangent if counts["shared_ends_params"] else 0.0
     return gather_bytes * (counts["layer_params"]  # (a stack element's, all its weights)
                            + (counts["dense_unit_params"] if unrolled else 0.0)) + tied
