@@ -65,11 +65,12 @@ def _param(stash, case, form="auto"):
                         id="-".join(map(str, (stash, form) + case)))
 
 
-# the layouts whose lowering and simulation tests/test_schedules.py checks as data, left out
-# of the executor's grid (the suite's time): interleaved v = 3 (the unrolled grid's);
-# zb-h1 at p = m = 2 (p = m = 4 and p = 2 m = 3 run), p = 2 t = 4, p = 4 m = 2 with data,
-# p = m = 3, p = 5 m = 6; zb-interleaved at p = 4 m = 4 (m = 5 with t = 2 runs, kept and
-# recomputed), p = 2 t = 4, v = 3, p = 2 t = 2, m = 5 with data, and m = 1 at p = 4
+# the layouts whose lowering and simulation tests/test_lowering.py and test_schedules.py
+# check as data, left out of the executor's grid (the suite's time): interleaved v = 3 (the
+# unrolled grid's); zb-h1 at p = m = 2 (p = m = 4 and p = 2 m = 3 run), p = 2 t = 4, p = 4
+# m = 2 with data, p = m = 3, p = 5 m = 6; zb-interleaved at p = 4 m = 4 (m = 5 with t = 2
+# runs, kept and recomputed), p = 2 t = 4, v = 3, p = 2 t = 2, m = 5 with data, and m = 1 at
+# p = 4
 OMITTED = {CASES[5], *(ZB_CASES[i] for i in (0, 4, 6, 8, 9, 10, 12, 13, 15, 16, 17))}
 # in the masked form only (its own lowering of the same schedule): GPipe with data and tensor
 # (the cond form's GPipe: p = 8), zb-interleaved at v = 4 (the cond form's v = 4:

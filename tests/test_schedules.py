@@ -1,7 +1,7 @@
 """Schedules against independent references: hand-worked grids, the PTD-P paper's bubble
-formulas (§2.2) and the zero-bubble paper's (Qi et al. §3), a replay of the slot tables as
-the executor would run them (training, zero-bubble and forward-only), the validator on
-broken schedules, and the CLI."""
+formulas (§2.2) and the zero-bubble paper's (Qi et al. §3), the forward-only rounds' closed
+form, the validator on broken schedules, and the CLI. (The slot tables replayed as the
+executor runs them: tests/test_lowering.py.)"""
 import dataclasses
 import json
 import subprocess
@@ -112,142 +112,6 @@ def test_peak_stash():
         peaks = {tuple(simulate(make_schedule("interleaved", p, m, v)).peak_stash)
                  for m in (2 * p, 3 * p, 6 * p)}
         assert len(peaks) == 1 and max(next(iter(peaks))) <= (v + 1) * p
-
-
-def _place(kind: str, p: int, s: int) -> int:
-    """The rank of virtual stage s, restated from the schedules' docstrings: s mod p, or
-    V-shaped s for s < p and 2p - 1 - s after the turn."""
-    return 2 * p - 1 - s if kind == "zb-v" and s >= p else s % p
-
-
-def _channel(kind: str, forward: bool, src: int, dst: int) -> str:
-    """The tables a message is received in: 'recv_f'/'recv_b', V-shaped 'recv_f2' for an
-    activation from rank dst + 1 or the turn's (src = dst), 'recv_b2' for a gradient from
-    dst - 1."""
-    other = kind == "zb-v" and (src >= dst if forward else src < dst)
-    return ("recv_f" if forward else "recv_b") + ("2" if other else "")
-
-
-def _deliver(R, t, p, letter, sent, buffers):
-    """Stores round t's messages of a kind (letter 'f' or 'b'; sent: {(dst, tables):
-    label}) in buffers[dst] at their tables' slot, checking that both channels' tables
-    expect exactly these, and that no live slot is overwritten."""
-    for dst in range(p):
-        for channel in (f"recv_{letter}", f"recv_{letter}2"):
-            label = sent.get((dst, channel))
-            assert getattr(R, channel + "_valid")[t][dst] == (label is not None), (t, dst)
-            if label:
-                slot = getattr(R, channel + "_slot")[t][dst]
-                assert buffers[dst][slot] is None  # never overwrite a live input
-                buffers[dst][slot] = label
-
-
-@pytest.mark.parametrize("forward", [False, True], ids=["train", "forward-only"])
-@pytest.mark.parametrize("kind,p,m,v", [("1f1b", 4, 8, 1), ("interleaved", 4, 6, 2),
-                                        ("interleaved", 3, 7, 3), ("gpipe", 3, 4, 1),
-                                        ("zb-v", 4, 9, 2), ("zb-v", 2, 3, 2)])
-def test_messages_and_slot_tables_replay(kind, p, m, v, forward):
-    """Replays the tables the way the executor does, with labels in place of tensors:
-    every (microbatch, virtual stage) forward runs once, on its own input, and a live
-    stash or grad slot is never overwritten."""
-    schedule, S = make_schedule(kind, p, m, v), p * v
-    schedule = forward_only(schedule) if forward else schedule
-    R = lower(schedule)
-    stash = [[None] * R.num_stash_slots for _ in range(p)]
-    grads = [[None] * R.num_grad_slots for _ in range(p)]
-    forwards, done = [], 0
-    for t in range(R.num_rounds):
-        sent = {}  # (destination rank, its tables) -> label
-        for r in range(p):
-            if R.f_valid[t][r]:
-                j, s = R.f_mb[t][r], R.stage(R.f_chunk[t][r], r)
-                assert _place(kind, p, s) == r
-                if s == 0:
-                    stash[r][R.f_slot[t][r]] = (j, 0)
-                assert stash[r][R.f_slot[t][r]] == (j, s)
-                forwards.append((j, s))
-                if s < S - 1:
-                    dst = _place(kind, p, s + 1)
-                    sent[(dst, _channel(kind, True, r, dst))] = (j, s + 1)
-        _deliver(R, t, p, "f", sent, stash)
-        for r in range(p):  # forward-only: the input is free once its F has read it
-            if forward and R.f_valid[t][r]:
-                stash[r][R.f_slot[t][r]] = None
-        sent = {}
-        for r in range(p):
-            if R.b_valid[t][r]:
-                j, s = R.b_mb[t][r], R.stage(R.b_chunk[t][r], r)
-                assert stash[r][R.b_slot[t][r]] == (j, s)
-                if s < S - 1:
-                    assert grads[r][R.b_grad_slot[t][r]] == (j, s)
-                    grads[r][R.b_grad_slot[t][r]] = None
-                stash[r][R.b_slot[t][r]] = None
-                if s > 0:
-                    dst = _place(kind, p, s - 1)
-                    sent[(dst, _channel(kind, False, r, dst))] = (j, s - 1)
-                done += 1
-        _deliver(R, t, p, "b", sent, grads)
-    assert sorted(forwards) == [(j, s) for j in range(m) for s in range(S)]
-    assert done == (0 if forward else m * S)
-    assert all(x is None for rank in stash + grads for x in rank)
-    stats = simulate(schedule)
-    assert stats.messages == {"forward": m * (S - 1), "backward": 0 if forward else m * (S - 1)}
-    assert R.num_stash_slots == max(stats.peak_stash)
-
-
-@pytest.mark.parametrize("kind,p,m,v,free", [
-    ("1f1b", 2, 8, 1, True), ("1f1b", 4, 8, 1, True), ("interleaved", 4, 8, 2, True),
-    ("interleaved", 3, 7, 3, True), ("zb-h1", 4, 8, 1, True), ("zb-interleaved", 2, 4, 2, True),
-    ("1f1b", 4, 3, 1, False), ("gpipe", 3, 4, 1, False)])
-def test_idle_forwards_write_where_nothing_is_kept(kind, p, m, v, free):
-    """Every idle F slot points at a stash slot that holds no kept values in its round
-    (lowering.idle_f_slots_free), so a masked F may write garbage there unmasked: replayed
-    with labels, each B still reads what its own F kept. Not where an idle F's rank holds
-    a kept microbatch in every slot (GPipe's last forwards; 1F1B with m < p): those F's
-    write masked."""
-    costs = Costs(masked=True)
-    R = lower(make_schedule(kind, p, m, v, costs), costs)
-    assert R.idle_f_slots_free == free
-    if not free:
-        return
-    kept = [[None] * R.num_stash_slots for _ in range(p)]
-    again = {(r, R.b_mb[t][r], R.b_chunk[t][r]) for t in range(R.num_rounds)
-             for r in range(p) if R.b_again[t][r]}  # (their first B keeps the slot)
-    for t in range(R.num_rounds):
-        for r in range(p):
-            f = (R.f_mb[t][r], R.f_chunk[t][r]) if R.f_valid[t][r] else "garbage"
-            kept[r][R.f_slot[t][r]] = f
-        for r in range(p):
-            if R.b_valid[t][r]:
-                key = (R.b_mb[t][r], R.b_chunk[t][r])
-                assert kept[r][R.b_slot[t][r]] == key
-                if R.b_again[t][r] or (r, *key) not in again:
-                    kept[r][R.b_slot[t][r]] = None
-
-
-@pytest.mark.parametrize("kind,p,m,v,written", [
-    ("1f1b", 4, 8, 1, True), ("1f1b", 8, 32, 1, True), ("interleaved", 3, 7, 3, True),
-    ("zb-h1", 4, 8, 1, True), ("zb-v", 4, 8, 2, True), ("1f1b", 4, 3, 1, False),
-    ("gpipe", 3, 4, 1, False)])
-def test_every_b_slot_reads_a_slot_an_f_wrote(kind, p, m, v, written):
-    """lowering.b_reads_written, under which training leaves the buffers of what F keeps
-    unzeroed (lax.empty): replayed, in every round each rank's B slot (an idle one too,
-    which the masked round forms run) reads a stash slot that some F on the rank computed
-    into by then: a valid F, or an idle F in a round where some rank's F is valid, where
-    idle F's write unmasked (idle_f_slots_free). Not so with m < p or GPipe (an idle
-    rank's B reads a slot no F has written yet)."""
-    costs = Costs(masked=True)
-    R = lower(make_schedule(kind, p, m, v, costs), costs)
-    assert R.b_reads_written == written
-    computed = [set() for _ in range(p)]
-    unread = []
-    for t in range(R.num_rounds):
-        for r in range(p):
-            if R.f_valid[t][r] or (R.idle_f_slots_free and any(R.f_valid[t])):
-                computed[r].add(R.f_slot[t][r])
-            if R.b_slot[t][r] not in computed[r]:
-                unread.append((t, r))
-    assert (not unread) == written
 
 
 @pytest.mark.parametrize("kind,p,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 1, 1),
@@ -449,48 +313,6 @@ def test_zb_peak_stash_keeps_the_base_kinds_and_does_not_grow_with_m():
         assert peaks == {base + 1}
 
 
-@pytest.mark.parametrize("masked", [False, True], ids=["cond", "masked"])
-@pytest.mark.parametrize("kind,p,m,v", [("zb-h1", 4, 8, 1), ("zb-h1", 3, 3, 1),
-                                        ("zb-interleaved", 4, 6, 2),
-                                        ("zb-interleaved", 2, 5, 3), ("zb-v", 4, 8, 2)])
-def test_zb_w_slot_tables_replay(kind, p, m, v, masked):
-    """Every B that keeps for a later W (b_keeps) fills the W slot its W empties; a W in
-    its B's round (w_now), or in the round where that B runs again (b_again: masked rounds,
-    the rank's B slot free there), takes what the B kept in the round, in no W slot; every
-    F fills the tape slot its W empties; one W per B, no live W or tape slot is
-    overwritten, and a W never runs before its B. Masked, zb-h1 (from m = 2p - 2) runs every
-    W so: rank r runs the B's of its first r W's again after its last B, and no W slot."""
-    costs = Costs(masked=masked)
-    R = lower(make_schedule(kind, p, m, v, costs), costs)
-    wbuf = [[None] * R.num_w_slots for _ in range(p)]
-    tapes = [[None] * R.num_tape_slots for _ in range(p)]
-    ran, now = set(), 0
-    for t in range(R.num_rounds):
-        for r in range(p):
-            if R.f_valid[t][r]:  # (a round's F writes before its W reads)
-                assert tapes[r][R.f_tslot[t][r]] is None
-                tapes[r][R.f_tslot[t][r]] = (R.f_mb[t][r], R.f_chunk[t][r])
-            b_key = (R.b_mb[t][r], R.b_chunk[t][r]) if R.b_valid[t][r] else None
-            if R.b_keeps[t][r]:
-                assert not R.b_again[t][r] and wbuf[r][R.b_wslot[t][r]] is None
-                wbuf[r][R.b_wslot[t][r]] = b_key
-            if R.w_valid[t][r]:
-                key = (R.w_mb[t][r], R.w_chunk[t][r])
-                if R.w_now[t][r]:
-                    assert key == b_key == tapes[r][R.w_tslot[t][r]]
-                    now += 1
-                else:
-                    assert wbuf[r][R.w_slot[t][r]] == key == tapes[r][R.w_tslot[t][r]]
-                    wbuf[r][R.w_slot[t][r]] = None
-                tapes[r][R.w_tslot[t][r]] = None
-                ran.add((r,) + key)
-    assert ran == {(r, j, c) for r in range(p) for j in range(m) for c in range(v)}
-    assert all(x is None for rank in wbuf + tapes for x in rank)
-    assert max(sum(row) for row in zip(*R.w_valid)) <= R.num_rounds  # one W slot a round
-    if masked and kind == "zb-h1" and m >= 2 * p - 2:
-        assert now == p * m and R.num_w_slots == 0, now
-
-
 def test_zb_validator_rules():
     schedule = make_schedule("zb-h1", 2, 2)
     rank0 = schedule.actions[0]
@@ -611,25 +433,3 @@ def test_zb_v_is_a_v_within_1f1bs_time_and_stash(costs):
             assert max(v_shape.peak_stash) <= 2 * max(one.peak_stash)
             peaks.add(max(v_shape.peak_stash)) if m >= 2 * p else None
         assert len(peaks) == 1
-
-
-@pytest.mark.parametrize("kind,p,m,v,free", [
-    ("zb-h1", 8, 32, 1, True), ("zb-h1", 4, 8, 1, True), ("zb-interleaved", 4, 8, 2, True),
-    ("zb-v", 4, 8, 2, False), ("zb-h1", 4, 3, 1, False)])
-def test_idle_forwards_tape_where_no_weight_reads(kind, p, m, v, free):
-    """Replayed in the masked round forms, every W slot reads the dense inputs its own F
-    taped, though each idle F writes its tape slot unmasked where idle_f_tslots_free; and
-    every W slot, an idle one too, reads a tape slot some valid F wrote
-    (w_reads_written: the tapes start unzeroed)."""
-    costs = Costs(masked=True)
-    R = lower(make_schedule(kind, p, m, v, costs), costs)
-    assert R.idle_f_tslots_free == free and R.w_reads_written
-    tapes = [[None] * R.num_tape_slots for _ in range(p)]
-    for t in range(R.num_rounds):
-        for r in range(p):
-            if R.f_valid[t][r] or R.idle_f_tslots_free:
-                tapes[r][R.f_tslot[t][r]] = (R.f_mb[t][r], R.f_chunk[t][r]) \
-                    if R.f_valid[t][r] else "garbage"
-        for r in range(p):
-            if R.w_valid[t][r]:
-                assert tapes[r][R.w_tslot[t][r]] == (R.w_mb[t][r], R.w_chunk[t][r])
