@@ -28,10 +28,9 @@ import sys
 import time
 
 # XLA puts a conditional into a CUDA graph only where the driver takes graph conditionals
-# and where the run of commands around it is at least the minimum graph size: in the H100
-# compile of the cond round form (jax 0.10.2, a 13.0 driver described to it) none of its
-# conditionals went into a graph at the default size, all of them at 1, each between two
-# collective-permutes (the git log)
+# and where the run of commands around it is at least the minimum graph size: a slot's
+# conditional in the cond round form sits alone between two collective-permutes, below the
+# default size, so these flags set it to 1 (what the default size recorded: the git log)
 COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,"
                         "CUDNN,COLLECTIVES,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1")
 SHAPES = {  # layers of one chunk (GPT-1.3B: 24 layers, p = 4, v = 2), microbatch, sequence

@@ -151,9 +151,8 @@ def _conditional(fn, carry, row, valid_field, seg, idle_message):
     update's start index is clamped: any index of a one-slot buffer is 0), and which comes
     out to be stored where the slot wrote; the buffers it reads go in whole and stay out of
     its results. A buffer that passed through was copied whole in the conditional's
-    branches on XLA:GPU, each buffer of the carry, every time the slot ran (the H100
-    compile; figures: the git log). The rest of the carry (gradient sums, loss) passes
-    through."""
+    branches on XLA:GPU, each buffer of the carry, every time the slot ran (the git log
+    has the figures). The rest of the carry (gradient sums, loss) passes through."""
     writes = {k: fields for k, fields in SLOT_WRITES[valid_field].items() if k in carry}
     shapes = jax.eval_shape(lambda: {k: jax.tree.map(lambda b: b[:1], carry[k])
                                      for k in writes})

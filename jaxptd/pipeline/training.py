@@ -330,7 +330,7 @@ class Training(WeightSlot):
         g_embed = embed_vjp(buffers.masked(g_x, valid))[0]
         # the head's and the embedding's gradients added to the sums one after the other:
         # added to each other first, the scatter-add into zeros was not folded (a table-
-        # sized fill, scatter and add a B slot where both run, the H100 compile of zb-h1)
+        # sized fill, scatter and add a B slot where both run; the git log has the figures)
         g_ends = [g_embed] if g_head is None else [buffers.masked(g_head, valid), g_embed]
         return (loss, g_ends, g_weights, g_layers, embed_vjp(g_x)[1],
                 self.chunks.taps(g_taps[0], zeros_tree) if self.split else None)

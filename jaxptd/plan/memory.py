@@ -42,7 +42,7 @@ def fsdp_gathered_bytes(counts: dict, gather_dtype: str, dtype: str,
     each weight's is reduce-scattered as it is made (measured on the CPU compile,
     tests/test_plan.py). gpu: the head's backward holds the ends gathered in the compute
     dtype alone (XLA's GPU program casts before gathering, and the tied embedding's
-    float32 gradient comes after: the H100 compile of the PyTorch FSDP 1T run's config).
+    float32 gradient comes after: the GPU program of the PyTorch FSDP 1T run's config).
     gpu with a recomputed layer gathered a matmul at a time (`_combined_layer_bytes`):
     the layer's weight gradients, and the head's cotangent (`head_cotangent` bytes) in
     place of the tied embedding's float32 gradient."""
@@ -67,9 +67,8 @@ def _combined_layer_bytes(counts: dict, gather_bytes: int, unrolled: bool,
     gather is in flight beside them. A tied embedding's gradient waits in its head's
     pieces instead: XLA runs the head's weight-gradient matmul after the layers', holding
     the logits' cotangent [b, s, V/t] and the head's input [b, s, h] (which XLA may
-    recompute instead) in the compute dtype (`head_cotangent`). Buffer by buffer at the
-    peak of the A100-40GB compiles of bench/table1.py's fsdp_175b (unrolled) and fsdp_1t
-    (scanned)."""
+    recompute instead) in the compute dtype (`head_cotangent`). Read buffer by buffer at
+    the peak of bench/table1.py's fsdp_175b (unrolled) and fsdp_1t (scanned) programs."""
     tied = head_cotangent if counts["shared_ends_params"] else 0.0
     return gather_bytes * (counts["layer_params"]  # (a stack element's, all its weights)
                            + (counts["dense_unit_params"] if unrolled else 0.0)) + tied

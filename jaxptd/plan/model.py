@@ -209,11 +209,11 @@ class StepActivations:
     regathered: the layers run under sharding.regather's jax.checkpoint policy (FSDP, or
     offload.optimizer's streamed masters), which keeps what the MLP's fused activation
     returns for the second matmul's weight gradient (without it XLA keeps only its input);
-    the H100 compile of GPT-1.3B at FSDP 8, buffer by buffer. gpu: the program is XLA's for
+    GPT-1.3B's GPU program at FSDP 8, buffer by buffer. gpu: the program is XLA's for
     a GPU (head_activation_bytes). layer_weights: a layer's weights cast to the compute
     dtype (0 for float32), which an unpipelined layer with SP keeps where it keeps what it
     computes (remat none or selective): tensor.entered's jax.checkpoint takes them cast
-    (the H100 compile, 8 layers against 4 at (2,1,4): a layer's kept values, gradients and
+    (the GPU program, 8 layers against 4 at (2,1,4): a layer's kept values, gradients and
     these; a pipeline passes its cast weights in again). combined_wgrad: FSDP on a GPU a
     matmul at a time (memory.py's _combined_layer_bytes): a scanned layer recomputed whole
     holds one layer's values at its backward's peak, not 1.5 (its weight-gradient matmuls
@@ -226,7 +226,7 @@ class StepActivations:
     (unpipelined, or parallel.stash=inputs) XLA's fusion recomputes the probabilities in
     the softmax's backward from the scores, which it keeps beside them; from a stash, the B
     slot reads a layer's out twice, as stored and transposed for the values' gradient (the
-    H100 compile of GPT-1.3B, buffer by buffer: one device, and 1F1B at (2,2,2) with each
+    GPU program of GPT-1.3B, buffer by buffer: one device, and 1F1B at (2,2,2) with each
     stash; a layer at a time since the stash buffers are row-major, the chunk's at once
     before)."""
     b: int
