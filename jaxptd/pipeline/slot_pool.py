@@ -1,6 +1,6 @@
 """The lowering's slot bookkeeping (pipeline/lowering.py): the per-rank slot allocator, the
-free stash slots an idle F may write, whether every B reads a slot some F wrote, and which
-zero-bubble B's run again for their W. Pure Python.
+free stash and tape slots an idle F may write, whether every B (and W) reads a slot some F
+wrote, and which zero-bubble B's run again for their W. Pure Python.
 """
 from __future__ import annotations
 
@@ -49,13 +49,22 @@ def b_reads_written(tab, free: bool) -> bool:
     some rank's F is valid (every round form but cond runs it there, unmasked; cond runs
     no idle B). Where so, what F keeps needs no zeros to start from: an idle B's
     residuals are some earlier F's, finite, as its masked cotangent needs."""
+    return _reads_written(tab, "f_slot", "b_slot",
+                          lambda t, valid: valid or (free and any(tab["f_valid"][t])),
+                          lambda t: True)
+
+
+def _reads_written(tab, written_field: str, read_field: str, writes, reads) -> bool:
+    """Whether in every round where `reads(t)`, each rank's slot `read_field` is one that
+    its F's wrote at `written_field` in that round or before, an F counting where
+    `writes(t, f_valid)`."""
     written = [set() for _ in tab["f_valid"][0]]
     for t, row in enumerate(tab["f_valid"]):
         for r, valid in enumerate(row):
-            if valid or (free and any(row)):
-                written[r].add(tab["f_slot"][t][r])
-            if tab["b_slot"][t][r] not in written[r]:
-                return False
+            if writes(t, valid):
+                written[r].add(tab[written_field][t][r])
+        if reads(t) and any(tab[read_field][t][r] not in written[r] for r in range(len(row))):
+            return False
     return True
 
 
@@ -85,15 +94,8 @@ def w_reads_written(tab) -> bool:
     rank wrote in that round or before. Where so, the tapes need no zeros to start from:
     an idle W's dense inputs are some earlier F's, finite, as its masked output gradients
     need (zeroed, the tape buffers were a fill of every slot a step)."""
-    written = [set() for _ in tab["f_valid"][0]]
-    for t, row in enumerate(tab["f_valid"]):
-        for r, valid in enumerate(row):
-            if valid:
-                written[r].add(tab["f_tslot"][t][r])
-        if any(tab["w_valid"][t]) and any(tab["w_tslot"][t][r] not in written[r]
-                                          for r in range(len(row))):
-            return False
-    return True
+    return _reads_written(tab, "f_tslot", "w_tslot", lambda t, valid: valid,
+                          lambda t: any(tab["w_valid"][t]))
 
 
 def tape_lifetimes(tab) -> list:
