@@ -209,3 +209,41 @@ def test_idle_forwards_tape_where_no_weight_reads(kind, p, m, v, free):
         for r in range(p):
             if R.w_valid[t][r]:
                 assert tapes[r][R.w_tslot[t][r]] == (R.w_mb[t][r], R.w_chunk[t][r])
+
+
+@pytest.mark.parametrize("kind, p, m, swapped", [
+    ("zb-v", 8, 32, True), ("zb-v", 4, 8, True), ("zb-v", 2, 4, None),
+    ("interleaved", 8, 32, False), ("zb-interleaved", 4, 8, False)])
+def test_static_chunks_name_every_rank_s_chunk(kind, p, m, swapped):
+    """static_chunks: zb-v's slots run one held chunk on every rank once odd ranks hold
+    their chunks swapped (None at p = 2: either swap); interleaved kinds keep the tables'
+    traced chunk. The runs cover each segment's rounds in order, and where a phase names
+    a held chunk, every rank that runs the kind in such a round runs that chunk."""
+    from jaxptd.pipeline import static_chunks
+    from jaxptd.pipeline.executor import rounds_for
+    from jaxptd.pipeline.lowering import segments
+
+    rounds = rounds_for(kind, p, m, 2, "steady")
+    swaps = static_chunks.swaps(rounds)
+    if swapped is False:
+        assert swaps is None
+        return
+    if swapped:
+        assert swaps == tuple(r % 2 for r in range(p))
+    held = static_chunks.round_chunks(rounds, swaps)
+    static = 0
+    for seg in segments(rounds, "steady"):
+        parts = static_chunks.runs(held, seg.start, seg.stop)
+        assert [a for a, _, _ in parts] == [seg.start] + [b for _, b, _ in parts[:-1]]
+        assert parts[-1][1] == seg.stop
+        for a, b, phases in parts:
+            assert (b - a) % len(phases) == 0
+            for t in range(a, b):
+                for k, kind_ in enumerate("fbw"):
+                    at = phases[(t - a) % len(phases)][k]
+                    valid = getattr(rounds, f"{kind_}_valid")[t]
+                    chunk = getattr(rounds, f"{kind_}_chunk")[t]
+                    if at is not None:
+                        static += sum(map(bool, valid))
+                        assert all(chunk[r] ^ swaps[r] == at for r in range(p) if valid[r])
+    assert static > 0

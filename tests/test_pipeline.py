@@ -157,7 +157,8 @@ def test_unwritten_buffers_hold_garbage_and_gradients_stay_exact(monkeypatch):
 # jaxptd/pipeline/head.py; PARITY's steady and masked cases at p = 2 spread it too): p = 4
 # with interleaving (the last rank's B slots of its other chunk run no head), the stage
 # recomputed (the head inside the B slot's vjp: BERT's and the packed pieces' cases), zb-v
-# (the head, the last stage's, on rank 0) with data, tensor and SP, FSDP
+# (the head, the last stage's, on rank 0) with data, tensor and SP, its layers unrolled
+# (static_chunks' held chunks), FSDP
 # with sequence parallelism, the untied head of Llama (its embedding read by the first stage
 # alone), BERT's heads, and context parallelism (each rank's rows hold s/c of their tokens)
 # with SP.
@@ -168,7 +169,8 @@ SPREAD = [
                  ["parallel.fsdp=true", "parallel.sequence_parallel=true"], id="fsdp-sp",
                  marks=pytest.mark.slow),
     pytest.param((2, 2, 2, "zb-v", 2, 2, 4), "activations",
-                 ["parallel.sequence_parallel=true"], id="zb-v-sp", marks=pytest.mark.slow),
+                 ["parallel.sequence_parallel=true", "model.scan_layers=false"], id="zb-v-sp",
+                 marks=pytest.mark.slow),
     pytest.param((1, 2, 2, "zb-h1", 1, 3, 4), "activations", LLAMA, id="llama-zb",
                  marks=pytest.mark.slow),
     pytest.param((1, 2, 1, "1f1b", 1, 2, 4), "inputs", ["model.arch=bert"], id="bert",

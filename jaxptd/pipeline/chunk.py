@@ -43,7 +43,8 @@ class Chunks:
     masters, layers [v, 1, Lc, ...]); split: the zero-bubble kinds' split backward; by_layer:
     the kept backward a layer at a time (training.kept_by_layer)."""
 
-    def __init__(self, context: Context, stage: Stage, params, split: bool, by_layer: bool):
+    def __init__(self, context: Context, stage: Stage, params, split: bool, by_layer: bool,
+                 swaps: tuple | None = None):
         self.stage, self.params, self.v = stage, params, context.chunks
         self.model, self.layout = context.model, context.layout
         # the dense() weights in the compute dtype, cast once for every round (each F and B
@@ -61,27 +62,62 @@ class Chunks:
         self.layer_sums = self.v == 1 and (by_layer or (
             (split or self.keep_activations)
             and not models.scans_layers(self.model, self.layout.platform)))
+        # held chunks (static_chunks.swaps given): each chunk as this rank holds it (its
+        # two swapped where swaps says), a list of each layer's cast tree, read in place
+        # by the slots that name it statically; its gradient sums likewise (`add_held`)
+        self.swap = None if swaps is None else jnp.asarray(swaps, jnp.int32)[stage.rank]
+        self.held = None if swaps is None else self._held_layers()
         self.probe = self._probe() if self.keep_activations or split else None
+
+    def _held_layers(self) -> list:
+        """[held chunk k: [layer i: its cast tree]], chunk k ^ swap of the masters."""
+        logical = [self._cast_layers(c) for c in range(self.v)]
+        return [[jax.tree.map(lambda a, b: jnp.where(self.swap > 0, b, a), mine, other)
+                 for mine, other in zip(logical[k], logical[1 - k])] for k in range(self.v)]
+
+    def held_of(self, chunk):
+        """The held index of logical chunk `chunk` (traced) on this rank."""
+        return chunk ^ self.swap
+
+    def add_held(self, sums, chunk, at, i: int, grads):
+        """The held sums ([held chunk: [layer: tree]]) with layer i's gradients `grads` of
+        logical chunk `chunk` added: into held chunk `at` (static), or with `at` None
+        into each held chunk, masked where it is not the chunk's."""
+        sums = [list(s) for s in sums]
+        for k in range(self.v) if at is None else (at,):
+            here = grads if at is not None else buffers.masked(
+                grads, self.held_of(chunk) == k)
+            sums[k][i] = buffers.add_layer(sums[k][i], here)
+        return sums
 
     def weights(self, chunk):
         """Chunk c's layers [Lc, ...], dense() weights already in the compute dtype."""
+        if self.held is not None:
+            return models.stacked(self.per_layer(chunk))
         return buffers.chunk(self.layers, chunk)
 
-    def per_layer(self, chunk) -> list:
+    def per_layer(self, chunk, at=None) -> list:
         """Chunk c's layers as a list of each layer's tree, as `weights`. With one
         chunk, each layer's own arrays, sliced from the float32 masters and cast once a
         step, before the rounds (`_layer_list`): slices of the cast [Lc, ...] stack were
         copies of it, kept for the whole step, and sliced and cast in the slots, every
         round cast every layer again, in kernels that wrote several copies of each weight
-        (figures: BENCHMARKS.md and the git log)."""
+        (figures: BENCHMARKS.md and the git log). Held chunks: held chunk `at` (static),
+        or with `at` None the one the logical chunk is held at, selected."""
+        if self.held is not None:
+            if at is not None:
+                return self.held[at]
+            first = self.held_of(chunk) == 0
+            return [jax.tree.map(lambda a, b: jnp.where(first, a, b), *pair)
+                    for pair in zip(*self.held)]
         if self.v > 1:
             return models.per_layer(self.weights(chunk))
         return self._layer_list
 
-    def _cast_layers(self) -> list:
-        """The one chunk's layers, each sliced from the float32 masters and cast on its
-        own (`per_layer`)."""
-        dense, rest = models.split_dense(buffers.chunk(self.params["layers"], 0))
+    def _cast_layers(self, chunk: int = 0) -> list:
+        """A chunk's layers, each sliced from the float32 masters and cast on its own
+        (`per_layer`)."""
+        dense, rest = models.split_dense(buffers.chunk(self.params["layers"], chunk))
         dtype = jnp.dtype(self.model.dtype)
         return [models.merge_dense(_cast(d, dtype), r)
                 for d, r in zip(models.per_layer(dense), models.per_layer(rest))]
@@ -97,7 +133,7 @@ class Chunks:
         (figures: BENCHMARKS.md and the git log)."""
         return buffers.read_after(self.weights(chunk), i, deps)
 
-    def vjp_weights(self, chunk):
+    def vjp_weights(self, chunk, at=None):
         """(the leaves of the chunk's weights as its backward reads them, their treedef).
         The tree is the chunk's weights, split: (dense() weights, the rest); with unrolled
         layers a list of per-layer trees (`per_layer`), sliced here, outside the vjp:
@@ -106,20 +142,20 @@ class Chunks:
         seen in the compiled H100 program)."""
         unrolled = not models.scans_layers(self.model, self.layout.platform)
         if unrolled and not self.split:
-            return jax.tree.flatten(self.per_layer(chunk))
+            return jax.tree.flatten(self.per_layer(chunk, at))
         if unrolled:  # ([each layer's dense() weights], [each layer's other leaves])
             return jax.tree.flatten(tuple(map(list, zip(*map(models.split_dense,
-                                                             self.per_layer(chunk))))))
+                                                             self.per_layer(chunk, at))))))
         weights = self.weights(chunk)
         return jax.tree.flatten(models.split_dense(weights) if self.split else weights)
 
-    def vjp(self, x, mb, chunk):
+    def vjp(self, x, mb, chunk, at=None):
         """jax.vjp of the chunk's layers at x -> ((y, statistics), backward, dense inputs,
         the weights' leaves). The vjp's first argument is the tuple of those leaves
         (`kept.Kept` finds them among the residuals there). Split: in (weights, x,
         perturbations' leaves: `zeros`), dense inputs taped (the dense() weights'
         cotangent is unused: XLA drops it); else in (weights, x), no dense inputs."""
-        given, tree = self.vjp_weights(chunk)
+        given, tree = self.vjp_weights(chunk, at)
         if not self.split:
             y, backward = jax.vjp(lambda w, x: self.stage.layers(
                 jax.tree.unflatten(tree, w), x, mb, chunk, with_stats=True, apart=True),

@@ -75,12 +75,12 @@ from jax import lax
 
 from jaxptd.hlo.cost import ROUNDS_SCOPE
 from jaxptd.parallel.mesh import PIPE
-from jaxptd.pipeline import buffers, schedules
+from jaxptd.pipeline import buffers, schedules, static_chunks
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
 from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, lower,
                                      round_costs, segments)
-from jaxptd.pipeline.training import IN_FLIGHT, Training
+from jaxptd.pipeline.training import IN_FLIGHT, WRITES_AFTER, Training
 from jaxptd.pipeline.weight_slot import HANDED
 from jaxptd.parallel.varying import after, mark_varying, waiting, zeros_as
 
@@ -109,17 +109,18 @@ def rounds_for(kind: str, stages: int, microbatches: int, chunks: int, form: str
 # --------------------------------------------------------------------------- rounds
 
 
-def _tables(rounds: Rounds, rank, kinds: str, seg: Segment) -> dict:
-    """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays;
-    with B slots also the last rank's head_on and head_mb (`lowering.head_rows`, which a
-    spread head reads; XLA drops them where nothing does)."""
+def _tables(rounds: Rounds, rank, kinds: str, seg: Segment, period: int = 1) -> dict:
+    """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays
+    ([(stop - start) / period, period] for a body unrolled over `period` rounds); with B
+    slots also the last rank's head_on and head_mb (`lowering.head_rows`, which a spread
+    head reads; XLA drops them where nothing does)."""
     names = [n for k in kinds for n in SLOT_FIELDS[k]]
     rows = {n: jnp.asarray(getattr(rounds, n)[seg.start:seg.stop], jnp.int32)[:, rank]
             for n in names}
     if "B" in kinds:
         rows.update({n: jnp.asarray(column, jnp.int32)
                      for n, column in head_rows(rounds, seg.start, seg.stop).items()})
-    return rows
+    return rows if period == 1 else {n: x.reshape(-1, period) for n, x in rows.items()}
 
 
 def _run_slot(mode, fn, carry, row, valid_field, seg, idle_message):
@@ -309,17 +310,41 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
         channels = ("_", "2_") if rounds.v_shape else ("_",)
         carry[PENDING] = {"x": program.stage.buffer(1)[0],
                           **{c + n: nothing for c in channels for n in ("valid", "slot")}}
+    swaps = getattr(program, "swaps", None)
+    held = static_chunks.round_chunks(rounds, swaps) if swaps else None
     for seg in segments(rounds, form):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
-            part = dataclasses.replace(seg, start=start, stop=stop)
-            with jax.named_scope(ROUNDS_SCOPE):  # the cost report's rounds phase
-                carry, _ = lax.scan(_round(program, part), carry,
-                                    _tables(rounds, program.stage.rank, kinds, part))
+            for a, b, phases in static_chunks.runs(held, start, stop) if held else \
+                    [(start, stop, ((None,) * 3,))]:
+                part = dataclasses.replace(seg, start=a, stop=b)
+                with jax.named_scope(ROUNDS_SCOPE):  # the cost report's rounds phase
+                    carry, _ = lax.scan(_unrolled(program, part, phases), carry,
+                                        _tables(rounds, program.stage.rank, kinds, part,
+                                                len(phases)))
             if stop in cuts:
                 at_cut(stop, carry)
             start = stop
     return carry
+
+
+def _unrolled(program, seg: Segment, phases):
+    """The scan body of rounds in `phases` (static_chunks.runs): one round a phase, each
+    with its held chunks static where the phase names them."""
+    bodies = [_round(program, dataclasses.replace(seg, chunks=phase)) for phase in phases]
+    if len(bodies) == 1:
+        return bodies[0]
+
+    def rounds(carry, rows):  # rows: the tables [phases]
+        for i, body in enumerate(bodies):
+            # (a round after the first: its F's writes wait for the sums the round before
+            # added to, so that the B and W there read those buffers first; left free, XLA
+            # read some after the next round's writes and copied each such buffer whole)
+            before = {WRITES_AFTER: carry["grads"]["layers"]} if i else {}
+            carry, _ = body({**carry, **before}, {k: x[i] for k, x in rows.items()})
+            carry = {k: x for k, x in carry.items() if k != WRITES_AFTER}
+        return carry, None
+    return rounds
 
 
 # --------------------------------------------------------------------------- programs

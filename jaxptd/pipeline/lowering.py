@@ -274,13 +274,15 @@ class Segment:
     virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise.
     taps: (whether some B keeps for a later W, in a W slot; whence W's read what their B
     kept: its 'slot', 'now' (handed over in the round: w_now) or 'either'; whether some B
-    runs again for its W: b_again)."""
+    runs again for its W: b_again). chunks: the (F, B, W) held chunks, static (the
+    executor's, static_chunks.runs) or None (the tables')."""
     start: int
     stop: int
     modes: tuple
     inline: bool
     ends: frozenset = frozenset()
     taps: tuple = (True, "slot", False)
+    chunks: tuple = (None, None, None)
 
     def piece(self, name: str, slot: str) -> str:
         """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxptd import model as models
 from jaxptd.parallel.mesh import PIPE, TOKENS
-from jaxptd.pipeline import buffers
+from jaxptd.pipeline import buffers, static_chunks
 from jaxptd.pipeline.chunk import Chunks
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.head import SpreadHead
@@ -54,6 +54,9 @@ from jaxptd.parallel.varying import after, mark_varying, zeros_as
 # at (2,2,2), 1F1B, SP, minimal_mlp, ZeRO-1 no steady send had a GEMM in flight (some with
 # minimal), every one with this, at the same static time.
 IN_FLIGHT = "in_flight"
+# the carry's entry, in a scan body of several rounds (executor._unrolled), for what an F
+# slot's writes of what it keeps wait for: the round before's gradient sums
+WRITES_AFTER = "writes_after"
 
 def _add_slot(total, g):
     """total + g for an ends leaf [1, ...] (this rank's slot), added as [...]: XLA folds
@@ -104,7 +107,12 @@ class Training(WeightSlot):
         # executor._steady_recomputed says
         self.recomputes = not self.keep_activations and not self.split and \
             not models.scans_layers(self.model, self.layout.platform)
-        self.chunks = Chunks(context, self.stage, params, self.split, self.by_layer)
+        # two chunks of unrolled layers whose slots mostly run the same held chunk on every
+        # rank (static_chunks: zb-v): the executor's scans name it statically
+        self.swaps = static_chunks.swaps(rounds) if self.v == 2 and not self.by_layer and \
+            not models.scans_layers(self.model, self.layout.platform) else None
+        self.chunks = Chunks(context, self.stage, params, self.split, self.by_layer,
+                             self.swaps)
         self.layer_sums = self.chunks.layer_sums  # (_zero_grads)
         self.token_norm = context.token_norm
         self.stats_template = self._stats_template()
@@ -168,6 +176,9 @@ class Training(WeightSlot):
         copies, time lost every step (the H100 compile of GPT-1.3B at (2,2,2), 1F1B). With
         chunks B's chunk is the table's (traced): the stack."""
         grads = jax.tree.map(jnp.zeros_like, self.params)
+        if self.swaps:  # held chunks: [held chunk: [layer: its tree]] (Chunks.add_held)
+            grads["layers"] = [jax.tree.map(jnp.zeros_like, models.per_layer(
+                buffers.chunk(self.params["layers"], c))) for c in range(self.v)]
         if self.layer_sums:
             grads["layers"] = jax.tree.map(jnp.zeros_like, models.per_layer(
                 buffers.chunk(self.params["layers"], 0)))
@@ -176,6 +187,11 @@ class Training(WeightSlot):
     def layer_grads(self, carry):
         """The carry's layer gradient sums as the params' [v, 1, Lc, ...] stack."""
         layers = carry["grads"]["layers"]
+        if self.swaps:  # logical chunk c: held chunk c ^ swap
+            held = [models.stacked(h) for h in layers]
+            swapped = self.chunks.swap > 0
+            return jax.tree.map(lambda *h: jnp.stack([jnp.where(swapped, h[1 - c], h[c])[None]
+                                                      for c in range(self.v)]), *held)
         return jax.tree.map(lambda x: x[None, None], models.stacked(layers)) \
             if self.layer_sums else layers
 
@@ -204,15 +220,16 @@ class Training(WeightSlot):
                 carry["saved"][0], x, mb, chunk, slot, written, carry.get(IN_FLIGHT))
             carry = {**carry, "saved": (saved, buffers.write(carry["saved"][1], slot, y, written))}
         else:
-            (y, stats), backward, inputs, _ = self.chunks.vjp(x, mb, chunk)
+            (y, stats), backward, inputs, _ = self.chunks.vjp(x, mb, chunk, seg.chunks[0])
             kept = (self.chunks.probe[0].keep(backward), y)
-            carry = {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, written)}
+            carry = {**carry, "saved": buffers.write_tree(carry["saved"], slot, kept, written,
+                                                          carry.get(WRITES_AFTER, ()))}
         carry = self._add_stats(carry, chunk, stats, valid)
         if self.taped:
             # (an idle F's tape slot is free, lowering's idle_f_tslots_free: written as is)
             carry["tapes"] = buffers.write_tree(
                 carry["tapes"], row["f_tslot"], inputs,
-                True if self.rounds.idle_f_tslots_free else valid)
+                True if self.rounds.idle_f_tslots_free else valid, carry.get(WRITES_AFTER, ()))
         return y, carry
 
     def backward(self, carry, row, valid, seg):
@@ -252,7 +269,7 @@ class Training(WeightSlot):
             grads = {**grads, **{k: jax.tree.map(_add_slot, grads[k], g)
                                  for k, g in part.items()}}
         grads = {**grads, "layers": g_layers if self.by_layer else self._add_layers(
-            grads["layers"], chunk, g_layers, counted)}
+            grads["layers"], chunk, g_layers, counted, seg.chunks[1])}
         if self.head is None:
             loss = buffers.masked(loss, counted)
         elif g_head is not None:  # the last rank's part: head_on masked it, not this slot
@@ -264,12 +281,19 @@ class Training(WeightSlot):
             carry = self._keep_for_weight(carry, row, taps, valid, seg)
         return g_x.astype(x_in.dtype), carry
 
-    def _add_layers(self, sums, chunk, g_layers, valid):
+    def _add_layers(self, sums, chunk, g_layers, valid, at=None):
         """The sums with a B slot's layer gradients added: `layer_sums` (g_layers a list of
         each layer's or their stack, zeros where the slot is not valid: _backward_kept
         masked the cotangent; split or with experts masked here) added layer by layer, so
         that XLA adds each in the epilogue of the GEMM that makes it (as the kept backward
-        a layer at a time); else masked and added to the [v, 1, Lc, ...] stack."""
+        a layer at a time); held chunks (`swaps`): masked and added to held chunk `at`
+        layer by layer (Chunks.add_held); else masked and added to the [v, 1, Lc, ...]
+        stack."""
+        if self.swaps:
+            g_layers = g_layers if isinstance(g_layers, list) else models.per_layer(g_layers)
+            for i, g in enumerate(g_layers):
+                sums = self.chunks.add_held(sums, chunk, at, i, buffers.masked(g, valid))
+            return sums
         if not self.layer_sums:
             return buffers.add_chunk(sums, chunk, buffers.masked(g_layers, valid))
         if self.model.moe or self.split:  # the statistics' seed is not masked, and a
@@ -311,7 +335,7 @@ class Training(WeightSlot):
                 self._stats_seed(), carry.get(IN_FLIGHT))
             g_taps = None
         else:
-            given, tree = self.chunks.vjp_weights(chunk)
+            given, tree = self.chunks.vjp_weights(chunk, seg.chunks[1])
             zeros, zeros_tree = self.chunks.zeros(x_in) if self.split else (None, None)
             if self.layer_sums and not self.split:  # an idle slot's cotangent masked,
                 g = buffers.masked(g, valid)  # not what it makes (split: W's taps are made)
@@ -321,7 +345,8 @@ class Training(WeightSlot):
                     None, zeros)
             g_layers = jax.tree.unflatten(tree, g_given)
             g_layers = g_layers[1] if self.split else g_layers  # split: the rest
-            g_layers = g_layers if self.layer_sums else models.stacked(g_layers)
+            g_layers = g_layers if self.layer_sums or self.swaps else \
+                models.stacked(g_layers)
         _, embed_vjp = jax.vjp(lambda e, x: self.stage.embed_or_input(
             e, x, mb, chunk, seg.piece("embed", "B")), self.ends, x_in)
         # the embedding's table gradient from a masked input: a scatter-add into zeros that

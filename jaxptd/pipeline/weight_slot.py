@@ -69,7 +69,7 @@ class WeightSlot:
                                      buffers.masked(g_dense, valid))
         else:
             sums = self._layer_weights(carry["grads"]["layers"], chunk, (dense, rest),
-                                       inputs, g_taps, valid)
+                                       inputs, g_taps, valid, seg.chunks[2])
         return None, {**carry, "grads": {**carry["grads"], "layers": sums}}
 
     def _kept_for_weight(self, carry, row, seg):
@@ -84,7 +84,7 @@ class WeightSlot:
         return jax.tree.map(lambda now, x: jnp.where(row["w_now"] > 0, now, x),
                             carry[HANDED], stored)
 
-    def _layer_weights(self, sums, chunk, weights, inputs, g_taps, valid):
+    def _layer_weights(self, sums, chunk, weights, inputs, g_taps, valid, at=None):
         """W a layer at a time: layer i's dense inputs and output gradients (of the chunk's
         [Lc, ...] trees), with sequence parallelism its inputs gathered, and
         its gradients added to the sums; weights: the chunk's (dense() weights, the other
@@ -99,14 +99,20 @@ class WeightSlot:
         model.remat=minimal a layer at a time takes less memory and a little less time.
         (Reading layer i only once layer i - 2's gradients were made took a little less
         memory still but far more time: XLA fused those reads with other work into kernels
-        that were far slower. Figures: BENCHMARKS.md and the git log.)"""
-        layout = dataclasses.replace(self.layout, apart=True) if self.layer_sums \
+        that were far slower. Figures: BENCHMARKS.md and the git log.) Held chunks
+        (Training.swaps) as `layer_sums`, into held chunk `at` (Chunks.add_held)."""
+        held = self.swaps is not None
+        layout = dataclasses.replace(self.layout, apart=True) if self.layer_sums or held \
             else self.layout
         sums = list(sums) if self.layer_sums else sums
         for i in range(jax.tree.leaves(weights[0])[0].shape[0]):
             x, g = (jax.tree.map(lambda b: b[i], tree) for tree in (inputs, g_taps))
             dense, rest = jax.tree.map(lambda w: w[i], weights)  # (dense(), the others)
-            if self.layer_sums:
+            if held:
+                grads = models.layer_dense_weight_grads(
+                    dense, x, buffers.masked(g, valid), layout, self.stage.prepare, rest)
+                sums = self.chunks.add_held(sums, chunk, at, i, grads)
+            elif self.layer_sums:
                 grads = models.layer_dense_weight_grads(
                     dense, x, buffers.masked(g, valid), layout, self.stage.prepare, rest)
                 sums[i] = buffers.add_layer(sums[i], grads)
