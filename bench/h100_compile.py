@@ -95,6 +95,10 @@ ROWS = {
     "(1,8,1) 1f1b m32 b2 L32 min": [*DEEP, "model.remat=minimal"],
     "(1,8,1) zb-h1 m32 b2 L32": [*DEEP, "parallel.schedule=zb-h1"],
     "(1,8,1) zb-v m32 b2 L32": [*DEEP, "parallel.schedule=zb-v", "parallel.chunks=2"],
+    "(1,8,1) interleaved m32 b2 L32": [*DEEP, "parallel.schedule=interleaved",
+                                       "parallel.chunks=2"],
+    "(1,8,1) zb-interleaved m32 b2 L32": [*DEEP, "parallel.schedule=zb-interleaved",
+                                          "parallel.chunks=2"],
     # model.fp8 (issue 49): beside their bf16 rows above
     "1 device fp8": layout(1, 1, 1, 1, "model.fp8=tensorwise"),
     "(2,1,4) SP fp8": layout(2, 1, 4, 1, "parallel.sequence_parallel=true",
