@@ -337,10 +337,11 @@ def _unrolled(program, seg: Segment, phases):
 
     def rounds(carry, rows):  # rows: the tables [phases]
         for i, body in enumerate(bodies):
-            # (a round after the first: its F's writes wait for the sums the round before
-            # added to, so that the B and W there read those buffers first; left free, XLA
-            # read some after the next round's writes and copied each such buffer whole)
-            before = {WRITES_AFTER: carry["grads"]["layers"]} if i else {}
+            # (each round's F writes wait for the sums the round before added to, the
+            # first round's too, across XLA's double buffering of the loop: so that the B
+            # and W there read those buffers first; left free, XLA read some after the
+            # next round's writes and copied each such buffer whole)
+            before = {WRITES_AFTER: carry["grads"]["layers"]}
             carry, _ = body({**carry, **before}, {k: x[i] for k, x in rows.items()})
             carry = {k: x for k, x in carry.items() if k != WRITES_AFTER}
         return carry, None
