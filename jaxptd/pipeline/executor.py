@@ -23,7 +23,7 @@ message travels beside wait for it (the carry's training.IN_FLIGHT during the sl
 so does a recomputed stage (stash=inputs, `_steady_recomputed`), whose messages are also
 stored only once the slot they travelled beside has made its output.
 The last round's input gradient is never sent: no later B slot reads it. A `lax.scan`
-runs the rounds of each segment.
+runs the rounds of each segment, two a step where zb-v's chunks are static (static_chunks).
 
 Round forms (parallel.round_form; `segments`):
 - cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
