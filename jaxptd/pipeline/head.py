@@ -100,11 +100,13 @@ class SpreadHead:
         mine = token_block(lax.all_to_all(y.reshape(self.p, rows, *y.shape[1:]), PIPE, 0,
                                           0)[self.stage.context.head_rank], layout)
         tokens = lax.dynamic_slice_in_dim(tokens, self.stage.rank * rows, rows)
-        # one chunk a rank, Layout.apart: the weights' gradients come out of their GEMMs in
-        # float32 and `add`'s sums are the GEMMs' epilogue (in bf16, the add was a kernel of
-        # its own every round); not with chunks, where it left a steady send with no GEMM
-        # in flight (tests/test_h100.py's interleaved steady-send case)
-        if self.stage.context.chunks == 1:
+        # Layout.apart: the weights' gradients come out of their GEMMs in float32 and
+        # `add`'s sums are the GEMMs' epilogue (in bf16, the add was a kernel of its own
+        # every round, reading and writing the float32 [V, h] sums; with chunks it once
+        # left a steady send with no GEMM in flight, which tests/test_h100.py's interleaved
+        # steady-send case checks). Not V-shaped: zb-v's scans of two rounds
+        # (static_chunks) add both rounds' bf16 gradients in one pass, which costs less
+        if not self.stage.context.v_shape:
             layout = dataclasses.replace(layout, apart=True)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
                                                  layout)
