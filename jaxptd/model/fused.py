@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxptd.parallel.varying import mark_varying, varying_axes
 from pallas_kernels.bias_gelu import _CUBIC, _SQRT_2_OVER_PI, gelu_and_grad  # the GeLU's math
+from pallas_kernels.norm_backward import norm_backward, reference_norm_backward
 
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -80,59 +81,73 @@ def _norm_stats(x, eps: float, center: bool):
     return mean, jax.lax.rsqrt(var + eps)
 
 
-def layer_norm(x, scale, bias, eps: float, dtype):
-    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis -> dtype."""
-    return _layer_norm(x, *_varying_like(x, scale, bias), eps, dtype)
+def norm_backward_form(kernels: str, platform: str) -> str:
+    """How the norms' backward runs: with model.kernels=pallas the one-pass kernel
+    (pallas_kernels/norm_backward.py), compiled ("kernel") on a GPU target and in Pallas
+    interpret mode ("interpret") elsewhere; else "xla", the plain-JAX form's fusions."""
+    if kernels != "pallas":
+        return "xla"
+    return "kernel" if platform == "gpu" else "interpret"
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _layer_norm(x, scale, bias, eps: float, dtype):
+def _norm_grads(form: str, x, scale, mean, rstd, dy, center: bool):
+    """(dx, dscale, dbias or None) of a norm in the form `norm_backward_form` names:
+    XLA:GPU fuses no broadcast into a column reduction, so its form reads x and dy again
+    for the scale and bias sums; the kernel makes all three in one pass."""
+    if form == "xla":
+        return reference_norm_backward(x, scale, mean, rstd, dy, center=center)
+    return norm_backward(x, scale, mean, rstd, dy, center=center,
+                         interpret=form == "interpret")
+
+
+def layer_norm(x, scale, bias, eps: float, dtype, backward: str = "xla"):
+    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis -> dtype; its
+    backward in the form `backward` (norm_backward_form)."""
+    return _layer_norm(x, *_varying_like(x, scale, bias), eps, dtype, backward)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _layer_norm(x, scale, bias, eps: float, dtype, backward: str):
     mean, rstd = _norm_stats(x, eps, True)
     return ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(dtype)
 
 
-def _layer_norm_fwd(x, scale, bias, eps, dtype):
+def _layer_norm_fwd(x, scale, bias, eps, dtype, backward):
     mean, rstd = _norm_stats(x, eps, True)
     y = ((x.astype(jnp.float32) - mean) * rstd * scale + bias).astype(dtype)
     return y, (x, scale, bias, mean, rstd)
 
 
-def _layer_norm_bwd(eps, dtype, residuals, dy):
+def _layer_norm_bwd(eps, dtype, backward, residuals, dy):
     x, scale, bias, mean, rstd = _recompute(residuals)
-    xhat = (x.astype(jnp.float32) - mean) * rstd
-    dy = dy.astype(jnp.float32)
-    g = dy * scale  # d xhat
-    dx = rstd * (g - jnp.mean(g, axis=-1, keepdims=True)
-                 - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
-    return dx.astype(x.dtype), _row_sum(dy * xhat, scale), _row_sum(dy, bias)
+    dx, dscale, dbias = _norm_grads(backward, x, scale, mean, rstd, dy, True)
+    return dx, dscale.astype(scale.dtype), dbias.astype(bias.dtype)
 
 
 _layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
 
 
-def rms_norm(x, scale, eps: float, dtype):
-    """x / sqrt(mean(x^2) + eps) * scale over the last axis -> dtype."""
-    return _rms_norm(x, *_varying_like(x, scale), eps, dtype)
+def rms_norm(x, scale, eps: float, dtype, backward: str = "xla"):
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis -> dtype; its backward in the
+    form `backward` (norm_backward_form)."""
+    return _rms_norm(x, *_varying_like(x, scale), eps, dtype, backward)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _rms_norm(x, scale, eps: float, dtype):
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm(x, scale, eps: float, dtype, backward: str):
     _, rstd = _norm_stats(x, eps, False)
     return (x.astype(jnp.float32) * rstd * scale).astype(dtype)
 
 
-def _rms_norm_fwd(x, scale, eps, dtype):
+def _rms_norm_fwd(x, scale, eps, dtype, backward):
     _, rstd = _norm_stats(x, eps, False)
     return (x.astype(jnp.float32) * rstd * scale).astype(dtype), (x, scale, rstd)
 
 
-def _rms_norm_bwd(eps, dtype, residuals, dy):
+def _rms_norm_bwd(eps, dtype, backward, residuals, dy):
     x, scale, rstd = _recompute(residuals)
-    xhat = x.astype(jnp.float32) * rstd
-    dy = dy.astype(jnp.float32)
-    g = dy * scale
-    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
-    return dx.astype(x.dtype), _row_sum(dy * xhat, scale)
+    dx, dscale, _ = _norm_grads(backward, x, scale, None, rstd, dy, False)
+    return dx, dscale.astype(scale.dtype)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)

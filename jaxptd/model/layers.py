@@ -48,36 +48,41 @@ def softmax_reference(scores, scale: float, causal: bool = True, mask=None, dtyp
 class LayerNorm(nn.Module):
     """LayerNorm over the last axis with replicated float32 scale and bias: math in float32
     on x as given, output in the compute dtype; its backward keeps x and the row
-    statistics only (fused.layer_norm)."""
+    statistics only (fused.layer_norm); with model.kernels=pallas it is one Pallas kernel
+    (fused.norm_backward_form)."""
 
     cfg: ModelConfig
+    platform: str = "cpu"  # the target's (Layout.platform)
 
     @nn.compact
     def __call__(self, x):
         ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
         scale = self.param("scale", ones, (x.shape[-1],), jnp.float32)
         bias = self.param("bias", zeros(("norm",)), (x.shape[-1],), jnp.float32)
-        return fused.layer_norm(x, scale, bias, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype))
+        return fused.layer_norm(x, scale, bias, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype),
+                                fused.norm_backward_form(self.cfg.kernels, self.platform))
 
 
 class RMSNorm(nn.Module):
     """RMSNorm (Llama) with a replicated float32 scale, as LayerNorm (fused.rms_norm)."""
 
     cfg: ModelConfig
+    platform: str = "cpu"  # the target's (Layout.platform)
 
     @nn.compact
     def __call__(self, x):
         ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
         scale = self.param("scale", ones, (x.shape[-1],), jnp.float32)
-        return fused.rms_norm(x, scale, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype))
+        return fused.rms_norm(x, scale, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype),
+                              fused.norm_backward_form(self.cfg.kernels, self.platform))
 
 
-def layer_norm(cfg: ModelConfig, name: str | None = None) -> LayerNorm:
-    return LayerNorm(cfg, name=name)
+def layer_norm(cfg: ModelConfig, name: str | None = None, platform: str = "cpu") -> LayerNorm:
+    return LayerNorm(cfg, platform, name=name)
 
 
-def rms_norm(cfg: ModelConfig, name: str | None = None) -> RMSNorm:
-    return RMSNorm(cfg, name=name)
+def rms_norm(cfg: ModelConfig, name: str | None = None, platform: str = "cpu") -> RMSNorm:
+    return RMSNorm(cfg, platform, name=name)
 
 
 def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mask=None,
@@ -278,11 +283,11 @@ class Block(nn.Module):
     def __call__(self, x, deterministic: bool = True, mask=None, cache=None):
         cfg, layout = self.cfg, self.layout
         post = cfg.norm_position == "post"
-        y = self.norm(cfg, "ln1")(x)
+        y = self.norm(cfg, "ln1", layout.platform)(x)
         h, new_cache = self.attention(cfg, layout, self.causal, name="attn")(
             y, deterministic, mask, cache)
         x = checkpoint_name((y if post else x) + self._dropout(h, deterministic), RESIDUAL)
-        y = self.norm(cfg, "ln2")(x)
+        y = self.norm(cfg, "ln2", layout.platform)(x)
         h = self.mlp(cfg, layout, name="mlp")(y)
         x = (y if post else x) + self._dropout(h, deterministic)
         return x if cache is None else (x, new_cache)
