@@ -3,7 +3,8 @@
     from pallas_kernels import fused_softmax, bias_gelu
 
 Each module holds the kernel, its jitted wrapper, the plain-JAX reference and the
-custom_vjp; `flash.py` (imported where used: `from pallas_kernels.flash import ...`) holds
+custom_vjp (`norm_backward.py`, imported where used, holds only a backward: the norms'
+forward and custom_vjp are jaxptd.model.fused's, which calls it); `flash.py` (imported where used: `from pallas_kernels.flash import ...`) holds
 no kernel of its own, only the context ring's calls into JAX's Pallas flash attention, and
 `grouped.py` (`from pallas_kernels.grouped import grouped_matmul`) none either, only the
 mixture of experts' grouped GEMM on JAX's Mosaic-GPU (Hopper) ragged-dot kernels, which

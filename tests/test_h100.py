@@ -409,14 +409,20 @@ KERNELS_SCRIPT = """
 import jax, jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 from jaxptd.runtime.target import TARGETS, topology_devices
+from jaxptd.model import fused
 from pallas_kernels import bias_gelu, fused_softmax
 one = SingleDeviceSharding(topology_devices(TARGETS["h100"], 1, 1)[0])
 def loss(x, b, s):
     y = bias_gelu(x, b, interpret=False)
     p = fused_softmax(s, scale=0.1, causal=True, interpret=False)
-    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(p.astype(jnp.float32))
+    w = b.astype(jnp.float32)  # the norms' backward kernels at GPT-1.3B's width
+    z = fused.layer_norm(s.reshape(-1, 2048), w[:1] + w[:2048], w[:2048], 1e-5, x.dtype,
+                         "kernel") + fused.rms_norm(s.reshape(-1, 2048), w[:2048], 1e-5,
+                                                    x.dtype, "kernel")
+    return jnp.sum(y.astype(jnp.float32)) + jnp.sum(p.astype(jnp.float32)) + jnp.sum(
+        z.astype(jnp.float32))
 args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=one)
-        for shape in ((512, 1024), (1024,), (2, 4, 256, 256))]
+        for shape in ((512, 2048), (2048,), (2, 4, 256, 256))]
 jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
 """
 
@@ -436,8 +442,9 @@ def _ptxas() -> str:
 
 @needs_compiler
 def test_pallas_kernels_compile_for_sm90a_without_spills(tmp_path):
-    """Both Pallas kernels, forward and backward, compiled through Triton for an H100: the
-    PTX XLA dumps for them assembles for sm_90a (ptxas) with no register spills."""
+    """The Pallas kernels (bias_gelu's and the softmax's forward and backward, the norms'
+    backward) compiled through Triton for an H100: the PTX XLA dumps for them assembles
+    for sm_90a (ptxas) with no register spills."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=f"--xla_dump_to={tmp_path}")
     done = subprocess.run([sys.executable, "-c", KERNELS_SCRIPT], env=env, cwd=ROOT,
@@ -454,9 +461,11 @@ def test_pallas_kernels_compile_for_sm90a_without_spills(tmp_path):
             name = re.match(r"'(\w+)'", part).group(1)
             reports[name] = re.search(r"\d+ bytes spill stores, \d+ bytes spill loads",
                                       part).group(0)
-    kernels = {n: s for n, s in reports.items() if "gelu" in n or "kernel" in n}
-    assert {"bias_gelu_forward", "bias_gelu_backward"} <= set(kernels), sorted(reports)
-    assert len(kernels) >= 4, sorted(reports)  # and the softmax's forward and backward
+    kernels = {n: s for n, s in reports.items()
+               if "gelu" in n or "kernel" in n or "norm_backward" in n}
+    assert {"bias_gelu_forward", "bias_gelu_backward", "layer_norm_backward",
+            "rms_norm_backward"} <= set(kernels), sorted(reports)
+    assert len(kernels) >= 6, sorted(reports)  # and the softmax's forward and backward
     assert all(s == "0 bytes spill stores, 0 bytes spill loads" for s in kernels.values()), \
         kernels
 

@@ -114,7 +114,7 @@ def test_pipelined_sequence_parallel_step_with_the_kernel(monkeypatch):
     state = placed_state(setup)
     params = jax.device_get(setup.state_layout.to_logical(state["params"]))
     ref_loss, ref_grads = reference_loss_and_grads(setup.config, setup.vocab, params, batch)
-    monkeypatch.setattr(fused, "norm_backward_form", lambda kernels, platform: "interpret")
+    monkeypatch.setattr(fused, "norm_backward_form", lambda *_: "interpret")
     fn = build_grads(setup, deterministic=True)
     args = (state["params"], jax.device_put(batch, setup.batch_sharding), state["rng"],
             state["step"], jnp.float32(1))
@@ -125,10 +125,20 @@ def test_pipelined_sequence_parallel_step_with_the_kernel(monkeypatch):
 
 
 def test_norm_backward_forms():
-    """The kernel with model.kernels=pallas only: compiled on a GPU target, else interpreted."""
-    assert fused.norm_backward_form("pallas", "gpu") == "kernel"
-    assert fused.norm_backward_form("pallas", "cpu") == "interpret"
-    assert fused.norm_backward_form("xla", "gpu") == fused.norm_backward_form("xla", "cpu") == "xla"
+    """The compiled kernel on a GPU target for layers without collectives of their own;
+    off a GPU the kernel (interpreted) only with model.kernels=pallas."""
+    from jaxptd.config import load_config
+    from jaxptd.model.layers import norm_form
+    from jaxptd.model.tensor import Layout
+
+    assert fused.norm_backward_form("xla", "gpu", True) == "kernel"
+    assert fused.norm_backward_form("pallas", "gpu", False) == "xla"
+    assert fused.norm_backward_form("pallas", "cpu", False) == "interpret"
+    assert fused.norm_backward_form("xla", "cpu", True) == "xla"
+    cfg = load_config(None, []).model
+    assert norm_form(cfg, Layout(384, platform="gpu")) == "kernel"
+    assert norm_form(cfg, Layout(384, 2, "tensor", platform="gpu")) == "xla"
+    assert norm_form(cfg, None) == "xla"
 
 
 def test_kernel_lowers_for_cuda():

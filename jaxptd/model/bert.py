@@ -115,7 +115,7 @@ class Heads(nn.Module):
         self.wtt = self.param("wtt", normal(cfg.init_std, ("types", "embed")), (2, h))
         self.w_mlm = self.param("w_mlm", normal(cfg.init_std, ("embed", "embed_out")), (h, h))
         self.b_mlm = self.param("b_mlm", zeros(("embed_out",)), (h,))
-        self.mlm_norm = layer_norm(cfg, platform=self.layout.platform)
+        self.mlm_norm = layer_norm(cfg, layout=self.layout)
         self.b_vocab = self.param("b_vocab", zeros(("vocab",)),
                                   (self.layout.vocab // self.layout.tensor,))
         self.w_pool = self.param("w_pool", normal(cfg.init_std, ("embed", "embed_out")), (h, h))
@@ -189,7 +189,7 @@ def output_logits(ends, x, cfg: ModelConfig, layout: Layout):
     with sequence parallelism) -> (masked-LM logits [b, s, V/t], SOP logits [b, 2]),
     float32."""
     heads = Heads(cfg, layout)
-    x = layer_norm(cfg, platform=layout.platform).apply({"params": ends["final_norm"]}, x)
+    x = layer_norm(cfg, layout=layout).apply({"params": ends["final_norm"]}, x)
     # SP: the whole sequence, gathered for the vocab-parallel MLM head (a reduce-scatter
     # backward) and, typed the same on every rank, for the replicated SOP head
     pooled = x if not layout.split_sequence else gather_invariant(

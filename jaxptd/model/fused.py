@@ -81,13 +81,17 @@ def _norm_stats(x, eps: float, center: bool):
     return mean, jax.lax.rsqrt(var + eps)
 
 
-def norm_backward_form(kernels: str, platform: str) -> str:
-    """How the norms' backward runs: with model.kernels=pallas the one-pass kernel
-    (pallas_kernels/norm_backward.py), compiled ("kernel") on a GPU target and in Pallas
-    interpret mode ("interpret") elsewhere; else "xla", the plain-JAX form's fusions."""
-    if kernels != "pallas":
-        return "xla"
-    return "kernel" if platform == "gpu" else "interpret"
+def norm_backward_form(kernels: str, platform: str, alone: bool) -> str:
+    """How the norms' backward runs: "kernel" (pallas_kernels/norm_backward.py compiled)
+    on a GPU target where the layer runs no collective of its own (`alone`: split over no
+    tensor, context, expert or FSDP ranks); off a GPU with model.kernels=pallas that kernel in
+    Pallas interpret mode ("interpret"); else "xla", the plain-JAX form's fusions.
+    Beside a layer's collectives the kernel cost XLA's scheduler overlap: in the compiled
+    H100 programs of a sequence-parallel pipeline and of the context ring, fewer
+    all-gathers and ring sends had a GEMM or attention in flight."""
+    if platform == "gpu":
+        return "kernel" if alone else "xla"
+    return "interpret" if kernels == "pallas" else "xla"
 
 
 def _norm_grads(form: str, x, scale, mean, rstd, dy, center: bool):

@@ -58,7 +58,7 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
 def logits(ends, x, cfg: ModelConfig, layout: Layout):
     """Final LayerNorm and the tied output layer: x [b, s, h] ([b, s/t, h] with sequence
     parallelism, gathered here) -> [b, s, V/t] float32."""
-    x = layer_norm(cfg, platform=layout.platform).apply({"params": ends["final_norm"]}, x)
+    x = layer_norm(cfg, layout=layout).apply({"params": ends["final_norm"]}, x)
     return _embed(cfg, layout).apply({"params": ends["embed"]}, enter_tensor(x, layout),
                                      method=Embed.logits)
 

@@ -48,11 +48,10 @@ def softmax_reference(scores, scale: float, causal: bool = True, mask=None, dtyp
 class LayerNorm(nn.Module):
     """LayerNorm over the last axis with replicated float32 scale and bias: math in float32
     on x as given, output in the compute dtype; its backward keeps x and the row
-    statistics only (fused.layer_norm); with model.kernels=pallas it is one Pallas kernel
-    (fused.norm_backward_form)."""
+    statistics only (fused.layer_norm), in the form `norm_form` picks."""
 
     cfg: ModelConfig
-    platform: str = "cpu"  # the target's (Layout.platform)
+    layout: Layout | None = None  # None: creating the parameters (init) only
 
     @nn.compact
     def __call__(self, x):
@@ -60,29 +59,38 @@ class LayerNorm(nn.Module):
         scale = self.param("scale", ones, (x.shape[-1],), jnp.float32)
         bias = self.param("bias", zeros(("norm",)), (x.shape[-1],), jnp.float32)
         return fused.layer_norm(x, scale, bias, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype),
-                                fused.norm_backward_form(self.cfg.kernels, self.platform))
+                                norm_form(self.cfg, self.layout))
 
 
 class RMSNorm(nn.Module):
     """RMSNorm (Llama) with a replicated float32 scale, as LayerNorm (fused.rms_norm)."""
 
     cfg: ModelConfig
-    platform: str = "cpu"  # the target's (Layout.platform)
+    layout: Layout | None = None
 
     @nn.compact
     def __call__(self, x):
         ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
         scale = self.param("scale", ones, (x.shape[-1],), jnp.float32)
         return fused.rms_norm(x, scale, self.cfg.layernorm_eps, jnp.dtype(self.cfg.dtype),
-                              fused.norm_backward_form(self.cfg.kernels, self.platform))
+                              norm_form(self.cfg, self.layout))
 
 
-def layer_norm(cfg: ModelConfig, name: str | None = None, platform: str = "cpu") -> LayerNorm:
-    return LayerNorm(cfg, platform, name=name)
+def norm_form(cfg: ModelConfig, layout: Layout | None) -> str:
+    """The norms' backward form (fused.norm_backward_form) for a layer laid out as `layout`."""
+    if layout is None:
+        return fused.norm_backward_form(cfg.kernels, "cpu", True)
+    alone = layout.tensor == layout.context == layout.expert == 1 and not layout.fsdp
+    return fused.norm_backward_form(cfg.kernels, layout.platform, alone)
 
 
-def rms_norm(cfg: ModelConfig, name: str | None = None, platform: str = "cpu") -> RMSNorm:
-    return RMSNorm(cfg, platform, name=name)
+def layer_norm(cfg: ModelConfig, name: str | None = None,
+               layout: Layout | None = None) -> LayerNorm:
+    return LayerNorm(cfg, layout, name=name)
+
+
+def rms_norm(cfg: ModelConfig, name: str | None = None, layout: Layout | None = None) -> RMSNorm:
+    return RMSNorm(cfg, layout, name=name)
 
 
 def attend(module: nn.Module, q, k, v, deterministic: bool, *, causal: bool, mask=None,
@@ -283,11 +291,11 @@ class Block(nn.Module):
     def __call__(self, x, deterministic: bool = True, mask=None, cache=None):
         cfg, layout = self.cfg, self.layout
         post = cfg.norm_position == "post"
-        y = self.norm(cfg, "ln1", layout.platform)(x)
+        y = self.norm(cfg, "ln1", layout)(x)
         h, new_cache = self.attention(cfg, layout, self.causal, name="attn")(
             y, deterministic, mask, cache)
         x = checkpoint_name((y if post else x) + self._dropout(h, deterministic), RESIDUAL)
-        y = self.norm(cfg, "ln2", layout.platform)(x)
+        y = self.norm(cfg, "ln2", layout)(x)
         h = self.mlp(cfg, layout, name="mlp")(y)
         x = (y if post else x) + self._dropout(h, deterministic)
         return x if cache is None else (x, new_cache)

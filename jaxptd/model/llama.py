@@ -198,7 +198,7 @@ def logical_axes(cfg: ModelConfig, vocab: int, tensor: int = 1):
 def logits(ends, x, cfg: ModelConfig, layout: Layout):
     """Final RMSNorm and the output layer: x [b, s, h] ([b, s/t, h] with sequence
     parallelism, gathered by the column-parallel Head) -> [b, s, V/t] float32."""
-    x = rms_norm(cfg, platform=layout.platform).apply({"params": ends["final_norm"]}, x)
+    x = rms_norm(cfg, layout=layout).apply({"params": ends["final_norm"]}, x)
     return Head(cfg, layout).apply({"params": ends["head"]}, x)
 
 
