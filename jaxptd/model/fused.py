@@ -86,9 +86,9 @@ def norm_backward_form(kernels: str, platform: str, alone: bool) -> str:
     on a GPU target where the layer runs no collective of its own (`alone`: split over no
     tensor, context, expert or FSDP ranks); off a GPU with model.kernels=pallas that kernel in
     Pallas interpret mode ("interpret"); else "xla", the plain-JAX form's fusions.
-    Beside a layer's collectives the kernel cost XLA's scheduler overlap: in the compiled
-    H100 programs of a sequence-parallel pipeline and of the context ring, fewer
-    all-gathers and ring sends had a GEMM or attention in flight."""
+    Beside a layer's collectives the kernel cost XLA's scheduler overlap: in a
+    sequence-parallel pipeline and the context ring fewer all-gathers and ring sends had a
+    GEMM or attention in flight (git log of this function)."""
     if platform == "gpu":
         return "kernel" if alone else "xla"
     return "interpret" if kernels == "pallas" else "xla"
