@@ -21,6 +21,23 @@ import jax  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+# The heaviest files first, heaviest at the top (a serial run's seconds a file, measured
+# 2026-12-06: git log of this list): pytest-xdist hands whole files to its workers in the
+# collected order (`--no-loadscope-reorder`), so each worker's last file is a light one and
+# both finish together. Its own order, by test count, left these (few tests, long
+# compiles and multi-process runs) to the end, one worker running alone for minutes.
+HEAVY_FIRST = ("test_h100.py", "test_pipeline_program.py", "test_pipeline.py",
+               "test_h100_memory.py", "test_fp8.py", "test_memory.py", "test_multihost.py",
+               "test_parity.py", "test_bench_gpu.py", "test_moe.py", "test_faults.py",
+               "test_train.py", "test_llama.py", "test_plan.py", "test_bert.py",
+               "test_context.py", "test_model.py", "test_readme.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files whole
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _subprocess_compilation_cache(tmp_path_factory):
     """The CLI runs the tests start (`python -m jaxptd.train` and friends) compile the same
