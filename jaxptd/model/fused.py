@@ -98,10 +98,16 @@ def _norm_grads(form: str, x, scale, mean, rstd, dy, center: bool):
     """(dx, dscale, dbias or None) of a norm in the form `norm_backward_form` names:
     XLA:GPU fuses no broadcast into a column reduction, so its form reads x and dy again
     for the scale and bias sums; the kernel makes all three in one pass."""
+    xla = partial(reference_norm_backward, center=center)
     if form == "xla":
-        return reference_norm_backward(x, scale, mean, rstd, dy, center=center)
-    return norm_backward(x, scale, mean, rstd, dy, center=center,
-                         interpret=form == "interpret")
+        return xla(x, scale, mean, rstd, dy)
+    if form == "interpret":
+        return norm_backward(x, scale, mean, rstd, dy, center=center, interpret=True)
+    # the compiled kernel where the program is lowered for CUDA; XLA's form where a GPU
+    # layout's program runs on CPU (tests comparing it with the CPU layout's)
+    return jax.lax.platform_dependent(
+        x, scale, mean, rstd, dy, default=xla,
+        cuda=partial(norm_backward, center=center, interpret=False))
 
 
 def layer_norm(x, scale, bias, eps: float, dtype, backward: str = "xla"):
