@@ -108,16 +108,16 @@ class WeightSlot:
         for i in range(jax.tree.leaves(weights[0])[0].shape[0]):
             x, g = (jax.tree.map(lambda b: b[i], tree) for tree in (inputs, g_taps))
             dense, rest = jax.tree.map(lambda w: w[i], weights)  # (dense(), the others)
+            # sums of a layer's own (held or layer_sums): the GEMMs add into them, masked
+            # by their output gradients; else the stack's, masked as they are added
+            own = held or self.layer_sums
+            grads = models.layer_dense_weight_grads(
+                dense, x, buffers.masked(g, valid) if own else g, layout, self.stage.prepare,
+                rest)
             if held:
-                grads = models.layer_dense_weight_grads(
-                    dense, x, buffers.masked(g, valid), layout, self.stage.prepare, rest)
                 sums = self.chunks.add_held(sums, chunk, at, i, grads)
-            elif self.layer_sums:
-                grads = models.layer_dense_weight_grads(
-                    dense, x, buffers.masked(g, valid), layout, self.stage.prepare, rest)
+            elif own:
                 sums[i] = buffers.add_layer(sums[i], grads)
             else:
-                grads = models.layer_dense_weight_grads(dense, x, g, layout,
-                                                        self.stage.prepare, rest)
                 sums = buffers.add_chunk(sums, chunk, buffers.masked(grads, valid), layer=i)
         return sums
