@@ -1,11 +1,13 @@
 """Benchmark the pallas_kernels against XLA's compilation of their plain-JAX references.
 
 Shapes are GPT 1.3B training shapes at seq 2048: attention scores [b, 16, 2048, 2048] bf16
-with the causal mask, MLP activations [b * 2048, 8192] bf16 with bias, and attention
-q/k/v [b, 2048, 16, 128] bf16 three ways (XLA softmax attention, the same with the Pallas
-softmax, cuDNN flash attention), and the context ring's flash block (pallas_kernels.flash:
-forward with its log-sum-exp, backward from them) against a dense XLA attention. One more softmax case has rows of 32768 keys, longer
-than one kernel block, so it times the multi-block path: scores [1, 16, 256, 32768].
+with the causal mask, MLP activations [b * 2048, 8192] bf16 with bias, the norms over
+[b * 2048, 2048] bf16 rows (LayerNorm and RMSNorm, the backward's one-pass kernel against
+XLA's fusions), attention q/k/v [b, 2048, 16, 128] bf16 three ways (XLA softmax attention,
+the same with the Pallas softmax, cuDNN flash attention), and the context ring's flash
+block (pallas_kernels.flash: forward with its log-sum-exp, backward from them) against a
+dense XLA attention. One more softmax case has rows of 32768 keys, longer than one kernel
+block, so it times the multi-block path: scores [1, 16, 256, 32768].
 On a Hopper GPU only, the mixture of experts' grouped GEMM (pallas_kernels.grouped, JAX's
 Mosaic-GPU kernels) of the b x 2048 tokens [b * 2048, 2048] over 8 experts' [2048, 8192]
 weights (uneven groups, one empty) against `lax.ragged_dot` (XLA's dense all-experts
@@ -38,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxptd.config import ModelConfig
+from jaxptd.model import fused
 from jaxptd.model.layers import attention_core
 from jaxptd.model.tensor import Layout
 from jaxptd.units import GB
@@ -118,6 +121,31 @@ def bias_gelu_cases(shapes):
         fn = lambda x, op=op: op(x, bias)
         yield "bias_gelu", impl, "fwd", jax.jit(fn), (act,), 2 * size
         yield "bias_gelu", impl, "fwd+bwd", _vjp_both(fn), (act, act), 5 * size
+
+
+def norm_cases(shapes):
+    """LayerNorm and RMSNorm over the layer's [b * seq, h] bf16 rows with float32 scale
+    (and bias): XLA's forward either way; the backward as the one-pass kernel
+    (pallas_kernels.norm_backward; interpret mode off a GPU) or XLA's fusions. fwd+bwd
+    returns y and every gradient (dx, dscale, dbias), so the sums are compared too."""
+    hidden = shapes.heads * shapes.head_dim
+    x, dy = (jax.random.normal(jax.random.key(i), (shapes.batch * shapes.seq, hidden),
+                               jnp.bfloat16) for i in (13, 14))
+    scale = 1.0 + 0.1 * jax.random.normal(jax.random.key(15), (hidden,), jnp.float32)
+    bias = 0.1 * jax.random.normal(jax.random.key(16), (hidden,), jnp.float32)
+    norms = (("layer_norm", lambda x, s, b, form: fused.layer_norm(
+        x, s, b, 1e-5, jnp.bfloat16, form), (scale, bias)),
+             ("rms_norm", lambda x, s, form: fused.rms_norm(x, s, 1e-5, jnp.bfloat16, form),
+              (scale,)))
+    for op, norm, params in norms:
+        kernel = "kernel" if jax.default_backend() == "gpu" else "interpret"
+        for impl, form in (("pallas", kernel), ("xla", "xla")):
+            def both(x, dy, norm=norm, form=form):
+                y, vjp = jax.vjp(lambda x, *p: norm(x, *p, form), x, *params)
+                return (y, *vjp(dy))
+            fwd = jax.jit(lambda x, norm=norm, form=form: norm(x, *params, form))
+            yield op, impl, "fwd", fwd, (x,), 2 * x.nbytes
+            yield op, impl, "fwd+bwd", jax.jit(both), (x, dy), 5 * x.nbytes
 
 
 def attention_cases(shapes, cudnn=True):
@@ -214,7 +242,7 @@ def measure(shapes, reps, cudnn=True, hopper=False):
     bandwidth = copy_bandwidth(shapes.copy_elems, reps)
     print(f"measured copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
     rows, outputs = [], {}
-    for cases in (softmax_cases(shapes), bias_gelu_cases(shapes),
+    for cases in (softmax_cases(shapes), bias_gelu_cases(shapes), norm_cases(shapes),
                   attention_cases(shapes, cudnn), flash_block_cases(shapes),
                   grouped_cases(shapes) if hopper else ()):
         for op, impl, pass_, fn, args, nbytes in cases:

@@ -23,13 +23,13 @@ def test_every_case_runs_and_matches_xla(toy_blocks, capsys):
     bandwidth, rows = kernels.measure(TOY, reps=1, cudnn=False)
     cases = {(r["op"], r["impl"], r["pass_"]) for r in rows}
     assert cases == {(op, impl, pass_)
-                     for op in ("softmax", "softmax_long", "bias_gelu", "attention",
-                                "flash_block")
+                     for op in ("softmax", "softmax_long", "bias_gelu", "layer_norm",
+                                "rms_norm", "attention", "flash_block")
                      for impl in ("pallas", "xla") for pass_ in ("fwd", "fwd+bwd")}
     assert bandwidth > 0 and all(r["ms"] > 0 for r in rows)
     assert all(r["gbps"] > 0 for r in rows if r["op"] not in ("attention", "flash_block"))
     errors = [r["err"] for r in rows if r["impl"] == "pallas"]
-    assert len(errors) == 10 and max(errors) < kernels.MAX_ERR
+    assert len(errors) == 14 and max(errors) < kernels.MAX_ERR
     assert not kernels.wrong_rows(rows)
     kernels.print_table("cpu", bandwidth, rows, "command")
     assert "softmax_long" in capsys.readouterr().out
