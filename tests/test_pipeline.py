@@ -53,7 +53,7 @@ ZB_CASES = [
     (1, 2, 2, "zb-interleaved", 2, 2, 4),
     (2, 2, 1, "zb-interleaved", 2, 5, 4),
     (1, 4, 1, "zb-interleaved", 2, 1, 8),
-    (1, 4, 1, "zb-v", 2, 4, 8),
+    (1, 4, 1, "zb-v", 2, 8, 8),  # m 8: its two-round scans' head in one phase of the two
 ]
 FAST = {CASES[1], ZB_CASES[11]}  # kept activations, auto form; the rest: -m slow
 

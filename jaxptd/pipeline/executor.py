@@ -78,7 +78,7 @@ from jaxptd.parallel.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules, static_chunks
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
-from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, head_rows, lower,
+from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, ends_of, head_rows, lower,
                                      round_costs, segments)
 from jaxptd.pipeline.training import IN_FLIGHT, WRITES_AFTER, Training
 from jaxptd.pipeline.weight_slot import HANDED
@@ -319,7 +319,7 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
                     [(start, stop, ((None,) * 3,))]:
                 part = dataclasses.replace(seg, start=a, stop=b)
                 with jax.named_scope(ROUNDS_SCOPE):  # the cost report's rounds phase
-                    carry, _ = lax.scan(_unrolled(program, part, phases), carry,
+                    carry, _ = lax.scan(_unrolled(program, part, phases, rounds), carry,
                                         _tables(rounds, program.stage.rank, kinds, part,
                                                 len(phases)))
             if stop in cuts:
@@ -328,10 +328,12 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     return carry
 
 
-def _unrolled(program, seg: Segment, phases):
+def _unrolled(program, seg: Segment, phases, rounds: Rounds):
     """The scan body of rounds in `phases` (static_chunks.runs): one round a phase, each
-    with its held chunks static where the phase names them."""
-    bodies = [_round(program, dataclasses.replace(seg, chunks=phase)) for phase in phases]
+    with its held chunks static where the phase names them, and the embedding and head
+    where its own rounds need them (zb-v's head: one phase of two)."""
+    bodies = [_round(program, dataclasses.replace(seg, chunks=phase, ends=seg.ends & ends_of(
+        rounds, range(seg.start + i, seg.stop, len(phases))))) for i, phase in enumerate(phases)]
     if len(bodies) == 1:
         return bodies[0]
 

@@ -352,20 +352,10 @@ def segments(rounds: Rounds, form: str) -> list:
         everywhere = frozenset((n, k) for n in ("embed", "head") for k in "FB")
         return [Segment(0, rounds.num_rounds, modes, inline=form == "masked",
                         ends=everywhere, taps=_taps(rounds, range(rounds.num_rounds)))]
-    p, last = rounds.stages, rounds.stages * rounds.chunks - 1
-
-    def signature(t):
-        states = tuple(_slot_state(tables[k][t]) for k in "FBW")
-        ends = frozenset((name, k) for name, stage in (("embed", 0), ("head", last))
-                         for k in "FB" if any(
-                             tables[k][t][r] and rounds.stage(
-                                 getattr(rounds, f"{k.lower()}_chunk")[t][r], r) == stage
-                             for r in range(p)))
-        return (*states, _taps(rounds, [t])), ends
-
     runs = []  # [start, stop, slot states, pieces needed] of equal slot states
     for t in range(rounds.num_rounds):
-        states, ends = signature(t)
+        states = (*(_slot_state(tables[k][t]) for k in "FBW"), _taps(rounds, [t]))
+        ends = ends_of(rounds, [t])
         if runs and runs[-1][2] == states:
             runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
         else:
@@ -373,6 +363,16 @@ def segments(rounds: Rounds, form: str) -> list:
     return [Segment(start, stop, tuple("mask" if s == "some" else s for s in states[:3]),
                     inline=True, ends=ends, taps=states[3])
             for start, stop, states, ends in runs]
+
+
+def ends_of(rounds: Rounds, ts) -> frozenset:
+    """Segment.ends of rounds ts: ('embed', k) where some rank's slot k is virtual stage 0,
+    ('head', k) where some rank's is the last."""
+    last = rounds.stages * rounds.chunks - 1
+    return frozenset((name, k) for name, stage in (("embed", 0), ("head", last)) for k in "FB"
+                     if any(getattr(rounds, f"{k.lower()}_valid")[t][r] and rounds.stage(
+                         getattr(rounds, f"{k.lower()}_chunk")[t][r], r) == stage
+                         for t in ts for r in range(rounds.stages)))
 
 
 def _taps(rounds: Rounds, ts) -> tuple:
