@@ -88,7 +88,14 @@ def norm_backward_form(kernels: str, platform: str, alone: bool) -> str:
     Pallas interpret mode ("interpret"); else "xla", the plain-JAX form's fusions.
     Beside a layer's collectives the kernel cost XLA's scheduler overlap: in a
     sequence-parallel pipeline and the context ring fewer all-gathers and ring sends had a
-    GEMM or attention in flight (git log of this function)."""
+    GEMM or attention in flight. Not because XLA prices the kernel high (its latency
+    estimator gives any Pallas call a flat cost near this kernel's own time): it prices the
+    XLA form's column-sum reduction far above its time, and its schedule puts that
+    reduction under the attention's input-gradient all-gather and the fc2 weight-gradient
+    GEMM under the fc1 input gradient's reduce-scatter. One kernel making dx and the sums
+    together leaves the all-gather that GEMM and the reduce-scatter none; it also changes
+    which backward all-gathers XLA's combiner merges. The kernel's time as latency
+    metadata, or no all-gather combining, recovered part of it, not all (git log)."""
     if platform == "gpu":
         return "kernel" if alone else "xla"
     return "interpret" if kernels == "pallas" else "xla"
