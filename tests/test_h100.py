@@ -133,7 +133,7 @@ LAYOUTS = {
     "bert": layout(2, 1, 4, 1, "model.arch=bert", "model.vocab_size=1004"),
     # a pipelined mixture of experts every second layer: the kept backward rebuilt from the
     # stash runs the grouped GEMMs' custom_vjp on rows received by ragged all-to-all
-    "moe": layout(4, 2, 1, 8, "model.arch=llama", "model.moe_experts=8", "model.moe_ffn=256",
+    "moe": layout(4, 2, 1, 4, "model.arch=llama", "model.moe_experts=8", "model.moe_ffn=256",
                   "model.moe_every=2", "parallel.expert=4"),
 }
 FAST = ("llama gqa",)  # (the rest: the full suite)
