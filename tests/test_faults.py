@@ -279,10 +279,16 @@ if os.environ.get("JAXPTD_PROCESS_ID") and os.environ.get("FAULTS"):
     from jaxptd.data import dataset
     read, me = dataset.TokenDataset.batch, os.environ["JAXPTD_PROCESS_ID"]
     slow, stop = (os.path.join(os.environ["FAULTS"], name) for name in ("slow", "stop"))
+    def stop_is_mine():
+        try:
+            with open(stop) as f:
+                return f.read() == me
+        except FileNotFoundError:  # none yet, or the process it named took it meanwhile
+            return False
     def batch(self, *args, **kwargs):
         if me == "2" and os.path.exists(slow):
             time.sleep(0.3)
-        if os.path.exists(stop) and open(stop).read() == me:
+        if stop_is_mine():
             os.remove(stop)
             with open(stop[:-4] + "stopped", "w") as f:
                 f.write(repr(time.time()))
