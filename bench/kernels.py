@@ -137,13 +137,14 @@ def norm_cases(shapes):
         x, s, b, 1e-5, jnp.bfloat16, form), (scale, bias)),
              ("rms_norm", lambda x, s, form: fused.rms_norm(x, s, 1e-5, jnp.bfloat16, form),
               (scale,)))
+    kernel = "kernel" if jax.default_backend() == "gpu" else "interpret"
     for op, norm, params in norms:
-        kernel = "kernel" if jax.default_backend() == "gpu" else "interpret"
         for impl, form in (("pallas", kernel), ("xla", "xla")):
-            def both(x, dy, norm=norm, form=form):
+            def both(x, dy, norm=norm, form=form, params=params):
                 y, vjp = jax.vjp(lambda x, *p: norm(x, *p, form), x, *params)
                 return (y, *vjp(dy))
-            fwd = jax.jit(lambda x, norm=norm, form=form: norm(x, *params, form))
+            fwd = jax.jit(lambda x, norm=norm, form=form, params=params:
+                          norm(x, *params, form))
             yield op, impl, "fwd", fwd, (x,), 2 * x.nbytes
             yield op, impl, "fwd+bwd", jax.jit(both), (x, dy), 5 * x.nbytes
 

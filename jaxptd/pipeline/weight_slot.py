@@ -102,15 +102,14 @@ class WeightSlot:
         that were far slower. Figures: BENCHMARKS.md and the git log.) Held chunks
         (Training.swaps) as `layer_sums`, into held chunk `at` (Chunks.add_held)."""
         held = self.swaps is not None
-        layout = dataclasses.replace(self.layout, apart=True) if self.layer_sums or held \
-            else self.layout
+        # sums of a layer's own (held or layer_sums): the GEMMs add into them, masked by
+        # their output gradients; else the stack's, masked as they are added
+        own = held or self.layer_sums
+        layout = dataclasses.replace(self.layout, apart=True) if own else self.layout
         sums = list(sums) if self.layer_sums else sums
         for i in range(jax.tree.leaves(weights[0])[0].shape[0]):
             x, g = (jax.tree.map(lambda b: b[i], tree) for tree in (inputs, g_taps))
             dense, rest = jax.tree.map(lambda w: w[i], weights)  # (dense(), the others)
-            # sums of a layer's own (held or layer_sums): the GEMMs add into them, masked
-            # by their output gradients; else the stack's, masked as they are added
-            own = held or self.layer_sums
             grads = models.layer_dense_weight_grads(
                 dense, x, buffers.masked(g, valid) if own else g, layout, self.stage.prepare,
                 rest)
