@@ -30,7 +30,7 @@ runs on every rank). Columns:
   a conditional took that branch (taken / idle).
 The head runs whole on the last stage's rank in the cond form (a head spread over the
 ranks needs every rank in a collective), on every rank's part of the rows in the steady
-form (`lowering.head_pieces`). A kernel costs max(FLOPs / peak, bytes / bandwidth);
+form (`scans.head_pieces`). A kernel costs max(FLOPs / peak, bytes / bandwidth);
 collectives and the conditionals' own launch cost are not counted. Needs the CUDA compile
 extra (`pip install -e '.[h100]'`).
 """

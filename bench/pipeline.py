@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 from jaxptd.config import load_config  # noqa: E402
 from jaxptd.parallel.mesh import make_mesh  # noqa: E402
 from jaxptd.pipeline.executor import rounds_for  # noqa: E402
-from jaxptd.pipeline.lowering import round_costs, round_form, segments  # noqa: E402
+from jaxptd.pipeline.scans import round_costs, round_form, segments  # noqa: E402
 from jaxptd.pipeline.schedules import make_schedule  # noqa: E402
 from jaxptd.pipeline.simulate import simulate  # noqa: E402
 from jaxptd.train.step import Setup, build_train_step  # noqa: E402

@@ -221,7 +221,7 @@ def test_static_chunks_name_every_rank_s_chunk(kind, p, m, swapped):
     a held chunk, every rank that runs the kind in such a round runs that chunk."""
     from jaxptd.pipeline import static_chunks
     from jaxptd.pipeline.executor import rounds_for
-    from jaxptd.pipeline.lowering import segments
+    from jaxptd.pipeline.scans import segments
 
     rounds = rounds_for(kind, p, m, 2, "steady")
     swaps = static_chunks.swaps(rounds)
@@ -247,3 +247,34 @@ def test_static_chunks_name_every_rank_s_chunk(kind, p, m, swapped):
                         static += sum(map(bool, valid))
                         assert all(chunk[r] ^ swaps[r] == at for r in range(p) if valid[r])
     assert static > 0
+
+
+@pytest.mark.parametrize("kind, p, m, v, head_rounds", [
+    ("interleaved", 8, 32, 2, 32), ("zb-interleaved", 4, 8, 2, None), ("1f1b", 8, 32, 1, 32),
+    ("interleaved", 2, 8, 2, None)])
+def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_rounds):
+    """scans.segments, steady: the scans cover the rounds in order, each with the ends its
+    rounds need, and a scan that runs the head holds no stretch of HEADLESS rounds that
+    need none (the interleaved kinds' last stage takes its B's p rounds on, p off): at
+    p = 8, m = 32 the head runs in the 32 rounds that need it (it ran in 56). 1F1B's
+    scans are its runs of slot usage, uncut."""
+    from jaxptd.pipeline.executor import rounds_for
+    from jaxptd.pipeline.scans import HEADLESS, ends_of, segments
+
+    rounds = rounds_for(kind, p, m, v, "steady")
+    segs = segments(rounds, "steady")
+    assert [s.start for s in segs] == [0] + [s.stop for s in segs[:-1]]
+    assert segs[-1].stop == rounds.num_rounds
+    running = 0
+    for seg in segs:
+        assert seg.ends == ends_of(rounds, range(seg.start, seg.stop))
+        if ("head", "B") not in seg.ends:
+            continue
+        need = "".join("1" if ("head", "B") in ends_of(rounds, [t]) else "0"
+                       for t in range(seg.start, seg.stop))
+        assert "0" * HEADLESS not in need, (seg, need)
+        running += seg.stop - seg.start
+    if head_rounds is not None:
+        assert running == head_rounds
+    if kind == "1f1b":
+        assert len(segs) == 5

@@ -169,7 +169,7 @@ def test_unwritten_buffers_hold_garbage_and_gradients_stay_exact(monkeypatch):
 # with SP.
 LLAMA = ["model.arch=llama", "model.ffn_size=24", "model.num_kv_heads=4"]
 SPREAD = [
-    pytest.param((1, 4, 1, "interleaved", 2, 4, 8), "activations", [], id="interleaved-p4"),
+    pytest.param((1, 4, 1, "interleaved", 2, 8, 8), "activations", [], id="interleaved-p4"),
     pytest.param((2, 2, 2, "1f1b", 1, 2, 4), "activations",
                  ["parallel.fsdp=true", "parallel.sequence_parallel=true"], id="fsdp-sp",
                  marks=pytest.mark.slow),

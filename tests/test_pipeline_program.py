@@ -16,7 +16,7 @@ from jax.extend.core import Literal
 from helpers import assert_grads_match_single_device, fixed_batches, reference_loss
 from jaxptd.parallel.mesh import PIPE
 from jaxptd.pipeline.executor import rounds_for
-from jaxptd.pipeline.lowering import segments
+from jaxptd.pipeline.scans import segments
 from jaxptd.pipeline.schedules import make_schedule
 from jaxptd.pipeline.simulate import simulate
 from jaxptd.train.step import build_eval_step, build_train_step

@@ -30,7 +30,7 @@ class Context:
     # token; the loss's own is the step's loss_norm, given with the batch: `Stage.norm`)
     token_norm: float
     # every rank runs the head on 1/p of the microbatch, its rows cut in this many pieces
-    # each (lowering.head_pieces); 0: the last stage runs it alone
+    # each (scans.head_pieces); 0: the last stage runs it alone
     head_pieces: int
     # FSDP's all-gathers inside the shard_map (step.Setup.gathers); None without FSDP
     gather_ends: Callable | None = None

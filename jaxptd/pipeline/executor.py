@@ -78,8 +78,8 @@ from jaxptd.parallel.mesh import PIPE
 from jaxptd.pipeline import buffers, schedules, static_chunks
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
-from jaxptd.pipeline.lowering import (Rounds, Segment, chunks_done, ends_of, head_rows, lower,
-                                     round_costs, segments)
+from jaxptd.pipeline.lowering import Rounds, lower
+from jaxptd.pipeline.scans import Segment, chunks_done, ends_of, head_rows, round_costs, segments
 from jaxptd.pipeline.training import IN_FLIGHT, WRITES_AFTER, Training
 from jaxptd.pipeline.weight_slot import HANDED
 from jaxptd.parallel.varying import after, mark_varying, waiting, zeros_as
@@ -112,7 +112,7 @@ def rounds_for(kind: str, stages: int, microbatches: int, chunks: int, form: str
 def _tables(rounds: Rounds, rank, kinds: str, seg: Segment, period: int = 1) -> dict:
     """This rank's rows of the segment's tables: a dict of int32 [stop - start] arrays
     ([(stop - start) / period, period] for a body unrolled over `period` rounds); with B
-    slots also the last rank's head_on and head_mb (`lowering.head_rows`, which a spread
+    slots also the last rank's head_on and head_mb (`scans.head_rows`, which a spread
     head reads; XLA drops them where nothing does)."""
     names = [n for k in kinds for n in SLOT_FIELDS[k]]
     rows = {n: jnp.asarray(getattr(rounds, n)[seg.start:seg.stop], jnp.int32)[:, rank]

@@ -27,7 +27,7 @@ schedule, whose last stage is on rank 0.
   them as before.
 
 Every rank's part of the loss is its own (the step sums the loss over pipe). It applies
-where `lowering.head_pieces` says: a round form without conditionals, and b divisible by
+where `scans.head_pieces` says: a round form without conditionals, and b divisible by
 p, or (a token-wise head) each row cut into k pieces of s/k tokens, b k divisible by p.
 """
 from __future__ import annotations

@@ -30,15 +30,12 @@ unless said otherwise):
 The stash the schedule reports (`peak_stash`) counts, per rank, the microbatch-stages held
 at once: stash slots plus W slots, i.e. from arrival until the last backward piece.
 
-Also how the rounds run as scans (`segments`: per round form, see jaxptd/pipeline/
-executor.py) and the round by which each chunk's gradients are complete (`chunks_done`).
+How the rounds run as scans is scans.py's.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from jaxptd.arch import family
 from jaxptd.pipeline.slot_pool import (SlotPool, b_reads_written, idle_f_slots, reruns,
                                        tape_lifetimes, w_reads_written)
 from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells, stage_place,
@@ -260,139 +257,3 @@ def _put(tab, prefix, t, r, action, **slots) -> None:
     tab[f"{prefix}_chunk"][t][r] = action.chunk
     for name, value in slots.items():
         tab[name][t][r] = value
-
-
-# --------------------------------------------------------------------------- scans
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Rounds [start, stop) run by one scan. modes[k] for slot kind k in 'FBW': 'off' (no
-    rank uses it: not traced, nothing sent), 'run' (every rank, every round), 'cond' or
-    'mask' (some ranks). inline: the embedding and head are computed by every rank and
-    selected, where `ends` says a slot needs them: ('embed', 'F') when some rank's F is
-    virtual stage 0, ('embed', 'B'), ('head', 'B') (training) or ('head', 'F') likewise.
-    taps: (whether some B keeps for a later W, in a W slot; whence W's read what their B
-    kept: its 'slot', 'now' (handed over in the round: w_now) or 'either'; whether some B
-    runs again for its W: b_again). chunks: the (F, B, W) held chunks, static (the
-    executor's, static_chunks.runs) or None (the tables')."""
-    start: int
-    stop: int
-    modes: tuple
-    inline: bool
-    ends: frozenset = frozenset()
-    taps: tuple = (True, "slot", False)
-    chunks: tuple = (None, None, None)
-
-    def piece(self, name: str, slot: str) -> str:
-        """How a slot runs the embedding or head: 'cond', 'inline' or 'off'."""
-        return "cond" if not self.inline else "inline" if (name, slot) in self.ends else "off"
-
-
-def round_form(config, platform: str) -> str:
-    """parallel.round_form, with 'auto' resolved for the target's platform: cond on CPU,
-    steady on a GPU."""
-    form = config.parallel.round_form
-    if form == "auto":
-        return "steady" if platform == "gpu" else "cond"
-    return form
-
-
-def head_pieces(config, form: str) -> int:
-    """How the last stage's microbatch [b, s] is dealt out when every pipe rank computes the
-    head and loss of 1/p of it (pipeline/head.py): each row cut into k pieces of s/k
-    tokens, the b k pieces split evenly over the p ranks; 0 where the head is not spread.
-
-    Spread where every rank runs the head anyway (`form`: a round form without
-    conditionals). k = 1 (whole rows) where p divides b; with fewer rows a row is cut
-    (k = p / gcd(b, p)) where the head is token-wise (a decoder without context
-    parallelism, whose rows are not whole on a rank) and k divides s into pieces that
-    sequence parallelism can split over tensor again. Left whole, the head of b < p rows
-    ran on every rank: the costliest kernels of a deep pipeline."""
-    par, rows, seq = config.parallel, config.microbatch_size, config.model.seq_len
-    if form == "cond" or par.pipe == 1:
-        return 0
-    if rows % par.pipe == 0:
-        return 1
-    k = par.pipe // math.gcd(rows, par.pipe)
-    unit = par.tensor if par.sequence_parallel else 1
-    tokenwise = not family(config.model).encoder and par.context == 1
-    return k if tokenwise and seq % k == 0 and (seq // k) % unit == 0 else 0
-
-
-def head_rows(rounds: Rounds, start: int, stop: int) -> dict:
-    """Per round of [start, stop): whether the head's rank's B slot is the last virtual
-    stage's (head_on), its microbatch (head_mb) and whether it runs again (head_again: its
-    loss and gradients count nothing), which every rank reads when the head is spread (the
-    same on every rank)."""
-    chunk, last = stage_place(rounds.v_shape, rounds.stages, rounds.stages * rounds.chunks - 1)
-    on = [int(rounds.b_valid[t][last] and rounds.b_chunk[t][last] == chunk)
-          for t in range(start, stop)]
-    return {"head_on": on, "head_mb": [rounds.b_mb[t][last] for t in range(start, stop)],
-            "head_again": [rounds.b_again[t][last] for t in range(start, stop)]}
-
-
-def round_costs(form: str) -> Costs:
-    """How a round form's rounds cost (Costs.masked: every form but cond runs a slot kind
-    some rank uses on every rank), uniform t_f = t_b = t_w: what the schedule is packed for
-    (where zero-bubble W's go) and timed by."""
-    return Costs(masked=form != "cond")
-
-
-def _slot_state(valid_row) -> str:
-    return "run" if all(valid_row) else "some" if any(valid_row) else "off"
-
-
-def segments(rounds: Rounds, form: str) -> list:
-    """Splits the rounds into scans for a round form (see the module docstring)."""
-    tables = {k: getattr(rounds, f"{k.lower()}_valid") for k in "FBW"}
-    used = tuple("off" if not any(map(any, tables[k])) else None for k in "FBW")
-    if form != "steady":
-        modes = tuple(u or ("cond" if form == "cond" else "mask") for u in used)
-        everywhere = frozenset((n, k) for n in ("embed", "head") for k in "FB")
-        return [Segment(0, rounds.num_rounds, modes, inline=form == "masked",
-                        ends=everywhere, taps=_taps(rounds, range(rounds.num_rounds)))]
-    runs = []  # [start, stop, slot states, pieces needed] of equal slot states
-    for t in range(rounds.num_rounds):
-        states = (*(_slot_state(tables[k][t]) for k in "FBW"), _taps(rounds, [t]))
-        ends = ends_of(rounds, [t])
-        if runs and runs[-1][2] == states:
-            runs[-1][1], runs[-1][3] = t + 1, runs[-1][3] | ends
-        else:
-            runs.append([t, t + 1, states, ends])
-    return [Segment(start, stop, tuple("mask" if s == "some" else s for s in states[:3]),
-                    inline=True, ends=ends, taps=states[3])
-            for start, stop, states, ends in runs]
-
-
-def ends_of(rounds: Rounds, ts) -> frozenset:
-    """Segment.ends of rounds ts: ('embed', k) where some rank's slot k is virtual stage 0,
-    ('head', k) where some rank's is the last."""
-    last = rounds.stages * rounds.chunks - 1
-    return frozenset((name, k) for name, stage in (("embed", 0), ("head", last)) for k in "FB"
-                     if any(getattr(rounds, f"{k.lower()}_valid")[t][r] and rounds.stage(
-                         getattr(rounds, f"{k.lower()}_chunk")[t][r], r) == stage
-                         for t in ts for r in range(rounds.stages)))
-
-
-def _taps(rounds: Rounds, ts) -> tuple:
-    """Segment.taps of rounds ts."""
-    def some(table, now=None) -> bool:
-        return any(table[t][r] and now in (None, rounds.w_now[t][r]) for t in ts
-                   for r in range(rounds.stages))
-    now, later = some(rounds.w_valid, 1), some(rounds.w_valid, 0)
-    return (some(rounds.b_keeps), "either" if now and later else "now" if now else "slot",
-            some(rounds.b_again))
-
-
-def chunks_done(rounds: Rounds) -> tuple:
-    """For each chunk, the round by which every rank has run its last B and W slot: from
-    then on nothing adds to the chunk's gradients."""
-    done = [0] * rounds.chunks
-    for kind in "bw":
-        valid, chunk = getattr(rounds, f"{kind}_valid"), getattr(rounds, f"{kind}_chunk")
-        for t in range(rounds.num_rounds):
-            for r in range(rounds.stages):
-                if valid[t][r]:
-                    done[chunk[t][r]] = max(done[chunk[t][r]], t + 1)
-    return tuple(done)

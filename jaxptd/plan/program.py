@@ -12,7 +12,8 @@ from functools import lru_cache
 from jaxptd.arch import family
 from jaxptd.config import Config
 from jaxptd.pipeline import schedules
-from jaxptd.pipeline.lowering import head_pieces, lower, round_costs, round_form
+from jaxptd.pipeline.lowering import lower
+from jaxptd.pipeline.scans import head_pieces, round_costs, round_form
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
 from jaxptd.plan import model as pm
 from jaxptd.plan import timing as pt
@@ -45,7 +46,7 @@ def _lowered_slots(kind: str, p: int, m: int, v: int, form: str) -> dict:
 def schedule_stats(config: Config, platform: str, simulate: bool = True):
     """(bubble fraction, buffer slots {stash, grad, w, tape}, (Stats, Schedule) or None) of
     the schedule as the round form the step runs on `platform` packs and times it
-    (lowering.round_costs: a GPU's steady form runs a slot kind some rank uses on every
+    (scans.round_costs: a GPU's steady form runs a slot kind some rank uses on every
     rank).
 
     The bubble comes from the simulator when asked and small enough, else from the

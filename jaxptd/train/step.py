@@ -63,7 +63,7 @@ from jaxptd.model import fp8, moe, sequence
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
-from jaxptd.pipeline.lowering import head_pieces, round_form
+from jaxptd.pipeline.scans import head_pieces, round_form
 from jaxptd.train.reduction import REDUCED, Reduction, compose, fsdp_gathers
 from jaxptd.parallel.sharding import regather
 from jaxptd.parallel.varying import mark_varying, zeros_as
