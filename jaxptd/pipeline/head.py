@@ -104,10 +104,9 @@ class SpreadHead:
         # `add`'s sums are the GEMMs' epilogue (in bf16, the add was a kernel of its own
         # every round, reading and writing the float32 [V, h] sums; with chunks it once
         # left a steady send with no GEMM in flight, which tests/test_h100.py's interleaved
-        # steady-send case checks). Not V-shaped: zb-v's scans of two rounds
-        # (static_chunks) add both rounds' bf16 gradients in one pass, which costs less
-        if not self.stage.context.v_shape:
-            layout = dataclasses.replace(layout, apart=True)
+        # steady-send case checks). zb-v's too, now that its two-round scans run the head
+        # in one of their rounds only (it had added both rounds' bf16 gradients in a pass)
+        layout = dataclasses.replace(layout, apart=True)
         loss = self.stage.context.arch.head_loss(weights, mine, tokens, self.stage.model,
                                                  layout)
         return jnp.where(on > 0, loss * self.stage.norm, 0.0)
