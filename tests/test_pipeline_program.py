@@ -92,6 +92,8 @@ def random_params(setup, seed=0):
 @pytest.mark.parametrize("case, form", [
     pytest.param((1, 4, 1, "1f1b", 1, 8, 4), "auto", marks=pytest.mark.slow),
     ((1, 4, 1, "interleaved", 2, 5, 8), "auto"),
+    # steady: a stretch of rounds with no last-stage F runs without the head (scans.HEADLESS)
+    pytest.param((1, 4, 1, "interleaved", 2, 5, 8), "steady", marks=pytest.mark.slow),
     pytest.param((2, 2, 2, "gpipe", 1, 2, 4), "auto", marks=pytest.mark.slow),
     pytest.param((1, 4, 1, "zb-h1", 1, 8, 4), "steady", marks=pytest.mark.slow)],
     ids=lambda x: x if isinstance(x, str) else "-".join(map(str, x)))
