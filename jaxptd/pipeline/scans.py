@@ -123,10 +123,11 @@ def segments(rounds: Rounds, form: str) -> list:
 
 
 def _headless_cuts(rounds: Rounds, start: int, stop: int) -> list:
-    """[start, stop) as [(a, b)], each stretch of at least HEADLESS rounds that need no
-    head (`ends_of`) in rounds that do one of its own."""
-    need = [any(name == "head" for name, _ in ends_of(rounds, [t]))
-            for t in range(start, stop)]
+    """[start, stop) as [(a, b)]: where some of its rounds run the head (the B slot's, or
+    forward-only the F slot's: `ends_of`), each stretch of at least HEADLESS rounds that
+    do not is a piece of its own."""
+    piece = ("head", "F" if rounds.forward_only else "B")
+    need = [piece in ends_of(rounds, [t]) for t in range(start, stop)]
     cuts, t = {start, stop}, start
     while t < stop and any(need):
         u = t
