@@ -91,12 +91,13 @@ def _slot_state(valid_row) -> str:
     return "run" if all(valid_row) else "some" if any(valid_row) else "off"
 
 
-# Steady form: a stretch of at least this many rounds in which no rank's slot is the last
-# virtual stage's runs as a scan of its own, without the head, though its slot kinds are
-# those of the rounds around it. In the interleaved kinds the last stage's B slots come p
-# rounds on, p off: every rank computed its part of the head in rounds that discard it
-# (at p = 8, m = 32, 56 rounds for 32 heads). Shorter stretches stay: each scan is one
-# more loop body to compile (figures: BENCHMARKS.md and the git log).
+# Steady form: a stretch of at least this many rounds in which no rank runs the head (no
+# B slot, forward-only no F slot, is the last virtual stage's) runs as a scan of its own,
+# without it, though its slot kinds are those of the rounds around it. In the interleaved
+# kinds the last stage's B slots come p rounds on, p off: every rank computed its part of
+# the head in rounds that discard it (at p = 8, m = 32, 56 rounds for 32 heads). Shorter
+# stretches stay: each scan is one more loop body to compile (figures: BENCHMARKS.md and
+# the git log).
 HEADLESS = 4
 
 
