@@ -118,25 +118,27 @@ def segments(rounds: Rounds, form: str) -> list:
             runs[-1][1] = t + 1
         else:
             runs.append([t, t + 1, states])
+    ends = [ends_of(rounds, [t]) for t in range(rounds.num_rounds)]
+    piece = ("head", "F" if rounds.forward_only else "B")  # the slot that runs the head
+    need = [piece in e for e in ends]
     return [Segment(a, b, tuple("mask" if s == "some" else s for s in states[:3]),
-                    inline=True, ends=ends_of(rounds, range(a, b)), taps=states[3])
-            for start, stop, states in runs for a, b in _headless_cuts(rounds, start, stop)]
+                    inline=True, ends=frozenset().union(*ends[a:b]), taps=states[3])
+            for start, stop, states in runs for a, b in _headless_cuts(need, start, stop)]
 
 
-def _headless_cuts(rounds: Rounds, start: int, stop: int) -> list:
-    """[start, stop) as [(a, b)]: where some of its rounds run the head (the B slot's, or
-    forward-only the F slot's: `ends_of`), each stretch of at least HEADLESS rounds that
-    do not is a piece of its own."""
-    piece = ("head", "F" if rounds.forward_only else "B")
-    need = [piece in ends_of(rounds, [t]) for t in range(start, stop)]
-    cuts, t = {start, stop}, start
-    while t < stop and any(need):
-        u = t
-        while u < stop and not need[u - start]:
-            u += 1
-        if u - t >= HEADLESS:
-            cuts |= {t, u}
-        t = u + 1
+def _headless_cuts(need: list, start: int, stop: int) -> list:
+    """[start, stop) as [(a, b)]: where some of its rounds run the head (need[t]), each
+    stretch of at least HEADLESS rounds that do not is a piece of its own."""
+    cuts = {start, stop}
+    if any(need[start:stop]):
+        t = start
+        while t < stop:
+            u = t
+            while u < stop and not need[u]:
+                u += 1
+            if u - t >= HEADLESS:
+                cuts |= {t, u}
+            t = u + 1
     edges = sorted(cuts)
     return list(zip(edges, edges[1:]))
 
