@@ -99,6 +99,12 @@ ROWS = {
                                        "parallel.chunks=2"],
     "(1,8,1) zb-interleaved m32 b2 L32": [*DEEP, "parallel.schedule=zb-interleaved",
                                           "parallel.chunks=2"],
+    # the other kinds with model.remat=minimal (the 1F1B row's "min" above)
+    "(1,8,1) zb-h1 m32 b2 L32 min": [*DEEP, "parallel.schedule=zb-h1", "model.remat=minimal"],
+    "(1,8,1) interleaved m32 b2 L32 min": [*DEEP, "parallel.schedule=interleaved",
+                                           "parallel.chunks=2", "model.remat=minimal"],
+    "(1,8,1) zb-v m32 b2 L32 min": [*DEEP, "parallel.schedule=zb-v", "parallel.chunks=2",
+                                    "model.remat=minimal"],
     # model.fp8 (issue 49): beside their bf16 rows above
     "1 device fp8": layout(1, 1, 1, 1, "model.fp8=tensorwise"),
     "(2,1,4) SP fp8": layout(2, 1, 4, 1, "parallel.sequence_parallel=true",
