@@ -23,7 +23,7 @@ from jaxptd.plan import memory as pmem
 from jaxptd.plan import model as pm
 from jaxptd.plan import kernels as pk
 from jaxptd.plan import timing as pt
-from jaxptd.plan.buffers import dense_input_bytes
+from jaxptd.plan.buffers import taped_beside_slot
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.experts import moe_rows
 from jaxptd.plan.inputs import PlanInputs
@@ -344,14 +344,8 @@ def _rounds_bytes(config: Config, platform: str, counts: dict) -> float:
         recomputation(config), ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=family(m_cfg).gated_mlp, c=par.context, method=par.context_attention,
         moe=moe_shape(config))
-    if par.schedule in schedules.ZERO_BUBBLE and par.stash == "activations":
-        # the F tapes each layer's dense() inputs for the W (dense_input_bytes); of them
-        # the B's stash slot keeps only the context, which flash attention keeps as its own
-        # (model.remat none or selective), or none (minimal: it keeps their sources): the
-        # H100 compile of GPT-1.3B, zb-h1 at (1,8,1), writes the same stash and tape bytes
-        # with both, 1.08x 1F1B's without recomputation
-        kept += b * n * h * e / t if recomputation(config) in ("none", "selective") else \
-            dense_input_bytes(b, n, h, t, e, sp)
+    if par.schedule in schedules.ZERO_BUBBLE and par.stash == "activations":  # the W's tape
+        kept += taped_beside_slot(recomputation(config), b, n, h, t, e, sp)
     slot = stage_input + (chunk_layers * kept + stage_input if par.stash == "activations"
                           else 0.0)
     head = 0.0 if spreads_head(config, platform) else counts["head_params"]
