@@ -30,8 +30,8 @@ def taped_beside_slot(remat: str, b, s, h, t, e, sp: bool = False) -> float:
     rounds beside a 1F1B stash slot's kept values: the F's tape of the dense() inputs for
     the W, of which the B's slot keeps only the context (flash attention's own residual)
     with model.remat none or selective, and none with the others (they keep the inputs'
-    sources). The H100 compile of GPT-1.3B, zb-h1 at (1,8,1), writes the same stash and
-    tape bytes with remat none and minimal, 1.08x 1F1B's without recomputation."""
+    sources): the H100 compile of GPT-1.3B, zb-h1 at (1,8,1), writes the same stash and
+    tape bytes with remat none and minimal (BENCHMARKS.md)."""
     return s * b * h * e / t if remat in ("none", "selective") else \
         dense_input_bytes(b, s, h, t, e, sp)
 
