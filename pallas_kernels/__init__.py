@@ -8,7 +8,9 @@ forward and custom_vjp are jaxptd.model.fused's, which calls it); `flash.py` (im
 no kernel of its own, only the context ring's calls into JAX's Pallas flash attention, and
 `grouped.py` (`from pallas_kernels.grouped import grouped_matmul`) none either, only the
 mixture of experts' grouped GEMM on JAX's Mosaic-GPU (Hopper) ragged-dot kernels, which
-it calls directly, `lax.ragged_dot` off a GPU. `backend.py` is the one place that picks the
+it calls directly, `lax.ragged_dot` off a GPU; `slot_matmul.py` (imported where used) GEMMs
+that read or write a stash slot chosen at run time in place, benchmarked against XLA's
+slot copies and not yet called by the pipeline. `backend.py` is the one place that picks the
 Pallas backend (Triton) for the kernels of this package and falls back to the references,
 with one warning, when it is missing.
 

@@ -32,6 +32,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
 from jax.sharding import SingleDeviceSharding
 
 from jaxptd import hlo
@@ -45,6 +46,8 @@ from jaxptd.pipeline import buffers
 from jaxptd.parallel.varying import after, waiting
 from jaxptd.runtime.target import TARGETS, TargetError, topology_devices
 from pallas_kernels.grouped import grouped_matmul
+from pallas_kernels.slot_matmul import (matmul_into_slot, reference_matmul_into_slot,
+                                        reference_slot_matmul, slot_matmul)
 
 H100 = TARGETS["h100"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -504,3 +507,33 @@ def test_mixtral_8x7b_fits_16_h100s_its_experts_grouped_gemms():
     ragged = [c for c in hlo.collectives(module) if c.kind == "ragged-all-to-all"]
     assert len(ragged) >= halves * 4, len(ragged)
     assert any(compile_check.covered(c, H100) for c in ragged)
+
+
+@needs_compiler
+def test_slot_gemms_read_and_write_a_looped_stash_in_place():
+    """A loop that writes a GEMM's output into a stash slot and reads another slot into a
+    GEMM, as the pipeline's rounds do: with pallas_kernels.slot_matmul's kernels the
+    compiled H100 program copies no slot in or out (no dynamic slice or update of the
+    stash), where XLA's own form of the same loop does both."""
+    one = SingleDeviceSharding(topology_devices(H100, 1, 1)[0])
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=one) for shape, dtype in (
+        ((4, 256, 512), jnp.bfloat16), ((256, 512), jnp.bfloat16), ((512, 512), jnp.bfloat16),
+        ((8,), jnp.int32))]
+
+    def stash_ops(kernels: bool) -> list:
+        def loop(stash, x, w, slots):
+            def body(carry, slot):
+                x, stash = carry
+                if kernels:
+                    stash = matmul_into_slot(stash, slot[None], x, w, interpret=False)
+                    return (slot_matmul(stash, (slot[None] + 1) % 4, w.T, interpret=False),
+                            stash), None
+                stash = reference_matmul_into_slot(stash, slot[None], x, w)
+                return (reference_slot_matmul(stash, (slot[None] + 1) % 4, w.T), stash), None
+            return lax.scan(body, (x, stash), slots)[0]
+        module = hlo.parse(jax.jit(loop).lower(*args).compile().as_text())
+        return [i.opcode for c in module.computations.values() for i in c.instrs
+                if i.opcode in ("dynamic-slice", "dynamic-update-slice")
+                and "bf16" in i.type]
+    assert sorted(stash_ops(False)) == ["dynamic-slice", "dynamic-update-slice"]
+    assert stash_ops(True) == []

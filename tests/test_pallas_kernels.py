@@ -218,3 +218,22 @@ def test_flash_blocks_combine_into_the_whole_attention(causal):
     _close(grads[0][0] + grads[1][0], dq, jnp.float32)
     _close(jnp.concatenate([grads[1][1], grads[0][1]], 1), dk, jnp.float32)
     _close(jnp.concatenate([grads[1][2], grads[0][2]], 1), dv, jnp.float32)
+
+
+@pytest.mark.parametrize("slot", [0, 2])
+def test_slot_gemms_equal_the_references(slot):
+    """pallas_kernels.slot_matmul: stash[slot] @ w, and the stash with stash[slot] = x @ w
+    (every other slot as it was), float32, two tiles each way and two steps of D."""
+    from pallas_kernels.slot_matmul import (matmul_into_slot, reference_matmul_into_slot,
+                                            reference_slot_matmul, slot_matmul)
+    k = jax.random.split(jax.random.key(slot), 4)
+    stash = jax.random.normal(k[0], (3, 256, 128), jnp.float32)
+    outputs = jax.random.normal(k[1], (3, 256, 256), jnp.float32)
+    w, x = jax.random.normal(k[2], (128, 256)), jax.random.normal(k[3], (256, 128))
+    at = jnp.array([slot], jnp.int32)
+    _close(slot_matmul(stash, at, w, interpret=True), reference_slot_matmul(stash, at, w),
+           jnp.float32)
+    _close(matmul_into_slot(outputs, at, x, w, interpret=True),
+           reference_matmul_into_slot(outputs, at, x, w), jnp.float32)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        slot_matmul(stash, at, w[:, :200], interpret=True)
