@@ -13,7 +13,11 @@ Mosaic-GPU kernels) of the b x 2048 tokens [b * 2048, 2048] over 8 experts' [204
 weights (uneven groups, one empty) against `lax.ragged_dot` (XLA's dense all-experts
 lowering, 8x the FLOPs) and against one dense GEMM of the same FLOPs as the grouped one
 ([b * 2048, 2048] x [2048, 8192]: what the kernels should approach; its output is not
-compared); elsewhere the table says the row was skipped.
+compared); elsewhere the table says the row was skipped. The pipeline's stash traffic:
+a loop of GEMMs each writing its [b * 2048, 8192] output into one of 4 stash slots and
+reading another slot into the next GEMM, with pallas_kernels.slot_matmul's kernels (the
+slot read and written in place) against XLA's dynamic slice and update around its GEMMs
+(the executor's form today; `slot_gemm_cases`).
 
 Reports median times, achieved GB/s counting each tensor read or written once, and that
 as a percent of the HBM bandwidth measured in the same run by a large device-to-device
@@ -38,6 +42,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxptd.config import ModelConfig
 from jaxptd.model import fused
@@ -225,6 +230,39 @@ def grouped_cases(shapes):
             None
 
 
+def slot_gemm_cases(shapes, slots: int = 4, rounds: int = 4):
+    """The pipeline's stash traffic (pallas_kernels.slot_matmul): a loop of `rounds`, each
+    writing a GEMM's output (x [b * seq, h] @ w1 [h, ffn]) into a stash slot and reading
+    the slot written `slots - 1` rounds before into the next GEMM (@ w2 [ffn, h]), its
+    output the next round's x: with the kernels, each slot read and written in place, and
+    with XLA's dynamic slice and update around its own GEMMs (the executor's form today).
+    Shapes rounded up to the kernels' tiles (--toy). Each call copies the stash into the
+    loop once, either way (it is not donated)."""
+    from pallas_kernels import slot_matmul as sm
+    m, h, f = (-(-v // t) * t for v, t in ((shapes.batch * shapes.seq, sm.BLOCK_M),
+                                           (shapes.heads * shapes.head_dim, sm.BLOCK_N),
+                                           (shapes.ffn, sm.BLOCK_N)))
+    x = jax.random.normal(jax.random.key(17), (m, h), jnp.bfloat16)
+    w1, w2 = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) * shape[0] ** -0.5
+              for i, shape in ((18, (h, f)), (19, (f, h))))
+    stash = jnp.zeros((slots, m, f), jnp.bfloat16)
+    interpret = jax.default_backend() != "gpu"
+
+    def loop(kernels, stash, x, w1, w2):
+        def body(carry, r):
+            x, stash = carry
+            at, back = r[None] % slots, (r[None] + 1) % slots
+            if kernels:
+                stash = sm.matmul_into_slot(stash, at, x, w1, interpret=interpret)
+                return (sm.slot_matmul(stash, back, w2, interpret=interpret), stash), None
+            stash = sm.reference_matmul_into_slot(stash, at, x, w1)
+            return (sm.reference_slot_matmul(stash, back, w2), stash), None
+        return lax.scan(body, (x, stash), jnp.arange(rounds))[0]
+    for impl, kernels in (("pallas", True), ("xla", False)):
+        yield "slot_gemm", impl, "loop", jax.jit(functools.partial(loop, kernels)), \
+            (stash, x, w1, w2), None
+
+
 UNCOMPARED = ("dense",)  # impls that time the same FLOPs on other operands
 
 
@@ -245,6 +283,7 @@ def measure(shapes, reps, cudnn=True, hopper=False):
     rows, outputs = [], {}
     for cases in (softmax_cases(shapes), bias_gelu_cases(shapes), norm_cases(shapes),
                   attention_cases(shapes, cudnn), flash_block_cases(shapes),
+                  slot_gemm_cases(shapes),
                   grouped_cases(shapes) if hopper else ()):
         for op, impl, pass_, fn, args, nbytes in cases:
             outputs[op, impl, pass_] = fn(*args)
