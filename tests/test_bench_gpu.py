@@ -248,7 +248,7 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     moe = [r for r in doc["runs"] if r["variant"].startswith("experts=8")]
     assert len(moe) == 1 and moe[0]["model"] == "llama-toy"
     kernels = json.loads((out / "kernels_cpu.json").read_text())
-    assert len(kernels["rows"]) == 28 and all(r.get("err", 0) < 0.02 for r in kernels["rows"])
+    assert len(kernels["rows"]) == 30 and all(r.get("err", 0) < 0.02 for r in kernels["rows"])
     rounds = json.loads((out / "pipeline_rounds.json").read_text())["rows"]
     assert [r["variant"] for r in rounds] == [
         "cond, all valid", "steady, all valid", "cond, half idle", "masked, half idle"]
