@@ -137,8 +137,8 @@ def test_table1_within_ten_percent_of_the_paper(source, capsys):
 def test_zero_bubble_rounds_copy_the_tape_whatever_the_recomputation(capsys):
     """A zero-bubble F tapes each layer's dense() inputs for its W: with model.remat=minimal
     its rounds copy no less than without recomputation (the B's slot keeps the inputs'
-    sources instead), where 1F1B's copy less (the H100 compile of GPT-1.3B at (1,8,1):
-    zb-h1 writes the same stash and tape bytes either way)."""
+    sources instead), where 1F1B's copy less (as the compiled program's stash and tape
+    writes: BENCHMARKS.md)."""
     from jaxptd.plan.cli import main
     deep = ["parallel.data=1", "parallel.pipe=8", "parallel.tensor=1",
             "parallel.microbatches=32", "train.global_batch=64", "model.num_layers=32"]

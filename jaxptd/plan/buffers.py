@@ -25,15 +25,14 @@ def dense_input_bytes(b, s, h, t, e, sp: bool = False) -> float:
     return s * b * h * (2 / (t if sp else 1) + 5 / t) * e
 
 
-def taped_beside_slot(remat: str, b, s, h, t, e, sp: bool = False) -> float:
-    """What a zero-bubble rank with parallel.stash=activations copies a layer through its
-    rounds beside a 1F1B stash slot's kept values: the F's tape of the dense() inputs for
-    the W, of which the B's slot keeps only the context (flash attention's own residual)
-    with model.remat none or selective, and none with the others (they keep the inputs'
-    sources): the H100 compile of GPT-1.3B, zb-h1 at (1,8,1), writes the same stash and
-    tape bytes with remat none and minimal (BENCHMARKS.md)."""
-    return s * b * h * e / t if remat in ("none", "selective") else \
-        dense_input_bytes(b, s, h, t, e, sp)
+def taped_not_in_slot(remat: str, b, s, h, t, e, sp: bool = False) -> float:
+    """Of a layer's kept values, what a zero-bubble B's stash slot leaves to the F's tape of
+    the dense() inputs (stash = activations): the two norm outputs and the context (the
+    output projection's input), which model.remat none or selective keeps as dense()
+    inputs; minimal and full keep none of them (the context cuDNN keeps is its own
+    residual)."""
+    return s * b * h * (2 / (t if sp else 1) + 1 / t) * e if remat in ("none", "selective") \
+        else 0.0
 
 
 def stash_bytes(slots: dict, stage_input: float, chunk_layers: int, kept: float,

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from jaxptd.plan.buffers import dense_tap_bytes, stash_bytes, v_slots
+from jaxptd.plan.buffers import dense_tap_bytes, stash_bytes, taped_not_in_slot, v_slots
 from jaxptd.plan.experts import Moe, moe_rows
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -357,8 +357,8 @@ def _pipeline_buffers(x: StepActivations, kept: float, twice: float) -> float:
     # cuDNN keeps is its own residual). The H100 compile of GPT-1.3B, zb-h1 at (2,2,2),
     # buffer by buffer: a stash slot is the full layer's kept values less these.
     taped = x.keep_activations and slots.get("tape", 0) > 0
-    slot_kept = kept - (n * x.b * x.h * (2 / (x.t if x.sp else 1) + 1 / x.t) * x.e
-                        if taped and x.remat in ("none", "selective") else 0.0)
+    slot_kept = kept - (taped_not_in_slot(x.remat, x.b, n, x.h, x.t, x.e, x.sp) if taped
+                        else 0.0)
     stash = stash_bytes(slots, x.stage_input, x.chunk_layers, slot_kept, x.keep_activations,
                         x.b, n, x.h, x.t, x.e, x.sp)
     if x.keep_activations:

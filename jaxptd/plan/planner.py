@@ -23,7 +23,7 @@ from jaxptd.plan import memory as pmem
 from jaxptd.plan import model as pm
 from jaxptd.plan import kernels as pk
 from jaxptd.plan import timing as pt
-from jaxptd.plan.buffers import taped_beside_slot
+from jaxptd.plan import buffers as pb
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.experts import moe_rows
 from jaxptd.plan.inputs import PlanInputs
@@ -335,8 +335,7 @@ def _rounds_bytes(config: Config, platform: str, counts: dict) -> float:
     if par.pipe == 1:
         return 0.0
     e, sp = pm.DTYPE_BYTES[m_cfg.dtype], par.sequence_parallel and par.tensor > 1
-    b, n, h, t = config.microbatch_size, m_cfg.seq_len // par.context, m_cfg.hidden_size, \
-        par.tensor
+    b, n, h, t = config.microbatch_size, m_cfg.seq_len // par.context, m_cfg.hidden_size, par.tensor
     stage_input = b * n * h * e / (t if sp else 1)
     chunk_layers = m_cfg.num_layers // par.pipe // par.chunks
     kept = pm.layer_activation_bytes(
@@ -344,8 +343,9 @@ def _rounds_bytes(config: Config, platform: str, counts: dict) -> float:
         recomputation(config), ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
         gated=family(m_cfg).gated_mlp, c=par.context, method=par.context_attention,
         moe=moe_shape(config))
-    if par.schedule in schedules.ZERO_BUBBLE and par.stash == "activations":  # the W's tape
-        kept += taped_beside_slot(recomputation(config), b, n, h, t, e, sp)
+    if par.schedule in schedules.ZERO_BUBBLE and par.stash == "activations":  # the W's tape,
+        kept += pb.dense_input_bytes(b, n, h, t, e, sp) - pb.taped_not_in_slot(
+            recomputation(config), b, n, h, t, e, sp)  # less what the B's slot leaves to it
     slot = stage_input + (chunk_layers * kept + stage_input if par.stash == "activations"
                           else 0.0)
     head = 0.0 if spreads_head(config, platform) else counts["head_params"]
