@@ -508,8 +508,8 @@ def test_mixtral_8x7b_fits_16_h100s_its_experts_grouped_gemms():
 
 
 # In a process of its own, as KERNELS_SCRIPT: with this compile inside the suite's workers,
-# two of three runs lost a worker to "Fatal Python error: Aborted" in a later CPU test (not
-# proven the cause; none of the runs before it had lost one).
+# runs lost a worker to "Fatal Python error: Aborted" in a later CPU test (not proven the
+# cause; the git log says which runs).
 SLOT_SCRIPT = """
 import json
 import jax, jax.numpy as jnp
