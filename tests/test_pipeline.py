@@ -216,9 +216,14 @@ def test_spread_head_matches_single_device(case, stash, extra):
     ("zb-interleaved", 2, "optimizer.overlap_grad_reduce=true")])
 def test_pipelined_training_steps_match_single_device(schedule, chunks, extra):
     """Three optimizer steps (ZeRO-1, or all-reduced) give the single-device losses; with
-    v = 2 each chunk's gradients reduced as soon as its backwards are done."""
-    setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 4, [extra])
+    v = 2 each chunk's gradients reduced as soon as its backwards are done. Two layers a
+    chunk: ZeRO-1 splits a layer leaf [v, 1, Lc, ...] on Lc (StateLayout.grads_specs), so
+    each chunk's reduce-scatter, the update and the gather of the masters run on it."""
+    setup = pipelined_setup(2, 2, 2, schedule, chunks, 2, 8, [extra])
     assert setup.config.reduces_chunks_early
+    if setup.config.optimizer.zero1:
+        spec = setup.state_layout.grads_specs["layers"]["mlp"]["w_fc1"]
+        assert spec[2] == "data", spec
     assert_steps_match_single_device(setup)
 
 

@@ -63,8 +63,8 @@ def _fsdp(config: Config, specs, shapes, stacked: int):
 
 def _zero1(config: Config, specs, shapes, stacked: int):
     """With optimizer.zero1: specs also split over the data replicas (the mesh's data axis,
-    data / (fsdp_size x expert)), on a dimension past the layer-stacking ones (so each
-    layer's part is its own)."""
+    data / (fsdp_size x expert)), on the first free dimension past a layer leaf's leading
+    `stacked` ones (StateLayout.grads_specs says which)."""
     par = config.parallel
     replicas = par.data // (par.fsdp_size * par.expert)
     if not config.optimizer.zero1 or replicas == 1:
@@ -163,8 +163,17 @@ class StateLayout:
     @property
     def grads_specs(self):
         """Where the reduced gradients land: like the optimizer's moments (with ZeRO-1
-        reduce-scattered over the data replicas, else like the parameters)."""
-        return _zero1(self.config, self.param_specs, self.abstract_params, self.stacked)
+        reduce-scattered over the data replicas, else like the parameters). Unpipelined,
+        and with offload.optimizer (which brings the state a layer at a time), a layer
+        leaf splits past its layer dimension: the last microbatch's hooks reduce each layer
+        inside its backward. Pipelined, the gradients are reduced after the schedule (or a
+        chunk at a time), so a layer leaf [v, 1, Lc, ...] may split on Lc: a split of that
+        leading dimension is contiguous, where one of an inner dimension sets XLA
+        transposing every gradient before its reduce-scatter and every master, moment
+        and gathered parameter around the update."""
+        whole_layers = not self.pipelined or self.config.offload.optimizer
+        return _zero1(self.config, self.param_specs, self.abstract_params,
+                      self.stacked if whole_layers else self.stacked - 1)
 
     def kind(self, path) -> str | None:
         """How a leaf of the state (or of its parameters, moments, gradients), by its path,
