@@ -125,8 +125,9 @@ def test_pipelined_sequence_parallel_step_with_the_kernel(monkeypatch):
 
 
 def test_norm_backward_forms():
-    """The compiled kernel on a GPU target for layers without collectives of their own;
-    off a GPU the kernel (interpreted) only with model.kernels=pallas."""
+    """The compiled kernel on a GPU target where the layout fits it (no context or expert
+    split, a tensor split only with sequence parallelism); off a GPU the kernel
+    (interpreted) only with model.kernels=pallas."""
     from jaxptd.config import load_config
     from jaxptd.model.layers import norm_form
     from jaxptd.model.tensor import Layout
@@ -138,6 +139,12 @@ def test_norm_backward_forms():
     cfg = load_config(None, []).model
     assert norm_form(cfg, Layout(384, platform="gpu")) == "kernel"
     assert norm_form(cfg, Layout(384, 2, "tensor", platform="gpu")) == "xla"
+    assert norm_form(cfg, Layout(384, 2, "tensor", True, platform="gpu")) == "kernel"  # SP
+    assert norm_form(cfg, Layout(384, fsdp=(("qkv", 0),), fsdp_axis="fsdp",
+                                 platform="gpu")) == "kernel"
+    assert norm_form(cfg, Layout(384, 2, "tensor", True, context=2, context_axis="context",
+                                 platform="gpu")) == "xla"
+    assert norm_form(cfg, Layout(384, expert=2, expert_axis="expert", platform="gpu")) == "xla"
     assert norm_form(cfg, None) == "xla"
 
 

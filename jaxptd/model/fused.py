@@ -81,23 +81,24 @@ def _norm_stats(x, eps: float, center: bool):
     return mean, jax.lax.rsqrt(var + eps)
 
 
-def norm_backward_form(kernels: str, platform: str, alone: bool) -> str:
+def norm_backward_form(kernels: str, platform: str, fits: bool) -> str:
     """How the norms' backward runs: "kernel" (pallas_kernels/norm_backward.py compiled)
-    on a GPU target where the layer runs no collective of its own (`alone`: split over no
-    tensor, context, expert or FSDP ranks); off a GPU with model.kernels=pallas that kernel in
-    Pallas interpret mode ("interpret"); else "xla", the plain-JAX form's fusions.
-    Beside a layer's collectives the kernel cost XLA's scheduler overlap: in a
-    sequence-parallel pipeline and the context ring fewer all-gathers and ring sends had a
-    GEMM or attention in flight. Not because XLA prices the kernel high (its latency
-    estimator gives any Pallas call a flat cost near this kernel's own time): it prices the
-    XLA form's column-sum reduction far above its time, and its schedule puts that
-    reduction under the attention's input-gradient all-gather and the fc2 weight-gradient
-    GEMM under the fc1 input gradient's reduce-scatter. One kernel making dx and the sums
-    together leaves the all-gather that GEMM and the reduce-scatter none; it also changes
-    which backward all-gathers XLA's combiner merges. The kernel's time as latency
-    metadata, or no all-gather combining, recovered part of it, not all (git log)."""
+    on a GPU target where the layer's layout `fits` it (layers.norm_form: no context or
+    expert split, and a tensor split only with sequence parallelism); off a GPU with
+    model.kernels=pallas that kernel in Pallas interpret mode ("interpret"); else "xla",
+    the plain-JAX form's fusions.
+    Where it does not fit, the deviceless H100 compiles gained nothing or lost overlap:
+    - a tensor split without sequence parallelism: the norms run on whole [b, s, h]
+      activations that a pipelined B reads from its stash slot, which XLA's form reads in
+      place (a fused dynamic slice) and a Pallas call only as a copy; the copies took
+      what the kernel saved;
+    - the context ring: a backward ring send lost the attention it had in flight.
+    With sequence parallelism fewer of the backward's all-gathers have a GEMM in flight
+    beside the kernel (XLA prices its own form's column-sum reduction far above its time
+    and schedules that under them), but the transfer time they leave exposed grew by less
+    than the kernel saved, or fell (git log: the figures and how they were counted)."""
     if platform == "gpu":
-        return "kernel" if alone else "xla"
+        return "kernel" if fits else "xla"
     return "interpret" if kernels == "pallas" else "xla"
 
 

@@ -80,8 +80,9 @@ def norm_form(cfg: ModelConfig, layout: Layout | None) -> str:
     """The norms' backward form (fused.norm_backward_form) for a layer laid out as `layout`."""
     if layout is None:
         return fused.norm_backward_form(cfg.kernels, "cpu", True)
-    alone = layout.tensor == layout.context == layout.expert == 1 and not layout.fsdp
-    return fused.norm_backward_form(cfg.kernels, layout.platform, alone)
+    fits = (layout.tensor == 1 or layout.sequence_parallel) and \
+        layout.context == layout.expert == 1
+    return fused.norm_backward_form(cfg.kernels, layout.platform, fits)
 
 
 def layer_norm(cfg: ModelConfig, name: str | None = None,
