@@ -211,3 +211,37 @@ def test_static_cost_phases_by_jax_name():
     assert phase(rounds + "add") == "rounds"
     assert phase("jit(step_fn)/add") == phase("jit(step_fn)/reduce_sum") == phase("") \
         == phase("jit(step_fn)/while/body/closed_call/dynamic_update_slice") == "update"
+
+
+COLLECTIVES_HLO = """
+HloModule test
+%sum (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+%scatter (a: f32[8,16]) -> f32[2,16] {
+  %a = f32[8,16]{1,0} parameter(0)
+  ROOT %r = f32[2,16]{1,0} reduce-scatter(%a), replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%sum
+}
+ENTRY %main (p: bf16[4,16], q: f32[8,16]) -> (bf16[8,16], f32[2,16]) {
+  %p = bf16[4,16]{1,0} parameter(0)
+  %q = f32[8,16]{1,0} parameter(1)
+  %ags = (bf16[4,16]{1,0}, bf16[8,16]{1,0}) all-gather-start(%p), replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}
+  %agd = bf16[8,16]{1,0} all-gather-done(%ags)
+  %rss = ((f32[8,16]{1,0}), f32[2,16]{1,0}) async-start(%q), calls=%scatter
+  %rsd = f32[2,16]{1,0} async-done(%rss)
+  ROOT %t = (bf16[8,16]{1,0}, f32[2,16]{1,0}) tuple(%agd, %rsd)
+}
+"""
+
+
+def test_collectives_move_what_a_ring_rank_moves():
+    """A collective's bytes are what it delivers; link_bytes what one rank of its replica
+    group moves in a ring: an all-gather of 2 receives half its output (its group from
+    {{...}}), a reduce-scatter of 4 sends 3 parts its output's size (the iota form
+    [groups,size]<=[n], on the collective an async-start wraps)."""
+    found = {c.kind: c for c in hlo.collectives(hlo.parse(COLLECTIVES_HLO))}
+    gather, scatter = found["all-gather"], found["reduce-scatter"]
+    assert (gather.bytes, gather.group, gather.link_bytes()) == (256, 2, 128)
+    assert (scatter.bytes, scatter.group, scatter.link_bytes()) == (128, 4, 384)

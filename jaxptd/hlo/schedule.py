@@ -3,6 +3,7 @@ between its start and its done, and every loop with the conditionals its body ho
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from jaxptd.hlo.cost import collective_started, counts_as_kernel, kernel, trip_count, walk
@@ -20,12 +21,39 @@ class Collective:
     overlap: tuple  # what runs between start and done: 'gemm', 'attention', 'loop'
     kernels: tuple  # the Kernels scheduled between start and done (not inside loops/calls)
     op_name: str
+    group: int | None = None  # ranks in each of its replica groups (None: not written)
+
+    def link_bytes(self) -> float:
+        """Bytes one rank moves over its links in a ring of `group` ranks, from `bytes`
+        (what it delivers): an all-gather receives (g - 1) / g of its output, a
+        reduce-scatter sends g - 1 parts the size of its output, an all-reduce twice
+        (g - 1) / g of its buffer, an all-to-all (g - 1) / g; a permute, send or recv, or
+        a collective of unknown group, its bytes."""
+        g = self.group
+        if not g or self.kind not in _RING:
+            return self.bytes
+        return self.bytes * _RING[self.kind](g)
 
     def in_flight_s(self, peak: float, bandwidth: float, fp8_peak: float | None = None
                     ) -> float:
         """Static seconds of the kernels in flight (each Kernel.seconds): whether they can
         hide the transfer, where `overlap` says only what kind of work is there."""
         return sum(k.seconds(peak, bandwidth, fp8_peak) for k in self.kernels)
+
+
+_RING = {"all-gather": lambda g: (g - 1) / g, "reduce-scatter": lambda g: g - 1,
+         "all-reduce": lambda g: 2 * (g - 1) / g, "all-to-all": lambda g: (g - 1) / g}
+
+
+def _group_size(module: Module, start: Instr) -> int | None:
+    """Ranks in each replica group of the collective `start` starts (its own attribute,
+    or the wrapped collective's of an async-start): {{0,1},{2,3}} or the iota form
+    [groups,size]<=[...]; None where none is written."""
+    instr = module[start.attr("calls")].root if start.opcode == "async-start" else start
+    m = re.search(r"replica_groups=(?:\[\d+,(\d+)\]<=|\{\{([\d,]*)\})", instr.attrs)
+    if m is None:
+        return None
+    return int(m.group(1)) if m.group(1) else len(m.group(2).split(","))
 
 
 def _between(comp: Computation, start: int, done: int | None) -> list:
@@ -63,7 +91,8 @@ def collectives(module: Module) -> list:
         if kind is None:
             if instr.base in COLLECTIVES and not instr.opcode.endswith("-done"):
                 found.append(Collective(instr.name, instr.base, comp.name, nbytes(instr.type),
-                                        count, (), (), instr.op_name))  # synchronous
+                                        count, (), (), instr.op_name,
+                                        _group_size(module, instr)))  # synchronous
             return
         position = comp.instrs.index(instr)
         done = next((j for j, i in enumerate(comp.instrs)
@@ -73,7 +102,7 @@ def collectives(module: Module) -> list:
             instr.name, kind, comp.name, _message_bytes(module, instr), count,
             tuple(sorted(_compute_in(module, comp, between))),
             tuple(kernel(module, comp, i, 1) for i in between if counts_as_kernel(module, i)),
-            instr.op_name))
+            instr.op_name, _group_size(module, instr)))
     walk(module, visit)
     return found
 

@@ -231,9 +231,9 @@ def layer_gemms(kernels: list, layer_passes: float) -> dict:
 
 def covered(c: hlo.Collective, target: Target) -> bool:
     """The kernels in flight take, statically, at least the message's time over the node's
-    links (bytes / target.intra: a lower bound of any collective's transfer)."""
+    links (what a rank moves in a ring, Collective.link_bytes, at target.intra)."""
     return c.in_flight_s(target.peak_bf16, target.hbm, target.peak_fp8) >= \
-        c.bytes / target.intra
+        c.link_bytes() / target.intra
 
 
 def overlap_report(module: hlo.Module, target: Target) -> dict:
