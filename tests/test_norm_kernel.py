@@ -3,6 +3,7 @@ equal to the XLA form (jaxptd.model.fused's, `reference_norm_backward`) in value
 gradients, float32 to rounding, for LayerNorm and RMSNorm; inside a manual shard_map
 with sequence parallelism (each tensor rank's scale and bias sums added over tensor);
 in a pipelined, tensor-parallel step with sequence parallelism; lowered for CUDA."""
+import dataclasses
 import importlib
 
 import jax
@@ -140,6 +141,8 @@ def test_norm_backward_forms():
     assert norm_form(cfg, Layout(384, platform="gpu")) == "kernel"
     assert norm_form(cfg, Layout(384, 2, "tensor", platform="gpu")) == "xla"
     assert norm_form(cfg, Layout(384, 2, "tensor", True, platform="gpu")) == "kernel"  # SP
+    full = dataclasses.replace(cfg, remat="full")
+    assert norm_form(full, Layout(384, 2, "tensor", True, platform="gpu")) == "xla"
     assert norm_form(cfg, Layout(384, fsdp=(("qkv", 0),), fsdp_axis="fsdp",
                                  platform="gpu")) == "kernel"
     assert norm_form(cfg, Layout(384, 2, "tensor", True, context=2, context_axis="context",

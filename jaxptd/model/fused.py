@@ -84,7 +84,8 @@ def _norm_stats(x, eps: float, center: bool):
 def norm_backward_form(kernels: str, platform: str, fits: bool) -> str:
     """How the norms' backward runs: "kernel" (pallas_kernels/norm_backward.py compiled)
     on a GPU target where the layer's layout `fits` it (layers.norm_form: no context or
-    expert split, and a tensor split only with sequence parallelism); off a GPU with
+    expert split, and a tensor split only with sequence parallelism and less than full
+    recomputation); off a GPU with
     model.kernels=pallas that kernel in Pallas interpret mode ("interpret"); else "xla",
     the plain-JAX form's fusions.
     Where it does not fit, the deviceless H100 compiles gained nothing or lost overlap:
@@ -92,7 +93,9 @@ def norm_backward_form(kernels: str, platform: str, fits: bool) -> str:
       activations that a pipelined B reads from its stash slot, which XLA's form reads in
       place (a fused dynamic slice) and a Pallas call only as a copy; the copies took
       what the kernel saved;
-    - the context ring: a backward ring send lost the attention it had in flight.
+    - the context ring: a backward ring send lost the attention it had in flight;
+    - a tensor split with sequence parallelism and model.remat=full: the exposed
+      transfer grew by more than the kernel saved, or the step got slower.
     With sequence parallelism fewer of the backward's all-gathers have a GEMM in flight
     beside the kernel (XLA prices its own form's column-sum reduction far above its time
     and schedules that under them), but the transfer time they leave exposed grew by less

@@ -80,7 +80,7 @@ def norm_form(cfg: ModelConfig, layout: Layout | None) -> str:
     """The norms' backward form (fused.norm_backward_form) for a layer laid out as `layout`."""
     if layout is None:
         return fused.norm_backward_form(cfg.kernels, "cpu", True)
-    fits = (layout.tensor == 1 or layout.sequence_parallel) and \
+    fits = (layout.tensor == 1 or layout.sequence_parallel and cfg.remat != "full") and \
         layout.context == layout.expert == 1
     return fused.norm_backward_form(cfg.kernels, layout.platform, fits)
 
