@@ -251,13 +251,16 @@ def test_static_chunks_name_every_rank_s_chunk(kind, p, m, swapped):
 
 @pytest.mark.parametrize("kind, p, m, v, head_rounds", [
     ("interleaved", 8, 32, 2, 32), ("zb-interleaved", 4, 8, 2, None), ("1f1b", 8, 32, 1, 32),
-    ("interleaved", 2, 8, 2, None)])
+    ("interleaved", 2, 8, 2, None), ("zb-h1", 8, 32, 1, 32), ("zb-interleaved", 8, 32, 2, 32)])
 def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_rounds):
     """scans.segments, steady: the scans cover the rounds in order, each with the ends its
     rounds need, and a scan that runs the head holds no stretch of HEADLESS rounds that
     need none (the interleaved kinds' last stage takes its B's p rounds on, p off): at
     p = 8, m = 32 the head runs in the 32 rounds that need it (it ran in 56). 1F1B's
-    scans are its runs of slot usage, uncut."""
+    scans are its runs of slot usage, uncut. The zero-bubble kinds' last stage runs its
+    first p - 1 B's again for their W's after its last B, each reading the head's output
+    gradient its first run kept (b_stores, in a grad slot held until then): no head in
+    those rounds (it ran in 39)."""
     from jaxptd.pipeline.executor import rounds_for
     from jaxptd.pipeline.scans import HEADLESS, ends_of, segments
 
@@ -278,3 +281,9 @@ def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_roun
         assert running == head_rounds
     if kind == "1f1b":
         assert len(segs) == 5
+    for t, r in ((t, r) for t in range(rounds.num_rounds) for r in range(p)):
+        if rounds.b_again[t][r] and rounds.stage(rounds.b_chunk[t][r], r) == p * v - 1:
+            first = [u for u in range(t) if rounds.b_stores[u][r] and
+                     (rounds.b_mb[u][r], rounds.b_chunk[u][r]) ==
+                     (rounds.b_mb[t][r], rounds.b_chunk[t][r])]
+            assert first and rounds.b_grad_slot[first[0]][r] == rounds.b_grad_slot[t][r]

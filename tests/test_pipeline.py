@@ -84,6 +84,8 @@ PARITY = ([_param("activations", c) for c in CASES + ZB_CASES
           + [_param("inputs", c) for c in (CASES[4], ZB_CASES[1], ZB_CASES[11])]
           + [_param("activations", c, "steady") for c in (CASES[1], ZB_CASES[3], ZB_CASES[18])]
           + [_param("inputs", ZB_CASES[2], "steady"), _param("activations", CASES[3], "masked"),
+             # p = 8: the last stage's B's that run again read the head's kept gradient
+             _param("activations", ZB_CASES[5], "steady"), _param("inputs", ZB_CASES[5], "steady"),
              _param("activations", ZB_CASES[14], "masked")])
 
 

@@ -62,8 +62,7 @@ stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r, or fo
 V-shaped schedule (zb-v) r and 2p - 1 - r (schedules.virtual_stage): its messages go up
 or down the ranks by chunk, or stay on rank p - 1 at the turn, so each is sent both ways
 and each rank stores what arrives from either side where the tables' two channels say
-(buffers.send, `_store`).
-"""
+(buffers.send, `_store`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -91,7 +90,8 @@ SLOT_FIELDS = {
     "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_valid", "recv_f_slot",
           "recv_f2_valid", "recv_f2_slot"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "b_keeps",
-          "b_again", "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot"),
+          "b_again", "b_stores", "recv_b_valid", "recv_b_slot", "recv_b2_valid",
+          "recv_b2_slot"),
     "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_now", "w_tslot"),
 }
 

@@ -19,7 +19,9 @@ unless said otherwise):
   is free and another's is not);
 - grad: an incoming output gradient from its arrival until the B that reads it (the
   last, where it runs again); a grad slot freed by round t's B may receive round t's
-  message (arrivals are stored after the round's slots have read their inputs);
+  message (arrivals are stored after the round's slots have read their inputs); on the
+  last virtual stage the head's output gradient, from a B that runs again (b_stores)
+  until that B runs again, which reads it instead of running the head;
 - W (zero-bubble kinds): what a B keeps for its W (each weight matmul's output gradient,
   and with parallel.stash=inputs its input too) from the B until the W; none where the W
   runs in its B's round (w_now: handed over in the round, packing's `_take`) or its B
@@ -42,8 +44,8 @@ from jaxptd.pipeline.schedules import (Costs, Schedule, format_grid, round_cells
                                        validate, virtual_stage)
 
 TABLES = ("f_valid", "f_mb", "f_chunk", "f_slot", "b_valid", "b_mb", "b_chunk", "b_slot",
-          "b_grad_slot", "b_wslot", "b_keeps", "b_again", "w_valid", "w_mb", "w_chunk",
-          "w_slot", "w_now",
+          "b_grad_slot", "b_wslot", "b_keeps", "b_again", "b_stores", "w_valid", "w_mb",
+          "w_chunk", "w_slot", "w_now",
           "f_tslot", "w_tslot", "recv_f_valid", "recv_f_slot", "recv_f2_valid",
           "recv_f2_slot", "recv_b_valid", "recv_b_slot", "recv_b2_valid", "recv_b2_slot")
 
@@ -67,6 +69,8 @@ class Rounds:
     b_wslot: tuple
     b_keeps: tuple  # the B fills its W slot b_wslot
     b_again: tuple  # the B runs again for its W (slot_pool.reruns): it adds nothing
+    b_stores: tuple  # the last stage's B that runs again keeps its output gradient (the
+    # head's) in its grad slot b_grad_slot, where the second one reads it (no head again)
     w_valid: tuple
     w_mb: tuple
     w_chunk: tuple
@@ -230,24 +234,27 @@ class _Lowering:
         """Rank r's B in round t: frees its input's stash slot and its output gradient's
         grad slot, takes a W slot (zero-bubble kinds, keeps: its W is a later round's),
         but for a B that runs again for its W (`again`): the first time it holds both
-        slots until then and takes none."""
+        slots until then and takes none (on the last virtual stage it takes a grad slot
+        for the head's output gradient: b_stores)."""
         j, s = ba.microbatch, self.schedule.stage(ba.chunk, r)
         hold = not again and (r, j, ba.chunk) in self.again
         slot = self.stash_of[(r, j, s)]
-        grad_slot = self.grad_of[(r, j, s)] if s < self.stages - 1 else 0
+        stores = hold and s == self.stages - 1
+        if stores:
+            self.grad_of[(r, j, s)] = self.pools["grad"][r].take()
+        grad_slot = self.grad_of[(r, j, s)] if s < self.stages - 1 or again or stores else 0
         keeps = self.schedule.split_backward and keeps and not hold
         wslot = 0
         if keeps:
             self.w_of[(r, j, s)] = wslot = self.pools["w"][r].take()
         _put(self.tab, "b", t, r, ba, b_slot=slot, b_grad_slot=grad_slot, b_wslot=wslot,
-             b_keeps=int(keeps), b_again=int(again))
+             b_keeps=int(keeps), b_again=int(again), b_stores=int(stores))
         if hold:
             return
         self.kept.append((r, slot, self.kept_from.pop((r, j, s)), t))
         del self.stash_of[(r, j, s)]
-        self.grad_of.pop((r, j, s), None)
         self.pools["stash"][r].give(slot)
-        if s < self.stages - 1:
+        if self.grad_of.pop((r, j, s), None) is not None:
             self.pools["grad"][r].give(grad_slot)
 
 

@@ -145,12 +145,17 @@ def _headless_cuts(need: list, start: int, stop: int) -> list:
 
 def ends_of(rounds: Rounds, ts) -> frozenset:
     """Segment.ends of rounds ts: ('embed', k) where some rank's slot k is virtual stage 0,
-    ('head', k) where some rank's is the last."""
+    ('head', k) where some rank's is the last, but for a B that runs again (b_again: its
+    first run kept the head's output gradient for it, b_stores)."""
     last = rounds.stages * rounds.chunks - 1
+
+    def runs(k: str, stage: int, t: int, r: int) -> bool:
+        return bool(getattr(rounds, f"{k}_valid")[t][r]) and rounds.stage(
+            getattr(rounds, f"{k}_chunk")[t][r], r) == stage and not (
+            stage == last and k == "b" and rounds.b_again[t][r])
     return frozenset((name, k) for name, stage in (("embed", 0), ("head", last)) for k in "FB"
-                     if any(getattr(rounds, f"{k.lower()}_valid")[t][r] and rounds.stage(
-                         getattr(rounds, f"{k.lower()}_chunk")[t][r], r) == stage
-                         for t in ts for r in range(rounds.stages)))
+                     if any(runs(k.lower(), stage, t, r) for t in ts
+                            for r in range(rounds.stages)))
 
 
 def _taps(rounds: Rounds, ts) -> tuple:

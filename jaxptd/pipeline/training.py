@@ -255,15 +255,21 @@ class Training(WeightSlot):
         # the loss's seed: the last stage's own; a spread head's part is every rank's
         g_loss = mark_varying(jnp.where(is_last | (self.head is not None), self.loss_scale,
                                         0.0).astype(jnp.float32), (*TOKENS, PIPE))
-        g_out = jnp.where(is_last, 0.0, received)
+        # the last stage's B that runs again where no rank runs the head (scans.ends_of):
+        # its output gradient is the head's, which its first run kept (b_stores)
+        again = row["b_again"] > 0 if seg.piece("head", "B") == "off" else False
+        g_out = jnp.where(is_last & jnp.logical_not(again), 0.0, received)
         counted = self.counted(row, valid, seg)  # (a B that runs again: valid, not counted)
         if self.keep_activations:
-            loss, g_ends, g_head, g_layers, g_x, taps = self._backward_kept(
+            loss, g_ends, g_head, g_layers, g_x, taps, g = self._backward_kept(
                 carry, row, x_in, g_out, g_loss, seg, counted)
         else:
-            loss, g_ends, g_head, g_layers, g_x, taps = self._backward_recomputed(
+            loss, g_ends, g_head, g_layers, g_x, taps, g = self._backward_recomputed(
                 x_in, row, g_out, g_loss, seg, carry.get(IN_FLIGHT))
             g_ends = [buffers.masked(g_ends, counted)]
+        if any(map(any, self.rounds.b_stores[seg.start:seg.stop])):  # (g: the output's)
+            carry = {**carry, "gbuf": buffers.write(carry["gbuf"], row["b_grad_slot"], g,
+                                                    (row["b_stores"] > 0) & valid)}
         grads = carry["grads"]
         for part in g_ends:  # (each added to the sums on its own: _backward_kept)
             grads = {**grads, **{k: jax.tree.map(_add_slot, grads[k], g)
@@ -358,7 +364,7 @@ class Training(WeightSlot):
         # sized fill, scatter and add a B slot where both run; the git log has the figures)
         g_ends = [g_embed] if g_head is None else [buffers.masked(g_head, valid), g_embed]
         return (loss, g_ends, g_weights, g_layers, embed_vjp(g_x)[1],
-                self.chunks.taps(g_taps[0], zeros_tree) if self.split else None)
+                self.chunks.taps(g_taps[0], zeros_tree) if self.split else None, g)
 
     def _backward_recomputed(self, x_in, row, g_out, g_loss, seg, waits=None):
         """parallel.stash=inputs: the B slot takes the vjp of the whole stage at its input
@@ -368,11 +374,12 @@ class Training(WeightSlot):
         weights = self.chunks.weights(chunk)
         dense, _ = models.split_dense(weights)
 
-        def stage(ends, head, layers, x_in, added=None):
+        def stage(ends, head, layers, x_in, added=None, probe=None):
             x = self.stage.embed_or_input(ends, x_in, mb, chunk, seg.piece("embed", "B"))
             w = models.merge_dense(dense, layers) if self.split else layers
             out = self.stage.layers(w, x, mb, chunk, added, with_stats=True, wait=waits)
             (y, stats), inputs = out if self.split else (out, None)
+            y = y if probe is None else y + probe.astype(y.dtype)  # (its gradient: y's)
             loss = self._head_loss(ends, head, y, row, chunk, seg.piece("head", "B"))
             return (loss, y, stats), inputs
 
@@ -382,11 +389,11 @@ class Training(WeightSlot):
             (loss, _, _), backward, _ = jax.vjp(stage, self.ends, head, weights, x_in,
                                                 has_aux=True)
             g_ends, g_head, g_layers, g_x = backward(cotangents)
-            return loss, g_ends, g_head, g_layers, g_x, None
+            return loss, g_ends, g_head, g_layers, g_x, None, None
         added = models.perturbations(weights, x_in, self.model, self.layout,
                                      self.stage.prepare)
         rest = models.split_dense(weights)[1]
         (loss, _, _), backward, inputs = jax.vjp(stage, self.ends, head, rest, x_in, added,
-                                                 has_aux=True)
-        g_ends, g_head, g_layers, g_x, g_taps = backward(cotangents)
-        return loss, g_ends, g_head, g_layers, g_x, (inputs, g_taps)
+                                                 jnp.zeros_like(g_out), has_aux=True)
+        g_ends, g_head, g_layers, g_x, g_taps, g = backward(cotangents)
+        return loss, g_ends, g_head, g_layers, g_x, (inputs, g_taps), g
