@@ -85,9 +85,8 @@ def norm_backward_form(kernels: str, platform: str, fits: bool) -> str:
     """How the norms' backward runs: "kernel" (pallas_kernels/norm_backward.py compiled)
     on a GPU target where the layer's layout `fits` it (layers.norm_form: no context or
     expert split, and a tensor split only with sequence parallelism and less than full
-    recomputation); off a GPU with
-    model.kernels=pallas that kernel in Pallas interpret mode ("interpret"); else "xla",
-    the plain-JAX form's fusions.
+    recomputation); off a GPU with model.kernels=pallas that kernel in Pallas interpret
+    mode ("interpret"); else "xla", the plain-JAX form's fusions.
     Where it does not fit, the deviceless H100 compiles gained nothing or lost overlap:
     - a tensor split without sequence parallelism: the norms run on whole [b, s, h]
       activations that a pipelined B reads from its stash slot, which XLA's form reads in
