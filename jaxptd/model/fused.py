@@ -87,7 +87,7 @@ def norm_backward_form(kernels: str, platform: str, fits: bool) -> str:
     expert split, and a tensor split only with sequence parallelism and less than full
     recomputation); off a GPU with model.kernels=pallas that kernel in Pallas interpret
     mode ("interpret"); else "xla", the plain-JAX form's fusions.
-    Where it does not fit, the deviceless H100 compiles gained nothing or lost overlap:
+    Where it does not fit, the compiled programs gained nothing or lost overlap with it:
     - a tensor split without sequence parallelism: the norms run on whole [b, s, h]
       activations that a pipelined B reads from its stash slot, which XLA's form reads in
       place (a fused dynamic slice) and a Pallas call only as a copy; the copies took

@@ -242,7 +242,7 @@ class _Lowering:
         stores = hold and s == self.stages - 1
         if stores:
             self.grad_of[(r, j, s)] = self.pools["grad"][r].take()
-        grad_slot = self.grad_of[(r, j, s)] if s < self.stages - 1 or again or stores else 0
+        grad_slot = self.grad_of.get((r, j, s), 0)  # (the last stage's, but kept: none)
         keeps = self.schedule.split_backward and keeps and not hold
         wslot = 0
         if keeps:
