@@ -4,6 +4,8 @@ its tables say and no live slot is overwritten (training, forward-only, V-shaped
 and W reads what its own F kept or taped though idle F's write garbage unmasked, and the
 slots read where the buffers start unzeroed were written first. (The schedules themselves,
 against the papers' formulas: tests/test_schedules.py.)"""
+import os
+
 import pytest
 
 from jaxptd.pipeline.lowering import lower
@@ -287,3 +289,32 @@ def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_roun
                      (rounds.b_mb[u][r], rounds.b_chunk[u][r]) ==
                      (rounds.b_mb[t][r], rounds.b_chunk[t][r])]
             assert first and rounds.b_grad_slot[first[0]][r] == rounds.b_grad_slot[t][r]
+
+
+def test_the_headless_stretches_are_cut_out_only_where_the_head_weighs():
+    """scans.headless_stretch: a steady scan is cut around its rounds without the head
+    where the head is HEAD_SHARE or more of a round's matmul work (GPT-1.3B's width 8
+    stages deep, interleaved), not where it is far less (PTD-P's 76.1B row, interleaved over
+    4 stages of 3 chunks, with full recomputation: its cuts cost more memory than they
+    save time). Uncut (0), the steady scans are the runs of slot usage: two scans in a row
+    differ in their slots or taps."""
+    from jaxptd.config import load_config
+    from jaxptd.pipeline.executor import rounds_for
+    from jaxptd.pipeline.scans import HEADLESS, headless_stretch, segments
+    from jaxptd.plan.program import recomputation
+
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    row = load_config(os.path.join(root, "megatron", "gpt_76.1b.yaml"), [])
+    assert headless_stretch(row, recomputation(row)) == 0
+    deep = load_config(os.path.join(root, "gpu", "gpt_1.3b.yaml"), [
+        "parallel.pipe=8", "parallel.data=1", "parallel.tensor=1", "model.num_layers=32",
+        "parallel.microbatches=32", "train.global_batch=64", "parallel.schedule=interleaved",
+        "parallel.chunks=2"])
+    for remat in ("none", "full"):
+        assert headless_stretch(deep, remat) == HEADLESS
+    par = row.parallel
+    rounds = rounds_for(par.schedule, par.pipe, par.microbatches, par.chunks, "steady")
+    uncut, cut = segments(rounds, "steady", 0), segments(rounds, "steady")
+    assert len(cut) > len(uncut)
+    assert [s.start for s in uncut] == [0] + [s.stop for s in uncut[:-1]]
+    assert all((a.modes, a.taps) != (b.modes, b.taps) for a, b in zip(uncut, uncut[1:]))

@@ -212,6 +212,21 @@ def test_spread_head_matches_single_device(case, stash, extra):
     assert_grads_match_single_device(setup)
 
 
+
+@pytest.mark.slow
+def test_uncut_steady_scans_match_single_device(monkeypatch):
+    """SPREAD's interleaved-p4 with the stretches of rounds that need no head left in their
+    scans (scans.HEAD_SHARE above any head's share, as at PTD-P's sizes): every steady
+    round runs the head, the rounds without the last stage's B discarding it."""
+    from jaxptd.pipeline import scans
+    from jaxptd.train.step import pipeline_context
+
+    monkeypatch.setattr(scans, "HEAD_SHARE", float("inf"))
+    setup = pipelined_setup(1, 4, 1, "interleaved", 2, 8, 8, extra=[
+        "parallel.round_form=steady", "train.global_batch=32"])
+    assert pipeline_context(setup).headless == 0
+    assert_grads_match_single_device(setup)
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, chunks, extra", [
     ("interleaved", 2, "optimizer.zero1=true"),

@@ -32,6 +32,9 @@ class Context:
     # every rank runs the head on 1/p of the microbatch, its rows cut in this many pieces
     # each (scans.head_pieces); 0: the last stage runs it alone
     head_pieces: int
+    # steady form: the shortest stretch of rounds without the head run as a scan of its own
+    # (scans.headless_stretch); 0: none
+    headless: int
     # FSDP's all-gathers inside the shard_map (step.Setup.gathers); None without FSDP
     gather_ends: Callable | None = None
     gather_layer: Callable | None = None

@@ -312,7 +312,7 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
                           **{c + n: nothing for c in channels for n in ("valid", "slot")}}
     swaps = getattr(program, "swaps", None)
     held = static_chunks.round_chunks(rounds, swaps) if swaps else None
-    for seg in segments(rounds, form):
+    for seg in segments(rounds, form, program.stage.context.headless):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
             for a, b, phases in static_chunks.runs(held, start, stop) if held else \

@@ -1,7 +1,8 @@
 """How a pipeline's lowered rounds run as scans (`segments`, per round form: see
-jaxptd/pipeline/executor.py), what the embedding and head need in them (`ends_of`,
-`head_pieces`, `head_rows`), and the round by which each chunk's gradients are complete
-(`chunks_done`). Pure Python over lowering.Rounds.
+jaxptd/pipeline/executor.py; where the rounds without the head are cut out,
+`headless_stretch`), what the embedding and head need in them (`ends_of`, `head_pieces`,
+`head_rows`), and the round by which each chunk's gradients are complete (`chunks_done`).
+Pure Python over lowering.Rounds and the config.
 """
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
+from jaxptd.model.registry import get
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.schedules import Costs, stage_place
+from jaxptd.train.metrics import recomputed_flops
 
 
 @dataclass(frozen=True)
@@ -99,11 +102,31 @@ def _slot_state(valid_row) -> str:
 # stretches stay: each scan is one more loop body to compile (figures: BENCHMARKS.md and
 # the git log).
 HEADLESS = 4
+# ... and only where the head is at least this share of a steady round's matmul work
+# (`headless_stretch`). Each cut is two more loops, and XLA packs their buffers apart: the
+# step's temporary memory grows though what is live at its peak barely does. Where the
+# head is a small part of a round (PTD-P's sizes) the cut saves less time than it costs
+# memory (figures: BENCHMARKS.md and the git log).
+HEAD_SHARE = 0.03
 
 
-def segments(rounds: Rounds, form: str) -> list:
+def headless_stretch(config, recompute: str) -> int:
+    """The shortest stretch of rounds without the head that `segments` cuts out of a steady
+    scan: HEADLESS, or 0 (none) where the head's part of a round (its forward and two
+    backward matmuls over 1/p of a microbatch: the head spread) is under HEAD_SHARE of the
+    stage's F and B (each layer's forward, its backward's two, what `recompute` runs again).
+    Both are per token and split alike over tensor."""
+    model, par = config.model, config.parallel
+    per_token = get(model).forward_flops(model, model.padded_vocab(par.tensor))
+    layers = model.num_layers // (par.pipe * par.chunks)
+    stage = layers * (3 * per_token["layer"] + recomputed_flops(model, per_token, recompute))
+    return HEADLESS if 3 * per_token["head"] / par.pipe >= HEAD_SHARE * stage else 0
+
+
+def segments(rounds: Rounds, form: str, headless: int = HEADLESS) -> list:
     """Splits the rounds into scans for a round form (see the module docstring): steady,
-    runs of rounds whose slot kinds are used alike, cut where HEADLESS says."""
+    runs of rounds whose slot kinds are used alike, each stretch of at least `headless`
+    rounds that run no head cut out (0: none; `headless_stretch`)."""
     tables = {k: getattr(rounds, f"{k.lower()}_valid") for k in "FBW"}
     used = tuple("off" if not any(map(any, tables[k])) else None for k in "FBW")
     if form != "steady":
@@ -123,20 +146,21 @@ def segments(rounds: Rounds, form: str) -> list:
     need = [piece in e for e in ends]
     return [Segment(a, b, tuple("mask" if s == "some" else s for s in states[:3]),
                     inline=True, ends=frozenset().union(*ends[a:b]), taps=states[3])
-            for start, stop, states in runs for a, b in _headless_cuts(need, start, stop)]
+            for start, stop, states in runs
+            for a, b in _headless_cuts(need, start, stop, headless)]
 
 
-def _headless_cuts(need: list, start: int, stop: int) -> list:
+def _headless_cuts(need: list, start: int, stop: int, least: int) -> list:
     """[start, stop) as [(a, b)]: where some of its rounds run the head (need[t]), each
-    stretch of at least HEADLESS rounds that do not is a piece of its own."""
+    stretch of at least `least` rounds that do not is a piece of its own (0: none)."""
     cuts = {start, stop}
-    if any(need[start:stop]):
+    if least and any(need[start:stop]):
         t = start
         while t < stop:
             u = t
             while u < stop and not need[u]:
                 u += 1
-            if u - t >= HEADLESS:
+            if u - t >= least:
                 cuts |= {t, u}
             t = u + 1
     edges = sorted(cuts)

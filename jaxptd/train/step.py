@@ -63,7 +63,8 @@ from jaxptd.model import fp8, moe, sequence
 from jaxptd.model.tensor import Layout
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.executor import pipeline_grads, pipeline_loss
-from jaxptd.pipeline.scans import head_pieces, round_form
+from jaxptd.pipeline.scans import head_pieces, headless_stretch, round_form
+from jaxptd.plan.program import recomputation
 from jaxptd.train.reduction import REDUCED, Reduction, compose, fsdp_gathers
 from jaxptd.parallel.sharding import regather
 from jaxptd.parallel.varying import mark_varying, zeros_as
@@ -251,6 +252,7 @@ def pipeline_context(setup: Setup) -> Context:
         model=setup.config.model, layout=setup.local_layout, arch=setup.arch,
         token_norm=setup.policy.token_norm,
         head_pieces=head_pieces(setup.config, form),
+        headless=headless_stretch(setup.config, recomputation(setup.config)),
         gather_ends=gather_ends, gather_layer=gather_layer)
 
 
