@@ -149,10 +149,13 @@ def test_registry_finds_every_family_module(tmp_path):
 
 def test_validation_never_starts_jax():
     """Config validation asks the architecture registry (jaxptd/arch) for each family's
-    rules without importing a model: `plan --verify` starts JAX itself, after load_config."""
+    rules without importing a model, and the planner's modules import none at their top:
+    `plan --verify` starts JAX itself, after load_config, with the XLA_FLAGS that dump the
+    step (started before, the dump and the device peak it gives are lost)."""
     import subprocess
     import sys
     code = ("import sys; from jaxptd.config import load_config; "
             "[load_config(None, [f'model.arch={a}']) for a in ('gpt', 'llama', 'bert')]; "
+            "import jaxptd.plan.planner, jaxptd.plan.program, jaxptd.plan.verify; "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
-from jaxptd.model.registry import get
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.schedules import Costs, stage_place
 from jaxptd.train.metrics import recomputed_flops
@@ -116,6 +115,9 @@ def headless_stretch(config, recompute: str) -> int:
     backward matmuls over 1/p of a microbatch: the head spread) is under HEAD_SHARE of the
     stage's F and B (each layer's forward, its backward's two, what `recompute` runs again).
     Both are per token and split alike over tensor."""
+    # the model's modules start JAX: imported on use, as the planner imports this module
+    # before `python -m jaxptd.plan --verify` sets XLA_FLAGS (jaxptd/plan/verify.py)
+    from jaxptd.model.registry import get
     model, par = config.model, config.parallel
     per_token = get(model).forward_flops(model, model.padded_vocab(par.tensor))
     layers = model.num_layers // (par.pipe * par.chunks)
