@@ -212,7 +212,6 @@ def test_spread_head_matches_single_device(case, stash, extra):
     assert_grads_match_single_device(setup)
 
 
-
 @pytest.mark.slow
 def test_uncut_steady_scans_match_single_device(monkeypatch):
     """SPREAD's interleaved-p4 with the stretches of rounds that need no head left in their
@@ -226,6 +225,7 @@ def test_uncut_steady_scans_match_single_device(monkeypatch):
         "parallel.round_form=steady", "train.global_batch=32"])
     assert pipeline_context(setup).headless == 0
     assert_grads_match_single_device(setup)
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule, chunks, extra", [
