@@ -553,3 +553,22 @@ def test_slot_gemms_read_and_write_a_looped_stash_in_place():
     assert done.returncode == 0, done.stderr[-2000:]
     ops = json.loads(done.stdout.splitlines()[-1])
     assert ops == {"xla": ["dynamic-slice", "dynamic-update-slice"], "kernels": []}
+
+
+@needs_compiler
+@pytest.mark.slow  # three compiles
+def test_search_ranks_its_compiled_rows_by_their_compiled_step(capsys):
+    """`plan --search N --verify --target h100`: the best --verify-top rows are compiled for
+    H100s, each given its step from the compiled kernels (kernels.compiled_step_time), and
+    ranked again by it, the ones that fit first; the table says so."""
+    from jaxptd.plan.cli import main
+    from jaxptd.plan.report import format_search
+    assert main(["--target", "h100", "--search", "4", "--verify", "--verify-top", "3", "--top",
+                 "3", *SMALL[:-1], "train.global_batch=8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    compiled = [r["compiled"] for r in rows]
+    assert len(compiled) == 3 and all(c["fits"] and c["step_s"] > 0 for c in compiled)
+    assert [c["step_s"] for c in compiled] == sorted(c["step_s"] for c in compiled)
+    text = format_search(rows, H100, 4, 3)
+    assert "the compiled ones first, by their compiled step" in text
+    assert sum(", step " in line for line in text.splitlines()) == 3

@@ -160,8 +160,10 @@ def main(argv=None) -> int:
 def _search_and_compile(config: Config, args, given: PlanInputs, target: Target) -> int:
     """--search with --verify for a GPU target: the ranked layouts, the best --verify-top
     of them compiled for the target (no GPU), each row saying what the compiled step
-    needs and whether it fits; a layout the planner let through that does not fit when
-    compiled is said so (exit 1 if none of those compiled fits)."""
+    needs, whether it fits and, with the calibrated time model, its step from the compiled
+    kernels (`step_s`, kernels.compiled_step_time), by which those compiled rows are
+    ranked again, the ones that fit first; a layout the planner let through that does not
+    fit when compiled is said so (exit 1 if none of those compiled fits)."""
     start_cpu_compiler(None)
     rows = search(config, given, args.search)
     for row in rows[: args.verify_top]:
@@ -173,6 +175,12 @@ def _search_and_compile(config: Config, args, given: PlanInputs, target: Target)
         row["compiled"] = {k: report[k] for k in ("fits", "margin_bytes", "compile_s")}
         row["compiled"].update(gb=report["memory"]["total"] / GB,
                                mfu_ceiling=report["cost"]["mfu_ceiling"])
+        planned = plan(candidate, given)
+        if planned["kernels"]:
+            row["compiled"]["step_s"] = compiled_step_time(planned, report,
+                                                           given.hardware)["total"]
+    rows[: args.verify_top] = sorted(rows[: args.verify_top], key=lambda r: (
+        not r["compiled"]["fits"], r["compiled"].get("step_s", 0.0)))
     print(json.dumps(rows[: args.top]) if args.json else plan_report.format_search(
         rows, given.hardware, args.search, args.top))
     checked = [r["compiled"]["fits"] for r in rows[: args.verify_top]]

@@ -237,8 +237,10 @@ def format_search(rows: list, hw: Target, n: int, top: int) -> str:
               "sp sequence parallel, z1 ZeRO-1, fsdpG FSDP over G data ranks, "
               "offopt/offact offload of the optimizer state / layer inputs, "
               "inputs: stash stage inputs only")
+    order = "; the compiled ones first, by their compiled step" \
+        if any("step_s" in r.get("compiled", {}) for r in rows) else ""
     return "\n".join([f"{len(rows)} layouts fit; best {min(top, len(rows))} by "
-                      "estimated throughput:", head] + body + [legend])
+                      f"estimated throughput{order}:", head] + body + [legend])
 
 
 def _compiled_cell(row: dict) -> str:
@@ -246,8 +248,9 @@ def _compiled_cell(row: dict) -> str:
     c = row.get("compiled")
     if c is None:
         return ""
+    step = f", step {c['step_s']:.4g} s" if "step_s" in c else ""
     return (f"   compiled {c['gb']:.1f} GB: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
-            f"MFU ceiling {c['mfu_ceiling']:.2f}")
+            f"MFU ceiling {c['mfu_ceiling']:.2f}{step}")
 
 
 def _row_options(row: dict) -> str:
