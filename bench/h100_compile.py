@@ -2,7 +2,7 @@
 without a GPU, one layout a row: memory a device, the planner's ratio to it, overlap of the
 collectives, conditionals in loops and the static cost report's MFU ceiling.
 
-    python -m bench.h100_compile [--out FILE.json] [--only NAME ...]
+    python -m bench.h100_compile [--out FILE.json] [--only NAME ...] [--schedules]
 
 Each row is `python -m jaxptd.plan --config configs/gpu/gpt_1.3b.yaml --verify --target
 h100 --json KEY=VALUE ...` in its own process (XLA dumps each step's memory report at
@@ -21,6 +21,10 @@ backward phases times the row's global batch over its own, plus its update phase
 ran the 32 microbatches of 2 on one device with gradient accumulation, whose float32 adds
 outside the GEMMs made its ideal larger. `--only` adds the one-device rows the named rows
 need. rounds: the cost report's rounds phase and its share of the step.
+
+`--schedules`: every schedule, with and without minimal recomputation, at issue 48's three
+layouts (SCHEDULES), written to bench/results/h100_schedules.json unless --out: the
+compiled order the planner's time model is held to (tests/test_plan_kernels.py).
 """
 from __future__ import annotations
 
@@ -83,6 +87,14 @@ ROWS = {
                                       "model.remat=minimal"),
     "(1,4,2) interleaved": layout(1, 4, 2, 8, "parallel.schedule=interleaved",
                                   "parallel.chunks=2"),
+    # every kind at issue 48's other two layouts (the planner's ranking against the compile)
+    "(2,2,2) interleaved m8": layout(2, 2, 2, 8, "parallel.schedule=interleaved",
+                                     "parallel.chunks=2"),
+    "(2,2,2) zb-v m8": layout(2, 2, 2, 8, "parallel.schedule=zb-v", "parallel.chunks=2"),
+    "(1,4,2) zb-h1 m16": layout(1, 4, 2, 16, "parallel.schedule=zb-h1"),
+    "(1,4,2) interleaved m16": layout(1, 4, 2, 16, "parallel.schedule=interleaved",
+                                      "parallel.chunks=2"),
+    "(1,4,2) zb-v m16": layout(1, 4, 2, 16, "parallel.schedule=zb-v", "parallel.chunks=2"),
     "(2,2,2) zb-h1": layout(2, 2, 2, 4, "parallel.schedule=zb-h1"),
     "(2,2,2) zb-h1 m8": layout(2, 2, 2, 8, "parallel.schedule=zb-h1"),
     "(2,2,2) zb-interleaved": layout(2, 2, 2, 4, "parallel.schedule=zb-interleaved",
@@ -124,6 +136,16 @@ ROWS = {
     "FSDP 8 matmul fp8 delayed": layout(8, 1, 1, 1, "parallel.fsdp=true",
                                         "parallel.fsdp_unit=matmul", "model.fp8=delayed"),
 }
+
+
+# issue 48's layouts, every kind: the planner's ranking is tested against these compiles
+SCHEDULES = [
+    *(f"(1,8,1) {k} m32 b2 L32{r}" for k in ("1f1b", "zb-h1", "interleaved", "zb-v")
+      for r in ("", " min")), "(1,8,1) zb-interleaved m32 b2 L32",
+    *(f"{layout_} {k} {m}{r}" for layout_, m in (("(2,2,2)", "m8"), ("(1,4,2)", "m16"))
+      for k, r in (("1f1b", ""), ("1f1b", " min"), ("zb-h1", ""), ("interleaved", ""),
+                   ("zb-v", "")))]
+SCHEDULES_OUT = os.path.join(ROOT, "bench", "results", "h100_schedules.json")
 
 
 def run(name: str) -> dict:
@@ -199,7 +221,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", help="write every row's full report as JSON")
     parser.add_argument("--only", nargs="*", choices=list(ROWS), help="these rows only")
+    parser.add_argument("--schedules", action="store_true",
+                        help=f"the SCHEDULES rows, written to {SCHEDULES_OUT} unless --out")
     args = parser.parse_args()
+    if args.schedules:
+        args.only, args.out = SCHEDULES, args.out or SCHEDULES_OUT
     names = list(args.only or ROWS)
     needed = [reference_of(n) for n in names]
     names = [n for n in ROWS if n in needed and n not in names] + names
@@ -221,8 +247,8 @@ def main() -> int:
           "GEMMs a pass with 8-bit operands / with 16-bit ones; ideal and eff: issue 48's "
           "ideal ms and ideal / ms (module docstring); rounds: the rounds phase's ms and "
           "share of the step.")
-    print("reproduce: python -m bench.h100_compile" + (" --only " + " ".join(
-        repr(n) for n in args.only) if args.only else ""))
+    print("reproduce: python -m bench.h100_compile" + (" --schedules" if args.schedules else (
+        " --only " + " ".join(repr(n) for n in args.only) if args.only else "")))
     if args.out:
         write_rows(args.out, rows)
     return 0

@@ -253,7 +253,8 @@ def test_static_chunks_name_every_rank_s_chunk(kind, p, m, swapped):
 
 @pytest.mark.parametrize("kind, p, m, v, head_rounds", [
     ("interleaved", 8, 32, 2, 32), ("zb-interleaved", 4, 8, 2, None), ("1f1b", 8, 32, 1, 32),
-    ("interleaved", 2, 8, 2, None), ("zb-h1", 8, 32, 1, 32), ("zb-interleaved", 8, 32, 2, 32)])
+    ("interleaved", 2, 8, 2, None), ("zb-h1", 8, 32, 1, 32), ("zb-interleaved", 8, 32, 2, 32),
+    ("zb-v", 8, 32, 2, None)])
 def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_rounds):
     """scans.segments, steady: the scans cover the rounds in order, each with the ends its
     rounds need, and a scan that runs the head holds no stretch of HEADLESS rounds that
@@ -263,6 +264,7 @@ def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_roun
     first p - 1 B's again for their W's after its last B, each reading the head's output
     gradient its first run kept (b_stores, in a grad slot held until then): no head in
     those rounds (it ran in 39)."""
+    from jaxptd.pipeline import scans, static_chunks
     from jaxptd.pipeline.executor import rounds_for
     from jaxptd.pipeline.scans import HEADLESS, ends_of, segments
 
@@ -281,6 +283,11 @@ def test_steady_scans_run_the_head_where_rounds_need_it(kind, p, m, v, head_roun
         running += seg.stop - seg.start
     if head_rounds is not None:
         assert running == head_rounds
+    # what the planner counts (scans.head_rounds): these rounds, or with two held chunks
+    # (static_chunks.swaps) those of the phases that need the head, and no fewer than m
+    swaps = static_chunks.swaps(rounds) if v == 2 else None
+    counted = scans.head_rounds(rounds, "steady", HEADLESS, swaps)
+    assert counted == running if swaps is None else m <= counted <= running
     if kind == "1f1b":
         assert len(segs) == 5
     for t, r in ((t, r) for t in range(rounds.num_rounds) for r in range(p)):

@@ -1,7 +1,8 @@
 """How a pipeline's lowered rounds run as scans (`segments`, per round form: see
 jaxptd/pipeline/executor.py; where the rounds without the head are cut out,
 `headless_stretch`), what the embedding and head need in them (`ends_of`, `head_pieces`,
-`head_rows`), and the round by which each chunk's gradients are complete (`chunks_done`).
+`head_rows`; the rounds whose scans run the head, `head_rounds`), and the round by which
+each chunk's gradients are complete (`chunks_done`).
 Pure Python over lowering.Rounds and the config.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from jaxptd.arch import family
+from jaxptd.pipeline import static_chunks
 from jaxptd.pipeline.lowering import Rounds
 from jaxptd.pipeline.schedules import Costs, stage_place
 from jaxptd.train.metrics import recomputed_flops
@@ -150,6 +152,27 @@ def segments(rounds: Rounds, form: str, headless: int = HEADLESS) -> list:
                     inline=True, ends=frozenset().union(*ends[a:b]), taps=states[3])
             for start, stop, states in runs
             for a, b in _headless_cuts(need, start, stop, headless)]
+
+
+def head_rounds(rounds: Rounds, form: str, headless: int = HEADLESS, swaps=None) -> int:
+    """The rounds in which the scans of `segments` run the head, against the m rounds whose
+    slots use it: what a step computes of the head (the planner's time model). Inline, a
+    scan runs it in every round of a phase some of whose rounds need it (the executor's:
+    two phases where static_chunks.runs finds them with the rank's chunk `swaps`); the
+    cond form's conditionals run it where a round needs it."""
+    piece = ("head", "F" if rounds.forward_only else "B")
+    held = static_chunks.round_chunks(rounds, swaps) if swaps else None
+    count = 0
+    for seg in (s for s in segments(rounds, form, headless) if piece in s.ends):
+        if not seg.inline:
+            count += sum(piece in ends_of(rounds, [t]) for t in range(seg.start, seg.stop))
+            continue
+        for a, b, phases in static_chunks.runs(held, seg.start, seg.stop) if held else \
+                [(seg.start, seg.stop, (None,))]:
+            n = len(phases)
+            count += sum(len(range(a + i, b, n)) for i in range(n)
+                         if piece in ends_of(rounds, range(a + i, b, n)))
+    return count
 
 
 def _headless_cuts(need: list, start: int, stop: int, least: int) -> list:

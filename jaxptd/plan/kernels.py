@@ -74,41 +74,48 @@ def layer_matrices(h: int, heads: int, kv_heads: int, ffn: int, t: int, gated: b
 
 
 GRAD_SUM_BYTES = 8  # a float32 gradient sum read and written in place, a parameter
-CHUNK_COPY_BYTES = 8  # a chunk's float32 weights read out of the [v, ...] stack and written
+CHUNKS_BYTES = 16  # with two or more chunks, a round's chunk (the compiled depth rows:
+# BENCHMARKS.md): at a traced index its float32 weights read out of the [v, ...] stack and
+# written (8), its gradients written by their GEMMs and read again for the add into the
+# sums (8); held static (static_chunks), the rounds whose ranks hold different chunks
+# select and add into both chunks' sums, about as much (zb-v)
 HEAD_ENDS_BYTES = 20  # an unspread head's parameter a round: the tied embedding cast to
 # the compute dtype for the F's and the B's head (4 read + 2 written each), the embedding
 # gradient's float32 scatter-add (read and written)
 
 
 def executor_bytes(*, chunk_params: float, chunks: int, stash_slot: float,
-                   head_params: float) -> float:
+                   copied: float, head_params: float) -> float:
     """Bytes a pipelined rank moves outside GEMMs in a round that runs an F and a B (one
     microbatch through one chunk each way; jaxptd/pipeline/training.py): the B adds the
     chunk's gradients into their float32 sums (buffers.add_chunk: GRAD_SUM_BYTES a
-    parameter, the gradient itself fused from the GEMM that makes it); with chunks > 1 a
-    slot's chunk is a dynamic index into the stacked layers, which XLA copies out once a
-    round (CHUNK_COPY_BYTES a parameter; one chunk, static, is read in place); the F
-    writes its stash slot (`stash_slot` bytes) and the B reads it; and head_params: the
-    head and embedding a lockstep round runs on every rank where the head is not spread
-    over pipe (HEAD_ENDS_BYTES a parameter; 0: spread, or pipe 1). What the rounds phase of
-    a compiled pipelined step moves, kernel by op: the chunk's weights sliced, the sums'
-    adds and in-place writes, the ends' casts and scatter-add (bench/table1.py's rows)."""
-    per_param = GRAD_SUM_BYTES + (CHUNK_COPY_BYTES if chunks > 1 else 0)
-    return per_param * chunk_params + 2 * stash_slot + HEAD_ENDS_BYTES * head_params
+    parameter, the gradient itself fused from the GEMM that makes it), with chunks > 1
+    CHUNKS_BYTES more (one chunk is read in place); the F's values are written into their
+    stash slot (`stash_slot` bytes, each read and written) and the B's and W's operands
+    among them copied out (`copied`, each read and written); and head_params: the head and
+    embedding a lockstep round runs on every rank where the head is not spread over pipe
+    (HEAD_ENDS_BYTES a parameter; 0: spread, or pipe 1). What the rounds phase of a
+    compiled pipelined step moves, kernel by op: the chunk's weights sliced, the sums'
+    adds and in-place writes, the stash's dynamic updates and slices, the ends' casts and
+    scatter-add (bench/table1.py's rows, bench/h100_compile.py's depth rows)."""
+    per_param = GRAD_SUM_BYTES + (CHUNKS_BYTES if chunks > 1 else 0)
+    return per_param * chunk_params + 2 * (stash_slot + copied) + HEAD_ENDS_BYTES * head_params
 
 
 def compute(*, hw, flops: dict, b: int, n: int, s: int, h: int, heads: int, kv_heads: int,
             ffn: int, t: int, sp: bool, gated: bool, flash: bool, forwards: int, e: int,
             layer_microbatches: float, vocab_local: float, params: float,
-            fp8_flops: float = 0.0, rounds_bytes: float = 0.0) -> dict:
+            fp8_flops: float = 0.0, rounds_bytes: float = 0.0,
+            elementwise_again: bool = False) -> dict:
     """Seconds a device spends in kernels a step, before the bubble (module docstring):
     flops = {"linear", "core", "head"}, the executed FLOPs a device of each kind;
     layer_microbatches: layers a device runs times microbatches; params: the parameters
     it updates; rounds_bytes: what a pipelined rank's rounds move a step (executor_bytes
-    times its F and B rounds). Keys: gemm (linears and head), attention (core matmuls and
-    score traffic), memory (other activations), rounds (the executor's), launches, update,
-    total; gemm_efficiency and
-    head_efficiency (wave quantization) and gemm_rate (FLOP/s of the linears)."""
+    times its F and B rounds); elementwise_again: the backward runs the layer's elementwise
+    forward again (model.remat minimal). Keys: gemm (linears and head), attention (core
+    matmuls and score traffic), memory (other activations), rounds (the executor's),
+    launches, update, total; gemm_efficiency and head_efficiency (wave quantization) and
+    gemm_rate (FLOP/s of the linears)."""
     peak, cores = hw.peak_bf16 * hw.gemm_fraction, hw.chip.cores
     bandwidth = hw.hbm * HBM_FRACTION
     rows = b * n
@@ -124,7 +131,8 @@ def compute(*, hw, flops: dict, b: int, n: int, s: int, h: int, heads: int, kv_h
         outside = (SCORE_PASSES[0] * forwards + SCORE_PASSES[1]) * scores / bandwidth
         attention = max(attention, in_gemms) + outside
     per_token = 10 * h / (t if sp else 1) + (3 if gated else 2) * ffn / t
-    memory = (forwards + 2) * per_token * e * rows * layer_microbatches / bandwidth
+    memory = (forwards + elementwise_again + 2) * per_token * e * rows * layer_microbatches \
+        / bandwidth
     launches = (forwards + 2) * KERNELS_PER_LAYER * layer_microbatches * KERNEL_S
     update = UPDATE_BYTES * params / bandwidth
     rounds = rounds_bytes / bandwidth

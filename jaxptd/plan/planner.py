@@ -27,8 +27,8 @@ from jaxptd.plan import buffers as pb
 from jaxptd.plan.counts import real_counts
 from jaxptd.plan.experts import moe_rows
 from jaxptd.plan.inputs import PlanInputs
-from jaxptd.plan.program import (MINIMAL, causal, flash_attention, moe_shape,  # noqa: F401
-                                 recomputation, schedule_stats, spreads_head)
+from jaxptd.plan.program import (MINIMAL, causal, flash_attention, head_runs,  # noqa: F401
+                                 moe_shape, recomputation, schedule_stats, spreads_head)
 from jaxptd.train.metrics import flops_per_iteration
 
 
@@ -248,13 +248,13 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
     e = pm.DTYPE_BYTES[m_cfg.dtype]
     again = recomputation(config) in ("full", *MINIMAL)
     comm = _comm(config, inputs, counts, host, again)
-    # the head, unless spread over pipe (spreads_head), is the last stage's work: a
-    # lockstep round lasts as long as the last stage's, as if every rank ran it
+    # the head, unless spread over pipe (spreads_head), is the last stage's work: a lockstep
+    # round lasts as long as the last stage's, as if every rank ran it, in head_runs' rounds
     head = 3 * config.train.global_batch * s * get(m_cfg).forward_flops(
         m_cfg, counts["vocab_padded"])["head"]
     unspread = 0 if spreads_head(config, inputs.platform) else par.pipe - 1
-    kernels = _kernels(config, inputs, counts, executed, head * (1 + unspread)) \
-        if calibrated(inputs) else None
+    kernels = _kernels(config, inputs, counts, executed, head * head_runs(
+        config, inputs.platform) * (1 + unspread)) if calibrated(inputs) else None
     links = pt.link_bandwidths(hw, t=par.tensor, c=c, ep=par.expert, p=par.pipe,
                                fsdp=par.fsdp_size, d=par.data // par.fsdp_size) \
         if kernels else None
@@ -311,17 +311,17 @@ def _kernels(config: Config, inputs: PlanInputs, counts: dict, executed: float,
     head_once = 3 * tokens * per_token["head"]
     linear = executed - tokens * m_cfg.num_layers * per_token["core"] * (3 + full) - head_once \
         + nested * tokens * m_cfg.num_layers * (per_token["layer"] - per_token["core"])
-    zero1 = config.optimizer.zero1 and par.fsdp_size == 1
     return pk.compute(
         hw=inputs.hardware, b=config.microbatch_size, n=m_cfg.seq_len // par.context,
         s=m_cfg.seq_len, h=m_cfg.hidden_size, heads=m_cfg.num_heads, kv_heads=m_cfg.kv_heads,
         ffn=m_cfg.ffn, t=par.tensor, sp=par.sequence_parallel and par.tensor > 1,
         gated=family(m_cfg).gated_mlp, flash=flash_attention(config, inputs.platform),
         forwards=1 + full + nested, e=pm.DTYPE_BYTES[m_cfg.dtype],
+        elementwise_again=recomputation(config) in MINIMAL,
         flops={"linear": linear / n, "core": core / n, "head": head / n},
         layer_microbatches=m_cfg.num_layers // par.pipe * par.microbatches,
-        vocab_local=counts["vocab_padded"] / par.tensor,
-        params=counts["weight_params"] / (par.data if zero1 else 1),
+        vocab_local=counts["vocab_padded"] / par.tensor, params=counts["weight_params"] / (
+            par.data if config.optimizer.zero1 and par.fsdp_size == 1 else 1),
         fp8_flops=fp8_flops(config, counts["vocab_padded"]) / n,
         rounds_bytes=_rounds_bytes(config, inputs.platform, counts))
 
@@ -329,29 +329,28 @@ def _kernels(config: Config, inputs: PlanInputs, counts: dict, executed: float,
 def _rounds_bytes(config: Config, platform: str, counts: dict) -> float:
     """What a pipelined rank's executor moves outside GEMMs a step (kernels.executor_bytes
     a round, m v rounds that run an F and a B; 0 unpipelined): a stash slot holds the
-    chunk's input and, with parallel.stash=activations, each layer's kept values and the
-    chunk's output (buffers.stash_bytes' per slot)."""
+    chunk's input and, with parallel.stash=activations, its output, each layer's kept
+    values and a zero-bubble F's tape (less what the B's slot leaves to it), copied out
+    for the B's and W's operands unless recomputed beside no tape (BENCHMARKS.md)."""
     m_cfg, par = config.model, config.parallel
     if par.pipe == 1:
         return 0.0
     e, sp = pm.DTYPE_BYTES[m_cfg.dtype], par.sequence_parallel and par.tensor > 1
     b, n, h, t = config.microbatch_size, m_cfg.seq_len // par.context, m_cfg.hidden_size, par.tensor
-    stage_input = b * n * h * e / (t if sp else 1)
-    chunk_layers = m_cfg.num_layers // par.pipe // par.chunks
+    remat, activations = recomputation(config), par.stash == "activations"
     kept = pm.layer_activation_bytes(
         b, m_cfg.seq_len, h, m_cfg.num_heads, t, e, sp, flash_attention(config, platform),
-        recomputation(config), ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads,
-        gated=family(m_cfg).gated_mlp, c=par.context, method=par.context_attention,
-        moe=moe_shape(config))
-    if par.schedule in schedules.ZERO_BUBBLE and par.stash == "activations":  # the W's tape,
-        kept += pb.dense_input_bytes(b, n, h, t, e, sp) - pb.taped_not_in_slot(
-            recomputation(config), b, n, h, t, e, sp)  # less what the B's slot leaves to it
-    slot = stage_input + (chunk_layers * kept + stage_input if par.stash == "activations"
-                          else 0.0)
-    head = 0.0 if spreads_head(config, platform) else counts["head_params"]
+        remat, ffn=m_cfg.ffn, kv_heads=m_cfg.kv_heads, gated=family(m_cfg).gated_mlp,
+        c=par.context, method=par.context_attention, moe=moe_shape(config))
+    tape = pb.dense_input_bytes(b, n, h, t, e, sp) - pb.taped_not_in_slot(
+        remat, b, n, h, t, e, sp) if par.schedule in schedules.ZERO_BUBBLE else 0.0
+    stage_in, layers = b * n * h * e / (t if sp else 1), m_cfg.num_layers // par.pipe // par.chunks
+    copied = layers * ((0.0 if remat in ("full", *MINIMAL) and not tape else kept) + tape) \
+        if activations else 0.0
     return par.microbatches * par.chunks * pk.executor_bytes(
         chunk_params=counts["stage_params"] / par.chunks, chunks=par.chunks,
-        stash_slot=slot, head_params=head)
+        stash_slot=stage_in + (layers * (kept + tape) + stage_in if activations else 0),
+        copied=copied, head_params=0 if spreads_head(config, platform) else counts["head_params"])
 
 
 def _comm(config: Config, inputs: PlanInputs, counts: dict, host: dict,

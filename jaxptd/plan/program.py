@@ -1,9 +1,10 @@
 """What the step a config compiles to does, as the planner's models read it: what its
 backward recomputes, the schedule's bubble and buffer slots (from the simulator and the
 lowering, or the formulas above SIMULATE_LIMIT / LOWER_LIMIT), its mixture of experts'
-shape, whether its head is spread over pipe, whether its attention is flash attention and
-causal. JAX-free (the pipeline's schedules and lowering are plain Python); the memory and
-time models (jaxptd/plan/planner.py, model.py, timing.py) are fed with these.
+shape, whether its head is spread over pipe and how often its scans run it, whether its
+attention is flash attention and causal. JAX-free (the pipeline's schedules and lowering
+are plain Python); the memory and time models (jaxptd/plan/planner.py, model.py,
+timing.py) are fed with these.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from functools import lru_cache
 
 from jaxptd.arch import family
 from jaxptd.config import Config
-from jaxptd.pipeline import schedules
+from jaxptd.pipeline import schedules, static_chunks
 from jaxptd.pipeline.lowering import lower
-from jaxptd.pipeline.scans import head_pieces, round_costs, round_form
+from jaxptd.pipeline.scans import (head_pieces, head_rounds, headless_stretch, round_costs,
+                                   round_form)
 from jaxptd.pipeline.simulate import simulate as simulate_schedule
 from jaxptd.plan import model as pm
 from jaxptd.plan import timing as pt
@@ -36,11 +38,31 @@ def recomputation(config: Config) -> str:
 
 
 @lru_cache(maxsize=64)
-def _lowered_slots(kind: str, p: int, m: int, v: int, form: str) -> dict:
+def _lowered(kind: str, p: int, m: int, v: int, form: str):
     costs = round_costs(form)
-    rounds = lower(schedules.make_schedule(kind, p, m, v, costs), costs)
+    return lower(schedules.make_schedule(kind, p, m, v, costs), costs)
+
+
+def _lowered_slots(kind: str, p: int, m: int, v: int, form: str) -> dict:
+    rounds = _lowered(kind, p, m, v, form)
     return {"stash": rounds.num_stash_slots, "grad": rounds.num_grad_slots,
             "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
+
+
+def head_runs(config: Config, platform: str) -> float:
+    """How many times a pipelined step runs each microbatch's head: the rounds whose scans
+    run it (scans.head_rounds: the step's cuts, scans.headless_stretch, which starts JAX; a
+    two-chunk schedule's held chunks swapped as static_chunks finds) over the microbatches;
+    1 unpipelined or above LOWER_LIMIT."""
+    par = config.parallel
+    p, m, v = par.pipe, par.microbatches, par.chunks
+    if p == 1 or p * m * v > LOWER_LIMIT:
+        return 1.0
+    form = round_form(config, platform)
+    rounds = _lowered(par.schedule, p, m, v, form)
+    swaps = static_chunks.swaps(rounds) if v == 2 else None
+    headless = headless_stretch(config, recomputation(config))
+    return head_rounds(rounds, form, headless, swaps) / m
 
 
 def schedule_stats(config: Config, platform: str, simulate: bool = True):
