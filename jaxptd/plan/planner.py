@@ -106,7 +106,7 @@ def plan(config: Config, inputs: PlanInputs, counts: dict | None = None,
     flops = {"recompute": flops_per_iteration(m_cfg, B, V, "full"),
              "no_recompute": flops_per_iteration(m_cfg, B, V)}
     executed = executed_flops(config, V)
-    comm, time, context, kernels = _time(config, inputs, counts, host, executed, bubble)
+    comm, time, context, kernels = _time(config, inputs, counts, host, executed, bubble, simulate)
     moe = _moe(config, inputs, counts, slots, device, comm, time)
     per_node = min(n, hw.gpus_per_node)
     sp = par.sequence_parallel and par.tensor > 1
@@ -234,13 +234,14 @@ def options(config: Config) -> dict:
 
 
 def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed: float,
-          bubble: float) -> tuple[dict, dict, dict, dict | None]:
+          bubble: float, lowered: bool = True) -> tuple[dict, dict, dict, dict | None]:
     """(communication volumes, step time, context parallelism's terms, the kernel model's
-    seconds or None) of timing.py's model for one configuration (the volumes: _comm). The
-    context ranks sit next to tensor's in the mesh: a context group's c t devices use the
-    node's links when they fit in one; the expert ranks next to context's. Without a
-    sustained rate (inputs.device_flops None) on a target with a measured GEMM ceiling the
-    kernels and links are calibrated (jaxptd/plan/kernels.py, timing.link_bandwidths)."""
+    seconds or None) of timing.py's model for one configuration (the volumes: _comm;
+    lowered: head_runs may lower the schedule, not in the search). The context ranks sit
+    next to tensor's in the mesh: a context group's c t devices use the node's links when
+    they fit in one; the expert ranks next to context's. Without a sustained rate
+    (inputs.device_flops None) on a target with a measured GEMM ceiling the kernels and
+    links are calibrated (jaxptd/plan/kernels.py, timing.link_bandwidths)."""
     from jaxptd.model import get  # JAX on use: --verify configures it first
     hw = inputs.hardware
     m_cfg, par = config.model, config.parallel
@@ -254,7 +255,7 @@ def _time(config: Config, inputs: PlanInputs, counts: dict, host: dict, executed
         m_cfg, counts["vocab_padded"])["head"]
     unspread = 0 if spreads_head(config, inputs.platform) else par.pipe - 1
     kernels = _kernels(config, inputs, counts, executed, head * head_runs(
-        config, inputs.platform) * (1 + unspread)) if calibrated(inputs) else None
+        config, inputs.platform, lowered) * (1 + unspread)) if calibrated(inputs) else None
     links = pt.link_bandwidths(hw, t=par.tensor, c=c, ep=par.expert, p=par.pipe,
                                fsdp=par.fsdp_size, d=par.data // par.fsdp_size) \
         if kernels else None

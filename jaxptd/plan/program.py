@@ -49,14 +49,15 @@ def _lowered_slots(kind: str, p: int, m: int, v: int, form: str) -> dict:
             "w": rounds.num_w_slots, "tape": rounds.num_tape_slots}
 
 
-def head_runs(config: Config, platform: str) -> float:
+def head_runs(config: Config, platform: str, lowered: bool = True) -> float:
     """How many times a pipelined step runs each microbatch's head: the rounds whose scans
     run it (scans.head_rounds: the step's cuts, scans.headless_stretch, which starts JAX; a
     two-chunk schedule's held chunks swapped as static_chunks finds) over the microbatches;
-    1 unpipelined or above LOWER_LIMIT."""
+    1 unpipelined, above LOWER_LIMIT or not `lowered` (the search: a lowering a layout
+    costs it minutes)."""
     par = config.parallel
     p, m, v = par.pipe, par.microbatches, par.chunks
-    if p == 1 or p * m * v > LOWER_LIMIT:
+    if p == 1 or p * m * v > LOWER_LIMIT or not lowered:
         return 1.0
     form = round_form(config, platform)
     rounds = _lowered(par.schedule, p, m, v, form)
