@@ -53,8 +53,8 @@ def head_runs(config: Config, platform: str, lowered: bool = True) -> float:
     """How many times a pipelined step runs each microbatch's head: the rounds whose scans
     run it (scans.head_rounds: the step's cuts, scans.headless_stretch, which starts JAX; a
     two-chunk schedule's held chunks swapped as static_chunks finds) over the microbatches;
-    1 unpipelined, above LOWER_LIMIT or not `lowered` (the search: a lowering a layout
-    costs it minutes)."""
+    1 unpipelined, above LOWER_LIMIT or not `lowered` (the search, which lowering every
+    layout would slow from seconds to minutes)."""
     par = config.parallel
     p, m, v = par.pipe, par.microbatches, par.chunks
     if p == 1 or p * m * v > LOWER_LIMIT or not lowered:
