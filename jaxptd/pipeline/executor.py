@@ -315,8 +315,7 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     for seg in segments(rounds, form, program.stage.context.headless):
         start = seg.start
         for stop in sorted({t for t in cuts if seg.start < t < seg.stop} | {seg.stop}):
-            for a, b, phases in static_chunks.runs(held, start, stop) if held else \
-                    [(start, stop, ((None,) * 3,))]:
+            for a, b, phases in static_chunks.runs(held, start, stop):
                 part = dataclasses.replace(seg, start=a, stop=b)
                 with jax.named_scope(ROUNDS_SCOPE):  # the cost report's rounds phase
                     carry, _ = lax.scan(_unrolled(program, part, phases, rounds), carry,

@@ -167,8 +167,7 @@ def head_rounds(rounds: Rounds, form: str, headless: int = HEADLESS, swaps=None)
         if not seg.inline:
             count += sum(piece in ends_of(rounds, [t]) for t in range(seg.start, seg.stop))
             continue
-        for a, b, phases in static_chunks.runs(held, seg.start, seg.stop) if held else \
-                [(seg.start, seg.stop, (None,))]:
+        for a, b, phases in static_chunks.runs(held, seg.start, seg.stop):
             n = len(phases)
             count += sum(len(range(a + i, b, n)) for i in range(n)
                          if piece in ends_of(rounds, range(a + i, b, n)))

@@ -57,14 +57,17 @@ def _merge(a, b):
     return b if a == ANY else a if b in (ANY, a) else _CLASH
 
 
-def runs(chunks: list, start: int, stop: int) -> list:
-    """Rounds [start, stop) as [(start, stop, phases)]: scans of (stop - start) /
-    len(phases) iterations, each the rounds of `phases` in turn, phase i's (F, B, W) held
-    chunks static (None: traced; ANY left: 0). One phase where every round agrees; two
-    where the rounds alternate and there are at least four (an odd first round a scan
-    of its own); else one phase of traced chunks. A scan of one iteration is inlined, where
-    XLA fused a round's writes with the next one's reads (kernels that read whole slot
-    buffers): so no shorter runs of two phases, nor cuts of a scan into pieces."""
+def runs(chunks: list | None, start: int, stop: int) -> list:
+    """Rounds [start, stop) as [(start, stop, phases)]: scans of (stop - start) / len(phases)
+    iterations, each the rounds of `phases` in turn, phase i's (F, B, W) held chunks
+    static (None: traced; ANY left: 0; chunks None, no held chunks: one phase of traced
+    chunks). One phase where every round agrees; two where the rounds alternate and
+    there are at least four (an odd first round a scan of its own); else one phase of
+    traced chunks. A scan of one iteration is inlined, where XLA fused a round's writes
+    with the next one's reads (kernels that read whole slot buffers): so no shorter runs
+    of two phases, nor cuts of a scan into pieces."""
+    if chunks is None:
+        return [(start, stop, ((None,) * 3,))]
     rows = [list(chunks[t]) for t in range(start, stop)]
     phases = _periodic(rows, 1) or (_periodic(rows, 2) if len(rows) >= 4 else None)
     if phases is None:
