@@ -9,46 +9,46 @@ slot, zero-bubble kinds) with the buffer slots they use. A round, read top to bo
     send the previous round's input gradient to r-1 -> F slot -> send its output to r+1
       -> store the gradient that arrived -> B slot -> W slot -> store the output that arrived
 
-A zero-bubble B whose W runs in the same round hands what it keeps for it to the W
-through the carry (weight_slot.HANDED), not through a W slot. Nothing in a round reads
-what is sent in it: an output travels beside the round's B and W slots and is stored at the end of the round (`buffers.arrive`); an input gradient, made at
-the end of a B slot, is carried into the next round and sent at its start, so it travels
-beside that round's F slot (sent at the end of its own round, it had nothing to overlap:
-a loop iteration ends with its sends done), and stored before the B slot that reads it.
-With chunks (interleaved kinds) a message is stored only once the slot before the store
-has made its output (`_stored_after`), so that XLA keeps the transfer in flight across
-that slot's last GEMMs;
-the kept backward a layer at a time (training.py) makes the middle layer of the slot a
-message travels beside wait for it (the carry's training.IN_FLIGHT during the slot), and
-so does a recomputed stage (stash=inputs, `_steady_recomputed`), whose messages are also
-stored only once the slot they travelled beside has made its output.
-The last round's input gradient is never sent: no later B slot reads it. A `lax.scan`
-runs the rounds of each segment, two a step where zb-v's chunks are static (static_chunks).
+A zero-bubble B whose W runs in the same round hands what it keeps for it to the W through the
+carry (weight_slot.HANDED), not through a W slot. Nothing in a round reads what is sent in it:
+an output travels beside the round's B and W slots and is stored at the end of the round
+(`buffers.arrive`); an input gradient, made at the end of a B slot, is carried into the next
+round and sent at its start, so it travels beside that round's F slot (sent at the end of its
+own round, it had nothing to overlap: a loop iteration ends with its sends done), and stored
+before the B slot that reads it. With chunks (interleaved kinds) a message is stored only once
+the slot before the store has made its output (`_stored_after`), so that XLA keeps the transfer
+in flight across that slot's last GEMMs (V-shaped, an arrived stage input waits for the round's
+gradient sums too: the round's W reads the old stash, and XLA copied the whole stash to keep
+it); the kept backward a layer at a time (training.py) makes the middle layer of the slot a
+message travels beside wait for it (the carry's training.IN_FLIGHT during the slot), and so
+does a recomputed stage (stash=inputs, `_steady_recomputed`), whose messages are also stored
+only once the slot they travelled beside has made its output. The last round's input gradient
+is never sent: no later B slot reads it. A `lax.scan` runs the rounds of each segment, two a
+step where zb-v's chunks are static (static_chunks).
 
 Round forms (parallel.round_form; `segments`):
 - cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
   rank's row of the tables, so idle work is skipped (simulated devices share the cores);
   no slot buffer passes through a slot's conditional whole (`_conditional`);
-- steady (the GPU default): no conditional at all. Rounds in which the same slot kinds
-  are used by every rank, by some or by none run as one scan: a kind every rank uses runs
-  unconditionally, one some ranks use runs masked on every rank (its results discarded
-  where idle), one no rank uses is not traced; the embedding is computed by every rank
-  and selected in a scan where some round needs it, and so is the head, or where the
-  microbatch's rows split over the ranks each runs it on its part of the last stage's
-  rows (training.py, head.py; the tables' head_on and head_mb). On a GPU the ranks run
-  in lockstep, so a round lasts as long as its busiest rank's work whatever the idle ones
-  do, while an XLA:GPU conditional outside a CUDA graph copies its predicate to the host
-  (XLA records conditionals into graphs only for a driver it knows takes them, which a
-  compile without a GPU never does), and the cond form does not spread the head: read
-  per rank from its compiled branches, it is slower than steady at the papers' depth
-  (bench/cond_rounds.py; figures: the git log);
+- steady (the GPU default): no conditional at all. Rounds in which the same slot kinds are used
+  by every rank, by some or by none run as one scan: a kind every rank uses runs
+  unconditionally, one some ranks use runs masked on every rank (its results discarded where
+  idle), one no rank uses is not traced; the embedding is computed by every rank and selected
+  in a scan where some round needs it, and so is the head, or where the microbatch's rows split
+  over the ranks each runs it on its part of the last stage's rows (training.py, head.py; the
+  tables' head_on and head_mb). On a GPU the ranks run in lockstep, so a round lasts as long as
+  its busiest rank's work whatever the idle ones do, while an XLA:GPU conditional outside a
+  CUDA graph copies its predicate to the host (XLA records conditionals into graphs only for a
+  driver it knows takes them, which a compile without a GPU never does), and the cond form does
+  not spread the head: read per rank from its compiled branches, it is slower than steady at
+  the papers' depth (bench/cond_rounds.py; figures: the git log);
 - masked: no conditional anywhere; an idle slot computes and its results are discarded.
 
-The backward is driven by the schedule, not by autodiff through the loop: what F keeps for
-B (parallel.stash) and the zero-bubble split of B and W are training.py's; the embedding
-and head pieces of a virtual stage stage.py's; the buffers and sends buffers.py's. The tied
-embedding's two gradient contributions (first and last stage) meet in the step's exchange
-between those two ranks.
+The backward is driven by the schedule, not by autodiff through the loop: what F keeps for B
+(parallel.stash) and the zero-bubble split of B and W are training.py's; the embedding and head
+pieces of a virtual stage stage.py's; the buffers and sends buffers.py's. The tied embedding's
+two gradient contributions (first and last stage) meet in the step's exchange between those two
+ranks.
 
 Evaluation (`pipeline_loss`) runs the schedule's forwards alone (`schedules.forward_only`):
 rounds of one F slot and one ppermute, no vjp, and a stash slot freed as soon as its forward
@@ -57,12 +57,11 @@ has read it: v m + p - 1 rounds for m >= p and a stash of 2 slots for v = 1.
 Scatter/gather (PTD-P §4.1): a stage output is the same on every tensor rank, so each
 tensor rank sends only its 1/t slice of the hidden dimension (buffers.send).
 
-Parameters: each layer leaf is [v, 1, L/(p v), ...] on a device (chunks, this rank's
-stage, layers of the chunk); virtual stage c*p + r runs chunk c on rank r, or for a
-V-shaped schedule (zb-v) r and 2p - 1 - r (schedules.virtual_stage): its messages go up
-or down the ranks by chunk, or stay on rank p - 1 at the turn, so each is sent both ways
-and each rank stores what arrives from either side where the tables' two channels say
-(buffers.send, `_store`)."""
+Parameters: each layer leaf is [v, 1, L/(p v), ...] on a device (chunks, this rank's stage,
+layers of the chunk); virtual stage c*p + r runs chunk c on rank r, or for a V-shaped schedule
+(zb-v) r and 2p - 1 - r (schedules.virtual_stage): its messages go up or down the ranks by
+chunk, or stay on rank p - 1 at the turn, so each is sent both ways and each rank stores what
+arrives from either side where the tables' two channels say (buffers.send, `_store`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -293,8 +292,9 @@ def _round(program, seg: Segment):
         if sent_f is not None:
             arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
                         if k.startswith("recv_f")}  # {'_valid': .., '_slot': .., '2_valid': ..}
+            done = (g_x, carry["grads"]["layers"]) if v_shape else g_x if late else None
             carry["stash"] = _store(carry["stash"], sent_f, arrivals, g_x if wait else None,
-                                    g_x if late else None, tensor)
+                                    done, tensor)
         if pending is not None:
             carry[PENDING] = _pending(pending, g_x, idle, row, v_shape)
         return carry, None
