@@ -2,21 +2,19 @@
 jaxptd/runtime/target.py's topology devices, jaxptd/plan/compile_check.py's report, jaxptd/hlo/'s
 analysis). Small shapes; the 1.3B table is bench/h100_compile.py.
 
-What it holds the program to: the Pallas kernels compile for sm_90a without register
-spills; the step compiles and fits for GPT, Llama and BERT under every schedule,
-sequence parallelism, FSDP and offload (tests/test_h100_memory.py's step); cuDNN
-attention runs once a layer forward and once backward (grouped-query heads included,
-nothing re-run by recomputation); no conditional in any pipeline round loop (nor in
-zb-v's a copy of a whole buffer); the
-bias-GeLU's backward writes no float32 [b, s, ffn]; in steady rounds the stage-to-stage sends have a GEMM or attention scheduled
-while they are in flight (all of them with a W slot after the B slot; otherwise the
-forward's); the static cost report counts a known program exactly; context
-parallelism's ring sends overlap and cover its blocks (recomputation too), its all-gather
-and packed rows run cuDNN; the MoE's
-grouped GEMM (pallas_kernels/grouped.py) is three Mosaic-GPU kernels, forward and both
-gradients, with no dense product over the experts. (The planner's memory against the
-compiled step's, and the offloaded step's data-parallel reductions beside the backward:
-tests/test_h100_memory.py.)
+What it holds the program to: the Pallas kernels compile for sm_90a without register spills;
+the step compiles and fits for GPT, Llama and BERT under every schedule, sequence
+parallelism, FSDP and offload (tests/test_h100_memory.py's step); cuDNN attention runs once
+a layer forward and once backward (grouped-query heads included, nothing re-run by
+recomputation); no conditional in any pipeline round loop (nor in zb-v's a copy of a whole
+buffer); the bias-GeLU's backward writes no float32 [b, s, ffn]; in steady rounds the
+stage-to-stage sends have a GEMM or attention scheduled while they are in flight (all of
+them with a W slot after the B slot; otherwise the forward's); the static cost report counts
+a known program exactly; context parallelism's ring sends overlap and cover its blocks
+(recomputation too), its all-gather and packed rows run cuDNN; the MoE's grouped GEMM
+(pallas_kernels/grouped.py) is three Mosaic-GPU kernels, forward and both gradients, with no
+dense product over the experts. (The planner's memory against the compiled step's, and the
+offloaded step's data-parallel reductions beside the backward: tests/test_h100_memory.py.)
 
 Needs the CUDA compile extra (`pip install -e '.[h100]'`, which .ci/run installs); without
 it these tests skip, unless JAXPTD_REQUIRE_H100 is set (CI sets it: there they must run).
