@@ -192,8 +192,8 @@ def test_zb_v_rounds_copy_no_slot_buffer():
     """zb-v's round loops copy no buffer whole: a round's W reads the old stash, so the
     stage input that arrived in the round is stored only once the round's gradient sums
     are made (executor._round). Stored before, XLA kept the old stash by copying it whole
-    in the loop body, every round (four copies of 1.3 MB here, 48 of 1.1 GB at GPT-1.3B's
-    (1,4,2)). Tensor split: the wait must keep the carry's type there."""
+    in the loop body, every round (figures: BENCHMARKS.md). Tensor split: the wait must
+    keep the carry's type there."""
     config, _, report, module = compiled(*layout(1, 2, 2, 8, "parallel.schedule=zb-v",
                                                  "parallel.chunks=2"))
     bodies = {loop.body for loop in round_sends(module)}
