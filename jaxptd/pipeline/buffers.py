@@ -184,6 +184,7 @@ def send(x, p: int, v: int, step: int, tensor: int, v_shape: bool = False):
     return (below, above) if step == 1 else (above, below)
 
 
-def arrive(buffer, message, valid, slot, tensor: int):
-    """Stores a message that arrived (gathered over tensor) in buffer[slot] where valid."""
-    return write(buffer, slot, _gather(message, tensor), valid > 0)
+def arrive(buffer, message, slot, tensor: int):
+    """Stores a message that arrived (gathered over tensor) in buffer[slot], unmasked: an
+    idle arrival's slot is the buffer's spare (lowering's Rounds.spare)."""
+    return write(buffer, slot, _gather(message, tensor), True)

@@ -28,7 +28,7 @@ class Evaluation:
         self.backward = self.weight = None  # their slots are 'off'
 
     def initial_carry(self):
-        return {"stash": self.stage.buffer(self.rounds.num_stash_slots),
+        return {"stash": self.stage.buffer(self.rounds.spare("stash") + 1),
                 "loss": mark_varying(jnp.zeros((), jnp.float32), (*TOKENS, PIPE))}
 
     def forward(self, carry, row, valid, seg):

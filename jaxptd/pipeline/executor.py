@@ -86,11 +86,9 @@ from jaxptd.parallel.varying import after, mark_varying, waiting, zeros_as
 # is stored), sent at the start of the next round (see the module docstring)
 PENDING = "pending"
 SLOT_FIELDS = {
-    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_valid", "recv_f_slot",
-          "recv_f2_valid", "recv_f2_slot"),
+    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_slot", "recv_f2_slot"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "b_keeps",
-          "b_again", "b_stores", "recv_b_valid", "recv_b_slot", "recv_b2_valid",
-          "recv_b2_slot"),
+          "b_again", "b_stores", "recv_b_slot", "recv_b2_slot"),
     "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_now", "w_tslot"),
 }
 
@@ -221,28 +219,30 @@ def _run_beside(message, mode, fn, carry, row, valid_field, seg, idle_message):
 
 def _store(buffer, sent, arrivals, made, late, tensor: int):
     """buffer with the round's arrived messages stored (buffers.arrive): `sent` (buffers.
-    send's: one message, or V-shaped a pair, one a channel) where arrivals ({'_valid',
-    '_slot'}, V-shaped also {'2_valid', '2_slot'}: the tables' recv_* and recv_*2) say;
-    each stored after `made` (_stored_after) and, given `late`, waiting for it too (the
-    round's late stores)."""
+    send's: one message, or V-shaped a pair, one a channel) at the slots arrivals say
+    ({'_slot'}, V-shaped also {'2_slot'}: the tables' recv_* and recv_*2; an idle one the
+    spare); each stored after `made` (_stored_after) and, given `late`, waiting for it too
+    (the round's late stores)."""
     for message, channel in zip(sent if isinstance(sent, tuple) else (sent,), ("_", "2_")):
         slot = _stored_after(arrivals[channel + "slot"], made, message)
         message = message if late is None else waiting(message, late)
-        buffer = buffers.arrive(buffer, message, arrivals[channel + "valid"], slot, tensor)
+        buffer = buffers.arrive(buffer, message, slot, tensor)
     return buffer
 
 
-def _pending(pending, g_x, idle, row, v_shape: bool) -> dict:
+def _pending(g_x, idle, row, spare, v_shape: bool) -> dict:
     """The carry's B message for the next round: this round's input gradient g_x with the
-    tables' recv_b (and V-shaped recv_b2) valid and slot, or, with no B slot traced (g_x
-    None), the idle message, stored nowhere."""
+    tables' recv_b (and V-shaped recv_b2) slots, or, with no B slot traced (g_x None), the
+    idle message, stored in the grad buffer's spare slot."""
     channels = ("_", "2_") if v_shape else ("_",)
     if g_x is None:
-        return {"x": idle, **{c + "valid": jnp.zeros_like(pending[c + "valid"])
-                              for c in channels},
-                **{c + "slot": pending[c + "slot"] for c in channels}}
-    return {"x": g_x, **{c + n: row[f"recv_b{c}{n}"] for c in channels
-                         for n in ("valid", "slot")}}
+        return {"x": idle, **{c + "slot": spare for c in channels}}
+    return {"x": g_x, **{c + "slot": row[f"recv_b{c}slot"] for c in channels}}
+
+
+def _spare(rounds: Rounds):
+    """The grad buffer's spare slot (Rounds.spare), typed like the tables' slots."""
+    return mark_varying(jnp.asarray(rounds.spare("grad"), jnp.int32), (PIPE,))
 
 
 def _round(program, seg: Segment):
@@ -291,12 +291,12 @@ def _round(program, seg: Segment):
         carry = {k: x for k, x in carry.items() if k != HANDED}
         if sent_f is not None:
             arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
-                        if k.startswith("recv_f")}  # {'_valid': .., '_slot': .., '2_valid': ..}
+                        if k.startswith("recv_f")}  # {'_slot': .., V-shaped '2_slot': ..}
             done = (g_x, carry["grads"]["layers"]) if v_shape else g_x if late else None
             carry["stash"] = _store(carry["stash"], sent_f, arrivals, g_x if wait else None,
                                     done, tensor)
         if pending is not None:
-            carry[PENDING] = _pending(pending, g_x, idle, row, v_shape)
+            carry[PENDING] = _pending(g_x, idle, row, _spare(program.rounds), v_shape)
         return carry, None
     return one_round
 
@@ -306,10 +306,8 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     cuts: rounds after which the scans are cut and at_cut(round, carry) is called."""
     carry = program.initial_carry()
     if "gbuf" in carry:  # nothing pending before the first round
-        nothing = mark_varying(jnp.zeros((), jnp.int32), (PIPE,))
-        channels = ("_", "2_") if rounds.v_shape else ("_",)
-        carry[PENDING] = {"x": program.stage.buffer(1)[0],
-                          **{c + n: nothing for c in channels for n in ("valid", "slot")}}
+        carry[PENDING] = _pending(None, program.stage.buffer(1)[0], None, _spare(rounds),
+                                  rounds.v_shape)
     swaps = getattr(program, "swaps", None)
     held = static_chunks.round_chunks(rounds, swaps) if swaps else None
     for seg in segments(rounds, form, program.stage.context.headless):

@@ -2,7 +2,8 @@
 
 Owns the buffers a pipeline needs and which slot of each every action uses. Pure Python.
 `Rounds` tables are [T][p] tuples of ints (round t, rank r); unused entries are 0 (but an
-idle F's f_slot and f_tslot: slots free of kept values and of tapes, slot_pool.idle_f_slots).
+idle F's f_slot and f_tslot: slots free of kept values and of tapes, slot_pool.idle_f_slots;
+and an idle arrival's slot: its buffer's spare, `Rounds.spare`).
 Per round and rank: an F slot (microbatch, chunk, the stash slot of its input, and with
 zero-bubble kinds the tape slot it fills), a B slot (its input's stash slot, the grad slot
 of its output gradient, and with zero-bubble kinds the W slot it fills), a W slot (the W
@@ -28,7 +29,9 @@ unless said otherwise):
   runs again there;
 - tape (zero-bubble kinds, used with parallel.stash=activations): each weight matmul's
   input as the F computed it, from the F until the W, so the B neither reads nor copies
-  it (a slot taken by a round's F is not one its W frees).
+  it (a slot taken by a round's F is not one its W frees); packed for masked rounds, one
+  slot more where some idle F finds none free, so every idle F tapes unmasked (a masked
+  tape write read the slot's old values first: figures in BENCHMARKS.md).
 The stash the schedule reports (`peak_stash`) counts, per rank, the microbatch-stages held
 at once: stash slots plus W slots, i.e. from arrival until the last backward piece.
 
@@ -99,6 +102,15 @@ class Rounds:
     split_backward: bool
     packed: tuple  # per round, per rank: (F, B, W) actions or None (schedules.pack_rounds)
 
+    def spare(self, buffer: str) -> int:
+        """The slot past the last of the stash ('stash') or grad ('grad') slots, which
+        every idle arrival's table points at (recv_*_slot where recv_*_valid is 0), so the
+        executor stores every message that arrives unmasked, garbage in the spare where
+        nothing did: a masked store read the slot's old value first and selected, two
+        passes over the message more (figures: BENCHMARKS.md and the git log). Its
+        buffer holds this many slots and one more; nothing reads the spare."""
+        return self.num_stash_slots if buffer == "stash" else self.num_grad_slots
+
     def stage(self, chunk: int, rank: int) -> int:
         """The virtual stage of a rank's chunk (schedules.virtual_stage)."""
         return virtual_stage(self.v_shape, self.stages, chunk, rank)
@@ -139,6 +151,13 @@ def lower(schedule: Schedule, costs: Costs = Costs()) -> Rounds:
     size = {k: max(pool.size for pool in pools[k]) for k in pools}
     free = not schedule.forward_only and idle_f_slots(tab, lowering.kept, size["stash"])
     free_tapes = split and idle_f_slots(tab, tape_lifetimes(tab), size["tape"], "f_tslot")
+    if split and costs.masked and not free_tapes:  # one tape slot more: each idle F has one
+        size["tape"] += 1
+        free_tapes = idle_f_slots(tab, tape_lifetimes(tab), size["tape"], "f_tslot")
+    for channel in ("f", "f2", "b", "b2"):  # idle arrivals at the spare slot (Rounds.spare)
+        spare = size["stash" if channel[0] == "f" else "grad"]
+        for valid, slot in zip(tab[f"recv_{channel}_valid"], tab[f"recv_{channel}_slot"]):
+            slot[:] = [s if ok else spare for ok, s in zip(valid, slot)]
     frozen = {k: tuple(tuple(x) for x in rows) for k, rows in tab.items()}
     return Rounds(T, p, v, schedule.microbatches, **frozen, num_stash_slots=size["stash"],
                   num_grad_slots=size["grad"], num_w_slots=size["w"],

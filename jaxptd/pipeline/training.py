@@ -152,8 +152,8 @@ class Training(WeightSlot):
             saved = buffers.slots((templates, y), rounds.num_stash_slots,
                                   unwritten=rounds.b_reads_written)
         inputs, taps = wkept or (None, None)
-        carry = {"stash": stage.buffer(rounds.num_stash_slots),
-                 "gbuf": stage.buffer(rounds.num_grad_slots), "saved": saved,
+        carry = {"stash": stage.buffer(rounds.spare("stash") + 1),  # (+ the spare slot)
+                 "gbuf": stage.buffer(rounds.spare("grad") + 1), "saved": saved,
                  # (every W reads what some F wrote, lowering's w_reads_written: no zeros)
                  "tapes": buffers.slots(inputs, rounds.num_tape_slots,
                                         unwritten=rounds.w_reads_written)

@@ -41,13 +41,14 @@ def stash_bytes(slots: dict, stage_input: float, chunk_layers: int, kept: float,
     bytes: each as the module docstring says, for b rows of n tokens (a rank's), a chunk
     of chunk_layers layers, each keeping `kept` bytes in a stash slot, and a stage input
     of stage_input bytes; plus the input gradient a round carries to the next, which
-    sends it (jaxptd/pipeline/executor.py)."""
+    sends it (jaxptd/pipeline/executor.py), and the spare stage input of the stash and of
+    the grad buffer that idle arrivals are stored in (lowering's Rounds.spare)."""
     per_slot = stage_input + (chunk_layers * kept + stage_input if keep_activations else 0.0)
     inputs = chunk_layers * dense_input_bytes(b, n, h, t, e, sp)  # in tape or W slots
     # a zero-bubble B with no W slot hands its taps to the W of its round: one W slot's
     # worth live from the B to the W (lowering's w_now)
     handed = slots.get("w", 0) == 0 and slots.get("tape", 0) > 0
-    return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 1) * stage_input
+    return (slots.get("stash", 0) * per_slot + (slots.get("grad", 0) + 3) * stage_input
             + (slots.get("w", 0) + handed) * (chunk_layers * dense_tap_bytes(b, n, h, t, e)
                                    + (0.0 if keep_activations else inputs))
             + (slots.get("tape", 0) * inputs if keep_activations else 0.0))
@@ -58,10 +59,11 @@ def v_slots(p: int, m: int, masked: bool) -> dict:
     fitted to the lowering of schedules/vshape.py's order, exact at m = p, 2p, 3p (as
     tested): min(2m, 5p/2 + 1) stash slots (rounded down); W slots m + 1 at m = p and
     3p/2 + 2 from m = 2p (masked: none); tape slots as stash slots (masked: one fewer from
-    m = 2p); one grad slot (masked: min(m, p/2), rounded up)."""
+    m = 2p at p < 4, where every idle F finds one free; from p = 4 one an idle F can take
+    is added back: lowering); one grad slot (masked: min(m, p/2), rounded up)."""
     stash = min(2 * m, 5 * p // 2 + 1)
     if masked:
         return {"stash": stash, "grad": max(1, min(m, (p + 1) // 2)), "w": 0,
-                "tape": stash - (m >= 2 * p)}
+                "tape": stash - (m >= 2 * p and p < 4)}
     return {"stash": stash, "grad": 1, "w": 3 * p // 2 + 2 if m >= 2 * p else m + 1,
             "tape": stash}

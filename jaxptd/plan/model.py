@@ -380,9 +380,9 @@ def slots_formula(kind: str, p: int, m: int, v: int, masked: bool = False) -> di
     (one action a round: min(m, p)), and as many tape slots as stash slots; one grad slot;
     zb-v buffers.v_slots. Packed for masked rounds (a GPU's round forms: every rank runs its
     W's in the same rounds, a B's own W in its round or that B run again: lowering.py) they
-    need no W slot but min(m, p - 1) grad slots (zb-interleaved one more: b_stores), and
-    zb-interleaved one tape slot fewer than stash slots from m = 2p on. Exact for m a
-    multiple of p (Megatron's interleaved rule) and for ZB-H1 at every m; else more."""
+    need no W slot but min(m, p - 1) grad slots (zb-interleaved one more: b_stores), a tape
+    slot more where an idle F finds none free (ZB-H1 at m <= 2p - 2, zb-interleaved below
+    m = 2p; from 2p one fewer). Exact for m a multiple of p and ZB-H1's every m; else more."""
     if kind == "zb-v":
         return v_slots(p, m, masked)
     if kind == "gpipe":
@@ -396,5 +396,5 @@ def slots_formula(kind: str, p: int, m: int, v: int, masked: bool = False) -> di
     zb, grad = kind.startswith("zb"), 1
     if masked and zb:
         w, grad = 0, max(1, min(m, p - 1)) + (kind == "zb-interleaved")
-        tape = stash - (kind == "zb-interleaved" and m >= 2 * p)
+        tape = stash + (m <= 2 * p - 2 if kind == "zb-h1" else 1 - 2 * (m >= 2 * p))
     return {"stash": stash, "grad": grad, "w": w if zb else 0, "tape": tape if zb else 0}
