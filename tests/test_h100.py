@@ -104,7 +104,7 @@ def round_sends(module) -> dict:
 
 def not_row_major(module, loop) -> list:
     """The arrays a loop carries from one iteration to the next laid out other than
-    row-major (buffers._row_major pins the pipeline's slot buffers)."""
+    row-major (buffers.row_major pins the pipeline's slot buffers)."""
     instr = next(i for i in module[loop.computation].instrs if i.name == loop.name)
     found = []
     for dtype, dims, minor_to_major in re.findall(r"(\w+)\[([\d,]*)\]\{([\d,]*)\}",
@@ -230,11 +230,11 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, layers, more):
     recomputation, 8 layers: the kept backward a layer at a time, whose middle layers
     wait for the message in flight (2 of 4 without, or kept whole; 0 of 4 at 24 layers);
     (1, 4, 2) interleaved, 24 layers: messages stored after the slot they travel beside
-    (executor._stored_after; one of its three steady loops 0 of 4 without; at 8 and 16
+    (messages.stored_after; one of its three steady loops 0 of 4 without; at 8 and 16
     layers all overlapped without it); stash=inputs, 8 layers: the recomputed stage's
     middle layer waits for the message in flight, which is stored late
     (executor._steady_recomputed; 2 of 4 without, 0 of 4 at 24 layers). And every round
-    loop carries only row-major arrays (buffers._row_major: 36 arrays of 1F1B at 4
+    loop carries only row-major arrays (buffers.row_major: 36 arrays of 1F1B at 4
     microbatches and 16 layers were not without it)."""
     data, pipe, tensor = dims
     config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [

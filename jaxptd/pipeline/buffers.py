@@ -26,14 +26,14 @@ def read(buffer, slot):
 
 def write(buffer, slot, value, valid):
     """buffer[slot] = value where valid (True: unconditionally); the buffer stays
-    row-major (`_row_major`)."""
+    row-major (`row_major`)."""
     if valid is not True:
         value = jnp.where(valid, value, read(buffer, slot))
-    return _row_major(lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype),
+    return row_major(lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype),
                                                       slot, 0))
 
 
-def _row_major(buffer):
+def row_major(buffer):
     """buffer in row-major layout. Left to XLA's layout assignment, a slot buffer of the
     rounds' carry could be laid out with its slots inside another dimension, and the
     values written to it and read from it then laid out to match: in the H100 compile of

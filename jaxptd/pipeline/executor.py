@@ -12,12 +12,12 @@ slot, zero-bubble kinds) with the buffer slots they use. A round, read top to bo
 A zero-bubble B whose W runs in the same round hands what it keeps for it to the W through the
 carry (weight_slot.HANDED), not through a W slot. Nothing in a round reads what is sent in it:
 an output travels beside the round's B and W slots and is stored at the end of the round
-(`buffers.arrive`); an input gradient, made at the end of a B slot, is carried into the next
+(messages.py); an input gradient, made at the end of a B slot, is carried into the next
 round and sent at its start, so it travels beside that round's F slot (sent at the end of its
 own round, it had nothing to overlap: a loop iteration ends with its sends done), and stored
 before the B slot that reads it. With chunks (interleaved kinds) a message is stored only once
-the slot before the store has made its output (`_stored_after`), so that XLA keeps the transfer
-in flight across that slot's last GEMMs (V-shaped, an arrived stage input waits for the round's
+the slot before the store has made its output (`messages.stored_after`), so that XLA keeps
+the transfer in flight across that slot's last GEMMs (V-shaped, an arrived stage input waits for the round's
 gradient sums too: the round's W reads the old stash, and XLA copied the whole stash to keep
 it); the kept backward a layer at a time (training.py) makes the middle layer of the slot a
 message travels beside wait for it (the carry's training.IN_FLIGHT during the slot), and so
@@ -61,7 +61,7 @@ Parameters: each layer leaf is [v, 1, L/(p v), ...] on a device (chunks, this ra
 layers of the chunk); virtual stage c*p + r runs chunk c on rank r, or for a V-shaped schedule
 (zb-v) r and 2p - 1 - r (schedules.virtual_stage): its messages go up or down the ranks by
 chunk, or stay on rank p - 1 at the turn, so each is sent both ways and each rank stores what
-arrives from either side where the tables' two channels say (buffers.send, `_store`)."""
+arrives from either side where the tables' two channels say (buffers.send, `messages.store`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -72,23 +72,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxptd.hlo.cost import ROUNDS_SCOPE
-from jaxptd.parallel.mesh import PIPE
-from jaxptd.pipeline import buffers, schedules, static_chunks
+from jaxptd.pipeline import buffers, messages, schedules, static_chunks
 from jaxptd.pipeline.context import Context
 from jaxptd.pipeline.evaluation import Evaluation
 from jaxptd.pipeline.lowering import Rounds, lower
 from jaxptd.pipeline.scans import Segment, chunks_done, ends_of, head_rows, round_costs, segments
 from jaxptd.pipeline.training import IN_FLIGHT, WRITES_AFTER, Training
 from jaxptd.pipeline.weight_slot import HANDED
-from jaxptd.parallel.varying import after, mark_varying, waiting, zeros_as
+from jaxptd.parallel.varying import zeros_as
 
 # the carry's B message of the previous round ({x, valid, slot}: what it is and where it
 # is stored), sent at the start of the next round (see the module docstring)
 PENDING = "pending"
 SLOT_FIELDS = {
-    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_slot", "recv_f2_slot"),
+    "F": ("f_valid", "f_mb", "f_chunk", "f_slot", "f_tslot", "recv_f_slot", "recv_f2_slot",
+          "recv_f2_valid"),
     "B": ("b_valid", "b_mb", "b_chunk", "b_slot", "b_grad_slot", "b_wslot", "b_keeps",
-          "b_again", "b_stores", "recv_b_slot", "recv_b2_slot"),
+          "b_again", "b_stores", "recv_b_slot", "recv_b2_slot", "recv_b2_valid"),
     "W": ("w_valid", "w_mb", "w_chunk", "w_slot", "w_now", "w_tslot"),
 }
 
@@ -177,22 +177,6 @@ def _conditional(fn, carry, row, valid_field, seg, idle_message):
     return message, {**carry, **out, **stored}
 
 
-def _stored_after(slot, made, message):
-    """The slot a message is stored at, made to depend on `made` (a slot's output; None:
-    nothing to wait for). XLA's latency-hiding scheduler puts a transfer's done just
-    before what reads it and its start only as far back as its latency estimate needs,
-    which a few small fusions can cover. Stored after the F slot's output (an input
-    gradient, which the B slot reads) or the B slot's (an output, stored at the end of the
-    round), a message's transfer overlaps at least that slot's last GEMMs. With chunks
-    only, as measured in the H100 compiles: the interleaved and zb-interleaved kinds'
-    steady loops had sends with no GEMM in flight without it and more sends overlapped
-    with it, at about the same time and memory; zb-h1's sends were all overlapped without
-    it, and with it kept them but lost much of its tensor all-reduces' overlap; 1F1B's
-    sends were all overlapped without it and with it lost some (the mixture of experts'
-    layout). Figures: BENCHMARKS.md and the git log."""
-    return slot if made is None else after(slot, made, like=message)
-
-
 def _steady_recomputed(program, seg) -> bool:
     """Whether the segment's slots are a recomputed stage's (training.recomputes: stash=
     inputs, unrolled layers) that every rank runs (F and B), whose middle layer then waits
@@ -217,39 +201,11 @@ def _run_beside(message, mode, fn, carry, row, valid_field, seg, idle_message):
     return out, {k: x for k, x in carry.items() if k != IN_FLIGHT}
 
 
-def _store(buffer, sent, arrivals, made, late, tensor: int):
-    """buffer with the round's arrived messages stored (buffers.arrive): `sent` (buffers.
-    send's: one message, or V-shaped a pair, one a channel) at the slots arrivals say
-    ({'_slot'}, V-shaped also {'2_slot'}: the tables' recv_* and recv_*2; an idle one the
-    spare); each stored after `made` (_stored_after) and, given `late`, waiting for it too
-    (the round's late stores)."""
-    for message, channel in zip(sent if isinstance(sent, tuple) else (sent,), ("_", "2_")):
-        slot = _stored_after(arrivals[channel + "slot"], made, message)
-        message = message if late is None else waiting(message, late)
-        buffer = buffers.arrive(buffer, message, slot, tensor)
-    return buffer
-
-
-def _pending(g_x, idle, row, spare, v_shape: bool) -> dict:
-    """The carry's B message for the next round: this round's input gradient g_x with the
-    tables' recv_b (and V-shaped recv_b2) slots, or, with no B slot traced (g_x None), the
-    idle message, stored in the grad buffer's spare slot."""
-    channels = ("_", "2_") if v_shape else ("_",)
-    if g_x is None:
-        return {"x": idle, **{c + "slot": spare for c in channels}}
-    return {"x": g_x, **{c + "slot": row[f"recv_b{c}slot"] for c in channels}}
-
-
-def _spare(rounds: Rounds):
-    """The grad buffer's spare slot (Rounds.spare), typed like the tables' slots."""
-    return mark_varying(jnp.asarray(rounds.spare("grad"), jnp.int32), (PIPE,))
-
-
 def _round(program, seg: Segment):
     """The scan body of a segment: the slots of `program` in order, then the arrivals."""
     p, v, tensor = program.p, program.v, program.tensor
-    v_shape = program.rounds.v_shape  # messages both ways (buffers.send, _store)
-    wait = v > 1  # _stored_after: the interleaved kinds (and zb-v)
+    v_shape = program.rounds.v_shape  # messages both ways (buffers.send, messages.store)
+    wait = v > 1  # messages.stored_after: the interleaved kinds (and zb-v)
     by_layer = getattr(program, "by_layer", False)
     # the slots wait for the message in flight beside them: the kept backward a layer at
     # a time, or a recomputed stage; elsewhere nothing reads it (a conditional slot would
@@ -258,7 +214,7 @@ def _round(program, seg: Segment):
     # late: in the rounds where every rank runs F and B, unless the kept backward a layer at
     # a time holds them itself, the messages are stored only once the slot they travelled
     # beside has made its output (varying.waiting: the message waits, not just the slot it
-    # is stored at, which _stored_after's wait leaves XLA free to gather and store it
+    # is stored at, which stored_after's wait leaves XLA free to gather and store it
     # early), so that a transfer's done, which XLA's latency-hiding scheduler puts just
     # before what reads it, lands past that slot's last GEMMs. In the H100 compile of
     # GPT-1.3B at (2,2,2) 1F1B (the chunk's kept vjp, no sequence parallelism) every steady
@@ -268,6 +224,7 @@ def _round(program, seg: Segment):
     # the message); on the kept backward a layer at a time, memory, so not there (figures:
     # BENCHMARKS.md and the git log).
     late = seg.modes[:2] == ("run", "run") and not by_layer
+    merged_f, merged_b = messages.merged(program.rounds, seg)  # V-shaped pairs as one
 
     def one_round(carry, row):
         idle = program.stage.buffer(1)[0]  # [b, s, h] zeros: what an idle F or B sends
@@ -280,8 +237,9 @@ def _round(program, seg: Segment):
         sent_f = None if y is None else buffers.send(y, p, v, 1, tensor, v_shape)
         carry = dict(carry)
         if sent_b is not None:  # stored after the F slot it travelled beside, for this B
-            carry["gbuf"] = _store(carry["gbuf"], sent_b, pending, y if wait else None,
-                                   y if late else None, tensor)
+            carry["gbuf"] = messages.store(carry["gbuf"], sent_b, pending,
+                                           y if wait else None, y if late else None, tensor,
+                                           merged_b)
         if seg.modes[2] != "off" and seg.taps[1] != "slot":  # B hands its taps to W
             carry[HANDED] = program.handover()
         g_x, carry = _run_beside(sent_f if held else None, seg.modes[1], program.backward,
@@ -293,10 +251,11 @@ def _round(program, seg: Segment):
             arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
                         if k.startswith("recv_f")}  # {'_slot': .., V-shaped '2_slot': ..}
             done = (g_x, carry["grads"]["layers"]) if v_shape else g_x if late else None
-            carry["stash"] = _store(carry["stash"], sent_f, arrivals, g_x if wait else None,
-                                    done, tensor)
+            carry["stash"] = messages.store(carry["stash"], sent_f, arrivals,
+                                            g_x if wait else None, done, tensor, merged_f)
         if pending is not None:
-            carry[PENDING] = _pending(g_x, idle, row, _spare(program.rounds), v_shape)
+            carry[PENDING] = messages.pending(g_x, idle, row, messages.spare(program.rounds),
+                                              v_shape)
         return carry, None
     return one_round
 
@@ -306,8 +265,8 @@ def _run(program, rounds: Rounds, form: str, kinds: str, cuts=(), at_cut=None):
     cuts: rounds after which the scans are cut and at_cut(round, carry) is called."""
     carry = program.initial_carry()
     if "gbuf" in carry:  # nothing pending before the first round
-        carry[PENDING] = _pending(None, program.stage.buffer(1)[0], None, _spare(rounds),
-                                  rounds.v_shape)
+        carry[PENDING] = messages.pending(None, program.stage.buffer(1)[0], None,
+                                          messages.spare(rounds), rounds.v_shape)
     swaps = getattr(program, "swaps", None)
     held = static_chunks.round_chunks(rounds, swaps) if swaps else None
     for seg in segments(rounds, form, program.stage.context.headless):

@@ -111,6 +111,12 @@ class Rounds:
         buffer holds this many slots and one more; nothing reads the spare."""
         return self.num_stash_slots if buffer == "stash" else self.num_grad_slots
 
+    def one_channel(self, kind: str, start: int, stop: int) -> bool:
+        """Whether in rounds [start, stop) no rank receives a message of `kind` ('f', 'b')
+        in both channels at once (recv_* and recv_*2)."""
+        one, two = getattr(self, f"recv_{kind}_valid"), getattr(self, f"recv_{kind}2_valid")
+        return not any(a and b for t in range(start, stop) for a, b in zip(one[t], two[t]))
+
     def stage(self, chunk: int, rank: int) -> int:
         """The virtual stage of a rank's chunk (schedules.virtual_stage)."""
         return virtual_stage(self.v_shape, self.stages, chunk, rank)

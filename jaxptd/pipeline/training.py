@@ -75,7 +75,7 @@ def kept_by_layer(context: Context, split: bool) -> bool:
     time had a far lower MFU ceiling and more memory; with it, a slightly higher ceiling
     and much less memory, with model.remat=minimal and without. With model.remat=full (its
     layers keep only their inputs) the ceiling is the same and the middle layer's stores
-    can hold the message in flight (buffers._row_major). Figures: BENCHMARKS.md and the
+    can hold the message in flight (buffers.row_major). Figures: BENCHMARKS.md and the
     git log."""
     model, layout = context.model, context.layout
     return context.stash == "activations" and not split and \

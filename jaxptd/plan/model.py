@@ -312,7 +312,7 @@ def activation_memory(**inputs) -> dict:
         kept += twice  # the scores beside the probabilities
     # in flight: a layer's kept values, not the chunk's, where they are stored a layer at a
     # time (by_layer), or on a GPU as XLA schedules the chunk's vjp with row-major stash
-    # buffers (pipeline/buffers.py, _row_major): the H100 compile of (2,2,2) 1F1B with XLA
+    # buffers (pipeline/buffers.py, row_major): the H100 compile of (2,2,2) 1F1B with XLA
     # attention stores each layer's probabilities as the layers go, from the fifth on
     span = x.chunk_layers if x.pipe > 1 else x.layers_per_stage
     span = 1 if x.by_layer or (x.gpu and x.pipe > 1 and x.keep_activations) else span
