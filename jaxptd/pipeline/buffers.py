@@ -30,7 +30,7 @@ def write(buffer, slot, value, valid):
     if valid is not True:
         value = jnp.where(valid, value, read(buffer, slot))
     return row_major(lax.dynamic_update_index_in_dim(buffer, value.astype(buffer.dtype),
-                                                      slot, 0))
+                                                     slot, 0))
 
 
 def row_major(buffer):

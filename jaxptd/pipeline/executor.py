@@ -9,22 +9,23 @@ slot, zero-bubble kinds) with the buffer slots they use. A round, read top to bo
     send the previous round's input gradient to r-1 -> F slot -> send its output to r+1
       -> store the gradient that arrived -> B slot -> W slot -> store the output that arrived
 
-A zero-bubble B whose W runs in the same round hands what it keeps for it to the W through the
-carry (weight_slot.HANDED), not through a W slot. Nothing in a round reads what is sent in it:
-an output travels beside the round's B and W slots and is stored at the end of the round
-(messages.py); an input gradient, made at the end of a B slot, is carried into the next
-round and sent at its start, so it travels beside that round's F slot (sent at the end of its
-own round, it had nothing to overlap: a loop iteration ends with its sends done), and stored
-before the B slot that reads it. With chunks (interleaved kinds) a message is stored only once
-the slot before the store has made its output (`messages.stored_after`), so that XLA keeps
-the transfer in flight across that slot's last GEMMs (V-shaped, an arrived stage input waits for the round's
-gradient sums too: the round's W reads the old stash, and XLA copied the whole stash to keep
-it); the kept backward a layer at a time (training.py) makes the middle layer of the slot a
-message travels beside wait for it (the carry's training.IN_FLIGHT during the slot), and so
-does a recomputed stage (stash=inputs, `_steady_recomputed`), whose messages are also stored
-only once the slot they travelled beside has made its output. The last round's input gradient
-is never sent: no later B slot reads it. A `lax.scan` runs the rounds of each segment, two a
-step where zb-v's chunks are static (static_chunks).
+A zero-bubble B whose W runs in the same round hands what it keeps for it to the W through
+the carry (weight_slot.HANDED), not through a W slot. Nothing in a round reads what is sent
+in it: an output travels beside the round's B and W slots and is stored at the end of the
+round (messages.py); an input gradient, made at the end of a B slot, is carried into the
+next round and sent at its start, so it travels beside that round's F slot (sent at the end
+of its own round, it had nothing to overlap: a loop iteration ends with its sends done), and
+stored before the B slot that reads it. With chunks (interleaved kinds) a message is stored
+only once the slot before the store has made its output (`messages.stored_after`), so that
+XLA keeps the transfer in flight across that slot's last GEMMs (V-shaped, an arrived stage
+input waits for the round's gradient sums too: the round's W reads the old stash, and XLA
+copied the whole stash to keep it); the kept backward a layer at a time (training.py) makes
+the middle layer of the slot a message travels beside wait for it (the carry's
+training.IN_FLIGHT during the slot), and so does a recomputed stage (stash=inputs,
+`_steady_recomputed`), whose messages are also stored only once the slot they travelled
+beside has made its output. The last round's input gradient is never sent: no later B slot
+reads it. A `lax.scan` runs the rounds of each segment, two a step where zb-v's chunks are
+static (static_chunks).
 
 Round forms (parallel.round_form; `segments`):
 - cond (the CPU default): every slot, the embedding and the head are a `lax.cond` on the
@@ -249,7 +250,7 @@ def _round(program, seg: Segment):
         carry = {k: x for k, x in carry.items() if k != HANDED}
         if sent_f is not None:
             arrivals = {k.removeprefix("recv_f"): x for k, x in row.items()
-                        if k.startswith("recv_f")}  # {'_slot': .., V-shaped '2_slot': ..}
+                        if k.startswith("recv_f")}  # {'_slot', V-shaped '2_slot', '2_valid'}
             done = (g_x, carry["grads"]["layers"]) if v_shape else g_x if late else None
             carry["stash"] = messages.store(carry["stash"], sent_f, arrivals,
                                             g_x if wait else None, done, tensor, merged_f)
