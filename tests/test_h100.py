@@ -217,25 +217,19 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, layers, more):
     spread over pipe, `layers` of its 24: every send of the steady rounds' loops has a
     GEMM or attention in flight, the input gradient too (sent at the start of the next
     round, beside its F slot). Checked at the real width: XLA's latency-hiding scheduler
-    starts a transfer only as far back as its latency estimate needs, and in the small
-    layouts above that span holds a GEMM by accident or not at all (4 layers of width 256,
-    (2, 2, 2) 1F1B m8: 4 of 4 sends overlapped with b = 2 before the head was spread, the
-    head's own GEMM; 0 of 4 with b = 1, and 0 of 4 spread; width 2048: 3 of 4). Each case
-    at a depth where it still fails with the mechanism it guards switched off (fewer
-    layers compile faster; the stack a layer at a time took the longest compile). (2, 2,
-    2) 1F1B at 4 microbatches, 16 layers: the chunk's vjp, its messages stored once the
-    slot they travelled beside has made its output (executor._round's `late`; 3 of 4
-    without at 16 layers, 2 of 4 at 24; at 8 and 12 all 4 overlapped without it); at 8
-    with SP, minimal_mlp and ZeRO-1 (the issue's goal layout) and with full
-    recomputation, 8 layers: the kept backward a layer at a time, whose middle layers
-    wait for the message in flight (2 of 4 without, or kept whole; 0 of 4 at 24 layers);
-    (1, 4, 2) interleaved, 24 layers: messages stored after the slot they travel beside
-    (messages.stored_after; one of its three steady loops 0 of 4 without; at 8 and 16
-    layers all overlapped without it); stash=inputs, 8 layers: the recomputed stage's
+    starts a transfer only as far back as its latency estimate needs, and in small
+    layouts that span holds a GEMM by accident or not at all. Each case at a depth where
+    it still fails with the mechanism it guards switched off (fewer layers compile
+    faster): (2, 2, 2) 1F1B, 16 layers: the chunk's vjp, its messages stored once the
+    slot they travelled beside has made its output (executor._round's `late`); with SP,
+    minimal_mlp and ZeRO-1 (the issue's goal layout) and with full recomputation, 8
+    layers: the kept backward a layer at a time, whose middle layers wait for the message
+    in flight; (1, 4, 2) interleaved, 24 layers: messages stored after the slot they
+    travel beside (messages.stored_after); stash=inputs, 8 layers: the recomputed stage's
     middle layer waits for the message in flight, which is stored late
-    (executor._steady_recomputed; 2 of 4 without, 0 of 4 at 24 layers). And every round
-    loop carries only row-major arrays (buffers.row_major: 36 arrays of 1F1B at 4
-    microbatches and 16 layers were not without it)."""
+    (executor._steady_recomputed). And every round loop carries only row-major arrays
+    (buffers.row_major; messages.pending's carried input gradient). How many sends each
+    case overlapped without its mechanism: the git log."""
     data, pipe, tensor = dims
     config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [
         *layout(data, pipe, tensor, micro, *more), f"train.global_batch={4 * data * micro}",

@@ -23,7 +23,7 @@ def stored_after(slot, made, message):
     which a few small fusions can cover. Stored after the F slot's output (an input
     gradient, which the B slot reads) or the B slot's (an output, stored at the end of the
     round), a message's transfer overlaps at least that slot's last GEMMs. With chunks
-    only, as measured in the H100 compiles: the interleaved and zb-interleaved kinds'
+    only, as the compiled GPU programs showed: the interleaved and zb-interleaved kinds'
     steady loops had sends with no GEMM in flight without it and more sends overlapped
     with it, at about the same time and memory; zb-h1's sends were all overlapped without
     it, and with it kept them but lost much of its tensor all-reduces' overlap; 1F1B's

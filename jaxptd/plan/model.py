@@ -312,8 +312,8 @@ def activation_memory(**inputs) -> dict:
         kept += twice  # the scores beside the probabilities
     # in flight: a layer's kept values, not the chunk's, where they are stored a layer at a
     # time (by_layer), or on a GPU as XLA schedules the chunk's vjp with row-major stash
-    # buffers (pipeline/buffers.py, row_major): the H100 compile of (2,2,2) 1F1B with XLA
-    # attention stores each layer's probabilities as the layers go, from the fifth on
+    # buffers (pipeline/buffers.py, row_major): with XLA's attention a compiled pipelined
+    # 1F1B step stores each layer's probabilities as the layers go (the git log's figures)
     span = x.chunk_layers if x.pipe > 1 else x.layers_per_stage
     span = 1 if x.by_layer or (x.gpu and x.pipe > 1 and x.keep_activations) else span
     return {"per_layer": layer, "kept": 0.0 if x.offload else span * kept,
