@@ -27,6 +27,10 @@
 #   profile     bench/profile_step.py: the top XLA ops of one GPT-1.3B step
 #   pipeline    bench/pipeline_rounds.py --json OUT_DIR/pipeline_rounds.json
 #               --command-buffers (--toy under --toy), when that script exists
+#   schedules   with 2 GPUs or more, GPT-1.3B pipelined over p of them (8, 4 or 2; 32
+#               layers at 8, as issue 48's depth), 4p microbatches of 2: 1f1b with and
+#               without minimal recomputation, zb-h1, interleaved, zb-interleaved and
+#               zb-v (--toy: 1f1b and zb-v over 4 simulated CPU devices)
 #
 # Everything goes under OUT_DIR, in at most 8 files (what a device command hands back):
 # gpu_all.log (all output), env.txt, kernels_<device>.json, gpu_train_<device>.json,
@@ -41,7 +45,8 @@
 # 2-layer models, eager PyTorch): what CI runs (tests/test_bench_gpu.py).
 set -u -o pipefail
 
-ALL_PARTS=(env kernels sizes fp8 llama long moe variants microbatch profile pipeline)
+ALL_PARTS=(env kernels sizes fp8 llama long moe variants microbatch profile pipeline
+           schedules)
 usage="usage: bench/gpu_all.sh [--toy] OUT_DIR [PART ...]; parts: ${ALL_PARTS[*]}"
 TOY=""
 if [ "${1:-}" = "--toy" ]; then TOY=1; shift; fi
@@ -141,6 +146,26 @@ part_pipeline() {
   local graphs=--command-buffers
   [ -n "$TOY" ] && graphs=--toy
   $PY -m bench.pipeline_rounds --json "$OUT/pipeline_rounds.json" $graphs
+}
+part_schedules() {  # the pipeline at depth, every schedule in one run (issue 48)
+  local n p layers=24
+  if [ -n "$TOY" ]; then  # (simulated CPU devices: the plumbing, not the schedules)
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=4"
+    layers=8
+  fi
+  n=$($PY -c 'import jax; print(jax.device_count())')
+  if [ "$n" -lt 2 ]; then
+    echo "one device: no pipelined rows (the pipeline part times one rank's rounds)"; return 0
+  fi
+  p=$((n >= 8 ? 8 : n >= 4 ? 4 : 2))
+  [ "$p" -eq 8 ] && layers=32
+  local at="pipe=$p,layers=$layers,b=2" variants
+  variants=("$at,schedule=1f1b" "$at,schedule=1f1b,remat=minimal" "$at,schedule=zb-h1"
+            "$at,schedule=interleaved,chunks=2" "$at,schedule=zb-interleaved,chunks=2"
+            "$at,schedule=zb-v,chunks=2")
+  [ -n "$TOY" ] && variants=("$at,schedule=1f1b" "$at,schedule=zb-v,chunks=2")
+  $PY -m bench.gpu_train --models "$BIG" --variants "${variants[@]}" "${TRAIN[@]}" \
+    --global-batch $((8 * p))
 }
 
 if [ -n "${GPU_ALL_PART:-}" ]; then  # one part, in the process the loop below starts

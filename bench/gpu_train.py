@@ -1,4 +1,5 @@
-"""Training throughput of GPT models on one device, jaxptd against a PyTorch baseline.
+"""Training throughput of GPT models on one device (or the few a pipelined or
+context-parallel variant names), jaxptd against a PyTorch baseline.
 
 Each (model, variant) is built through the training code path (`load_config` of
 configs/gpu/<model>.yaml with overrides, `make_mesh`, `Setup`, `jaxptd.train.loop.compile_step`)
@@ -17,8 +18,11 @@ fp32 masters, AdamW), llama-<size> (the same sizes with model.arch=llama: skippe
 note until that key exists), and <arch>-toy (a 2-layer stand-in for CI). Variants: "base"
 (the config as written) or comma-separated changes of attention (xla, cudnn), kernels
 (xla, pallas), remat (none, minimal, selective, full), scan (auto, true, false: the layers
-scanned or unrolled) and b (microbatch size; the global batch stays --global-batch
-sequences), e.g. "attention=xla,remat=selective,b=2".
+scanned or unrolled), b (microbatch size; the global batch stays --global-batch
+sequences), layers, and the layout's pipe, schedule, chunks and context (a run takes the
+first data x pipe x context x tensor devices; TFLOP/s and MFU are per device, peak memory
+the device's that used most), e.g. "attention=xla,remat=selective,b=2" or
+"pipe=8,layers=32,b=2,schedule=zb-v,chunks=2".
 
     python -m bench.gpu_train --models gpt-1.3B --variants base kernels=pallas
 
@@ -62,7 +66,8 @@ VARIANT_KEYS = {"attention": "model.attention", "kernels": "model.kernels",
                 "pack": "model.document_end", "context": "parallel.context",
                 "experts": "model.moe_experts", "topk": "model.moe_top_k",
                 "expert_ffn": "model.moe_ffn", "capacity": "model.moe_capacity",
-                "fp8": "model.fp8"}
+                "fp8": "model.fp8", "pipe": "parallel.pipe", "schedule": "parallel.schedule",
+                "chunks": "parallel.chunks", "layers": "model.num_layers"}
 RUN_TIMEOUT_S = 300
 
 
@@ -139,8 +144,9 @@ def make_job(model: str, variant: str, global_batch: int) -> Job:
 # ---- one run, in the worker process -------------------------------------------------
 
 def compile_for(config):
-    """(device, state, batch, compiled step, FLOPs per iteration, compile seconds): the
-    training step of `config` on the first device, with a fixed batch of random tokens."""
+    """(setup, state, batch, compiled step, FLOPs per iteration, compile seconds): the
+    training step of `config` on the first devices its layout needs (data x pipe x context
+    x tensor; one for most rows), with a fixed batch of random tokens."""
     import jax
     import numpy as np
 
@@ -149,15 +155,18 @@ def compile_for(config):
     from jaxptd.train.step import Setup
     from jaxptd.train.loop import compile_step
 
-    device = jax.devices()[0]
-    setup = Setup(config, make_mesh(config.parallel, [device]))
+    devices = jax.devices()[:config.num_devices]
+    if len(devices) < config.num_devices:
+        raise RuntimeError(f"the layout needs {config.num_devices} devices, this machine has "
+                           f"{len(devices)}")
+    setup = Setup(config, make_mesh(config.parallel, devices))
     state = setup.state_layout.init_state(config.train.seed)
     shape = (config.train.global_batch, config.model.seq_len + 1)
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, shape)
     batch = jax.device_put(tokens.astype(np.int32), setup.batch_sharding)
     start = time.perf_counter()
     step, flops = compile_step(setup, state, batch, metrics.StepTimer(), None)
-    return device, state, batch, step, flops, time.perf_counter() - start
+    return setup, state, batch, step, flops, time.perf_counter() - start
 
 
 def run_steps(step, state, batch, n: int):
@@ -175,25 +184,30 @@ def run_steps(step, state, batch, n: int):
 
 
 def measure(config, steps: int, warmup: int) -> dict:
-    """Compiles and times the training step of `config` on the first device."""
+    """Compiles and times the training step of `config` on the first devices it needs:
+    throughput per device, and the peak memory of the device that used most."""
     import jax
 
     from jaxptd.train import metrics
 
-    device, state, batch, step, flops, compile_s = compile_for(config)
+    setup, state, batch, step, flops, compile_s = compile_for(config)
     state, times, losses = run_steps(step, state, batch, warmup + steps)
     step_s = statistics.median(times[warmup:])
     B, s = config.train.global_batch, config.model.seq_len
-    params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    # (the checkpoint's logical layout: a pipelined state also holds the ends a stage)
+    logical = setup.state_layout.abstract_state(logical=True)["params"]
+    params = sum(x.size for x in jax.tree.leaves(logical))
+    devices = list(setup.mesh.devices.flat)
+    device, n = devices[0], len(devices)
     peak = metrics.peak_flops(device)
     model_flops = metrics.throughput(metrics.flops_6n(params, config.model, B), B * s,
-                                     step_s, 1, peak)
-    stats = device.memory_stats() or {}
-    return {**metrics.throughput(flops, B * s, step_s, 1, peak),
+                                     step_s, n, peak)
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    return {**metrics.throughput(flops, B * s, step_s, n, peak),
             "tflops_6n": model_flops["tflops_per_device"], "mfu_6n": model_flops["mfu"],
             "step_time_s": step_s, "step_times_s": times[warmup:], "compile_s": compile_s,
             "params": params, "flops_per_iteration": flops,
-            "peak_memory_bytes": stats.get("peak_bytes_in_use"),
+            "peak_memory_bytes": max(peaks) if None not in peaks else None, "devices": n,
             "temp_bytes": step.memory_analysis().temp_size_in_bytes,
             "loss_first": float(losses[0]), "loss_last": float(losses[-1]),
             "device": device.device_kind, "platform": device.platform}
@@ -205,7 +219,8 @@ def describe(config) -> dict:
             "seq": m.seq_len, "dtype": m.dtype, "attention": m.attention,
             "kernels": m.kernels, "remat": m.remat, "global_batch": config.train.global_batch,
             "microbatch_size": config.microbatch_size,
-            "microbatches": config.parallel.microbatches}
+            "microbatches": config.parallel.microbatches, "pipe": config.parallel.pipe,
+            "schedule": config.parallel.schedule, "chunks": config.parallel.chunks}
 
 
 # ---- the orchestrating process: it never starts a JAX backend (that would hold memory) --

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     if job.skipped:
         print(f"{args.model}: skipped: {job.skipped}")
         return 0
-    device, state, batch, step, _, compile_s = gpu_train.compile_for(job.config())
+    setup, state, batch, step, _, compile_s = gpu_train.compile_for(job.config())
+    device = setup.mesh.devices.flat[0]
     state = gpu_train.run_steps(step, state, batch, args.warmup)[0]
     profile, step_s = trace_one_step(step, state, batch)
     summary = summarise(op_times(profile), hlo_ops(step.as_text()), args.top)

@@ -235,10 +235,20 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     doc = json.loads((out / "gpu_train_cpu.json").read_text())
     assert doc["device"] == "cpu" and doc["jax"] == jax.__version__
     runs = {r["variant"]: r for r in doc["runs"] if r["model"] == "gpt-toy"}
+    piped = [f"pipe=4,layers=8,b=2,schedule={k}" for k in ("1f1b", "zb-v,chunks=2")]
     assert set(runs) == {"base", "fp8=tensorwise", "kernels=pallas", "remat=full", "b=1",
-                         "b=4"}
+                         "b=4", *piped}
     for variant, row in runs.items():
         assert_measured(row)
+    # the schedules part: pipelined over 4 simulated devices, 6N of the model's own
+    # parameters (not the pipelined state's copies of the ends)
+    assert [runs[v]["devices"] for v in piped] == [4, 4] and runs[piped[1]]["chunks"] == 2
+    h, V, s, B = 64, 512, 32, 32  # the toy's width, padded vocabulary, sequence; the batch
+    params = V * h + s * h + 8 * (12 * h * h + 13 * h) + 2 * h  # tied head, 8 layers
+    for row in (runs[v] for v in piped):
+        assert row["params"] == params
+        assert row["tflops_6n"] == pytest.approx(
+            B * s * (6 * params + 12 * 8 * h * s) / row["step_time_s"] / 4 / 1e12)
     assert_toy_base_row(runs["base"], doc)
     assert runs["remat=full"]["flops_per_iteration"] > runs["base"]["flops_per_iteration"]
     assert runs["remat=full"]["tflops_6n"] * runs["remat=full"]["step_time_s"] == pytest.approx(
@@ -257,6 +267,6 @@ def test_driver_runs_every_part_at_toy_sizes(tmp_path):
     assert profile["ops"] and profile["categories"] and profile["op_time_ms"] > 0
     log = (out / "gpu_all.log").read_text()
     for part in ("env", "kernels", "sizes", "fp8", "llama", "long", "moe", "variants",
-                 "microbatch", "profile", "pipeline"):
+                 "microbatch", "profile", "pipeline", "schedules"):
         assert f"==== part {part}" in log and f"\n{part:<11} ok" in log
     assert "reproduce: bench/gpu_all.sh --toy OUT_DIR env kernels" in log
