@@ -108,6 +108,8 @@ def test_gpu_train_refuses_bad_input_in_one_line(capsys, argv, words):
     (["bench/gpu_all.sh"], "usage"),
     (["bench/gpu_all.sh", "{tmp}", "sizes", "everything"], "part everything: unknown"),
     (["bench/gpu_all.sh", "/proc/no/such"], "OUT_DIR /proc/no/such"),
+    ([sys.executable, "-m", "bench.phase_kernels", "parallel.nope=1"], "parallel.nope"),
+    ([sys.executable, "-m", "bench.phase_kernels", "--phase", "middle"], "--phase"),
     ([sys.executable, "-m", "bench.profile_step", "--model", "bert-1B"], "unknown model"),
     pytest.param([sys.executable, "-m", "bench.torch_gpt", "--config", "configs/gpu/none.yaml"],
                  "not found", marks=pytest.mark.skipif(not TORCH, reason="torch is not installed")),

@@ -273,6 +273,24 @@ def test_zb_h1_ahead_of_1f1b_at_depth():
 
 
 @needs_compiler
+@pytest.mark.slow  # (a pipelined compile: half a minute)
+def test_phase_kernels_groups_the_cost_report():
+    """bench/phase_kernels.py's grouping of a pipelined step's kernels: each phase's groups
+    add up to the cost report's phase, and 1F1B's rounds phase holds its stash writes
+    (each kept value copied into a slot chosen at run time)."""
+    from bench.phase_kernels import grouped
+    config, step, report, module = compiled(*layout(1, 2, 1, 4))
+    kernels = hlo.cost(module, H100.peak_bf16, H100.hbm)
+    phases = report["cost"]["phase"]
+    for phase in phases:
+        rows = grouped(module, kernels, H100, phase)
+        assert sum(r[0] for r in rows) == pytest.approx(phases[phase]["seconds"] * 1e3)
+        assert sum(r[1] for r in rows) == phases[phase]["launches"]
+    assert "stack write" in {r[2] for r in grouped(module, kernels, H100, "rounds")}
+    assert "?" not in {r[4] for r in grouped(module, kernels, H100, "all")}
+
+
+@needs_compiler
 @pytest.mark.parametrize("how", ["after", "waiting"])
 def test_a_slot_read_after_values_waits_for_them(how):
     """varying.after, which orders a stash=inputs B slot's recomputed forward after the
