@@ -7,15 +7,15 @@ the step compiles and fits for GPT, Llama and BERT under every schedule, sequenc
 parallelism, FSDP and offload (tests/test_h100_memory.py's step); cuDNN attention runs once
 a layer forward and once backward (grouped-query heads included, nothing re-run by
 recomputation); no conditional in any pipeline round loop (nor in zb-v's a copy of a whole
-buffer); at eight stages of GPT-1.3B's width zb-h1's static step stays below 1F1B's; the
-bias-GeLU's backward writes no float32 [b, s, ffn]; in steady rounds the
+buffer); the bias-GeLU's backward writes no float32 [b, s, ffn]; in steady rounds the
 stage-to-stage sends have a GEMM or attention scheduled while they are in flight (all of
 them with a W slot after the B slot; otherwise the forward's); the static cost report counts
 a known program exactly; context parallelism's ring sends overlap and cover its blocks
 (recomputation too), its all-gather and packed rows run cuDNN; the MoE's grouped GEMM
 (pallas_kernels/grouped.py) is three Mosaic-GPU kernels, forward and both gradients, with no
 dense product over the experts. (The planner's memory against the compiled step's, and the
-offloaded step's data-parallel reductions beside the backward: tests/test_h100_memory.py.)
+offloaded step's data-parallel reductions beside the backward: tests/test_h100_memory.py;
+zb-h1 ahead of 1F1B at depth and bench/phase_kernels.py's grouping: tests/test_h100_depth.py.)
 
 Needs the CUDA compile extra (`pip install -e '.[h100]'`, which .ci/run installs); without
 it these tests skip, unless JAXPTD_REQUIRE_H100 is set (CI sets it: there they must run).
@@ -243,51 +243,6 @@ def test_gpt_1_3b_steady_sends_overlap(dims, micro, layers, more):
     assert overlapped and all(all(o) for o in overlapped.values()), overlapped
     unpinned = {loop.name: found for loop in rounds if (found := not_row_major(module, loop))}
     assert not unpinned, unpinned
-
-
-@needs_compiler
-@pytest.mark.slow  # two compiles at GPT-1.3B's width, about a minute
-def test_zb_h1_ahead_of_1f1b_at_depth():
-    """Issue 48's ordering where the lockstep rounds can keep it: GPT-1.3B's width, 8
-    stages of one layer, 16 microbatches of 2 (configs/gpu/gpt_1.3b.yaml, 8 layers):
-    zb-h1's static step is below 1F1B's by at least a third of what its tables save in
-    the simulator's units (`--masked`), so a change that loses zero bubble's gain at depth
-    fails. (zb-v cannot be held below zb-h1 here: in lockstep rounds no V order packs
-    fewer units than zb-h1's, schedules/vshape.py; the narrow layouts of the small tests
-    put zb-h1 behind 1F1B, its update and ends outweighing its bubble.)"""
-    from jaxptd.pipeline.schedules import Costs, make_schedule
-    from jaxptd.pipeline.simulate import simulate
-    step = {}
-    for kind in ("1f1b", "zb-h1"):
-        config = load_config(os.path.join(ROOT, "configs", "gpu", "gpt_1.3b.yaml"), [
-            *layout(1, 8, 1, 16, f"parallel.schedule={kind}"), "model.num_layers=8",
-            "runtime.target=h100"])
-        compiled_step, seconds = compile_check.compile_step(config, H100, 8)
-        step[kind] = compile_check.analyse(config, compiled_step, H100,
-                                           seconds)["cost"]["seconds"]
-    costs = Costs(masked=True)
-    units = {kind: simulate(make_schedule(kind, 8, 16, 1, costs), costs).total_time
-             for kind in step}
-    saved = 1 - units["zb-h1"] / units["1f1b"]
-    assert step["zb-h1"] < (1 - saved / 3) * step["1f1b"], (step, units)
-
-
-@needs_compiler
-@pytest.mark.slow  # (a pipelined compile: half a minute)
-def test_phase_kernels_groups_the_cost_report():
-    """bench/phase_kernels.py's grouping of a pipelined step's kernels: each phase's groups
-    add up to the cost report's phase, and 1F1B's rounds phase holds its stash writes
-    (each kept value copied into a slot chosen at run time)."""
-    from bench.phase_kernels import grouped
-    config, step, report, module = compiled(*layout(1, 2, 1, 4))
-    kernels = hlo.cost(module, H100.peak_bf16, H100.hbm)
-    phases = report["cost"]["phase"]
-    for phase in phases:
-        rows = grouped(module, kernels, H100, phase)
-        assert sum(r[0] for r in rows) == pytest.approx(phases[phase]["seconds"] * 1e3)
-        assert sum(r[1] for r in rows) == phases[phase]["launches"]
-    assert "stack write" in {r[2] for r in grouped(module, kernels, H100, "rounds")}
-    assert "?" not in {r[4] for r in grouped(module, kernels, H100, "all")}
 
 
 @needs_compiler
