@@ -118,24 +118,18 @@ def test_fp8_gradients_point_where_bf16_ones_do(arch, monkeypatch):
 # (16 rows: 4 microbatches on one device, 2 on each of 2 data ranks): a tensorwise scale
 # is a microbatch tensor's, so identical inputs give identical scales.
 LAYOUTS = [
-    (2, 2, 2, ["parallel.microbatches=2"], 1e-3),
-    (2, 2, 2, ["parallel.microbatches=2", "parallel.schedule=zb-h1"], 1e-3),
+    (2, 2, 2, ["parallel.microbatches=2"]),
+    (2, 2, 2, ["parallel.microbatches=2", "parallel.schedule=zb-h1"]),
     (1, 1, 4, ["parallel.microbatches=4", "parallel.sequence_parallel=true",
-               "model.remat=selective"], 1e-3),
-    (2, 1, 1, ["parallel.microbatches=2", "parallel.fsdp=true"], 1e-3),
+               "model.remat=selective"]),
+    (2, 1, 1, ["parallel.microbatches=2", "parallel.fsdp=true"]),
     (2, 1, 1, ["parallel.microbatches=2", "offload.activations=true",
-               "offload.optimizer=true"], 1e-3),
+               "offload.optimizer=true"]),
     (2, 1, 2, ["parallel.microbatches=2", "parallel.fsdp=true", "parallel.fsdp_unit=matmul",
-               "model.remat=full"], 1e-3),
-    # context parallelism: the same scales as one device, but the ring sums the attention
-    # in another order, and an element of the test batch that lies on an FP8 rounding
-    # boundary rounds the other way (perturbing the one-device model's weights in the last
-    # bits flips the same element; figures in the commit that set this). At this tiny width
-    # (64 tokens a microbatch, h 32) one flip moves a leaf by percents: held to 5% here
-    pytest.param(1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"], 0.05,
-                 id="context"),
+               "model.remat=full"]),
+    pytest.param(1, 2, 1, ["parallel.microbatches=4", "parallel.context=2"], id="context"),
     (1, 2, 1, ["parallel.microbatches=4", "parallel.schedule=interleaved",
-               "parallel.chunks=2"], 1e-3),
+               "parallel.chunks=2"]),
 ]
 
 
@@ -152,12 +146,12 @@ def _single_device_fp8():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data, pipe, tensor, extra, rtol", LAYOUTS)
-def test_fp8_layouts_match_the_single_device_fp8_program(data, pipe, tensor, extra, rtol):
+@pytest.mark.parametrize("data, pipe, tensor, extra", LAYOUTS)
+def test_fp8_layouts_match_the_single_device_fp8_program(data, pipe, tensor, extra):
     ref_loss, ref = _single_device_fp8()
     loss, grads = _grads(_fp8_setup(data, pipe, tensor, extra))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert_fp8_close(grads, ref, rtol)
+    assert_fp8_close(grads, ref)
 
 
 # a mixture of experts with a capacity (its expert GEMMs in FP8), every token to every
@@ -185,23 +179,39 @@ def test_an_amax_not_reduced_over_tensor_ranks_fails_the_layout_check(monkeypatc
                                                "parallel.sequence_parallel=true"]))
     finally:
         fp8.einsum.cache_clear()
-    with pytest.raises(AssertionError):
-        assert_fp8_close(grads, _single_device_fp8()[1])
+    ref = _single_device_fp8()[1]
+    with pytest.raises(AssertionError, match="whole tree"):  # each check alone catches it
+        assert_fp8_close(grads, ref, leaf_rtol=np.inf)
+    with pytest.raises(AssertionError, match="layers"):
+        assert_fp8_close(grads, ref, tree_rtol=np.inf)
 
 
-def assert_fp8_close(actual, expected, rtol=1e-3):
-    """Each leaf within rtol of the reference in norm. Where a layout's float32 sums differ
-    from the single device's in the last bit, an element on a rounding boundary of e5m2
-    (two mantissa bits) may round the other way: one output-gradient element a quarter
-    off, which moves a column of its weight's gradient and, through the layers below, a
-    little of everything. A scale that differs between ranks (an amax not reduced over
-    tensor) moves every element by FP8's rounding and fails at rtol 1e-3."""
+def assert_fp8_close(actual, expected, tree_rtol=1.5e-2, leaf_rtol=5e-2):
+    """The gradients are the reference's up to a few FP8 rounding flips: the whole tree
+    within tree_rtol in norm, each leaf within leaf_rtol.
+
+    Where a layout's float32 sums differ from the single device's in the last bit, an
+    element within that bit of a rounding boundary of e5m2 (two mantissa bits) rounds the
+    other way: one output-gradient element a quarter off, which moves a column of its
+    weight's gradient and, through the layers below, a little of everything. Most test
+    batches hold such an element (last-bit perturbations of the one-device program's
+    weights flip one), so whether a layout flips it depends on the CPU and its code
+    generation, not on the layout being right. At this width (64 tokens a microbatch, h 32)
+    one flip moves the tree by well under a percent and a small leaf by a few; a scale that
+    differs between ranks (an amax not reduced over tensor) moves every element by FP8's
+    rounding, the tree by several percent; a shard exchanged or left unreduced moves its
+    leaf by its whole size."""
     flat_a = jax.tree_util.tree_leaves_with_path(actual)
-    for (path, a), e in zip(flat_a, jax.tree.leaves(expected)):
+    flat_e = jax.tree.leaves(expected)
+    for (path, a), e in zip(flat_a, flat_e):
         a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
         assert a.shape == e.shape and np.isfinite(e).all(), jax.tree_util.keystr(path)
         error = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
-        assert error <= rtol, (jax.tree_util.keystr(path), error)
+        assert error <= leaf_rtol, (jax.tree_util.keystr(path), error)
+    a, e = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])
+            for leaves in ([x for _, x in flat_a], flat_e))
+    error = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+    assert error <= tree_rtol, ("the whole tree", error)
 
 
 @pytest.mark.slow
