@@ -201,17 +201,17 @@ def assert_fp8_close(actual, expected, tree_rtol=1.5e-2, leaf_rtol=5e-2):
     differs between ranks (an amax not reduced over tensor) moves every element by FP8's
     rounding, the tree by several percent; a shard exchanged or left unreduced moves its
     leaf by its whole size."""
-    flat_a = jax.tree_util.tree_leaves_with_path(actual)
-    flat_e = jax.tree.leaves(expected)
-    for (path, a), e in zip(flat_a, flat_e):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    def error(a, e):
+        return np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
+
+    paths, leaves = zip(*jax.tree_util.tree_leaves_with_path(actual))
+    pairs = [(np.asarray(a, np.float64), np.asarray(e, np.float64))
+             for a, e in zip(leaves, jax.tree.leaves(expected))]
+    for path, (a, e) in zip(paths, pairs):
         assert a.shape == e.shape and np.isfinite(e).all(), jax.tree_util.keystr(path)
-        error = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
-        assert error <= leaf_rtol, (jax.tree_util.keystr(path), error)
-    a, e = (np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in leaves])
-            for leaves in ([x for _, x in flat_a], flat_e))
-    error = np.linalg.norm(a - e) / max(np.linalg.norm(e), 1e-30)
-    assert error <= tree_rtol, ("the whole tree", error)
+        assert error(a, e) <= leaf_rtol, (jax.tree_util.keystr(path), error(a, e))
+    tree = error(*(np.concatenate([np.ravel(x) for x in side]) for side in zip(*pairs)))
+    assert tree <= tree_rtol, ("the whole tree", tree)
 
 
 @pytest.mark.slow
